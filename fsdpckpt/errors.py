@@ -1,0 +1,38 @@
+"""The errors fsdpckpt raises.
+
+Every error is an :class:`FsdpCkptError` and also the builtin it most resembles,
+so ``except FileNotFoundError`` keeps working for callers who never heard of
+fsdpckpt. Messages name the path and say what to do about it.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+__all__ = [
+    "FsdpCkptError",
+    "CheckpointNotFoundError",
+    "NotACheckpointError",
+    "UnsafePickleError",
+    "CorruptCheckpointError",
+]
+
+
+class FsdpCkptError(Exception):
+    """Base class of every error fsdpckpt raises on purpose."""
+
+
+class CheckpointNotFoundError(FsdpCkptError, FileNotFoundError):
+    """A path that should hold a checkpoint (or part of one) does not exist."""
+
+
+class NotACheckpointError(FsdpCkptError, ValueError):
+    """A path exists but is not a checkpoint fsdpckpt can read."""
+
+
+class UnsafePickleError(FsdpCkptError, pickle.UnpicklingError):
+    """A pickle asked for a global outside the allowlist; nothing was executed."""
+
+
+class CorruptCheckpointError(FsdpCkptError, ValueError):
+    """A checkpoint's files disagree with its metadata (truncated, missing, garbled)."""

@@ -1,0 +1,178 @@
+"""Finding the parts of a checkpoint folder (Accelerate's or HF Trainer's layout).
+
+Accelerate's ``save_state`` writes ``pytorch_model_fsdp_{i}/`` and
+``optimizer_{i}/`` (DCP folders) beside per-rank ``random_states_{rank}.pkl``
+and shared ``scheduler.bin``, ``sampler.bin``, ``scaler.pt``... HF Trainer
+writes ``rng_state_{rank}.pth``, ``scheduler.pt`` and ``trainer_state.json``.
+This module only names what is there; it opens no file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CheckpointNotFoundError, NotACheckpointError
+from .reader import METADATA_FILE
+
+__all__ = ["CheckpointLayout", "DcpPart", "SideFile", "find_layout"]
+
+# (pattern, kind) for the files saved beside the DCP folders; the first match wins.
+_SIDE_FILES = [
+    (re.compile(r"^random_states_(\d+)\.pkl$"), "rng"),
+    (re.compile(r"^rng_state(_(\d+))?\.pth$"), "rng"),
+    (re.compile(r"^scheduler(_\d+)?\.(bin|pt)$"), "scheduler"),
+    (re.compile(r"^sampler(_\d+)?\.bin$"), "sampler"),
+    (re.compile(r"^dl_state_dict(_\d+)?\.bin$"), "dataloader"),
+    (re.compile(r"^scaler\.pt$"), "scaler"),
+    (re.compile(r"^custom_checkpoint_(\d+)\.pkl$"), "custom"),
+    (re.compile(r"^trainer_state\.json$"), "trainer_state"),
+    (re.compile(r"^training_args\.bin$"), "training_args"),
+    (re.compile(r"^fsdpckpt\.json$"), "manifest"),
+]
+_MODEL_DIR = re.compile(r"^pytorch_model(_fsdp)?_(\d+)$")
+_OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
+_CHECKPOINT_DIR = re.compile(r"^(checkpoint|ckpt|step|global_step)[-_]?\d+$")
+
+
+@dataclass(frozen=True)
+class DcpPart:
+    """A DCP folder inside a checkpoint.
+
+    Attributes:
+        name: folder name, e.g. ``"pytorch_model_fsdp_0"``.
+        kind: ``"model"``, ``"optimizer"`` or ``"dcp"`` (any other DCP folder).
+        index: the number Accelerate gives it (``optimizer_1`` is 1), or None.
+        path: the folder.
+        complete: whether it holds ``.metadata`` (DCP writes it last).
+    """
+
+    name: str
+    kind: str
+    index: int | None
+    path: Path
+    complete: bool
+
+
+@dataclass(frozen=True)
+class SideFile:
+    """A file saved beside the DCP folders (RNG state, scheduler, sampler...).
+
+    Attributes:
+        name: file name. kind: what it holds (``"rng"``, ``"scheduler"``...).
+        rank: the rank it belongs to, for per-rank files. size: bytes.
+    """
+
+    name: str
+    kind: str
+    rank: int | None
+    size: int
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """What a checkpoint path holds.
+
+    Attributes:
+        path: the path given.
+        style: ``"dcp"`` (a single DCP folder), ``"accelerate"`` or ``"hf-trainer"``.
+        parts: the DCP folders, models first, then optimizers, then others.
+        side_files: the recognized files beside them.
+        other_files: names of anything else in the folder.
+    """
+
+    path: Path
+    style: str
+    parts: tuple[DcpPart, ...]
+    side_files: tuple[SideFile, ...]
+    other_files: tuple[str, ...]
+
+    def files_of(self, kind: str) -> list[SideFile]:
+        return [f for f in self.side_files if f.kind == kind]
+
+
+def _classify_dir(path: Path) -> DcpPart | None:
+    name = path.name
+    complete = (path / METADATA_FILE).is_file()
+    if match := _MODEL_DIR.match(name):
+        return DcpPart(name, "model", int(match.group(2)), path, complete)
+    if match := _OPTIMIZER_DIR.match(name):
+        return DcpPart(name, "optimizer", int(match.group(1)), path, complete)
+    if complete or any(e.name.endswith(".distcp") for e in os.scandir(path)):
+        return DcpPart(name, "dcp", None, path, complete)
+    return None
+
+
+def _side_file(entry: os.DirEntry[str]) -> SideFile | None:
+    for pattern, kind in _SIDE_FILES:
+        if match := pattern.match(entry.name):
+            digits = [g for g in match.groups() if g and g.isdigit()]
+            rank = int(digits[0]) if digits and kind == "rng" else None
+            return SideFile(entry.name, kind, rank, entry.stat().st_size)
+    return None
+
+
+def find_layout(path: str | os.PathLike[str]) -> CheckpointLayout:
+    """Name the parts of the checkpoint at ``path``.
+
+    Args:
+        path: a single DCP folder, or a checkpoint folder in Accelerate's or HF Trainer's layout.
+
+    Returns:
+        The :class:`CheckpointLayout`.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist.
+        NotACheckpointError: ``path`` is a file, an empty folder, or holds no checkpoint;
+            for a folder of checkpoints the message lists them.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise CheckpointNotFoundError(f"{root}: no such file or folder; check the path.")
+    if not root.is_dir():
+        raise NotACheckpointError(
+            f"{root}: is a file, not a checkpoint folder; pass the folder that holds "
+            ".metadata or pytorch_model_fsdp_0/.")
+    if (root / METADATA_FILE).is_file():
+        return CheckpointLayout(root, "dcp", (DcpPart(root.name, "dcp", None, root, True),), (), ())
+
+    entries = sorted(os.scandir(root), key=lambda e: e.name)
+    if not entries:
+        raise NotACheckpointError(f"{root}: the folder is empty; pass a checkpoint folder.")
+    parts, side, other, nested = [], [], [], []
+    for entry in entries:
+        if entry.is_dir():
+            part = _classify_dir(Path(entry.path))
+            if part:
+                parts.append(part)
+            elif _CHECKPOINT_DIR.match(entry.name) or (Path(entry.path) / METADATA_FILE).exists():
+                nested.append(entry.name)
+            else:
+                other.append(entry.name + "/")
+        elif entry.name.endswith(".distcp"):
+            other.append(entry.name)
+        elif found := _side_file(entry):
+            side.append(found)
+        else:
+            other.append(entry.name)
+    if not parts:
+        if nested:
+            listed = ", ".join(nested[:5]) + (f" and {len(nested) - 5} more" if len(nested) > 5 else "")
+            raise NotACheckpointError(
+                f"{root}: holds several checkpoints ({listed}); pass one of them, "
+                f"e.g. {root / nested[-1]}.")
+        if any(name.endswith(".distcp") for name in other):
+            raise NotACheckpointError(
+                f"{root}: has .distcp data files but no .metadata, so the save never finished "
+                "(DCP writes .metadata last); use an earlier checkpoint.")
+        raise NotACheckpointError(
+            f"{root}: no checkpoint here (no .metadata, no pytorch_model_fsdp_0/ or "
+            "optimizer_0/); pass a DCP folder or an Accelerate checkpoint folder.")
+    order = {"model": 0, "optimizer": 1, "dcp": 2}
+    parts.sort(key=lambda p: (order[p.kind], p.index if p.index is not None else -1, p.name))
+    hf = any(f.name in ("trainer_state.json", "scheduler.pt") or f.name.startswith("rng_state")
+             for f in side)
+    return CheckpointLayout(root, "hf-trainer" if hf else "accelerate", tuple(parts),
+                            tuple(side), tuple(other))

@@ -1,0 +1,192 @@
+"""Reading a DCP folder: its ``.metadata`` (safely) and the data files beside it.
+
+Torch reads ``.metadata`` with a plain ``pickle.load``; here it goes through
+:mod:`fsdpckpt.safe_pickle`, so a hostile file is refused and torch is never
+imported. The result is the plain data model of :mod:`fsdpckpt.metadata`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .dtypes import DType
+from .errors import CheckpointNotFoundError, NotACheckpointError
+from .metadata import Chunk, DataFile, DcpMetadata, KeyPath, ObjectEntry, TensorEntry, rank_of_file
+from .safe_pickle import METADATA_GLOBALS, Record, safe_loads
+
+__all__ = ["DcpFolder", "read_dcp_folder", "parse_metadata", "is_dcp_folder", "METADATA_FILE"]
+
+METADATA_FILE = ".metadata"
+
+
+@dataclass(frozen=True)
+class DcpFolder:
+    """A DCP folder on disk: its metadata and the data files present.
+
+    Attributes:
+        path: the folder.
+        metadata: what ``.metadata`` says.
+        files: the ``*.distcp`` files present, sorted by name, with their sizes.
+    """
+
+    path: Path
+    metadata: DcpMetadata
+    files: tuple[DataFile, ...]
+
+    @property
+    def file_sizes(self) -> dict[str, int]:
+        return {f.name: f.size for f in self.files}
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that wrote this folder, as the rank file names (present or referenced) show."""
+        names = {f.name for f in self.files} | set(self.metadata.referenced_files)
+        ranks = [r for r in map(rank_of_file, names) if r is not None]
+        return max(ranks) + 1 if ranks else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on disk: the data files plus ``.metadata``."""
+        return sum(f.size for f in self.files) + (self.path / METADATA_FILE).stat().st_size
+
+
+def is_dcp_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder holding a ``.metadata`` file."""
+    return (path / METADATA_FILE).is_file()
+
+
+def read_dcp_folder(path: str | os.PathLike[str]) -> DcpFolder:
+    """Read a DCP folder's metadata and list its data files, without unpickling anything unsafe.
+
+    Args:
+        path: the DCP folder (the one holding ``.metadata``).
+
+    Returns:
+        A :class:`DcpFolder`.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` or its ``.metadata`` does not exist.
+        NotACheckpointError: ``.metadata`` is not a DCP metadata pickle.
+        UnsafePickleError: ``.metadata`` names a global a DCP pickle never holds.
+
+    Example:
+        >>> folder = read_dcp_folder("ckpt/pytorch_model_fsdp_0")
+        >>> [t.name for t in folder.metadata.tensors][:2]
+        ['model.0.weight', 'model.0.bias']
+    """
+    folder = Path(path)
+    if not folder.exists():
+        raise CheckpointNotFoundError(f"{folder}: no such file or folder; check the path.")
+    if not folder.is_dir():
+        raise NotACheckpointError(f"{folder}: is a file; pass the DCP folder that holds .metadata.")
+    meta_path = folder / METADATA_FILE
+    if not meta_path.is_file():
+        raise CheckpointNotFoundError(
+            f"{folder}: no .metadata file, so this is not a complete DCP checkpoint folder "
+            "(DCP writes .metadata last; a save that did not finish leaves none). "
+            "Pass the folder that holds .metadata."
+        )
+    metadata = parse_metadata(meta_path.read_bytes(), source=str(meta_path))
+    files = tuple(
+        DataFile(entry.name, entry.stat().st_size)
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name)
+        if entry.name.endswith(".distcp") and entry.is_file()
+    )
+    return DcpFolder(folder, metadata, files)
+
+
+def _attr(record: Any, name: str, source: str, default: Any = ...) -> Any:
+    value = getattr(record, name, default)
+    if value is ...:
+        raise NotACheckpointError(
+            f"{source}: a {getattr(record, 'kind', type(record).__name__)} entry lacks "
+            f"'{name}'; the file is damaged or from an unsupported torch version."
+        )
+    return value
+
+
+def _is(record: Any, kind: str) -> bool:
+    return isinstance(record, Record) and record.kind == kind
+
+
+def _properties_dtype(props: Any, source: str) -> DType:
+    # TensorProperties pickles its fields as a tuple (dtype first) since torch 2.0.
+    state = props.state if _is(props, "TensorProperties") else None
+    dtype = state[0] if isinstance(state, tuple) and state else getattr(props, "dtype", None)
+    if not isinstance(dtype, DType):
+        raise NotACheckpointError(f"{source}: a tensor entry has no recognizable dtype.")
+    return dtype
+
+
+def parse_metadata(data: bytes, *, source: str) -> DcpMetadata:
+    """Turn the bytes of a ``.metadata`` file into a :class:`DcpMetadata`.
+
+    Args:
+        data: the file's bytes.
+        source: the file's path, for messages.
+
+    Returns:
+        The metadata as plain values.
+
+    Raises:
+        NotACheckpointError: the bytes are not a DCP metadata pickle.
+        UnsafePickleError: the pickle names a global outside the allowlist.
+    """
+    if not data:
+        raise NotACheckpointError(f"{source}: the file is empty; the save did not finish.")
+    root = safe_loads(data, allowed=METADATA_GLOBALS, source=source)
+    if not _is(root, "Metadata"):
+        raise NotACheckpointError(
+            f"{source}: holds a {type(root).__name__}, not DCP checkpoint metadata."
+        )
+    entries = _attr(root, "state_dict_metadata", source)
+    storage = getattr(root, "storage_data", None) or {}
+    planner = getattr(root, "planner_data", None) or {}
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise NotACheckpointError(f"{source}: metadata fields have unexpected types.")
+
+    locations: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
+    for index, info in storage.items():
+        if not (_is(index, "MetadataIndex") and _is(info, "_StorageInfo")):
+            raise NotACheckpointError(
+                f"{source}: storage entries are not file locations; this folder was not "
+                "written by FileSystemWriter (e.g. HuggingFaceStorageWriter), which is not "
+                "supported."
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise NotACheckpointError(
+                f"{source}: entry '{index.fqn}' is stored with transforms "
+                f"{list(info.transform_descriptors)}, which fsdpckpt does not read yet."
+            )
+        offset = getattr(index, "offset", None)
+        key = (_attr(index, "fqn", source), tuple(offset) if offset is not None else None)
+        locations[key] = (
+            _attr(info, "relative_path", source),
+            int(_attr(info, "offset", source)),
+            int(_attr(info, "length", source)),
+        )
+
+    tensors: list[TensorEntry] = []
+    objects: list[ObjectEntry] = []
+    for fqn, entry in entries.items():
+        key_path: KeyPath = tuple(planner.get(fqn) or fqn.split("."))
+        if _is(entry, "BytesStorageMetadata"):
+            file, offset, length = locations.get((fqn, None), (None, 0, 0))
+            objects.append(ObjectEntry(fqn, file, offset, length, key_path))
+        elif _is(entry, "TensorStorageMetadata"):
+            chunks = []
+            for chunk in _attr(entry, "chunks", source):
+                offsets = tuple(_attr(chunk, "offsets", source))
+                file, offset, length = locations.get((fqn, offsets), (None, 0, 0))
+                chunks.append(Chunk(offsets, tuple(_attr(chunk, "sizes", source)), file,
+                                    offset, length))
+            dtype = _properties_dtype(_attr(entry, "properties", source), source)
+            shape = tuple(_attr(entry, "size", source))
+            tensors.append(TensorEntry(fqn, dtype, shape, tuple(chunks), key_path))
+        else:
+            raise NotACheckpointError(f"{source}: entry '{fqn}' has an unknown storage kind.")
+    version = getattr(root, "version", None)
+    return DcpMetadata(tuple(tensors), tuple(objects), version if isinstance(version, str) else None)

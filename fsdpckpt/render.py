@@ -1,0 +1,88 @@
+"""Drawing reports for people: byte sizes and aligned text tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["human_bytes", "table", "render_inspect"]
+
+
+def human_bytes(n: int | float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def table(rows: Sequence[Sequence[Any]], *, header: Sequence[str] | None = None,
+          indent: str = "  ", right: Sequence[int] = ()) -> list[str]:
+    """Left-aligned columns (``right`` lists the columns to right-align)."""
+    cells = [[str(c) for c in row] for row in ([header] if header else []) + list(rows)]
+    if not cells:
+        return []
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    lines = []
+    for row in cells:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in
+                 enumerate(zip(row, widths))]
+        lines.append((indent + "  ".join(parts)).rstrip())
+    return lines
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def render_inspect(doc: dict[str, Any], *, chunks: bool = False, tensors: bool = True) -> str:
+    """The human form of :func:`fsdpckpt.inspection.inspect_checkpoint`'s document."""
+    style = {"dcp": "DCP folder", "accelerate": "Accelerate checkpoint",
+             "hf-trainer": "HF Trainer checkpoint"}[doc["style"]]
+    out = [f"{doc['path']}: {style}, world size {doc['world_size']}, "
+           f"{human_bytes(doc['bytes'])}"]
+    out += ["", "Parts:"]
+    rows = []
+    for part in doc["parts"]:
+        if "num_tensors" not in part:
+            rows.append([part["kind"], part["name"] + "/", "INCOMPLETE (no .metadata)", "", ""])
+            continue
+        rows.append([part["kind"], part["name"] + "/",
+                     f"{part['num_tensors']} tensors, {part['num_objects']} objects",
+                     f"{len(part['files'])} rank files", human_bytes(part["bytes"])])
+    out += table(rows, right=(4,))
+    if doc["side_files"]:
+        out += ["", "Other state:"]
+        out += table([[f["kind"], f["name"], f"rank {f['rank']}" if f["rank"] is not None else "",
+                       human_bytes(f["size"])] for f in doc["side_files"]], right=(3,))
+    if doc["other_files"]:
+        out += ["", "Not recognized: " + ", ".join(doc["other_files"])]
+    for part in doc["parts"]:
+        if "num_tensors" not in part:
+            continue
+        out += ["", f"{part['name']}/ ({part['kind']}): {part['num_tensors']} tensors, "
+                    f"{human_bytes(part['tensor_bytes'])} of tensor data; dtypes: "
+                + (", ".join(f"{k} x{v}" for k, v in part["dtypes"].items()) or "none")]
+        out += table([[f["name"], human_bytes(f["size"])] for f in part["files"]], right=(1,))
+        if tensors and part["tensors"]:
+            out.append("")
+            rows = []
+            for t in part["tensors"]:
+                rows.append([t["name"], t["dtype"], _shape(t["shape"]), len(t["chunks"]),
+                             t["sharding"], human_bytes(t["bytes"])])
+                if chunks:
+                    rows += [[f"  @ {_shape(c['offsets'])} size {_shape(c['sizes'])}", "", "",
+                              "", f"{c['file']} +{c['offset']}", human_bytes(c["length"])]
+                             for c in t["chunks"]]
+            out += table(rows, header=["name", "dtype", "shape", "chunks", "sharding", "bytes"],
+                         right=(3, 5))
+        if tensors and part["objects"]:
+            out += ["", "  objects: " + ", ".join(o["name"] for o in part["objects"])]
+    if doc["problems"]:
+        out += ["", f"Problems ({len(doc['problems'])}):"]
+        out += [f"  {p['path']}: {p['message']}" for p in doc["problems"]]
+    else:
+        out += ["", "Structure: OK (every chunk present, every tensor fully covered)"]
+    return "\n".join(out)

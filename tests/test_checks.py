@@ -1,0 +1,72 @@
+"""Structural checks: chunks tile each tensor exactly; every byte they need exists."""
+
+from __future__ import annotations
+
+import os
+
+from fsdpckpt.checks import check_folder, check_tensor_chunks
+from fsdpckpt.dtypes import DTYPES
+from fsdpckpt.metadata import Chunk, TensorEntry
+from fsdpckpt.reader import read_dcp_folder
+
+
+def _tensor(shape, *boxes):
+    chunks = tuple(Chunk(tuple(o), tuple(s), "__0_0.distcp", 0, 1) for o, s in boxes)
+    return TensorEntry("w", DTYPES["float32"], tuple(shape), chunks, ("w",))
+
+
+def test_exact_dim0_split_is_whole():
+    assert check_tensor_chunks(_tensor((5, 3), ((0, 0), (3, 3)), ((3, 0), (2, 3)))) == []
+
+
+def test_exact_two_dim_grid_is_whole():
+    grid = [((r, c), (2, 2)) for r in (0, 2) for c in (0, 2)]
+    assert check_tensor_chunks(_tensor((4, 4), *grid)) == []
+
+
+def test_zero_dim_tensor_with_one_chunk_is_whole():
+    assert check_tensor_chunks(_tensor((), ((), ()))) == []
+
+
+def test_gap_is_reported():
+    (message,) = check_tensor_chunks(_tensor((5, 3), ((0, 0), (2, 3)), ((3, 0), (2, 3))))
+    assert "gap" in message and "12 of 15" in message
+
+
+def test_overlap_is_reported():
+    (message,) = check_tensor_chunks(_tensor((4, 3), ((0, 0), (3, 3)), ((2, 0), (2, 3))))
+    assert "overlap" in message
+
+
+def test_overlap_hidden_by_a_matching_gap_is_reported():
+    # Volumes add up (8 + 8 = 16) but the chunks overlap and leave a hole.
+    boxes = [((0, 0), (2, 4)), ((1, 0), (2, 4))]
+    (message,) = check_tensor_chunks(_tensor((4, 4), *boxes))
+    assert "overlap" in message
+
+
+def test_chunk_outside_the_shape_is_reported():
+    (message,) = check_tensor_chunks(_tensor((4,), ((0,), (2,)), ((2,), (3,))))
+    assert "outside the shape" in message
+
+
+def test_tensor_without_chunks_is_reported():
+    assert check_tensor_chunks(_tensor((4,))) == ["has no chunks"]
+
+
+def test_every_fixture_is_whole(dcp_folder):
+    assert check_folder(read_dcp_folder(dcp_folder)) == []
+
+
+def test_truncated_rank_file_is_reported(dtensor_copy):
+    target = dtensor_copy / "__1_0.distcp"
+    os.truncate(target, target.stat().st_size // 2)
+    problems = check_folder(read_dcp_folder(dtensor_copy))
+    assert problems and all(p.path == str(target) and "truncated" in p.message for p in problems)
+
+
+def test_missing_rank_file_is_reported_once(dtensor_copy):
+    (dtensor_copy / "__1_0.distcp").unlink()
+    (problem,) = check_folder(read_dcp_folder(dtensor_copy))
+    assert problem.path == str(dtensor_copy / "__1_0.distcp")
+    assert "missing file" in problem.message and "more" in problem.message

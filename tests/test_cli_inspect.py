@@ -1,0 +1,178 @@
+"""`fsdpckpt inspect`: what users see, and how bad input is answered."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from fsdpckpt.cli import main
+
+from conftest import DCP_FOLDERS, FIXTURES
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("fsdpckpt: error: ")
+    for fragment in fragments:
+        assert str(fragment) in lines[0]
+    assert "Traceback" not in result.output
+
+
+# --- what a user sees -------------------------------------------------------
+
+def test_summary_names_parts_side_files_and_world_size():
+    result = run("inspect", FIXTURES / "fsdp2_accelerate")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "Accelerate checkpoint, world size 2" in out
+    for name in ("pytorch_model_fsdp_0/", "optimizer_0/", "random_states_0.pkl",
+                 "random_states_1.pkl", "scheduler.bin", "__0_0.distcp", "__1_0.distcp"):
+        assert name in out
+    assert "dtypes: float32" in out
+    assert "Structure: OK" in out
+
+
+def test_table_describes_sharding_in_words():
+    out = run("inspect", DCP_FOLDERS["dtensor"]).stdout
+    assert "dim1 x2 uneven" in out
+    assert "dim0 x2 uneven" in out
+    assert "replicated" in out
+    assert "bfloat16" in out and "float16" in out
+
+
+def test_name_filter_keeps_matching_tensors_only():
+    doc = json.loads(run("inspect", FIXTURES / "fsdp2_accelerate", "--json", "--name", "*bias")
+                     .stdout)
+    names = [t["name"] for p in doc["parts"] for t in p["tensors"]]
+    assert names and all(n.endswith("bias") for n in names)
+
+
+def test_chunk_detail_lists_file_and_offset():
+    out = run("inspect", DCP_FOLDERS["dtensor"], "--chunks").stdout
+    assert "__0_0.distcp +" in out and "__1_0.distcp +" in out
+
+
+def test_summary_only_has_no_table():
+    out = run("inspect", DCP_FOLDERS["dtensor"], "--summary").stdout
+    assert "sharding" not in out and "world size 2" in out
+
+
+def test_json_is_one_document_with_the_documented_fields():
+    result = run("inspect", FIXTURES / "fsdp2_accelerate", "--json")
+    doc = json.loads(result.stdout)
+    assert set(doc) >= {"path", "style", "ok", "world_size", "bytes", "parts", "side_files",
+                        "other_files", "problems"}
+    assert doc["ok"] is True and doc["world_size"] == 2 and doc["problems"] == []
+    model = doc["parts"][0]
+    assert set(model) >= {"name", "kind", "files", "dtypes", "num_tensors", "num_objects",
+                          "tensors", "objects", "bytes", "world_size"}
+    tensor = model["tensors"][0]
+    assert tensor["name"].startswith("model.") and tensor["dtype"] == "float32"
+    assert set(tensor["chunks"][0]) == {"offsets", "sizes", "file", "offset", "length"}
+
+
+def test_python_dash_m_and_console_script_agree():
+    args = ["inspect", str(DCP_FOLDERS["dtensor"]), "--json"]
+    via_module = subprocess.run([sys.executable, "-m", "fsdpckpt", *args], capture_output=True,
+                                text=True, check=True)
+    assert json.loads(via_module.stdout) == json.loads(run(*args).stdout)
+
+
+# --- bad input --------------------------------------------------------------
+
+def test_missing_path(tmp_path):
+    assert_one_line_error(run("inspect", tmp_path / "nope"), tmp_path / "nope",
+                          "no such file")
+
+
+def test_empty_folder(tmp_path):
+    assert_one_line_error(run("inspect", tmp_path), tmp_path, "empty")
+
+
+def test_folder_without_metadata(tmp_path, dtensor_copy):
+    (dtensor_copy / ".metadata").unlink()
+    assert_one_line_error(run("inspect", dtensor_copy), dtensor_copy, "no .metadata",
+                          "never finished")
+
+
+def test_garbage_metadata(dtensor_copy):
+    (dtensor_copy / ".metadata").write_bytes(os.urandom(64))
+    assert_one_line_error(run("inspect", dtensor_copy), dtensor_copy / ".metadata",
+                          "not a readable pickle")
+
+
+def test_hostile_metadata_is_refused_and_never_runs(tmp_path, dtensor_copy):
+    sentinel = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {sentinel}",))
+
+    (dtensor_copy / ".metadata").write_bytes(pickle.dumps(Evil()))
+    assert_one_line_error(run("inspect", dtensor_copy), dtensor_copy / ".metadata",
+                          "refusing to load the global")
+    assert not sentinel.exists()
+
+
+def test_truncated_shard_is_a_problem_with_non_zero_exit(dtensor_copy):
+    target = dtensor_copy / "__0_0.distcp"
+    os.truncate(target, 100)
+    result = run("inspect", dtensor_copy)
+    assert result.exit_code == 1
+    assert f"{target}:" in result.stdout and "truncated" in result.stdout
+    assert result.stderr.strip().splitlines() == [
+        result.stderr.strip()] and "not whole" in result.stderr
+
+
+def test_missing_shard_is_a_problem_in_json_too(dtensor_copy):
+    (dtensor_copy / "__1_0.distcp").unlink()
+    result = run("inspect", dtensor_copy, "--json")
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is False
+    assert [p["path"] for p in doc["problems"]] == [str(dtensor_copy / "__1_0.distcp")]
+
+
+def test_unfinished_part_of_a_whole_checkpoint_is_a_problem(accelerate_ckpt):
+    (accelerate_ckpt / "optimizer_0" / ".metadata").unlink()
+    result = run("inspect", accelerate_ckpt)
+    assert result.exit_code == 1
+    assert "INCOMPLETE" in result.stdout and "optimizer_0: no .metadata" in result.stdout
+
+
+def test_missing_rng_file_of_a_rank_is_a_problem(accelerate_ckpt):
+    (accelerate_ckpt / "random_states_1.pkl").unlink()
+    result = run("inspect", accelerate_ckpt)
+    assert result.exit_code == 1 and "no RNG state file for rank 1" in result.stdout
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "fsdpckpt", "inspect", "--debug",
+                             str(tmp_path / "nope")], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "CheckpointNotFoundError" in result.stderr
+
+
+def test_errors_without_debug_have_no_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "fsdpckpt", "inspect", str(tmp_path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["inspect", "--help"], ["--version"]])
+def test_help_and_version(args):
+    result = run(*args)
+    assert result.exit_code == 0 and result.stdout

@@ -1,0 +1,206 @@
+"""Executing a merge plan: every output file written under a temporary name, then renamed.
+
+Files are staged in a hidden folder inside the output folder (same file system,
+so the final renames are atomic), space is reserved up front so a full disk
+fails before the copy rather than in the middle, and on any error or Ctrl-C
+the staging folder is removed, leaving the output folder as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from .archive import locate_tensor
+from .copy import place_chunk
+from .errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
+from .formats import ObjectValue, get_format
+from .objects import read_object
+from .plan import MergePlan, PlannedFile, chunk_runs
+
+__all__ = ["OutputExistsError", "DiskFullError", "write_plan", "output_paths", "staging", "commit"]
+
+_CRC_BLOCK = 16 * 2**20
+
+
+class OutputExistsError(FsdpCkptError, FileExistsError):
+    """An output file is already there and ``overwrite`` was not given."""
+
+
+class DiskFullError(FsdpCkptError, OSError):
+    """The output's file system has not enough free space."""
+
+
+def output_paths(plan: MergePlan, output_dir: Path) -> list[Path]:
+    """Every file the plan writes into ``output_dir``."""
+    names = [f.name for f in plan.files] + ([plan.index_name] if plan.index_name else [])
+    return [output_dir / n for n in names]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def staging(output_dir: Path) -> Iterator[Path]:
+    """A hidden folder inside ``output_dir`` that is removed on exit, whatever happens.
+
+    ``output_dir`` is created if needed, and removed again on failure if it was.
+    """
+    if output_dir.exists() and not output_dir.is_dir():
+        raise NotACheckpointError(f"{output_dir}: is a file; pass a folder for the output.")
+    created = not output_dir.exists()
+    if created and not output_dir.parent.is_dir():
+        raise CheckpointNotFoundError(f"{output_dir.parent}: no such folder; create it first.")
+    output_dir.mkdir(exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".fsdpckpt-tmp-", dir=output_dir))
+    ok = False
+    try:
+        yield stage
+        ok = True
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created and not ok:
+            shutil.rmtree(output_dir, ignore_errors=True)
+
+
+def _reserve(fd: int, size: int, path: Path) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise DiskFullError(errno.ENOSPC, f"{path.parent}: no space left for {size} bytes; "
+                                "free some space or choose another output folder") from None
+        os.ftruncate(fd, size)  # the file system cannot reserve; writes will tell
+    else:
+        os.ftruncate(fd, size)
+
+
+def _crc(fd: int, start: int, count: int) -> int:
+    crc = 0
+    while count > 0:
+        block = os.pread(fd, min(count, _CRC_BLOCK), start)
+        crc = zlib.crc32(block, crc)
+        start, count = start + len(block), count - len(block)
+    return crc
+
+
+class _Sources:
+    """Open data files of the merged folder, opened once each."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.fds = folder, {}  # type: ignore[var-annotated]
+
+    def fd(self, name: str) -> int:
+        if name not in self.fds:
+            path = self.folder / name
+            try:
+                self.fds[name] = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(
+                    f"{path}: missing data file; copy it from the machine that wrote the "
+                    "checkpoint") from None
+        return self.fds[name]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _write_file(plan: MergePlan, file: PlannedFile, objects: list[ObjectValue], path: Path,
+                sources: _Sources, progress: Callable[[int], None] | None) -> None:
+    fmt = get_format(plan.format)
+    layout = fmt.layout([t.spec for t in file.tensors], objects, nested=plan.nested)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _reserve(fd, layout.size, path)
+        for offset, data in layout.fixed:
+            os.pwrite(fd, data, offset)
+        crcs = {}
+        for planned in file.tensors:
+            entry, start = planned.source, layout.starts[planned.spec.name]
+            for chunk in entry.chunks:
+                source = f"{plan.folder.path / str(chunk.file)} (tensor '{entry.name}' chunk at " \
+                         f"{list(chunk.offsets)})"
+                if chunk.file is None:
+                    raise NotACheckpointError(f"{source}: the metadata has no storage entry")
+                src = sources.fd(chunk.file)
+                with os.fdopen(os.dup(src), "rb") as handle:
+                    raw = locate_tensor(handle, chunk.offset, chunk.length, source=source)
+                if raw.dtype.name != entry.dtype.name:
+                    raise NotACheckpointError(f"{source}: holds {raw.dtype.name}, the metadata "
+                                              f"says {entry.dtype.name}")
+                place_chunk(src, raw, chunk, chunk_runs(entry.shape, chunk), planned.spec.dtype,
+                            fd, start, source=source, progress=progress)
+            if fmt.needs_crc:
+                crcs[planned.spec.name] = _crc(fd, start, planned.spec.nbytes)
+        fmt.finish(fd, layout, crcs)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_objects(plan: MergePlan, sources: _Sources) -> list[ObjectValue]:
+    values = []
+    for obj in plan.objects:
+        source = f"{plan.folder.path / str(obj.source.file)} (object '{obj.source.name}')"
+        if obj.source.file is None:
+            raise NotACheckpointError(f"{source}: the metadata has no storage entry")
+        with os.fdopen(os.dup(sources.fd(obj.source.file)), "rb") as handle:
+            values.append(ObjectValue(obj.name, obj.key_path,
+                                      read_object(handle, obj.source, source=source)))
+    return values
+
+
+def write_plan(plan: MergePlan, stage: Path, *,
+               progress: Callable[[int], None] | None = None) -> list[Path]:
+    """Write every file of ``plan`` into the folder ``stage``; return their paths.
+
+    Raises:
+        DiskFullError: the file system cannot hold the output.
+        CorruptCheckpointError, CheckpointNotFoundError: a data file is damaged or missing.
+    """
+    free = shutil.disk_usage(stage).free
+    sources = _Sources(plan.folder.path)
+    try:
+        objects = _read_objects(plan, sources)
+        needed = plan.tensor_bytes + 2**20 * len(plan.files)
+        if needed > free:
+            raise DiskFullError(errno.ENOSPC, f"{stage.parent}: the merge needs about {needed} "
+                                f"bytes, only {free} are free; free some space or choose "
+                                "another output folder")
+        written = []
+        for i, file in enumerate(plan.files):
+            path = stage / file.name
+            _write_file(plan, file, objects if i == 0 else [], path, sources, progress)
+            written.append(path)
+        if plan.index_name:
+            path = stage / plan.index_name
+            path.write_text(json.dumps(plan.index(), indent=2) + "\n")
+            written.append(path)
+        return written
+    finally:
+        sources.close()
+
+
+def commit(written: list[Path], output_dir: Path) -> list[Path]:
+    """Rename staged files into ``output_dir`` (the index last) and make the renames durable."""
+    final = []
+    for path in written:
+        target = output_dir / path.name
+        os.replace(path, target)
+        final.append(target)
+    _fsync_dir(output_dir)
+    return final
+

@@ -27,6 +27,21 @@ from .layout import CheckpointLayout, find_layout
 from .metadata import Chunk, DcpMetadata, ObjectEntry, TensorEntry
 from .reader import DcpFolder, read_dcp_folder
 
+
+def __getattr__(name: str):
+    # The verbs below pull in more modules (and torch, for some paths) on first use only.
+    lazy = {
+        "merge": "merge", "merge_fsdp_weights": "merge", "MergeResult": "merge",
+        "load_full_state_dict": "full", "convert": "convert", "ConvertResult": "convert",
+        "plan_merge": "plan", "MergePlan": "plan", "MergePlanError": "plan",
+        "OutputExistsError": "writer", "DiskFullError": "writer",
+    }
+    if name in lazy:
+        import importlib
+
+        return getattr(importlib.import_module(f".{lazy[name]}", __name__), name)
+    raise AttributeError(f"module 'fsdpckpt' has no attribute {name!r}")
+
 __all__ = [
     "__version__",
     "CheckpointLayout",
@@ -46,4 +61,15 @@ __all__ = [
     "find_layout",
     "inspect_checkpoint",
     "read_dcp_folder",
+    "merge",
+    "merge_fsdp_weights",
+    "MergeResult",
+    "load_full_state_dict",
+    "convert",
+    "ConvertResult",
+    "plan_merge",
+    "MergePlan",
+    "MergePlanError",
+    "OutputExistsError",
+    "DiskFullError",
 ]

@@ -117,3 +117,161 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
         click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in {path}; "
                    "the checkpoint is not whole", err=True)
         sys.exit(1)
+
+
+def _progress(quiet: bool):
+    """A factory of tqdm byte bars on stderr; silent with --quiet or when stderr is no terminal."""
+    if quiet or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    def factory(total: int, _files: int):
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                   desc="merging", leave=False)
+        return bar.update
+
+    return factory
+
+
+def _merge_report(results: list[Any], as_json: bool) -> None:
+    from .render import human_bytes
+
+    if as_json:
+        click.echo(json.dumps({"outputs": [
+            {"source": str(r.source), "files": [str(f) for f in r.files], "tensors": r.tensors,
+             "bytes": r.bytes, "objects": list(r.objects), "seconds": round(r.seconds, 3)}
+            for r in results]}, indent=2))
+        return
+    for r in results:
+        rate = r.bytes / r.seconds / 2**20 if r.seconds > 0 else 0.0
+        click.echo(f"merged {r.source} -> {r.path}: {r.tensors} tensors, {human_bytes(r.bytes)} "
+                   f"in {r.seconds:.2f} s ({rate:.0f} MiB/s)")
+        if r.objects:
+            where = ("the safetensors metadata ('fsdpckpt.objects')"
+                     if r.path.suffix in (".safetensors", ".json") else "the pickle")
+            shown = ", ".join(r.objects[:5]) + (" ..." if len(r.objects) > 5 else "")
+            click.echo(f"  kept {len(r.objects)} non-tensor entries ({shown}) in {where}")
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.argument("output_dir", type=click.Path(path_type=str))
+@click.option("--optimizer", is_flag=True,
+              help="Also merge the optimizer folder (optimizer_0/) into optimizer.safetensors.")
+@click.option("--model-index", type=int, metavar="N",
+              help="Which model to merge when a checkpoint holds several (pytorch_model_fsdp_N/).")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "bin"]), default="safetensors",
+              show_default=True, help="Output format; bin is a torch.save archive.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="Convert floating-point tensors to this dtype (integer and bool tensors keep "
+                   "theirs). Default: keep every dtype.")
+@click.option("--max-shard-size", metavar="SIZE",
+              help="Split into HF-style shards of at most SIZE (e.g. 5GB) plus an index file.")
+@click.option("--keep-keys", is_flag=True,
+              help="Keep wrapper segments (_fsdp_wrapped_module., _checkpoint_wrapped_module., "
+                   "_orig_mod.) in names; by default they are removed.")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="Only merge entries whose output name matches (repeatable).")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="Skip entries whose output name matches (repeatable).")
+@click.option("--overwrite", is_flag=True, help="Replace existing output files.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
+@_debug_option
+def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | None, fmt: str,
+          dtype: str | None, max_shard_size: str | None, keep_keys: bool,
+          include: tuple[str, ...], exclude: tuple[str, ...], overwrite: bool, quiet: bool,
+          as_json: bool) -> None:
+    """Merge a sharded checkpoint into one safetensors or .bin file, streaming.
+
+    CHECKPOINT is a DCP folder (pytorch_model_fsdp_0/, optimizer_0/) or a whole
+    checkpoint folder, of which the model is merged (--optimizer: the optimizer too).
+    Memory stays flat however large the model: bytes go from the rank files
+    straight to their place in the output, never through a full state dict.
+    Output goes to a temporary name in OUTPUT_DIR and is renamed when complete.
+
+    \b
+    Examples:
+      fsdpckpt merge ckpt/ merged/
+      fsdpckpt merge ckpt/ merged/ --dtype bf16 --max-shard-size 5GB
+      fsdpckpt merge ckpt/ merged/ --optimizer --exclude '*.lora_*'
+    """
+    from .merge import merge as merge_checkpoint
+
+    results = merge_checkpoint(checkpoint, output_dir, optimizer=optimizer,
+                               model_index=model_index, format=fmt, dtype=dtype,
+                               max_shard_size=max_shard_size, keep_keys=keep_keys,
+                               include=include, exclude=exclude, overwrite=overwrite,
+                               progress=_progress(quiet))
+    _merge_report(results, as_json)
+
+
+@main.command("merge-weights")
+@click.argument("checkpoint_directory", type=click.Path(path_type=str))
+@click.argument("output_path", type=click.Path(path_type=str))
+@click.option("--unsafe_serialization", "--unsafe-serialization", "unsafe", is_flag=True,
+              help="Save the merged weights as pytorch_model.bin rather than model.safetensors.")
+@click.option("--remove_checkpoint_dir", "--remove-checkpoint-dir", "remove", is_flag=True,
+              help="Remove the checkpoint directory after a successful merge.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
+@_debug_option
+def merge_weights(checkpoint_directory: str, output_path: str, unsafe: bool, remove: bool,
+                  overwrite: bool, quiet: bool, as_json: bool) -> None:
+    """Drop-in for `accelerate merge-weights`: same arguments, same output names.
+
+    Merges CHECKPOINT_DIRECTORY (e.g. ckpt/pytorch_model_fsdp_0) into
+    OUTPUT_PATH/model.safetensors (or pytorch_model.bin with --unsafe_serialization),
+    keys exactly as Accelerate writes them, but streaming in constant memory, and
+    without crashing on optimizer folders or non-tensor entries.
+
+    \b
+    Example:
+      fsdpckpt merge-weights ckpt/pytorch_model_fsdp_0 merged/
+    """
+    import time
+
+    from .merge import merge_fsdp_weights
+
+    start = time.perf_counter()
+    path = merge_fsdp_weights(checkpoint_directory, output_path, not unsafe, remove,
+                              overwrite=overwrite, progress=_progress(quiet))
+    seconds = time.perf_counter() - start
+    if as_json:
+        click.echo(json.dumps({"output": str(path), "seconds": round(seconds, 3)}))
+    else:
+        click.echo(f"merged {checkpoint_directory} -> {path} in {seconds:.2f} s")
+
+
+@main.command()
+@click.argument("full_file", type=click.Path(path_type=str))
+@click.argument("out_dcp_dir", type=click.Path(path_type=str))
+@click.option("--key", default="model", show_default=True,
+              help="Nest every entry under this top-level key, as Accelerate's "
+                   "pytorch_model_fsdp_0/ holds a model; pass '' for none.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUT_DCP_DIR.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
+@_debug_option
+def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json: bool) -> None:
+    """Turn a full safetensors or .bin state dict into a DCP folder.
+
+    The reverse of merge: a pretrained or merged model becomes a DCP folder that
+    an FSDP run of any world size can load (DCP reshards on load). One tensor is
+    in memory at a time. FULL_FILE may be a shard index (*.safetensors.index.json).
+
+    \b
+    Examples:
+      fsdpckpt convert merged/model.safetensors seed/pytorch_model_fsdp_0
+      fsdpckpt convert pytorch_model.bin seed_dcp --key ''
+    """
+    from .convert import convert as convert_file
+    from .render import human_bytes
+
+    result = convert_file(full_file, out_dcp_dir, key=key or None, overwrite=overwrite)
+    if as_json:
+        click.echo(json.dumps({"output": str(result.path), "tensors": result.tensors,
+                               "objects": result.objects, "bytes": result.bytes}))
+    else:
+        click.echo(f"converted {full_file} -> {result.path}: {result.tensors} tensors "
+                   f"({human_bytes(result.bytes)}), {result.objects} other entries")

@@ -1,0 +1,137 @@
+"""``load_full_state_dict``: a whole (unsharded) state dict in memory, for those who want one.
+
+From a DCP folder it gives exactly what torch's ``dcp_to_torch_save`` saves
+(nested by the stored key paths, top-level key included); from a merged file
+it gives the merged state dict, nested again where the merge kept key paths.
+Unlike the merge, this holds the whole state dict: it is for models that fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .archive import locate_tensor
+from .copy import read_exact
+from .errors import CheckpointNotFoundError, NotACheckpointError
+from .formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
+from .nesting import unflatten
+from .objects import loads, read_object
+from .reader import is_dcp_folder, read_dcp_folder
+
+__all__ = ["load_full_state_dict"]
+
+_MERGED_NAMES = ["model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                 "pytorch_model.bin", "optimizer.safetensors.index.json", "optimizer.safetensors",
+                 "optimizer.bin.index.json", "optimizer.bin"]
+
+
+def _from_dcp(path: Path) -> dict[Any, Any]:
+    import torch
+
+    folder = read_dcp_folder(path)
+    items: list[tuple[tuple, Any]] = []
+    fds: dict[str, int] = {}
+    try:
+        def fd(name: str | None) -> int:
+            if name is None:
+                raise NotACheckpointError(f"{path}: an entry has no storage entry in .metadata")
+            if name not in fds:
+                if not (path / name).is_file():
+                    raise CheckpointNotFoundError(f"{path / name}: missing data file")
+                fds[name] = os.open(path / name, os.O_RDONLY)
+            return fds[name]
+
+        for tensor in folder.metadata.tensors:
+            full = torch.empty(tensor.shape, dtype=getattr(torch, tensor.dtype.name))
+            for chunk in tensor.chunks:
+                source = f"{path / str(chunk.file)} (tensor '{tensor.name}')"
+                with os.fdopen(os.dup(fd(chunk.file)), "rb") as handle:
+                    raw = locate_tensor(handle, chunk.offset, chunk.length, source=source)
+                if raw.nbytes == 0:
+                    continue
+                data = bytearray(read_exact(fd(chunk.file), raw.storage_nbytes,
+                                            raw.storage_start, source=source))
+                flat = torch.frombuffer(data, dtype=getattr(torch, raw.dtype.name))
+                piece = torch.as_strided(flat, raw.shape, raw.stride, raw.storage_offset)
+                index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+                full[index] = piece
+            items.append((tensor.key_path, full))
+        for obj in folder.metadata.objects:
+            with os.fdopen(os.dup(fd(obj.file)), "rb") as handle:
+                items.append((obj.key_path, read_object(handle, obj, source=str(path / str(
+                    obj.file)))))
+    finally:
+        for handle in fds.values():
+            os.close(handle)
+    return unflatten(items)
+
+
+def _from_safetensors(files: list[Path]) -> dict[Any, Any]:
+    from safetensors import safe_open
+
+    flat: dict[str, Any] = {}
+    paths: dict[str, list] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            meta = handle.metadata() or {}
+            flat.update({name: handle.get_tensor(name) for name in handle.keys()})
+        if OBJECTS_KEY in meta:
+            flat.update(loads(meta[OBJECTS_KEY]))
+        if KEY_PATHS_KEY in meta:
+            paths.update(json.loads(meta[KEY_PATHS_KEY]))
+    if not paths:
+        return flat
+    return unflatten((tuple(paths.get(name, [name])), value) for name, value in flat.items())
+
+
+def _from_file(path: Path) -> dict[Any, Any]:
+    if path.name.endswith(".index.json"):
+        index = json.loads(path.read_text())
+        shards = [path.parent / name for name in dict.fromkeys(index["weight_map"].values())]
+        if path.name.startswith(("model.safetensors", "optimizer.safetensors")) or \
+                shards and shards[0].suffix == ".safetensors":
+            return _from_safetensors(shards)
+        merged: dict[Any, Any] = {}
+        for shard in shards:
+            merged.update(_from_file(shard))
+        return merged
+    if path.suffix == ".safetensors":
+        return _from_safetensors([path])
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_full_state_dict(path: str | os.PathLike[str]) -> dict[Any, Any]:
+    """Load the full, unsharded state dict of a DCP folder or of a merged output.
+
+    Args:
+        path: a DCP folder; a merged ``.safetensors`` / ``.bin`` file or shard index;
+            or a folder holding one merged output (``model.safetensors``...).
+
+    Returns:
+        For a DCP folder, the nested dict ``dcp_to_torch_save`` would save. For a merged
+        output, the merged state dict, nested again by the key paths the merge kept
+        (optimizer state), with non-tensor entries restored.
+
+    Example:
+        >>> sd = load_full_state_dict("ckpt/pytorch_model_fsdp_0")
+        >>> sd["model"]["layers.0.weight"].shape
+        torch.Size([4096, 4096])
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointNotFoundError(f"{p}: no such file or folder; check the path.")
+    if p.is_file():
+        return _from_file(p)
+    if is_dcp_folder(p):
+        return _from_dcp(p)
+    found = [p / name for name in _MERGED_NAMES if (p / name).is_file()]
+    if not found:
+        raise NotACheckpointError(f"{p}: neither a DCP folder nor a merged output "
+                                  "(model.safetensors, pytorch_model.bin...); pass a file or a "
+                                  "DCP folder")
+    return _from_file(found[0])

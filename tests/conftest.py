@@ -36,3 +36,53 @@ def accelerate_ckpt(tmp_path) -> Path:
 def dtensor_copy(tmp_path) -> Path:
     """A private copy of the DTensor DCP folder, free to damage."""
     return Path(shutil.copytree(FIXTURES / "dtensor", tmp_path / "dtensor"))
+
+
+_REFERENCE: dict = {}
+
+
+def reference_state_dict(folder: Path) -> dict:
+    """What torch's own DCP loader gives for ``folder`` (``dcp_to_torch_save``), cached."""
+    key = str(folder)
+    if key not in _REFERENCE:
+        import tempfile
+
+        import torch
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(str(folder), f"{tmp}/ref.pt")
+            _REFERENCE[key] = torch.load(f"{tmp}/ref.pt", weights_only=False)  # our own file
+    return _REFERENCE[key]
+
+
+def flatten(tree, prefix=()) -> dict:
+    """``{key_path: leaf}`` of a nested dict/list state dict (tensors and plain values)."""
+    import torch
+
+    out = {}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) \
+        if isinstance(tree, list) and any(isinstance(v, (dict, list, torch.Tensor)) for v in tree) \
+        else None
+    if items is None:
+        return {prefix: tree}
+    for key, value in items:
+        out.update(flatten(value, prefix + (key,)))
+    return out
+
+
+def assert_same_state(got, expected) -> None:
+    """Equal nesting, and every tensor equal byte for byte (dtype and shape included)."""
+    import torch
+
+    got_flat, expected_flat = flatten(got), flatten(expected)
+    assert got_flat.keys() == expected_flat.keys()
+    for key, value in expected_flat.items():
+        if isinstance(value, torch.Tensor):
+            other = got_flat[key]
+            assert isinstance(other, torch.Tensor), key
+            assert other.dtype == value.dtype and other.shape == value.shape, key
+            assert torch.equal(other.reshape(-1).contiguous().view(torch.uint8),
+                               value.reshape(-1).contiguous().view(torch.uint8)), key
+        else:
+            assert got_flat[key] == value and type(got_flat[key]) is type(value), key

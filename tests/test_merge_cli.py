@@ -1,0 +1,267 @@
+"""`fsdpckpt merge` / `merge-weights` / `convert` from the command line, and bad input."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+import fsdpckpt
+from fsdpckpt.cli import main
+
+from conftest import DCP_FOLDERS, FIXTURES, assert_same_state, reference_state_dict
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fsdpckpt: error: "), result.stderr
+    for fragment in fragments:
+        assert str(fragment) in lines[0]
+
+
+def assert_untouched(output_dir, before=()):
+    """Nothing half-written: the folder is absent or holds only what it held before."""
+    if output_dir.exists():
+        assert sorted(p.name for p in output_dir.iterdir()) == sorted(before)
+
+
+# --- happy paths --------------------------------------------------------------
+
+def test_merge_prints_a_summary_line(tmp_path):
+    result = run("merge", FIXTURES / "fsdp2_accelerate", tmp_path / "out", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert "tensors" in result.stdout and str(tmp_path / "out" / "model.safetensors") in result.stdout
+
+
+def test_merge_json_report(tmp_path):
+    result = run("merge", DCP_FOLDERS["dtensor"], tmp_path / "out", "--json")
+    doc = json.loads(result.stdout)
+    (out,) = doc["outputs"]
+    assert out["files"] == [str(tmp_path / "out" / "model.safetensors")]
+    assert out["tensors"] > 0 and "step" in out["objects"]
+
+
+def test_merge_says_where_non_tensor_entries_went(tmp_path):
+    result = run("merge", DCP_FOLDERS["dtensor"], tmp_path / "out")
+    assert "non-tensor entries" in result.stdout and "fsdpckpt.objects" in result.stdout
+
+
+@pytest.mark.parametrize("flag", ["--unsafe_serialization", "--unsafe-serialization"])
+def test_merge_weights_accepts_both_spellings(tmp_path, flag):
+    result = run("merge-weights", DCP_FOLDERS["fsdp2-model"], tmp_path, flag)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "pytorch_model.bin").is_file()
+
+
+def test_merge_weights_remove_checkpoint_dir(tmp_path):
+    source = shutil.copytree(DCP_FOLDERS["fsdp2-model"], tmp_path / "pytorch_model_fsdp_0")
+    result = run("merge-weights", source, tmp_path / "out", "--remove-checkpoint-dir")
+    assert result.exit_code == 0 and not source.exists()
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_merge_weights_matches_accelerate(tmp_path):
+    from accelerate.utils import merge_fsdp_weights as accelerate_merge
+    from safetensors.torch import load_file
+
+    folder = DCP_FOLDERS["fsdp2-model"]
+    accelerate_merge(str(folder), str(tmp_path / "acc"))
+    fsdpckpt.merge_fsdp_weights(str(folder), str(tmp_path / "ours"))
+    theirs = load_file(tmp_path / "acc" / "model.safetensors")
+    ours = load_file(tmp_path / "ours" / "model.safetensors")
+    assert list(ours) == list(theirs) or sorted(ours) == sorted(theirs)
+    assert_same_state(ours, theirs)
+
+
+def test_merge_weights_bin_matches_accelerate(tmp_path):
+    import torch
+    from accelerate.utils import merge_fsdp_weights as accelerate_merge
+
+    folder = DCP_FOLDERS["fsdp2-model"]
+    accelerate_merge(str(folder), str(tmp_path / "acc"), safe_serialization=False)
+    fsdpckpt.merge_fsdp_weights(str(folder), str(tmp_path / "ours"), safe_serialization=False)
+    assert_same_state(torch.load(tmp_path / "ours" / "pytorch_model.bin", weights_only=True),
+                      torch.load(tmp_path / "acc" / "pytorch_model.bin", weights_only=True))
+
+
+def test_same_dtype_merge_does_not_import_torch(tmp_path):
+    code = ("import sys; from fsdpckpt.cli import main;"
+            f"main([\"merge\", {str(DCP_FOLDERS['fsdp2-model'])!r}, {str(tmp_path / 'o')!r}, '-q'],"
+            " standalone_mode=False); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_convert_round_trip_is_exact(tmp_path):
+    folder = DCP_FOLDERS["dtensor"]
+    assert run("merge", folder, tmp_path / "merged", "-q").exit_code == 0
+    result = run("convert", tmp_path / "merged" / "model.safetensors", tmp_path / "dcp",
+                 "--key", "")
+    assert result.exit_code == 0, result.output
+    assert_same_state(load(tmp_path / "dcp"), reference_state_dict(folder))
+    assert run("inspect", tmp_path / "dcp").exit_code == 0
+
+
+def test_convert_bin_round_trip_and_dcp_can_load_it(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    folder = DCP_FOLDERS["fsdp2-optimizer"]
+    fsdpckpt.merge(folder, tmp_path / "merged", format="bin")
+    fsdpckpt.convert(tmp_path / "merged" / "optimizer.bin", tmp_path / "dcp", key="optimizer")
+    expected = reference_state_dict(folder)
+    assert_same_state(load(tmp_path / "dcp"), expected)
+    target = {"optimizer": {"state": {k: {n: torch.zeros_like(v) if isinstance(v, torch.Tensor)
+                                          else v for n, v in s.items()}
+                                      for k, s in expected["optimizer"]["state"].items()}}}
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert_same_state(target["optimizer"]["state"], expected["optimizer"]["state"])
+
+
+def load(path):
+    return fsdpckpt.load_full_state_dict(path)
+
+
+# --- bad input ---------------------------------------------------------------
+
+def test_parent_with_model_and_optimizer_and_several_models_lists_folders(tmp_path):
+    ckpt = shutil.copytree(FIXTURES / "fsdp2_accelerate", tmp_path / "ckpt")
+    shutil.copytree(ckpt / "pytorch_model_fsdp_0", ckpt / "pytorch_model_fsdp_1")
+    result = run("merge", ckpt, tmp_path / "out")
+    assert_one_line_error(result, "pytorch_model_fsdp_0", "pytorch_model_fsdp_1", "--model-index")
+    assert_untouched(tmp_path / "out")
+
+
+def test_merge_weights_on_a_parent_with_model_and_optimizer_names_both(tmp_path):
+    ckpt = shutil.copytree(FIXTURES / "fsdp2_accelerate", tmp_path / "ckpt")
+    shutil.copytree(ckpt / "pytorch_model_fsdp_0", ckpt / "pytorch_model_fsdp_1")
+    result = run("merge-weights", ckpt, tmp_path / "out")
+    assert_one_line_error(result, "pytorch_model_fsdp_0", "optimizer_0")
+
+
+def test_missing_shard(tmp_path, dtensor_copy):
+    (dtensor_copy / "__1_0.distcp").unlink()
+    result = run("merge", dtensor_copy, tmp_path / "out")
+    assert_one_line_error(result, dtensor_copy / "__1_0.distcp", "missing")
+    assert_untouched(tmp_path / "out")
+
+
+def test_truncated_shard(tmp_path, dtensor_copy):
+    target = dtensor_copy / "__1_0.distcp"
+    os.truncate(target, target.stat().st_size - 50)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    result = run("merge", dtensor_copy, tmp_path / "out")
+    assert_one_line_error(result, target)
+    assert_untouched(tmp_path / "out", before=["keep.txt"])
+
+
+def test_hostile_metadata_never_runs(tmp_path, dtensor_copy):
+    sentinel = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {sentinel}",))
+
+    (dtensor_copy / ".metadata").write_bytes(pickle.dumps(Evil()))
+    assert_one_line_error(run("merge", dtensor_copy, tmp_path / "out"), "refusing")
+    assert not sentinel.exists()
+    assert_untouched(tmp_path / "out")
+
+
+def test_garbage_metadata(tmp_path, dtensor_copy):
+    (dtensor_copy / ".metadata").write_bytes(b"\x00garbage")
+    assert_one_line_error(run("merge", dtensor_copy, tmp_path / "out"), ".metadata")
+
+
+def test_output_path_that_is_a_file(tmp_path):
+    (tmp_path / "out").write_text("x")
+    assert_one_line_error(run("merge", DCP_FOLDERS["dtensor"], tmp_path / "out"),
+                          tmp_path / "out", "is a file")
+
+
+def test_existing_output_needs_overwrite(tmp_path):
+    assert run("merge", DCP_FOLDERS["dtensor"], tmp_path, "-q").exit_code == 0
+    assert_one_line_error(run("merge", DCP_FOLDERS["dtensor"], tmp_path), "--overwrite")
+    assert run("merge", DCP_FOLDERS["dtensor"], tmp_path, "--overwrite").exit_code == 0
+
+
+def test_disk_without_room_fails_before_writing(tmp_path, monkeypatch):
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda _p: usage(10**6, 10**6, 100))
+    result = run("merge", DCP_FOLDERS["dtensor"], tmp_path / "out")
+    assert_one_line_error(result, "only 100 are free")
+    assert_untouched(tmp_path / "out")
+
+
+def test_disk_filling_up_mid_merge_leaves_nothing(tmp_path, monkeypatch):
+    import fsdpckpt.writer as writer
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "place_chunk", full)
+    (tmp_path / "out").mkdir()
+    result = run("merge", DCP_FOLDERS["dtensor"], tmp_path / "out")
+    assert_one_line_error(result, "No space left on device")
+    assert_untouched(tmp_path / "out")
+
+
+def test_ctrl_c_mid_merge_leaves_nothing(tmp_path, monkeypatch):
+    import fsdpckpt.writer as writer
+
+    def interrupt(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer, "place_chunk", interrupt)
+    result = run("merge", DCP_FOLDERS["dtensor"], tmp_path / "out")
+    assert_one_line_error(result, "interrupted")
+    assert_untouched(tmp_path / "out")
+
+
+def test_sigint_to_a_real_process_leaves_nothing(tmp_path):
+    # A merge slowed down inside the copy loop, interrupted for real with SIGINT.
+    import signal
+    import time
+
+    code = ("import time, fsdpckpt.writer as w, fsdpckpt.cli as c\n"
+            "real = w.place_chunk\n"
+            "def slow(*a, **k):\n    time.sleep(0.5); return real(*a, **k)\n"
+            "w.place_chunk = slow\n"
+            "print('started', flush=True)\n"
+            f"c.main(['merge', {str(DCP_FOLDERS['dtensor'])!r}, {str(tmp_path / 'out')!r}])\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "started"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "interrupted" in err and "Traceback" not in err
+    assert_untouched(tmp_path / "out")
+
+
+def test_convert_refuses_an_existing_folder(tmp_path):
+    (tmp_path / "dcp").mkdir()
+    fsdpckpt.merge(DCP_FOLDERS["dtensor"], tmp_path / "m")
+    assert_one_line_error(run("convert", tmp_path / "m" / "model.safetensors", tmp_path / "dcp"),
+                          "--overwrite")
+
+
+def test_convert_missing_input(tmp_path):
+    assert_one_line_error(run("convert", tmp_path / "nope.safetensors", tmp_path / "dcp"),
+                          "no such file")

@@ -31,8 +31,8 @@ from .reader import DcpFolder, read_dcp_folder
 def __getattr__(name: str):
     # The verbs below pull in more modules (and torch, for some paths) on first use only.
     lazy = {
-        "merge": "merge", "merge_fsdp_weights": "merge", "MergeResult": "merge",
-        "load_full_state_dict": "full", "convert": "convert", "ConvertResult": "convert",
+        "merge": "merger", "merge_fsdp_weights": "merger", "MergeResult": "merger",
+        "load_full_state_dict": "full", "convert": "converter", "ConvertResult": "converter",
         "plan_merge": "plan", "MergePlan": "plan", "MergePlanError": "plan",
         "OutputExistsError": "writer", "DiskFullError": "writer",
     }

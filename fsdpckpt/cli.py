@@ -196,7 +196,7 @@ def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | 
       fsdpckpt merge ckpt/ merged/ --dtype bf16 --max-shard-size 5GB
       fsdpckpt merge ckpt/ merged/ --optimizer --exclude '*.lora_*'
     """
-    from .merge import merge as merge_checkpoint
+    from .merger import merge as merge_checkpoint
 
     results = merge_checkpoint(checkpoint, output_dir, optimizer=optimizer,
                                model_index=model_index, format=fmt, dtype=dtype,
@@ -232,7 +232,7 @@ def merge_weights(checkpoint_directory: str, output_path: str, unsafe: bool, rem
     """
     import time
 
-    from .merge import merge_fsdp_weights
+    from .merger import merge_fsdp_weights
 
     start = time.perf_counter()
     path = merge_fsdp_weights(checkpoint_directory, output_path, not unsafe, remove,
@@ -265,7 +265,7 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
       fsdpckpt convert merged/model.safetensors seed/pytorch_model_fsdp_0
       fsdpckpt convert pytorch_model.bin seed_dcp --key ''
     """
-    from .convert import convert as convert_file
+    from .converter import convert as convert_file
     from .render import human_bytes
 
     result = convert_file(full_file, out_dcp_dir, key=key or None, overwrite=overwrite)

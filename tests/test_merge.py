@@ -20,18 +20,6 @@ def _stripped(reference: dict) -> dict:
     return next(iter(reference.values())) if len(reference) == 1 else reference
 
 
-def _clean(tree):
-    if isinstance(tree, dict):
-        return {fsdpckpt_clean(k) if isinstance(k, str) else k: _clean(v) for k, v in tree.items()}
-    return tree
-
-
-def fsdpckpt_clean(name: str) -> str:
-    from fsdpckpt.keys import clean_key
-
-    return clean_key(name)
-
-
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_merged_output_equals_dcp_loader(dcp_folder, tmp_path, fmt):
     (result,) = fsdpckpt.merge(dcp_folder, tmp_path / "out", format=fmt, keep_keys=True)
@@ -109,13 +97,27 @@ def test_non_tensor_entries_do_not_break_safetensors(tmp_path):
 
 
 def test_wrapper_segments_are_removed_by_default_and_kept_on_request(tmp_path):
-    folder = DCP_FOLDERS["fsdp1-model"]
-    stored = [t.name for t in fsdpckpt.read_dcp_folder(folder).metadata.tensors]
-    (clean,) = fsdpckpt.merge(folder, tmp_path / "clean")
-    (kept,) = fsdpckpt.merge(folder, tmp_path / "kept", keep_keys=True)
+    import torch.distributed.checkpoint as dcp
+
+    stored = ["_orig_mod.layers.0._checkpoint_wrapped_module.mlp.weight",
+              "_fsdp_wrapped_module.embed._fsdp_wrapped_module.weight", "head._orig_modx"]
+    dcp.save({"model": {name: torch.ones(2) for name in stored}},
+             checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    (clean,) = fsdpckpt.merge(tmp_path / "ckpt", tmp_path / "clean")
+    (kept,) = fsdpckpt.merge(tmp_path / "ckpt", tmp_path / "kept", keep_keys=True)
     with safe_open(str(clean.path), "pt") as a, safe_open(str(kept.path), "pt") as b:
-        assert not any("_fsdp_wrapped_module" in n or "_orig_mod" in n for n in a.keys())
-        assert sorted(b.keys()) == sorted(n.split(".", 1)[1] for n in stored)
+        assert sorted(a.keys()) == ["embed.weight", "head._orig_modx", "layers.0.mlp.weight"]
+        assert sorted(b.keys()) == sorted(stored)
+
+
+def test_names_that_collide_after_cleanup_are_refused_before_writing(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": {"_orig_mod.w": torch.ones(1), "w": torch.ones(1)}},
+             checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    with pytest.raises(MergePlanError, match="both be named 'w'.*--keep-keys"):
+        fsdpckpt.merge(tmp_path / "ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_include_and_exclude_filter_names(tmp_path):

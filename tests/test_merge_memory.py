@@ -29,7 +29,7 @@ def _peak_rss_mib(code: str) -> float:
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_merge_peak_memory_is_far_below_the_checkpoint(big_checkpoint, tmp_path, fmt):
-    baseline = _peak_rss_mib("import fsdpckpt.merge")
+    baseline = _peak_rss_mib("import fsdpckpt.merger")
     peak = _peak_rss_mib(f"import fsdpckpt\nfsdpckpt.merge({str(big_checkpoint)!r}, "
                          f"{str(tmp_path / 'out')!r}, format={fmt!r})")
     # The checkpoint is 128 MiB; a merge that held it, or one tensor of it

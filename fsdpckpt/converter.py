@@ -40,7 +40,7 @@ class ConvertResult:
     bytes: int
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def _shard_files(path: Path) -> list[Path]:
     if path.name.endswith(".index.json"):
         index = json.loads(path.read_text())
         return [path.parent / n for n in dict.fromkeys(index["weight_map"].values())]
@@ -53,7 +53,7 @@ def _entries(path: Path, key: str | None) -> Iterator[tuple[tuple, Any]]:
     if path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
         from safetensors import safe_open
 
-        for file in _safetensors_files(path):
+        for file in _shard_files(path):
             with safe_open(str(file), framework="pt") as handle:
                 meta = handle.metadata() or {}
                 paths = json.loads(meta.get(KEY_PATHS_KEY, "{}"))
@@ -65,13 +65,14 @@ def _entries(path: Path, key: str | None) -> Iterator[tuple[tuple, Any]]:
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    # mmap: tensors are paged in as each is written, not loaded all at once.
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    if not isinstance(state, dict):
-        raise NotACheckpointError(f"{path}: holds a {type(state).__name__}, not a state dict")
-    flat, mapping = flatten_state_dict(state)
-    for fqn, value in flat.items():
-        yield prefix + tuple(mapping[fqn]), value
+    for file in _shard_files(path):  # a .bin shard index lists .bin files the same way
+        # mmap: tensors are paged in as each is written, not loaded all at once.
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        if not isinstance(state, dict):
+            raise NotACheckpointError(f"{file}: holds a {type(state).__name__}, not a state dict")
+        flat, mapping = flatten_state_dict(state)
+        for fqn, value in flat.items():
+            yield prefix + tuple(mapping[fqn]), value
 
 
 def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,

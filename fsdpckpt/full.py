@@ -87,6 +87,15 @@ def _from_safetensors(files: list[Path]) -> dict[Any, Any]:
     return unflatten((tuple(paths.get(name, [name])), value) for name, value in flat.items())
 
 
+def _deep_update(target: dict[Any, Any], extra: dict[Any, Any]) -> None:
+    # Shards of a nested state dict (optimizer state) each hold part of the same subtrees.
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _deep_update(target[key], value)
+        else:
+            target[key] = value
+
+
 def _from_file(path: Path) -> dict[Any, Any]:
     if path.name.endswith(".index.json"):
         index = json.loads(path.read_text())
@@ -96,7 +105,7 @@ def _from_file(path: Path) -> dict[Any, Any]:
             return _from_safetensors(shards)
         merged: dict[Any, Any] = {}
         for shard in shards:
-            merged.update(_from_file(shard))
+            _deep_update(merged, _from_file(shard))
         return merged
     if path.suffix == ".safetensors":
         return _from_safetensors([path])

@@ -210,6 +210,12 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
     Example:
         >>> merge_fsdp_weights("ckpt/pytorch_model_fsdp_0", "merged")
     """
+    layout = find_layout(checkpoint_dir)
+    if len(layout.parts) > 1:
+        # Accelerate's command merges one DCP folder; guessing which would surprise.
+        choices = " or ".join(str(p.path) for p in layout.parts)
+        raise NotACheckpointError(f"{layout.path}: holds {len(layout.parts)} DCP folders; "
+                                  f"pass one of them: {choices}")
     fmt = "safetensors" if safe_serialization else "bin"
     file_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     (result,) = merge(checkpoint_dir, output_path, format=fmt, keep_keys=True,

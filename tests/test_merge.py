@@ -34,6 +34,44 @@ def test_bin_output_is_a_plain_torch_save_file(dcp_folder, tmp_path):
     assert_same_state(mmapped, loaded)
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_sharded_output_equals_dcp_loader(dcp_folder, tmp_path, fmt):
+    (result,) = fsdpckpt.merge(dcp_folder, tmp_path, format=fmt, max_shard_size=300,
+                               keep_keys=True)
+    assert result.path.name.endswith(".index.json") and len(result.files) > 2
+    assert_same_state(load_full_state_dict(result.path), _stripped(reference_state_dict(dcp_folder)))
+
+
+def test_non_contiguous_stored_chunks_merge_exactly(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"t": torch.arange(12.0).reshape(3, 4).t(), "w": torch.arange(6.0)}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    for fmt in ("safetensors", "bin"):
+        (result,) = fsdpckpt.merge(tmp_path / "ckpt", tmp_path / fmt, format=fmt)
+        assert_same_state(load_full_state_dict(result.path), state["model"])
+
+
+def test_chunk_runs_match_numpy_slicing_for_every_grid():
+    import itertools
+
+    import numpy as np
+
+    from fsdpckpt.metadata import Chunk
+    from fsdpckpt.plan import chunk_runs
+
+    shape = (4, 6, 5)
+    index = np.arange(np.prod(shape)).reshape(shape)
+    cuts = [[0, 1, 4], [0, 2, 3, 6], [0, 5]]  # uneven cuts on dims 0 and 1, none on dim 2
+    for starts in itertools.product(*[c[:-1] for c in cuts]):
+        ends = [c[c.index(s) + 1] for c, s in zip(cuts, starts)]
+        sizes = tuple(e - s for s, e in zip(starts, ends))
+        run, run_starts = chunk_runs(shape, Chunk(tuple(starts), sizes, None, 0, 0))
+        got = [i for s in run_starts for i in range(s, s + run)]
+        expected = index[tuple(slice(s, e) for s, e in zip(starts, ends))].ravel().tolist()
+        assert got == expected, (starts, sizes)
+
+
 def test_sharded_output_has_hf_names_and_index(tmp_path):
     folder = DCP_FOLDERS["fsdp2-model"]
     (result,) = fsdpckpt.merge(folder, tmp_path, max_shard_size=600)

@@ -104,11 +104,13 @@ def test_same_dtype_merge_does_not_import_torch(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
-def test_convert_round_trip_is_exact(tmp_path):
-    folder = DCP_FOLDERS["dtensor"]
-    assert run("merge", folder, tmp_path / "merged", "-q").exit_code == 0
-    result = run("convert", tmp_path / "merged" / "model.safetensors", tmp_path / "dcp",
-                 "--key", "")
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_convert_round_trip_is_exact(tmp_path, dcp_folder, fmt):
+    folder = dcp_folder
+    (merged,) = fsdpckpt.merge(folder, tmp_path / "merged", format=fmt, max_shard_size=400)
+    reference = reference_state_dict(folder)
+    key = next(iter(reference)) if len(reference) == 1 else ""  # the top key merge dropped
+    result = run("convert", merged.path, tmp_path / "dcp", "--key", key)
     assert result.exit_code == 0, result.output
     assert_same_state(load(tmp_path / "dcp"), reference_state_dict(folder))
     assert run("inspect", tmp_path / "dcp").exit_code == 0
@@ -145,10 +147,26 @@ def test_parent_with_model_and_optimizer_and_several_models_lists_folders(tmp_pa
 
 
 def test_merge_weights_on_a_parent_with_model_and_optimizer_names_both(tmp_path):
-    ckpt = shutil.copytree(FIXTURES / "fsdp2_accelerate", tmp_path / "ckpt")
-    shutil.copytree(ckpt / "pytorch_model_fsdp_0", ckpt / "pytorch_model_fsdp_1")
-    result = run("merge-weights", ckpt, tmp_path / "out")
-    assert_one_line_error(result, "pytorch_model_fsdp_0", "optimizer_0")
+    result = run("merge-weights", FIXTURES / "fsdp2_accelerate", tmp_path / "out")
+    assert_one_line_error(result, "pytorch_model_fsdp_0 or", "optimizer_0", "pass one of them")
+    assert_untouched(tmp_path / "out")
+
+
+def test_merge_weights_on_a_parent_with_only_a_model_merges_it(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DCP_FOLDERS["fsdp2-model"], ckpt / "pytorch_model_fsdp_0")
+    assert run("merge-weights", ckpt, tmp_path / "out").exit_code == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_progress_bar_is_off_when_stderr_is_not_a_terminal_or_quiet(monkeypatch):
+    from fsdpckpt import cli
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert cli._progress(False) is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli._progress(True) is None
+    assert callable(cli._progress(False)(100, 1))
 
 
 def test_missing_shard(tmp_path, dtensor_copy):

@@ -35,6 +35,8 @@ def __getattr__(name: str):
         "load_full_state_dict": "full", "convert": "converter", "ConvertResult": "converter",
         "plan_merge": "plan", "MergePlan": "plan", "MergePlanError": "plan",
         "OutputExistsError": "writer", "DiskFullError": "writer",
+        "save_state": "training", "load_state": "training", "LoadResult": "training",
+        "AsyncSave": "training", "StateMismatchError": "training",
     }
     if name in lazy:
         import importlib
@@ -72,4 +74,9 @@ __all__ = [
     "MergePlanError",
     "OutputExistsError",
     "DiskFullError",
+    "save_state",
+    "load_state",
+    "LoadResult",
+    "AsyncSave",
+    "StateMismatchError",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import tempfile
 import traceback
 from datetime import timedelta
@@ -39,7 +40,9 @@ def _worker(fn, rank, world_size, rendezvous, args, queue):
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=60))
         try:
-            queue.put((rank, True, fn(rank, world_size, *args)))
+            # Plain pickle bytes: tensors sent as they are would travel as shared-memory
+            # handles that die with this process before the parent reads them.
+            queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
@@ -67,7 +70,10 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2,
         try:
             for _ in procs:
                 rank, ok, value = queue.get(timeout=timeout)
-                (results.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+                if ok:
+                    results[rank] = pickle.loads(value)  # noqa: S301 - our own ranks' bytes
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
         except Exception as exc:  # queue.Empty: a rank hung or died
             errors.append(f"ranks did not finish in {timeout} s ({exc!r})")
         finally:

@@ -1,0 +1,155 @@
+"""Saving and restoring RNG state per rank, in Accelerate's ``random_states_{rank}.pkl`` format.
+
+The file is a ``torch.save`` of ``{"step", "random_state", "numpy_random_seed",
+"torch_manual_seed", "torch_cuda_manual_seed"}``, as Accelerate writes it. numpy's
+state needs numpy globals, so plain ``weights_only=True`` refuses the file; it is
+read with ``weights_only=True`` plus a narrow allowlist of exactly those globals,
+never ``weights_only=False``.
+
+Policy when the world size changes (documented in docs/training.md): a rank
+with a saved file restores it; a rank without one seeds python, numpy and torch
+from a hash of rank 0's saved state and its own rank (deterministic, distinct
+per rank) and a warning says so; files of ranks that no longer exist are ignored
+with a warning. Nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from pathlib import Path
+from typing import Any
+
+from .errors import NotACheckpointError, UnsafePickleError
+
+__all__ = ["capture_rng_state", "save_rng_state", "load_rng_file", "restore_rng", "rng_file"]
+
+
+def rng_file(checkpoint_dir: Path, rank: int) -> Path:
+    """Accelerate's name for ``rank``'s RNG file (HF Trainer's ``rng_state_{rank}.pth`` if only that exists)."""
+    accelerate = checkpoint_dir / f"random_states_{rank}.pkl"
+    trainer = checkpoint_dir / f"rng_state_{rank}.pth"
+    return trainer if trainer.exists() and not accelerate.exists() else accelerate
+
+
+def _numpy():
+    try:
+        import numpy
+    except ImportError:  # numpy is optional: without it there is no numpy RNG to keep
+        return None
+    return numpy
+
+
+def capture_rng_state(step: int | None) -> dict[str, Any]:
+    """This process's RNG state, keyed as Accelerate keys it."""
+    import torch
+
+    state: dict[str, Any] = {"step": step if step is not None else 0,
+                             "random_state": random.getstate(),
+                             "torch_manual_seed": torch.get_rng_state()}
+    np = _numpy()
+    if np is not None:
+        state["numpy_random_seed"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def save_rng_state(path: Path, step: int | None) -> None:
+    import torch
+
+    torch.save(capture_rng_state(step), path)
+
+
+def _numpy_globals() -> list[Any]:
+    np = _numpy()
+    if np is None:
+        return []
+    found = [np.ndarray, np.dtype]
+    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            found.append(__import__(module, fromlist=["_reconstruct"])._reconstruct)
+        except (ImportError, AttributeError):
+            continue
+    # numpy 2 pickles dtypes through their classes (numpy.dtypes.UInt32DType...).
+    found += [type(np.dtype(t)) for t in ("uint32", "float64", "int64")]
+    return found
+
+
+def load_rng_file(path: Path) -> dict[str, Any]:
+    """Read an RNG file with ``weights_only=True`` and only numpy's RNG globals allowed.
+
+    Raises:
+        UnsafePickleError: the file asks for anything else (it may be hostile).
+        NotACheckpointError: the file is not a torch.save archive of a dict.
+    """
+    import pickle
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # weights_only refuses every global outside the allowlist with this error.
+        lines = [ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln.upper()]
+        detail = (lines or [str(exc).strip().splitlines()[0]])[0][:200]
+        raise UnsafePickleError(f"{path}: refused, it asks for more than RNG state ({detail}); "
+                                "nothing was executed. Delete the file to resume without "
+                                "it.") from None
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise NotACheckpointError(f"{path}: not a readable RNG state file ({exc})") from None
+    if not isinstance(state, dict):
+        raise NotACheckpointError(f"{path}: holds a {type(state).__name__}, not RNG state")
+    return state
+
+
+def _apply(state: dict[str, Any]) -> None:
+    import torch
+
+    if "random_state" in state:
+        random.setstate(state["random_state"])
+    np = _numpy()
+    if np is not None and "numpy_random_seed" in state:
+        np.random.set_state(state["numpy_random_seed"])
+    if "torch_manual_seed" in state:
+        torch.set_rng_state(state["torch_manual_seed"])
+    if "torch_cuda_manual_seed" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["torch_cuda_manual_seed"])
+
+
+def _derive(rank_zero: dict[str, Any], rank: int) -> None:
+    import torch
+
+    digest = hashlib.sha256(bytes(rank_zero["torch_manual_seed"].numpy().tobytes()) +
+                            rank.to_bytes(8, "little")).digest()
+    seed = int.from_bytes(digest[:8], "little")
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np = _numpy()
+    if np is not None:
+        np.random.seed(seed % 2**32)
+
+
+def restore_rng(checkpoint_dir: Path, rank: int, world_size: int) -> tuple[int | None, list[str]]:
+    """Restore this rank's RNG state by the policy above; return the saved step and warnings."""
+    saved = sorted(int(p.stem.rsplit("_", 1)[1]) for p in checkpoint_dir.glob("random_states_*.pkl")
+                   if p.stem.rsplit("_", 1)[1].isdigit())
+    if not saved:
+        saved = sorted(int(p.stem.rsplit("_", 1)[1]) for p in checkpoint_dir.glob("rng_state_*.pth")
+                       if p.stem.rsplit("_", 1)[1].isdigit())
+    warnings: list[str] = []
+    if not saved:
+        return None, [f"{checkpoint_dir}: no RNG state files; RNG state was not restored"]
+    if len(saved) != world_size and rank == 0:
+        warnings.append(f"{checkpoint_dir}: RNG states saved for {len(saved)} ranks, this run has "
+                        f"{world_size}; ranks without a file are seeded from rank 0's state and "
+                        "their rank, extra files are ignored")
+    if rank in saved:
+        state = load_rng_file(rng_file(checkpoint_dir, rank))
+        _apply(state)
+    else:
+        state = load_rng_file(rng_file(checkpoint_dir, saved[0]))
+        _derive(state, rank)
+    step = state.get("step")
+    return (int(step) if isinstance(step, int) else None), warnings

@@ -1,0 +1,313 @@
+"""``save_state`` / ``load_state``: what training code calls, in Accelerate's layout.
+
+Mechanism only: torch's ``get_state_dict`` / ``set_state_dict`` family turns
+FSDP2, FSDP1, DDP and plain modules into sharded state dicts, and ``dcp.save`` /
+``dcp.load`` move them (resharding on load). This module decides which file
+holds what (Accelerate's names, so ``accelerator.load_state`` reads ours and we
+read its), which rank writes it, and checks a model against a checkpoint before
+anything is changed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
+from .reader import read_dcp_folder
+from .rng import restore_rng, save_rng_state
+
+__all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError"]
+
+
+class StateMismatchError(FsdpCkptError, KeyError):
+    """A model does not match the checkpoint (missing, unexpected or differently shaped keys)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What :func:`load_state` restored.
+
+    Attributes:
+        step: the step saved with the checkpoint, or None.
+        restored: the parts restored, e.g. ``("model", "optimizer", "scheduler", "rng")``.
+        warnings: things the caller should know (RNG policy on a new world size...).
+    """
+
+    step: int | None
+    restored: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+
+class AsyncSave:
+    """The handle :func:`save_state` returns with ``async_save=True``.
+
+    The checkpoint is complete only once :meth:`wait` has returned on every rank.
+    """
+
+    def __init__(self, futures: list[Any]) -> None:
+        self._futures = futures
+
+    def done(self) -> bool:
+        """Whether every part has been written (no waiting)."""
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> None:
+        """Block until every part is written; call it on every rank."""
+        for future in self._futures:
+            future.result()
+        _barrier()
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank_world() -> tuple[int, int]:
+    dist = _dist()
+    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+
+
+def _barrier() -> None:
+    dist = _dist()
+    if dist:
+        dist.barrier()
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _model_folder(root: Path, i: int) -> Path:
+    return root / f"pytorch_model_fsdp_{i}"
+
+
+def _optimizer_folder(root: Path, i: int) -> Path:
+    return root / f"optimizer_{i}"
+
+
+def _scheduler_file(root: Path, i: int, *, reading: bool = False) -> Path:
+    name = "scheduler.bin" if i == 0 else f"scheduler_{i}.bin"
+    if reading and i == 0 and not (root / name).exists() and (root / "scheduler.pt").exists():
+        return root / "scheduler.pt"  # HF Trainer's name
+    return root / name
+
+
+def _dcp_kwargs() -> dict[str, Any]:
+    # Without a process group DCP runs in a single process; say so instead of letting it warn.
+    return {} if _dist() else {"no_dist": True}
+
+
+def _pairs(models: list[Any], optimizers: list[Any]) -> list[tuple[Any, Any]]:
+    # Accelerate pairs optimizer i with model i; a single model serves every optimizer.
+    if optimizers and not models:
+        raise ValueError("an optimizer needs its model: pass model=...")
+    return [(models[i] if i < len(models) else models[0], opt) for i, opt in enumerate(optimizers)]
+
+
+def save_state(checkpoint_dir: str | os.PathLike[str], model: Any, optimizer: Any = None,
+               scheduler: Any = None, *, step: int | None = None, scaler: Any = None,
+               extra: Mapping[str, Any] | None = None,
+               async_save: bool = False) -> AsyncSave | None:
+    """Save training state in Accelerate's layout; call it on every rank.
+
+    Args:
+        checkpoint_dir: the folder to write (created).
+        model: a module (FSDP2, FSDP1, DDP or plain) or a list of them:
+            ``pytorch_model_fsdp_{i}/``.
+        optimizer: an optimizer or a list (``optimizer_{i}/``, paired with model i).
+        scheduler: an LR scheduler or a list (``scheduler.bin``, ``scheduler_{i}.bin``).
+        step: saved in every ``random_states_{rank}.pkl`` and returned by load_state.
+        scaler: a GradScaler (``scaler.pt``).
+        extra: objects with ``state_dict()``, saved as ``custom_checkpoint_{i}.pkl`` in
+            order (Accelerate's ``register_for_checkpointing`` numbering).
+        async_save: write model and optimizer in the background; returns an
+            :class:`AsyncSave` whose ``wait()`` every rank must call.
+
+    Returns:
+        None, or the :class:`AsyncSave` handle.
+
+    Example:
+        >>> fsdpckpt.save_state("ckpt/step_100", model, optimizer, scheduler, step=100)
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    root = Path(checkpoint_dir)
+    rank, _world = _rank_world()
+    models, optimizers = _as_list(model), _as_list(optimizer)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    futures = []
+    save = dcp.async_save if async_save else dcp.save
+    parts: list[tuple[str, Path]] = []
+    for i, module in enumerate(models):
+        state = {"model": get_model_state_dict(module)}
+        parts.append(("model", _model_folder(root, i)))
+        futures.append(save(state, checkpoint_id=str(_model_folder(root, i)), **_dcp_kwargs()))
+    for i, (module, opt) in enumerate(_pairs(models, optimizers)):
+        state = {"optimizer": get_optimizer_state_dict(module, opt)}
+        futures.append(save(state, checkpoint_id=str(_optimizer_folder(root, i)), **_dcp_kwargs()))
+    save_rng_state(root / f"random_states_{rank}.pkl", step)
+    if rank == 0:
+        for i, sched in enumerate(_as_list(scheduler)):
+            torch.save(sched.state_dict(), _scheduler_file(root, i))
+        if scaler is not None:
+            torch.save(scaler.state_dict(), root / "scaler.pt")
+        for i, obj in enumerate((extra or {}).values()):
+            torch.save(obj.state_dict(), root / f"custom_checkpoint_{i}.pkl")
+    if async_save:
+        return AsyncSave(futures)
+    _barrier()
+    return None
+
+
+def _global_shape(value: Any) -> tuple[int, ...] | None:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)  # DTensor and ShardedTensor report the global shape
+    size = getattr(value, "size", None)
+    return tuple(size()) if callable(size) else None
+
+
+def _compare(folder: Path, state: Mapping[str, Any], prefix: str) -> tuple[list, list, list]:
+    stored = {t.name: t.shape for t in read_dcp_folder(folder).metadata.tensors}
+    stored.update({o.name: None for o in read_dcp_folder(folder).metadata.objects})
+    missing, mismatched = [], []
+    wanted = set()
+    for key, value in state.items():
+        name = f"{prefix}.{key}"
+        wanted.add(name)
+        shape = _global_shape(value)
+        if name not in stored:
+            missing.append(key)
+        elif shape is not None and stored[name] is not None and tuple(stored[name]) != shape:
+            mismatched.append(f"{key} (checkpoint {list(stored[name])}, model {list(shape)})")
+    unexpected = [n[len(prefix) + 1:] for n in stored if n not in wanted and
+                  n.startswith(prefix + ".")]
+    return missing, unexpected, mismatched
+
+
+def _mismatch_message(folder: Path, missing: list, unexpected: list, mismatched: list) -> str:
+    parts = []
+    for label, items in (("missing from the checkpoint", missing),
+                         ("not in the model", unexpected), ("shape differs", mismatched)):
+        if items:
+            shown = ", ".join(items[:5]) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
+            parts.append(f"{len(items)} {label}: {shown}")
+    return (f"{folder}: the model does not match the checkpoint; " + "; ".join(parts) +
+            ". Nothing was loaded. Pass strict=False to load the keys that match.")
+
+
+def _check_parts(root: Path, models: list, optimizers: list, schedulers: list) -> None:
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root}: no such checkpoint folder; check the path.")
+    problems = []
+    for i in range(len(models)):
+        if not (_model_folder(root, i) / ".metadata").is_file():
+            problems.append(f"{_model_folder(root, i).name}/ (model {i})")
+    for i in range(len(optimizers)):
+        if not (_optimizer_folder(root, i) / ".metadata").is_file():
+            problems.append(f"{_optimizer_folder(root, i).name}/ (optimizer {i})")
+    for i in range(len(schedulers)):
+        if not _scheduler_file(root, i, reading=True).is_file():
+            problems.append(f"{_scheduler_file(root, i).name} (scheduler {i})")
+    if problems:
+        kind = "is not a checkpoint" if not any(root.iterdir()) or not any(
+            (root / n).exists() for n in ("pytorch_model_fsdp_0", "optimizer_0")) else "lacks"
+        message = (f"{root}: {kind}: missing " + ", ".join(problems) +
+                   "; pass only the parts it was saved with, or the right folder")
+        raise (NotACheckpointError if kind.startswith("is not") else CheckpointNotFoundError)(
+            message)
+
+
+def _load_trusted(path: Path) -> Any:
+    import pickle
+
+    import torch
+
+    from .errors import UnsafePickleError
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafePickleError(f"{path}: refused by torch.load(weights_only=True): "
+                                f"{str(exc).strip().splitlines()[0][:200]}") from None
+
+
+def load_state(checkpoint_dir: str | os.PathLike[str], model: Any, optimizer: Any = None,
+               scheduler: Any = None, *, scaler: Any = None,
+               extra: Mapping[str, Any] | None = None, strict: bool = True) -> LoadResult:
+    """Load what :func:`save_state` (or ``accelerator.save_state``) wrote; call it on every rank.
+
+    Model and optimizer reshard to the current world size. With ``strict``, a model
+    whose keys or shapes differ from the checkpoint raises :class:`StateMismatchError`
+    before any state is changed. RNG state follows the policy in :mod:`fsdpckpt.rng`.
+
+    Returns:
+        A :class:`LoadResult` with the saved step, the parts restored and warnings.
+
+    Example:
+        >>> result = fsdpckpt.load_state("ckpt/step_100", model, optimizer, scheduler)
+        >>> start = result.step + 1
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    root = Path(checkpoint_dir)
+    rank, world = _rank_world()
+    models, optimizers, schedulers = _as_list(model), _as_list(optimizer), _as_list(scheduler)
+    _check_parts(root, models, optimizers, schedulers)
+    templates = [get_model_state_dict(m) for m in models]
+    for i, state in enumerate(templates):
+        missing, unexpected, mismatched = _compare(_model_folder(root, i), state, "model")
+        if strict and (missing or unexpected or mismatched):
+            raise StateMismatchError(_mismatch_message(_model_folder(root, i), missing,
+                                                       unexpected, mismatched))
+        for key in missing + [m.split(" (")[0] for m in mismatched]:
+            state.pop(key, None)
+    restored: list[str] = []
+    try:
+        for i, (module, state) in enumerate(zip(models, templates)):
+            wrapped = {"model": state}
+            dcp.load(wrapped, checkpoint_id=str(_model_folder(root, i)), **_dcp_kwargs())
+            set_model_state_dict(module, wrapped["model"], options=StateDictOptions(strict=strict))
+        restored += ["model"] * bool(models)
+        for i, (module, opt) in enumerate(_pairs(models, optimizers)):
+            wrapped = {"optimizer": get_optimizer_state_dict(module, opt)}
+            dcp.load(wrapped, checkpoint_id=str(_optimizer_folder(root, i)), **_dcp_kwargs())
+            set_optimizer_state_dict(module, opt, wrapped["optimizer"])
+        restored += ["optimizer"] * bool(optimizers)
+    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+        raise NotACheckpointError(f"{root}: DCP could not load it: {exc}") from None
+    for i, sched in enumerate(schedulers):
+        sched.load_state_dict(_load_trusted(_scheduler_file(root, i, reading=True)))
+    restored += ["scheduler"] * bool(schedulers)
+    if scaler is not None:
+        scaler.load_state_dict(_load_trusted(root / "scaler.pt"))
+        restored.append("scaler")
+    for i, (name, obj) in enumerate((extra or {}).items()):
+        obj.load_state_dict(_load_trusted(root / f"custom_checkpoint_{i}.pkl"))
+        restored.append(f"extra:{name}")
+    step, warnings = restore_rng(root, rank, world)
+    restored += ["rng"] * (step is not None or not warnings)
+    _barrier()
+    return LoadResult(step, tuple(restored), tuple(warnings))

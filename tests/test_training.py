@@ -1,0 +1,239 @@
+"""save_state / load_state: exact resume, resharding, Accelerate interop, and errors."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import fsdpckpt
+from fsdpckpt.training import StateMismatchError
+
+import workers
+from conftest import FIXTURES, assert_same_state
+from multirank import run_ranks
+
+multirank = pytest.mark.multirank
+
+
+def _equal_params(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(scope="module", params=["fsdp2", "fsdp1"])
+def resumed(request, tmp_path_factory):
+    """One uninterrupted 2-rank run, and one that saves at step 2, exits, and resumes."""
+    kind, ckpt = request.param, str(tmp_path_factory.mktemp(request.param) / "ckpt")
+    straight = run_ranks(workers.train, kind, ckpt + "-unused", 6, None, False)
+    first = run_ranks(workers.train, kind, ckpt, 6, 2, False)
+    second = run_ranks(workers.train, kind, ckpt, 6, None, True)
+    return kind, ckpt, straight, first, second
+
+
+@multirank
+def test_resume_gives_bit_identical_losses_and_parameters(resumed):
+    _kind, _ckpt, straight, first, second = resumed
+    for rank in range(2):
+        assert first[rank]["losses"] + second[rank]["losses"] == straight[rank]["losses"]
+        assert len(second[rank]["losses"]) == 3
+    _equal_params(second[0]["params"], straight[0]["params"])
+    for rank in range(2):
+        assert_same_state(second[rank]["optim"], straight[rank]["optim"])
+    assert second[0]["lr"] == straight[0]["lr"]
+
+
+@multirank
+def test_resume_restores_every_part(resumed):
+    second = resumed[4]
+    assert second[0]["restored"] == ("model", "optimizer", "scheduler", "rng")
+    assert second[0]["warnings"] == ()
+
+
+@multirank
+def test_layout_is_accelerates(resumed):
+    ckpt = resumed[1]
+    assert sorted(os.listdir(ckpt)) == ["optimizer_0", "pytorch_model_fsdp_0",
+                                        "random_states_0.pkl", "random_states_1.pkl",
+                                        "scheduler.bin"]
+
+
+@multirank
+def test_two_rank_checkpoint_loads_into_one_plain_process(resumed):
+    _kind, ckpt, _straight, first, _second = resumed
+    model = workers.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    result = fsdpckpt.load_state(ckpt, model, optimizer, scheduler)
+    params, optim = workers.full_state(model, optimizer)
+    _equal_params(params, first[0]["params"])
+    saved = fsdpckpt.load_full_state_dict(os.path.join(ckpt, "optimizer_0"))["optimizer"]
+    assert_same_state(optim, saved)
+    assert result.step == 2 and result.warnings  # 1 rank, RNG saved for 2: said, not silent
+
+
+@multirank
+def test_two_rank_checkpoint_loads_on_two_ranks_with_equal_state(resumed):
+    _kind, ckpt, _straight, first, _second = resumed
+    loaded = run_ranks(workers.load_into, "fsdp2", ckpt)
+    _equal_params(loaded[0]["params"], first[0]["params"])
+    for rank in range(2):
+        assert_same_state(loaded[rank]["optim"], first[rank]["optim"])
+
+
+def test_plain_single_process_resume_is_exact(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    straight = workers.train(0, 1, "plain", ckpt + "-unused", 6, None, False)
+    first = workers.train(0, 1, "plain", ckpt, 6, 2, False)
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)  # scramble: load must restore
+    second = workers.train(0, 1, "plain", ckpt, 6, None, True)
+    assert first["losses"] + second["losses"] == straight["losses"]
+    _equal_params(second["params"], straight["params"])
+
+
+@multirank
+def test_accelerate_load_state_reads_our_checkpoint(tmp_path):
+    ranks = run_ranks(workers.accelerate_loads_ours, str(tmp_path / "ckpt"))
+    saved = ranks[0]["saved"]
+    _equal_params(ranks[0]["params"], saved["params"])
+    assert_same_state(ranks[0]["optim"], saved["optim"])
+    assert ranks[0]["sched"]["last_epoch"] == 2
+
+
+@multirank
+def test_we_read_accelerates_checkpoint(tmp_path):
+    ranks = run_ranks(workers.we_load_accelerates, str(tmp_path / "ckpt"))
+    saved_params, saved_optim, saved_sched = ranks[0]["saved"]
+    _equal_params(ranks[0]["params"], saved_params)
+    assert_same_state(ranks[0]["optim"], saved_optim)
+    assert ranks[0]["sched"] == saved_sched
+    assert ranks[0]["restored"] == ("model", "optimizer", "scheduler", "rng")
+
+
+def test_accelerate_fixture_loads_into_a_plain_model():
+    # The committed fixture was written by accelerator.save_state on 2 FSDP2 ranks.
+    import sys
+
+    sys.path.insert(0, str(FIXTURES))
+    from generate import _model
+
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    result = fsdpckpt.load_state(FIXTURES / "fsdp2_accelerate", model, optimizer, scheduler)
+    expected = fsdpckpt.load_full_state_dict(FIXTURES / "fsdp2_accelerate" /
+                                             "pytorch_model_fsdp_0")["model"]
+    _equal_params(model.state_dict(), expected)
+    saved = torch.load(FIXTURES / "fsdp2_accelerate" / "scheduler.bin", weights_only=True)
+    assert scheduler.state_dict() == saved
+    assert result.restored == ("model", "optimizer", "scheduler", "rng")
+
+
+# --- errors --------------------------------------------------------------------
+
+def _saved_plain(tmp_path):
+    model = workers.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    fsdpckpt.save_state(tmp_path / "ckpt", model, optimizer, step=5)
+    return tmp_path / "ckpt"
+
+
+def test_mismatched_model_is_refused_before_anything_changes(tmp_path):
+    ckpt = _saved_plain(tmp_path)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3),
+                                torch.nn.Linear(3, 3))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(StateMismatchError) as caught:
+        fsdpckpt.load_state(ckpt, other)
+    message = str(caught.value)
+    assert "1 missing from the checkpoint: 3.weight" in message.replace(", 3.bias", "") or \
+        "missing from the checkpoint" in message
+    assert "shape differs: 0.weight (checkpoint [17, 8], model [16, 8])" in message
+    assert "strict=False" in message
+    _equal_params(other.state_dict(), before)
+
+
+def test_non_strict_load_takes_the_keys_that_match(tmp_path):
+    ckpt = _saved_plain(tmp_path)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 17), torch.nn.ReLU(), torch.nn.Linear(17, 3),
+                                torch.nn.Linear(3, 3))
+    fsdpckpt.load_state(ckpt, other, strict=False)
+    saved = fsdpckpt.load_full_state_dict(ckpt / "pytorch_model_fsdp_0")["model"]
+    assert torch.equal(other[0].weight, saved["0.weight"])
+
+
+def test_missing_part_is_named(tmp_path):
+    model = workers.make_model()
+    fsdpckpt.save_state(tmp_path / "ckpt", model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(fsdpckpt.FsdpCkptError, match="optimizer_0/"):
+        fsdpckpt.load_state(tmp_path / "ckpt", model, optimizer)
+
+
+def test_hostile_rng_file_is_refused_and_never_runs(tmp_path):
+    ckpt = _saved_plain(tmp_path)
+    sentinel = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {sentinel}",))
+
+    torch.save(Evil(), ckpt / "random_states_0.pkl")
+    with pytest.raises(fsdpckpt.UnsafePickleError, match="random_states_0.pkl"):
+        fsdpckpt.load_state(ckpt, workers.make_model())
+    assert not sentinel.exists()
+
+
+def test_folder_that_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(fsdpckpt.NotACheckpointError, match="not a checkpoint"):
+        fsdpckpt.load_state(tmp_path, workers.make_model())
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(fsdpckpt.CheckpointNotFoundError):
+        fsdpckpt.load_state(tmp_path / "nope", workers.make_model())
+
+
+def test_step_comes_back(tmp_path):
+    ckpt = _saved_plain(tmp_path)
+    assert fsdpckpt.load_state(ckpt, workers.make_model()).step == 5
+
+
+def test_rng_file_is_accelerates_format(tmp_path):
+    ckpt = _saved_plain(tmp_path)
+    state = fsdpckpt.rng.load_rng_file(ckpt / "random_states_0.pkl")
+    assert {"step", "random_state", "numpy_random_seed", "torch_manual_seed"} <= set(state)
+
+
+def test_async_save_completes_on_wait(tmp_path):
+    model = workers.make_model()
+    handle = fsdpckpt.save_state(tmp_path / "ckpt", model, async_save=True)
+    handle.wait()
+    assert handle.done()
+    fresh = workers.make_model()
+    with torch.no_grad():
+        fresh[0].weight.zero_()
+    fsdpckpt.load_state(tmp_path / "ckpt", fresh)
+    _equal_params(fresh.state_dict(), model.state_dict())
+
+
+def test_the_documented_training_loop_resumes_exactly(tmp_path):
+    import importlib.util
+    import shutil
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("training_example",
+                                                  ROOT / "docs" / "training_example.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    straight = example.main(str(tmp_path / "a"), total_steps=6)
+    example.main(str(tmp_path / "b"), total_steps=4)        # stops after step 3 (saved)
+    shutil.rmtree(tmp_path / "b" / "step_1")                 # resume from the newest: step_3
+    torch.manual_seed(123)                                   # the resume must restore RNG
+    resumed = example.main(str(tmp_path / "b"), total_steps=6)
+    assert resumed == straight[4:]

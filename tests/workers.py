@@ -1,0 +1,163 @@
+"""Functions the multi-rank tests run on each rank (module level, so ranks can import them)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+import fsdpckpt
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 17), torch.nn.ReLU(), torch.nn.Linear(17, 3))
+
+
+def wrap(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        return fully_shard(model)
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    return model
+
+
+def _batch():
+    # Draws on all three RNGs, so a resume that restored any of them wrongly diverges.
+    scale = 1.0 + random.random()
+    shift = float(np.random.rand())
+    x = torch.randn(4, 8) * scale + shift
+    return x, torch.randn(4, 3)
+
+
+def _local(tree):
+    """Sharded state as plain tensors: each rank's own shard (ShardedTensor / DTensor)."""
+    if isinstance(tree, dict):
+        return {k: _local(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_local(v) for v in tree]
+    if hasattr(tree, "local_shards"):
+        return tree.local_shards()[0].tensor.clone()
+    if hasattr(tree, "to_local"):
+        return tree.to_local().clone()
+    return tree.clone() if isinstance(tree, torch.Tensor) else tree
+
+
+def full_state(model, optimizer) -> tuple[dict, dict]:
+    """Full parameters and this rank's shard of the optimizer state, as plain values."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDP):
+        # torch 2.13 segfaults gathering a full FSDP1 state dict on CPU; summon instead.
+        from fsdpckpt.keys import clean_key
+
+        with FSDP.summon_full_params(model, writeback=False):
+            params = {clean_key(n): p.detach().clone() for n, p in model.named_parameters()}
+        return params, _local(get_optimizer_state_dict(model, optimizer))
+    params = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                   cpu_offload=True))
+    return ({k: v.clone() for k, v in params.items()},
+            _local(get_optimizer_state_dict(model, optimizer)))
+
+
+def train(rank: int, world: int, kind: str, ckpt: str, steps: int, save_at: int | None,
+          resume: bool) -> dict:
+    """Train ``steps`` steps; save after step ``save_at`` and stop there, or resume from ``ckpt``."""
+    random.seed(100 + rank)
+    np.random.seed(200 + rank)
+    torch.manual_seed(300 + rank)
+    model = wrap(make_model(), kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    start, losses, info = 0, [], {}
+    if resume:
+        result = fsdpckpt.load_state(ckpt, model, optimizer, scheduler)
+        start = result.step + 1
+        info = {"restored": result.restored, "warnings": result.warnings}
+    for step in range(start, steps):
+        x, y = _batch()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        losses.append(loss.item())
+        if step == save_at:
+            fsdpckpt.save_state(ckpt, model, optimizer, scheduler, step=step)
+            break
+    params, optim = full_state(model, optimizer)
+    return {"losses": losses, "params": params, "optim": optim, "lr": scheduler.get_last_lr(),
+            **info}
+
+
+def load_into(rank: int, world: int, kind: str, ckpt: str) -> dict:
+    """Load ``ckpt`` into a fresh model, AdamW and StepLR of this kind; return the full states."""
+    model = wrap(make_model(), kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    result = fsdpckpt.load_state(ckpt, model, optimizer, scheduler)
+    params, optim = full_state(model, optimizer)
+    return {"params": params, "optim": optim, "step": result.step, "warnings": result.warnings}
+
+
+def _accelerator():
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    # Accelerate runs FSDP only for GPU kinds; this makes it run FSDP2 with gloo on the CPU.
+    PartialState(cpu=True)
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    return Accelerator(fsdp_plugin=plugin, cpu=True)
+
+
+def accelerate_loads_ours(rank: int, world: int, ckpt: str) -> dict:
+    """Save with fsdpckpt (FSDP2), then load with a fresh Accelerator's load_state."""
+    steps = train(rank, world, "fsdp2", ckpt, steps=3, save_at=1, resume=False)
+    accelerator = _accelerator()
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    accelerator.load_state(ckpt)
+    params, optim = full_state(model, optimizer)
+    return {"saved": steps, "params": params, "optim": optim, "sched": scheduler.state_dict()}
+
+
+def we_load_accelerates(rank: int, world: int, ckpt: str) -> dict:
+    """Train and save with Accelerate (FSDP2), then load with fsdpckpt.load_state."""
+    accelerator = _accelerator()
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    for _ in range(2):
+        x, y = _batch()
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    saved_params, saved_optim = full_state(model, optimizer)
+    saved_sched = scheduler.state_dict()
+    accelerator.save_state(ckpt)
+    fresh = wrap(make_model(), "fsdp2")
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.05)
+    fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=2, gamma=0.5)
+    result = fsdpckpt.load_state(ckpt, fresh, fresh_opt, fresh_sched)
+    params, optim = full_state(fresh, fresh_opt)
+    return {"saved": (saved_params, saved_optim, saved_sched), "params": params, "optim": optim,
+            "sched": fresh_sched.state_dict(), "restored": result.restored}

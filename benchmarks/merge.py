@@ -13,7 +13,9 @@ whole processes and takes each one's wall time and peak RSS (from wait4):
   - `accelerate merge-weights DIR OUT`        (Accelerate's merge_fsdp_weights)
   - torch's `dcp_to_torch_save(DIR, OUT/model.pt)`
   - `cp -r DIR OUT`                            (the I/O floor)
-Page cache is warm (one untimed read first). Ratios are against the anchors
+  - `cp -r DIR OUT && sync` (the floor for a durable copy: fsdpckpt fsyncs its output)
+Page cache is warm (one untimed read first); `sync` runs, untimed, before each
+tool so that none pays for the write-back of the one before it. Ratios are against the anchors
 measured in the same run. Targets (issue 3): fsdpckpt peak RSS <= 300 MB and
 within 10% between sizes; >= 4x faster than Accelerate; <= 2x `cp -r`.
 """
@@ -99,6 +101,7 @@ def tools(src: Path, out: Path) -> dict[str, list[str]]:
                                     "f(sys.argv[1], sys.argv[2] + '/model.pt')", str(src),
                                     str(out)],
         "cp -r": ["cp", "-r", str(src), str(out / "copy")],
+        "cp -r + sync": ["sh", "-c", f"cp -r '{src}' '{out}/copy' && sync '{out}/copy'/*"],
     }
 
 
@@ -111,6 +114,7 @@ def measure(src: Path, rounds: int, scratch: Path) -> dict[str, dict[str, float]
         for name, cmd in tools(src, scratch / "out").items():
             shutil.rmtree(scratch / "out", ignore_errors=True)
             (scratch / "out").mkdir()
+            os.sync()  # no tool pays for the write-back of the one before it
             wall, peak = run(cmd)
             times.setdefault(name, []).append(wall)
             peaks.setdefault(name, []).append(peak)

@@ -86,3 +86,22 @@ def assert_same_state(got, expected) -> None:
                                value.reshape(-1).contiguous().view(torch.uint8)), key
         else:
             assert got_flat[key] == value and type(got_flat[key]) is type(value), key
+
+
+def run_cli(*args):
+    """Run the CLI in-process; stdout and stderr stay apart."""
+    from click.testing import CliRunner
+
+    from fsdpckpt.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *fragments):
+    """Exit 1, one `fsdpckpt: error:` line on stderr naming every fragment, no traceback."""
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fsdpckpt: error: "), result.stderr
+    for fragment in fragments:
+        assert str(fragment) in lines[0]
+    assert "Traceback" not in result.output

@@ -9,25 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
-
-from fsdpckpt.cli import main
-
-from conftest import DCP_FOLDERS, FIXTURES
 
 
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
+from conftest import assert_one_line_error, run_cli as run, DCP_FOLDERS, FIXTURES
 
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 1
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("fsdpckpt: error: ")
-    for fragment in fragments:
-        assert str(fragment) in lines[0]
-    assert "Traceback" not in result.output
 
 
 # --- what a user sees -------------------------------------------------------

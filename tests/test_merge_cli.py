@@ -11,24 +11,11 @@ import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
 
 import fsdpckpt
-from fsdpckpt.cli import main
 
-from conftest import DCP_FOLDERS, FIXTURES, assert_same_state, reference_state_dict
+from conftest import assert_one_line_error, run_cli as run, DCP_FOLDERS, FIXTURES, assert_same_state, reference_state_dict
 
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.exit_code == 1, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("fsdpckpt: error: "), result.stderr
-    for fragment in fragments:
-        assert str(fragment) in lines[0]
 
 
 def assert_untouched(output_dir, before=()):

@@ -104,10 +104,16 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
     source, out = Path(full_file), Path(out_dir)
     if not source.is_file():
         raise CheckpointNotFoundError(f"{source}: no such file; pass a .safetensors or .bin file")
+    if out.exists() and not out.is_dir():
+        raise NotACheckpointError(f"{out}: is a file; pass a folder for the DCP output.")
     if out.exists() and not overwrite:
-        raise OutputExistsError(f"{out}: already exists; pass --overwrite to replace it")
-    if not out.parent.is_dir():
-        raise CheckpointNotFoundError(f"{out.parent}: no such folder; create it first.")
+        raise OutputExistsError(f"{out}: already exists; pass overwrite=True (--overwrite) "
+                                "to replace it")
+    if out.exists() and any(out.iterdir()) and not (out / ".metadata").is_file():
+        # Replacing means deleting: only ever delete a folder that is a DCP checkpoint.
+        raise OutputExistsError(f"{out}: exists and is not a DCP folder, so --overwrite will "
+                                "not delete it; choose another output folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.fsdpckpt-tmp-", dir=out.parent))
     entries: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
@@ -155,7 +161,9 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
         if out.exists():
             shutil.rmtree(out)
         os.replace(stage, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(stage, ignore_errors=True)
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            raise KeyboardInterrupt from None  # torch.save turns Ctrl-C into a RuntimeError
         raise
     return ConvertResult(out, tensors, objects, nbytes)

@@ -105,6 +105,14 @@ def _classify_dir(path: Path) -> DcpPart | None:
     return None
 
 
+def _holds_checkpoint(path: Path) -> bool:
+    try:
+        return any(e.is_dir() and (_MODEL_DIR.match(e.name) or _OPTIMIZER_DIR.match(e.name))
+                   for e in os.scandir(path))
+    except OSError:
+        return False
+
+
 def _side_file(entry: os.DirEntry[str]) -> SideFile | None:
     for pattern, kind in _SIDE_FILES:
         if match := pattern.match(entry.name):
@@ -157,6 +165,12 @@ def find_layout(path: str | os.PathLike[str]) -> CheckpointLayout:
             side.append(found)
         else:
             other.append(entry.name)
+    # A sub-folder that is itself a whole checkpoint makes this a folder of checkpoints,
+    # whatever the names: list them all rather than treat one DCP folder as the checkpoint.
+    nested += [e.name for e in entries if e.is_dir() and _holds_checkpoint(Path(e.path))]
+    if nested:
+        nested = sorted(set(nested) | {p.name for p in parts if p.kind == "dcp"})
+        parts = []
     if not parts:
         if nested:
             listed = ", ".join(nested[:5]) + (f" and {len(nested) - 5} more" if len(nested) > 5 else "")

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .dtypes import DType, dtype_from_name
-from .errors import NotACheckpointError
+from .checks import check_folder
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from .layout import DcpPart, find_layout
 from .plan import MergePlan, MergePlanError, parse_size, plan_merge
 from .reader import read_dcp_folder
@@ -148,11 +149,33 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
         >>> fsdpckpt.merge("ckpt", "out", dtype="bf16", max_shard_size="5GB")
     """
     out = Path(output_dir)
-    export = parse_dtype(dtype)
-    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    include = [include] if isinstance(include, str) else list(include)
+    exclude = [exclude] if isinstance(exclude, str) else list(exclude)
+    errors: list[Exception] = []
+    export = limit = parts = None
+    for attempt in ("dtype", "size", "parts"):  # every problem with the options, at once
+        try:
+            if attempt == "dtype":
+                export = parse_dtype(dtype)
+            elif attempt == "size" and max_shard_size is not None:
+                limit = parse_size(max_shard_size)
+            elif attempt == "parts":
+                parts = resolve_folders(checkpoint, optimizer=optimizer,
+                                        model_index=model_index)
+        except (MergePlanError, NotACheckpointError, CheckpointNotFoundError) as exc:
+            errors.append(exc)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise MergePlanError("; ".join(map(str, errors)))
     plans: list[MergePlan] = []
-    for part in resolve_folders(checkpoint, optimizer=optimizer, model_index=model_index):
+    for part in parts or []:
         folder = read_dcp_folder(part.path)
+        problems = check_folder(folder)
+        if problems:  # fail before writing, from metadata and file sizes alone
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise CorruptCheckpointError(f"{problems[0]}{more}; run `fsdpckpt inspect "
+                                         f"{folder.path}` for the full list")
         keys = [t.key_path for t in folder.metadata.tensors]
         plans.append(plan_merge(folder, format=format, dtype=export, clean_keys=not keep_keys,
                                 include=include, exclude=exclude, max_shard_size=limit,
@@ -165,7 +188,8 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
     if existing and not overwrite:
         raise OutputExistsError(f"{existing[0]}: already exists"
                                 + (f" (and {len(existing) - 1} more)" if len(existing) > 1 else "")
-                                + "; pass --overwrite to replace, or choose another folder")
+                                + "; pass overwrite=True (--overwrite) to replace it, or "
+                                "choose another folder")
     if out.exists() and not out.is_dir():
         raise NotACheckpointError(f"{out}: is a file; pass a folder for the output.")
     results = []

@@ -83,25 +83,32 @@ def load_rng_file(path: Path) -> dict[str, Any]:
         UnsafePickleError: the file asks for anything else (it may be hostile).
         NotACheckpointError: the file is not a torch.save archive of a dict.
     """
-    import pickle
 
     import torch
 
     try:
         with torch.serialization.safe_globals(_numpy_globals()):
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        # weights_only refuses every global outside the allowlist with this error.
-        lines = [ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln.upper()]
-        detail = (lines or [str(exc).strip().splitlines()[0]])[0][:200]
-        raise UnsafePickleError(f"{path}: refused, it asks for more than RNG state ({detail}); "
-                                "nothing was executed. Delete the file to resume without "
-                                "it.") from None
-    except (RuntimeError, EOFError, OSError) as exc:
-        raise NotACheckpointError(f"{path}: not a readable RNG state file ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - turned into one clear error
+        raise refused(path, exc, "RNG state") from None
     if not isinstance(state, dict):
         raise NotACheckpointError(f"{path}: holds a {type(state).__name__}, not RNG state")
     return state
+
+
+def refused(path: Path, exc: BaseException, what: str) -> Exception:
+    """The error for a file ``torch.load(weights_only=True)`` would not load."""
+    import pickle
+    import re
+
+    if isinstance(exc, pickle.UnpicklingError):
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        named = f"the global '{found.group(1)}'" if found else "an object outside the allowlist"
+        return UnsafePickleError(f"{path}: refusing to load {named}, which a {what} file never "
+                                 "holds; the file may be hostile. Nothing was executed. Delete "
+                                 "the file to resume without it.")
+    return NotACheckpointError(f"{path}: not a readable {what} file ({type(exc).__name__}); "
+                               "it is damaged or not a torch.save file")
 
 
 def _apply(state: dict[str, Any]) -> None:

@@ -103,6 +103,20 @@ def _scheduler_file(root: Path, i: int, *, reading: bool = False) -> Path:
     return root / name
 
 
+_PART_PATTERNS = ("pytorch_model_fsdp_*", "optimizer_*", "random_states_*.pkl", "scheduler*.bin",
+                  "scaler.pt", "custom_checkpoint_*.pkl")
+
+
+def _remove_stale_parts(root: Path) -> None:
+    # Saving into a folder that holds an older checkpoint must not leave parts of the old
+    # one beside the new (an optimizer saved then, and not now, would be loaded later).
+    import shutil
+
+    for pattern in _PART_PATTERNS:
+        for path in root.glob(pattern):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def _dcp_kwargs() -> dict[str, Any]:
     # Without a process group DCP runs in a single process; say so instead of letting it warn.
     return {} if _dist() else {"no_dist": True}
@@ -150,6 +164,7 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any, optimizer: An
     models, optimizers = _as_list(model), _as_list(optimizer)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_parts(root)
     _barrier()
     futures = []
     save = dcp.async_save if async_save else dcp.save
@@ -202,6 +217,13 @@ def _compare(folder: Path, state: Mapping[str, Any], prefix: str) -> tuple[list,
     return missing, unexpected, mismatched
 
 
+def _flatten(state: Mapping[str, Any]) -> dict[str, Any]:
+    """DCP's flat names (``state.0.weight.exp_avg``) for a nested state dict."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    return flatten_state_dict(dict(state))[0]
+
+
 def _mismatch_message(folder: Path, missing: list, unexpected: list, mismatched: list) -> str:
     parts = []
     for label, items in (("missing from the checkpoint", missing),
@@ -236,17 +258,14 @@ def _check_parts(root: Path, models: list, optimizers: list, schedulers: list) -
 
 
 def _load_trusted(path: Path) -> Any:
-    import pickle
-
     import torch
 
-    from .errors import UnsafePickleError
+    from .rng import refused
 
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UnsafePickleError(f"{path}: refused by torch.load(weights_only=True): "
-                                f"{str(exc).strip().splitlines()[0][:200]}") from None
+    except Exception as exc:  # noqa: BLE001 - turned into one clear error
+        raise refused(path, exc, "state") from None
 
 
 def load_state(checkpoint_dir: str | os.PathLike[str], model: Any, optimizer: Any = None,
@@ -284,6 +303,13 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any, optimizer: An
                                                        unexpected, mismatched))
         for key in missing + [m.split(" (")[0] for m in mismatched]:
             state.pop(key, None)
+    optimizer_templates = [get_optimizer_state_dict(m, o) for m, o in _pairs(models, optimizers)]
+    for i, state in enumerate(optimizer_templates):
+        folder = _optimizer_folder(root, i)
+        missing, unexpected, mismatched = _compare(folder, _flatten(state), "optimizer")
+        if missing or mismatched:  # a different optimizer (SGD for AdamW) or model
+            raise StateMismatchError(_mismatch_message(folder, missing, unexpected, mismatched)
+                                     .replace("the model does not", "the optimizer does not"))
     restored: list[str] = []
     try:
         for i, (module, state) in enumerate(zip(models, templates)):
@@ -291,13 +317,15 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any, optimizer: An
             dcp.load(wrapped, checkpoint_id=str(_model_folder(root, i)), **_dcp_kwargs())
             set_model_state_dict(module, wrapped["model"], options=StateDictOptions(strict=strict))
         restored += ["model"] * bool(models)
-        for i, (module, opt) in enumerate(_pairs(models, optimizers)):
-            wrapped = {"optimizer": get_optimizer_state_dict(module, opt)}
+        for i, ((module, opt), state) in enumerate(zip(_pairs(models, optimizers),
+                                                       optimizer_templates)):
+            wrapped = {"optimizer": state}
             dcp.load(wrapped, checkpoint_id=str(_optimizer_folder(root, i)), **_dcp_kwargs())
             set_optimizer_state_dict(module, opt, wrapped["optimizer"])
         restored += ["optimizer"] * bool(optimizers)
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
-        raise NotACheckpointError(f"{root}: DCP could not load it: {exc}") from None
+        first = str(exc).strip().splitlines()[0][:300]
+        raise NotACheckpointError(f"{root}: DCP could not load it ({first})") from None
     for i, sched in enumerate(schedulers):
         sched.load_state_dict(_load_trusted(_scheduler_file(root, i, reading=True)))
     restored += ["scheduler"] * bool(schedulers)

@@ -56,14 +56,17 @@ def _fsync_dir(path: Path) -> None:
 def staging(output_dir: Path) -> Iterator[Path]:
     """A hidden folder inside ``output_dir`` that is removed on exit, whatever happens.
 
-    ``output_dir`` is created if needed, and removed again on failure if it was.
+    ``output_dir`` (and missing parents) is created if needed, and removed again on
+    failure if it was.
     """
     if output_dir.exists() and not output_dir.is_dir():
         raise NotACheckpointError(f"{output_dir}: is a file; pass a folder for the output.")
-    created = not output_dir.exists()
-    if created and not output_dir.parent.is_dir():
-        raise CheckpointNotFoundError(f"{output_dir.parent}: no such folder; create it first.")
-    output_dir.mkdir(exist_ok=True)
+    created = output_dir  # the outermost folder this merge creates, removed on failure
+    while not created.parent.exists():
+        created = created.parent
+    if created.exists():
+        created = None  # type: ignore[assignment]
+    output_dir.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".fsdpckpt-tmp-", dir=output_dir))
     ok = False
     try:
@@ -71,8 +74,8 @@ def staging(output_dir: Path) -> Iterator[Path]:
         ok = True
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-        if created and not ok:
-            shutil.rmtree(output_dir, ignore_errors=True)
+        if created is not None and not ok:
+            shutil.rmtree(created, ignore_errors=True)
 
 
 def _reserve(fd: int, size: int, path: Path) -> None:

@@ -71,3 +71,13 @@ def test_unrelated_folder(tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(NotACheckpointError, match="no checkpoint here"):
         find_layout(tmp_path)
+
+
+def test_folder_of_checkpoints_with_any_names_lists_them(tmp_path):
+    import shutil
+
+    for name in ("ckA", "ckB"):
+        shutil.copytree(FIXTURES / "fsdp2_accelerate", tmp_path / name)
+    shutil.copytree(DCP_FOLDERS["dtensor"], tmp_path / "loose_dcp")
+    with pytest.raises(NotACheckpointError, match="ckA, ckB, loose_dcp"):
+        find_layout(tmp_path)

@@ -270,3 +270,72 @@ def test_convert_refuses_an_existing_folder(tmp_path):
 def test_convert_missing_input(tmp_path):
     assert_one_line_error(run("convert", tmp_path / "nope.safetensors", tmp_path / "dcp"),
                           "no such file")
+
+
+def test_convert_overwrite_never_deletes_a_folder_that_is_not_a_checkpoint(tmp_path):
+    fsdpckpt.merge(DCP_FOLDERS["dtensor"], tmp_path / "m")
+    (tmp_path / "important").mkdir()
+    (tmp_path / "important" / "notes.txt").write_text("precious")
+    result = run("convert", tmp_path / "m" / "model.safetensors", tmp_path / "important",
+                 "--overwrite")
+    assert_one_line_error(result, "not a DCP folder")
+    assert (tmp_path / "important" / "notes.txt").read_text() == "precious"
+
+
+def test_convert_overwrite_replaces_a_dcp_folder(tmp_path):
+    fsdpckpt.merge(DCP_FOLDERS["dtensor"], tmp_path / "m")
+    shutil.copytree(DCP_FOLDERS["fsdp2-model"], tmp_path / "dcp")
+    assert run("convert", tmp_path / "m" / "model.safetensors", tmp_path / "dcp",
+               "--overwrite").exit_code == 0
+    assert not (tmp_path / "dcp" / "__1_0.distcp").exists()
+
+
+def test_convert_to_a_file_path(tmp_path):
+    fsdpckpt.merge(DCP_FOLDERS["dtensor"], tmp_path / "m")
+    (tmp_path / "f").write_text("x")
+    assert_one_line_error(run("convert", tmp_path / "m" / "model.safetensors", tmp_path / "f",
+                              "--overwrite"), "is a file")
+
+
+def test_outputs_in_missing_parent_folders_are_created(tmp_path):
+    assert run("merge", DCP_FOLDERS["dtensor"], tmp_path / "a" / "b" / "out", "-q").exit_code == 0
+    assert (tmp_path / "a" / "b" / "out" / "model.safetensors").is_file()
+    assert run("convert", tmp_path / "a" / "b" / "out" / "model.safetensors",
+               tmp_path / "seed" / "pytorch_model_fsdp_0").exit_code == 0
+
+
+def test_failed_merge_removes_the_parent_folders_it_created(tmp_path, dtensor_copy):
+    (dtensor_copy / "__1_0.distcp").unlink()
+    run("merge", dtensor_copy, tmp_path / "x" / "y" / "out")
+    assert not (tmp_path / "x").exists()
+
+
+def test_truncated_shard_fails_before_writing_with_the_size_check(tmp_path, dtensor_copy,
+                                                                  monkeypatch):
+    import fsdpckpt.writer as writer
+
+    target = dtensor_copy / "__1_0.distcp"
+    os.truncate(target, target.stat().st_size - 50)
+    monkeypatch.setattr(writer, "write_plan", lambda *a, **k: pytest.fail("started writing"))
+    assert_one_line_error(run("merge", dtensor_copy, tmp_path / "out"), "truncated",
+                          "fsdpckpt inspect")
+
+
+def test_include_may_be_a_single_string(tmp_path):
+    from safetensors import safe_open
+
+    (result,) = fsdpckpt.merge(DCP_FOLDERS["fsdp2-model"], tmp_path, include="*.bias")
+    with safe_open(str(result.path), "pt") as handle:
+        assert sorted(handle.keys()) == ["0.bias", "2.bias"]
+
+
+def test_every_option_problem_is_reported_at_once(tmp_path):
+    result = run("merge", FIXTURES / "fsdp2_accelerate", tmp_path / "o", "--max-shard-size",
+                 "abc", "--model-index", "3")
+    assert_one_line_error(result, "abc", "pytorch_model_fsdp_3")
+
+
+def test_python_messages_name_the_keyword(tmp_path):
+    fsdpckpt.merge(DCP_FOLDERS["dtensor"], tmp_path)
+    with pytest.raises(fsdpckpt.OutputExistsError, match="overwrite=True"):
+        fsdpckpt.merge(DCP_FOLDERS["dtensor"], tmp_path)

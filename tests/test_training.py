@@ -183,7 +183,7 @@ def test_hostile_rng_file_is_refused_and_never_runs(tmp_path):
             return (os.system, (f"touch {sentinel}",))
 
     torch.save(Evil(), ckpt / "random_states_0.pkl")
-    with pytest.raises(fsdpckpt.UnsafePickleError, match="random_states_0.pkl"):
+    with pytest.raises(fsdpckpt.UnsafePickleError, match="random_states_0.pkl.*posix.system"):
         fsdpckpt.load_state(ckpt, workers.make_model())
     assert not sentinel.exists()
 
@@ -237,3 +237,24 @@ def test_the_documented_training_loop_resumes_exactly(tmp_path):
     torch.manual_seed(123)                                   # the resume must restore RNG
     resumed = example.main(str(tmp_path / "b"), total_steps=6)
     assert resumed == straight[4:]
+
+
+def test_saving_into_an_old_checkpoint_leaves_no_stale_parts(tmp_path):
+    model = workers.make_model()
+    fsdpckpt.save_state(tmp_path / "ckpt", model, torch.optim.AdamW(model.parameters()), step=1)
+    fsdpckpt.save_state(tmp_path / "ckpt", model, step=2)
+    assert not (tmp_path / "ckpt" / "optimizer_0").exists()
+    with pytest.raises(fsdpckpt.FsdpCkptError, match="optimizer_0/"):
+        fsdpckpt.load_state(tmp_path / "ckpt", model, torch.optim.AdamW(model.parameters()))
+
+
+def test_a_different_optimizer_is_refused_before_anything_changes(tmp_path):
+    ckpt = _saved_plain(tmp_path)  # AdamW
+    model = workers.make_model()
+    with torch.no_grad():
+        model[0].weight.zero_()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(StateMismatchError, match="the optimizer does not match"):
+        fsdpckpt.load_state(ckpt, model, sgd)
+    _equal_params(model.state_dict(), before)

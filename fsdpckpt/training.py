@@ -82,6 +82,19 @@ def _barrier() -> None:
         dist.barrier()
 
 
+_ASYNC_GROUPS: dict[str, Any] = {}
+
+
+def _async_group(part: str) -> Any:
+    # One group per folder: the background saves of model and optimizer run at the same
+    # time, and their collectives must not interleave on a shared group. Groups are made
+    # on the first async save, which every rank makes in the same order (new_group is
+    # collective), and kept for the next ones.
+    if part not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS[part] = _dist().new_group(backend="gloo")
+    return _ASYNC_GROUPS[part]
+
+
 def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
@@ -167,15 +180,22 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any, optimizer: An
         _remove_stale_parts(root)
     _barrier()
     futures = []
-    save = dcp.async_save if async_save else dcp.save
-    parts: list[tuple[str, Path]] = []
+
+    def write(state: dict[str, Any], folder: Path) -> None:
+        if not async_save:
+            dcp.save(state, checkpoint_id=str(folder), **_dcp_kwargs())
+            return
+        kwargs = _dcp_kwargs()
+        if _dist():
+            # The background writer runs collectives while training runs its own; on
+            # one process group they would interleave and hang.
+            kwargs["process_group"] = _async_group(folder.name)
+        futures.append(dcp.async_save(state, checkpoint_id=str(folder), **kwargs))
+
     for i, module in enumerate(models):
-        state = {"model": get_model_state_dict(module)}
-        parts.append(("model", _model_folder(root, i)))
-        futures.append(save(state, checkpoint_id=str(_model_folder(root, i)), **_dcp_kwargs()))
+        write({"model": get_model_state_dict(module)}, _model_folder(root, i))
     for i, (module, opt) in enumerate(_pairs(models, optimizers)):
-        state = {"optimizer": get_optimizer_state_dict(module, opt)}
-        futures.append(save(state, checkpoint_id=str(_optimizer_folder(root, i)), **_dcp_kwargs()))
+        write({"optimizer": get_optimizer_state_dict(module, opt)}, _optimizer_folder(root, i))
     save_rng_state(root / f"random_states_{rank}.pkl", step)
     if rank == 0:
         for i, sched in enumerate(_as_list(scheduler)):

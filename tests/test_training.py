@@ -258,3 +258,13 @@ def test_a_different_optimizer_is_refused_before_anything_changes(tmp_path):
     with pytest.raises(StateMismatchError, match="the optimizer does not match"):
         fsdpckpt.load_state(ckpt, model, sgd)
     _equal_params(model.state_dict(), before)
+
+
+@multirank
+def test_async_save_on_two_ranks_while_training_goes_on(tmp_path):
+    ranks = run_ranks(workers.async_save_while_training, str(tmp_path / "ckpt"))
+    assert all(r["done"] for r in ranks)
+    model = workers.make_model()
+    result = fsdpckpt.load_state(tmp_path / "ckpt", model)
+    _equal_params(model.state_dict(), ranks[0]["saved"])
+    assert result.step == 1

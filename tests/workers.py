@@ -161,3 +161,22 @@ def we_load_accelerates(rank: int, world: int, ckpt: str) -> dict:
     params, optim = full_state(fresh, fresh_opt)
     return {"saved": (saved_params, saved_optim, saved_sched), "params": params, "optim": optim,
             "sched": fresh_sched.state_dict(), "restored": result.restored}
+
+
+def async_save_while_training(rank: int, world: int, ckpt: str) -> dict:
+    """Save asynchronously, keep training (FSDP collectives) while it writes, then wait."""
+    model = wrap(make_model(), "fsdp2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    x, y = _batch()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    saved, _ = full_state(model, optimizer)
+    handle = fsdpckpt.save_state(ckpt, model, optimizer, step=1, async_save=True)
+    for _ in range(2):  # training goes on while the checkpoint is written
+        x, y = _batch()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    handle.wait()
+    return {"saved": saved, "done": handle.done()}

@@ -105,7 +105,7 @@ def _ranks(rank: int, world: int, layers: int, rounds: int, work: str, rendezvou
             for entry in os.listdir(work):
                 shutil.rmtree(f"{work}/{entry}", ignore_errors=True)
     if rank == 0:
-        params = sum(p.numel() for p in model.parameters()) * world * 4 / 2**20
+        params = sum(p.numel() for p in model.parameters()) * 4 / 2**20  # DTensor: global
         print(f"2-rank FSDP2, {layers} x {DIM}x{DIM} fp32 = {params:.0f} MiB of parameters "
               f"(+ AdamW state), median of {rounds} rounds, barrier to barrier")
         raw = {k: statistics.median(times[f"raw dcp {k}"]) for k in ("save", "load")}

@@ -44,6 +44,10 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(f".{lazy[name]}", __name__), name)
     raise AttributeError(f"module 'fsdpckpt' has no attribute {name!r}")
 
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 __all__ = [
     "__version__",
     "CheckpointLayout",

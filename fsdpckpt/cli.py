@@ -111,7 +111,7 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
-        click.echo(render_inspect(doc, chunks=chunks, tensors=not summary))
+        click.echo(render_inspect(doc, chunks=chunks, tensors=not summary, names=names))
     if not doc["ok"]:
         count = len(doc["problems"])
         click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in {path}; "
@@ -143,9 +143,9 @@ def _merge_report(results: list[Any], as_json: bool) -> None:
             for r in results]}, indent=2))
         return
     for r in results:
-        rate = r.bytes / r.seconds / 2**20 if r.seconds > 0 else 0.0
+        rate = human_bytes(r.bytes / r.seconds) if r.seconds > 0 else "-"
         click.echo(f"merged {r.source} -> {r.path}: {r.tensors} tensors, {human_bytes(r.bytes)} "
-                   f"in {r.seconds:.2f} s ({rate:.0f} MiB/s)")
+                   f"in {r.seconds:.2f} s ({rate}/s)")
         if r.objects:
             where = ("the safetensors metadata ('fsdpckpt.objects')"
                      if r.path.suffix in (".safetensors", ".json") else "the pickle")
@@ -157,7 +157,8 @@ def _merge_report(results: list[Any], as_json: bool) -> None:
 @click.argument("checkpoint", type=click.Path(path_type=str))
 @click.argument("output_dir", type=click.Path(path_type=str))
 @click.option("--optimizer", is_flag=True,
-              help="Also merge the optimizer folder (optimizer_0/) into optimizer.safetensors.")
+              help="Also merge the optimizer folder (optimizer_0/) into optimizer.safetensors "
+                   "(optimizer.bin with --format bin).")
 @click.option("--model-index", type=int, metavar="N",
               help="Which model to merge when a checkpoint holds several (pytorch_model_fsdp_N/).")
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "bin"]), default="safetensors",

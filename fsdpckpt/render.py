@@ -33,11 +33,16 @@ def table(rows: Sequence[Sequence[Any]], *, header: Sequence[str] | None = None,
     return lines
 
 
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
-def render_inspect(doc: dict[str, Any], *, chunks: bool = False, tensors: bool = True) -> str:
+def render_inspect(doc: dict[str, Any], *, chunks: bool = False, tensors: bool = True,
+                   names: str | None = None) -> str:
     """The human form of :func:`fsdpckpt.inspection.inspect_checkpoint`'s document."""
     style = {"dcp": "DCP folder", "accelerate": "Accelerate checkpoint",
              "hf-trainer": "HF Trainer checkpoint"}[doc["style"]]
@@ -51,7 +56,7 @@ def render_inspect(doc: dict[str, Any], *, chunks: bool = False, tensors: bool =
             continue
         rows.append([part["kind"], part["name"] + "/",
                      f"{part['num_tensors']} tensors, {part['num_objects']} objects",
-                     f"{len(part['files'])} rank files", human_bytes(part["bytes"])])
+                     _plural(len(part["files"]), "rank file"), human_bytes(part["bytes"])])
     out += table(rows, right=(4,))
     if doc["side_files"]:
         out += ["", "Other state:"]
@@ -80,6 +85,9 @@ def render_inspect(doc: dict[str, Any], *, chunks: bool = False, tensors: bool =
                          right=(3, 5))
         if tensors and part["objects"]:
             out += ["", "  objects: " + ", ".join(o["name"] for o in part["objects"])]
+    listed = [p for p in doc["parts"] if p.get("tensors") or p.get("objects")]
+    if names and tensors and not listed:
+        out += ["", f"No tensor or object name matches {names!r}."]
     if doc["problems"]:
         out += ["", f"Problems ({len(doc['problems'])}):"]
         out += [f"  {p['path']}: {p['message']}" for p in doc["problems"]]

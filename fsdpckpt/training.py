@@ -220,8 +220,9 @@ def _global_shape(value: Any) -> tuple[int, ...] | None:
 
 
 def _compare(folder: Path, state: Mapping[str, Any], prefix: str) -> tuple[list, list, list]:
-    stored = {t.name: t.shape for t in read_dcp_folder(folder).metadata.tensors}
-    stored.update({o.name: None for o in read_dcp_folder(folder).metadata.objects})
+    metadata = read_dcp_folder(folder).metadata
+    stored: dict[str, tuple[int, ...] | None] = {t.name: t.shape for t in metadata.tensors}
+    stored.update({o.name: None for o in metadata.objects})
     missing, mismatched = [], []
     wanted = set()
     for key, value in state.items():

@@ -25,7 +25,7 @@ def _equal_params(a: dict, b: dict) -> None:
         assert torch.equal(a[key], b[key]), key
 
 
-@pytest.fixture(scope="module", params=["fsdp2", "fsdp1"])
+@pytest.fixture(scope="module", params=["fsdp2", "fsdp1", "fsdp1-grad-op", "ddp"])
 def resumed(request, tmp_path_factory):
     """One uninterrupted 2-rank run, and one that saves at step 2, exits, and resumes."""
     kind, ckpt = request.param, str(tmp_path_factory.mktemp(request.param) / "ckpt")
@@ -78,11 +78,19 @@ def test_two_rank_checkpoint_loads_into_one_plain_process(resumed):
 
 @multirank
 def test_two_rank_checkpoint_loads_on_two_ranks_with_equal_state(resumed):
-    _kind, ckpt, _straight, first, _second = resumed
-    loaded = run_ranks(workers.load_into, "fsdp2", ckpt)
+    kind, ckpt, _straight, first, _second = resumed
+    loaded = run_ranks(workers.load_into, kind, ckpt)
     _equal_params(loaded[0]["params"], first[0]["params"])
     for rank in range(2):
         assert_same_state(loaded[rank]["optim"], first[rank]["optim"])
+
+
+@multirank
+def test_checkpoint_of_one_parallelism_loads_into_another(resumed):
+    kind, ckpt, _straight, first, _second = resumed
+    other = "ddp" if kind.startswith("fsdp") else "fsdp2"
+    loaded = run_ranks(workers.load_into, other, ckpt)
+    _equal_params(loaded[0]["params"], first[0]["params"])
 
 
 def test_plain_single_process_resume_is_exact(tmp_path):

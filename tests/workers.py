@@ -27,6 +27,16 @@ def wrap(model: torch.nn.Module, kind: str) -> torch.nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    if kind == "fsdp1-grad-op":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+
+        return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True,
+                    sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
     return model
 
 

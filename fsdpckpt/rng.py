@@ -22,7 +22,7 @@ from typing import Any
 
 from .errors import NotACheckpointError, UnsafePickleError
 
-__all__ = ["capture_rng_state", "save_rng_state", "load_rng_file", "restore_rng", "rng_file"]
+__all__ = ["capture_rng_state", "rng_state_bytes", "load_rng_file", "restore_rng", "rng_file"]
 
 
 def rng_file(checkpoint_dir: Path, rank: int) -> Path:
@@ -55,10 +55,15 @@ def capture_rng_state(step: int | None) -> dict[str, Any]:
     return state
 
 
-def save_rng_state(path: Path, step: int | None) -> None:
+def rng_state_bytes(step: int | None) -> bytes:
+    """This process's RNG state as the bytes of a ``random_states_{rank}.pkl`` file."""
+    import io
+
     import torch
 
-    torch.save(capture_rng_state(step), path)
+    buffer = io.BytesIO()
+    torch.save(capture_rng_state(step), buffer)
+    return buffer.getvalue()
 
 
 def _numpy_globals() -> list[Any]:

@@ -18,7 +18,8 @@ from typing import Any
 
 from .errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
 from .reader import read_dcp_folder
-from .rng import restore_rng, save_rng_state
+from .manifest import build_manifest, checksum_writer, write_bytes, write_manifest
+from .rng import restore_rng, rng_state_bytes
 
 __all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError"]
 
@@ -51,18 +52,20 @@ class AsyncSave:
     The checkpoint is complete only once :meth:`wait` has returned on every rank.
     """
 
-    def __init__(self, futures: list[Any]) -> None:
-        self._futures = futures
+    def __init__(self, futures: list[Any], finish: Any) -> None:
+        self._futures, self._finish, self._finished = futures, finish, False
 
     def done(self) -> bool:
-        """Whether every part has been written (no waiting)."""
+        """Whether every part has been written (no waiting); the manifest comes with wait()."""
         return all(f.done() for f in self._futures)
 
     def wait(self) -> None:
         """Block until every part is written; call it on every rank."""
         for future in self._futures:
             future.result()
-        _barrier()
+        if not self._finished:
+            self._finish()
+            self._finished = True
 
 
 def _dist():
@@ -117,7 +120,7 @@ def _scheduler_file(root: Path, i: int, *, reading: bool = False) -> Path:
 
 
 _PART_PATTERNS = ("pytorch_model_fsdp_*", "optimizer_*", "random_states_*.pkl", "scheduler*.bin",
-                  "scaler.pt", "custom_checkpoint_*.pkl")
+                  "scaler.pt", "custom_checkpoint_*.pkl", "fsdpckpt.json")
 
 
 def _remove_stale_parts(root: Path) -> None:
@@ -180,34 +183,81 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any, optimizer: An
         _remove_stale_parts(root)
     _barrier()
     futures = []
+    records: dict[str, dict[str, tuple[int, int]]] = {}  # folder -> file -> (size, crc32)
 
     def write(state: dict[str, Any], folder: Path) -> None:
-        if not async_save:
-            dcp.save(state, checkpoint_id=str(folder), **_dcp_kwargs())
-            return
         kwargs = _dcp_kwargs()
+        kwargs["storage_writer"] = checksum_writer(folder, records.setdefault(folder.name, {}))
+        if not async_save:
+            dcp.save(state, **kwargs)
+            return
         if _dist():
             # The background writer runs collectives while training runs its own; on
             # one process group they would interleave and hang.
             kwargs["process_group"] = _async_group(folder.name)
-        futures.append(dcp.async_save(state, checkpoint_id=str(folder), **kwargs))
+        futures.append(dcp.async_save(state, **kwargs))
 
     for i, module in enumerate(models):
         write({"model": get_model_state_dict(module)}, _model_folder(root, i))
     for i, (module, opt) in enumerate(_pairs(models, optimizers)):
         write({"optimizer": get_optimizer_state_dict(module, opt)}, _optimizer_folder(root, i))
-    save_rng_state(root / f"random_states_{rank}.pkl", step)
+    side = records.setdefault("", {})
+    side[f"random_states_{rank}.pkl"] = write_bytes(root / f"random_states_{rank}.pkl",
+                                                    rng_state_bytes(step))
     if rank == 0:
-        for i, sched in enumerate(_as_list(scheduler)):
-            torch.save(sched.state_dict(), _scheduler_file(root, i))
-        if scaler is not None:
-            torch.save(scaler.state_dict(), root / "scaler.pt")
-        for i, obj in enumerate((extra or {}).values()):
-            torch.save(obj.state_dict(), root / f"custom_checkpoint_{i}.pkl")
+        shared = [(_scheduler_file(root, i), s) for i, s in enumerate(_as_list(scheduler))]
+        shared += [(root / "scaler.pt", scaler)] if scaler is not None else []
+        shared += [(root / f"custom_checkpoint_{i}.pkl", obj)
+                   for i, obj in enumerate((extra or {}).values())]
+        for path, obj in shared:
+            side[path.name] = write_bytes(path, _torch_save_bytes(obj.state_dict()))
+    finish = _Finish(root, records, step)
     if async_save:
-        return AsyncSave(futures)
-    _barrier()
+        return AsyncSave(futures, finish)
+    finish()
     return None
+
+
+def _torch_save_bytes(obj: Any) -> bytes:
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+class _Finish:
+    """Completes a save on every rank: gathers the checksums, rank 0 writes the manifest."""
+
+    def __init__(self, root: Path, records: dict[str, dict[str, tuple[int, int]]],
+                 step: int | None) -> None:
+        self.root, self.records, self.step = root, records, step
+
+    def __call__(self) -> None:
+        files = {(f"{folder}/{name}" if folder else name): value
+                 for folder, entries in self.records.items() for name, value in entries.items()}
+        dist = _dist()
+        rank, world = _rank_world()
+        if dist:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, files)
+            files = {k: v for part in gathered for k, v in part.items()}
+        if rank == 0:
+            write_manifest(self.root, build_manifest(self.root, files, world_size=world,
+                                                     step=self.step))
+            for folder in [self.root] + [self.root / f for f in self.records if f]:
+                _fsync_dir(folder)
+        _barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _global_shape(value: Any) -> tuple[int, ...] | None:

@@ -57,7 +57,7 @@ def test_resume_restores_every_part(resumed):
 @multirank
 def test_layout_is_accelerates(resumed):
     ckpt = resumed[1]
-    assert sorted(os.listdir(ckpt)) == ["optimizer_0", "pytorch_model_fsdp_0",
+    assert sorted(os.listdir(ckpt)) == ["fsdpckpt.json", "optimizer_0", "pytorch_model_fsdp_0",
                                         "random_states_0.pkl", "random_states_1.pkl",
                                         "scheduler.bin"]
 

@@ -37,6 +37,7 @@ def __getattr__(name: str):
         "OutputExistsError": "writer", "DiskFullError": "writer",
         "save_state": "training", "load_state": "training", "LoadResult": "training",
         "AsyncSave": "training", "StateMismatchError": "training",
+        "CheckpointManager": "manager", "verify_checkpoint": "verify",
     }
     if name in lazy:
         import importlib
@@ -83,4 +84,6 @@ __all__ = [
     "LoadResult",
     "AsyncSave",
     "StateMismatchError",
+    "CheckpointManager",
+    "verify_checkpoint",
 ]

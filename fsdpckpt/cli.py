@@ -126,8 +126,8 @@ def _progress(quiet: bool):
     from tqdm import tqdm
 
     def factory(total: int, _files: int):
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                   desc="merging", leave=False)
+        bar = tqdm(total=total or None, unit="B", unit_scale=True, unit_divisor=1024,
+                   file=sys.stderr, desc="merging" if total else "checking", leave=False)
         return bar.update
 
     return factory
@@ -276,3 +276,40 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
     else:
         click.echo(f"converted {full_file} -> {result.path}: {result.tensors} tensors "
                    f"({human_bytes(result.bytes)}), {result.objects} other entries")
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@_debug_option
+def verify(path: str, as_json: bool, quiet: bool) -> None:
+    """Check that every byte of a checkpoint is what was written.
+
+    Checks the structure as inspect does. Where the checkpoint has a manifest
+    (fsdpckpt.json, written by fsdpckpt.save_state), every file's size and CRC-32 and
+    every tensor chunk's CRC-32, and flags stray files. Without one (Accelerate or
+    plain DCP wrote it), decodes every chunk's header against the metadata and checks
+    its data against the CRC-32 its zip directory stores. Exit 0 only when whole.
+
+    \b
+    Example:
+      fsdpckpt verify ckpt/checkpoint_100
+    """
+    from .verify import verify_checkpoint
+
+    factory = _progress(quiet)
+    report = verify_checkpoint(path, progress=factory(0, 0) if factory else None)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        for problem in report["problems"]:
+            click.echo(f"{problem['path']}: {problem['message']}")
+        how = "every byte checked against the manifest" if report["manifest"] else \
+            "no manifest: chunk headers and data checked against their own checksums"
+        click.echo(f"{path}: {'OK' if report['ok'] else 'DAMAGED'} ({how})")
+    if not report["ok"]:
+        count = len(report["problems"])
+        click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in {path}",
+                   err=True)
+        sys.exit(1)

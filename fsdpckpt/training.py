@@ -145,7 +145,7 @@ def _pairs(models: list[Any], optimizers: list[Any]) -> list[tuple[Any, Any]]:
     return [(models[i] if i < len(models) else models[0], opt) for i, opt in enumerate(optimizers)]
 
 
-def save_state(checkpoint_dir: str | os.PathLike[str], model: Any, optimizer: Any = None,
+def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimizer: Any = None,
                scheduler: Any = None, *, step: int | None = None, scaler: Any = None,
                extra: Mapping[str, Any] | None = None,
                async_save: bool = False) -> AsyncSave | None:
@@ -339,7 +339,7 @@ def _load_trusted(path: Path) -> Any:
         raise refused(path, exc, "state") from None
 
 
-def load_state(checkpoint_dir: str | os.PathLike[str], model: Any, optimizer: Any = None,
+def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimizer: Any = None,
                scheduler: Any = None, *, scaler: Any = None,
                extra: Mapping[str, Any] | None = None, strict: bool = True) -> LoadResult:
     """Load what :func:`save_state` (or ``accelerator.save_state``) wrote; call it on every rank.

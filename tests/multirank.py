@@ -85,3 +85,20 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2,
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def start_ranks(fn: Callable[..., Any], *args: Any, rendezvous_dir: str,
+                world_size: int = 2) -> list[Any]:
+    """Start ``fn(rank, world_size, *args)`` on ranks and return the processes, unwaited.
+
+    For tests that kill ranks: the caller owns the processes (and ``rendezvous_dir``).
+    """
+    ctx = _context()
+    queue = ctx.Queue()
+    rendezvous = os.path.join(rendezvous_dir, "rendezvous")
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, rendezvous, args, queue))
+             for r in range(world_size)]
+    for proc in procs:
+        proc.keep_alive = queue  # the queue must outlive the start of every rank
+        proc.start()
+    return procs

@@ -190,3 +190,37 @@ def async_save_while_training(rank: int, world: int, ckpt: str) -> dict:
         optimizer.zero_grad()
     handle.wait()
     return {"saved": saved, "done": handle.done()}
+
+
+def save_forever(rank: int, world: int, root: str, log: str) -> None:
+    """Train a small FSDP2 model and save every step through a CheckpointManager, until killed.
+
+    After each save returns, rank 0 appends the step to ``log`` (fsynced): the steps the
+    test can rely on being committed.
+    """
+    import os
+
+    model = wrap(make_model(), "fsdp2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    manager = fsdpckpt.CheckpointManager(root, keep_last=3)
+    step = (manager.restore(model=model, optimizer=optimizer) or -1) + 1
+    with open(log, "a") as out:
+        out.write("started\n")
+        out.flush()
+        while True:
+            x, y = _batch()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            manager.save(step, model=model, optimizer=optimizer)
+            if rank == 0:
+                out.write(f"{step}\n")
+                out.flush()
+                os.fsync(out.fileno())
+            step += 1
+
+
+def restore_latest(rank: int, world: int, root: str) -> int | None:
+    model = wrap(make_model(), "fsdp2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    return fsdpckpt.CheckpointManager(root, keep_last=3).restore(model=model, optimizer=optimizer)

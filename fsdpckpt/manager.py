@@ -1,0 +1,137 @@
+"""``CheckpointManager``: policy for a folder of checkpoints (commit, latest, retention).
+
+Mechanism is :func:`fsdpckpt.save_state` / :func:`fsdpckpt.load_state`; this module
+decides names and lifetimes. A checkpoint is written into ``root/.tmp-checkpoint_{step}``
+and renamed to ``root/checkpoint_{step}`` only when every rank has finished, every file
+is fsynced and the manifest is written; the parent folder is fsynced after the rename. So
+a ``checkpoint_*`` folder is complete by construction, and a crash leaves at most a
+``.tmp-*`` folder, which the next manager removes. Old checkpoints are deleted only after
+the new one is committed, and an async save counts only once it has completed; a
+checkpoint is deleted by first renaming it to a ``.tmp-*`` name, so a crash during the
+deletion cannot leave a half-deleted folder that looks committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .manifest import MANIFEST
+from .training import AsyncSave, _barrier, _fsync_dir, _rank_world, load_state, save_state
+
+__all__ = ["CheckpointManager"]
+
+log = logging.getLogger("fsdpckpt")
+_COMMITTED = re.compile(r"^checkpoint_(\d+)$")
+_TEMPORARY = ".tmp-checkpoint_"
+
+
+class CheckpointManager:
+    """Saves ``root/checkpoint_{step}`` atomically, finds the newest, keeps a few.
+
+    Args:
+        root: the folder holding the checkpoints (created).
+        keep_last: how many of the newest checkpoints to keep (None: all).
+        keep_every: also keep every checkpoint whose step is a multiple of this.
+        async_save: write in the background; the next :meth:`save` or :meth:`wait`
+            completes and commits the previous one.
+
+    Example:
+        >>> mgr = CheckpointManager("run/ckpts", keep_last=3)
+        >>> start = (mgr.restore(model=model, optimizer=opt) or -1) + 1
+        >>> for step in range(start, steps):
+        ...     train_step()
+        ...     mgr.save(step, model=model, optimizer=opt)
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
+                 keep_every: int | None = None, async_save: bool = False) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be at least 1 (or None to keep all)")
+        self.root, self.keep_last, self.keep_every = Path(root), keep_last, keep_every
+        self.async_save = async_save
+        self._pending: tuple[int, AsyncSave] | None = None
+        rank, _world = _rank_world()
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for leftover in sorted(self.root.glob(_TEMPORARY + "*")):
+                log.warning("fsdpckpt: removing %s, left by a save that did not finish",
+                            leftover)
+                shutil.rmtree(leftover, ignore_errors=True)
+        _barrier()
+
+    def checkpoints(self) -> list[Path]:
+        """The committed checkpoints, oldest first."""
+        found = []
+        for entry in self.root.iterdir() if self.root.is_dir() else []:
+            match = _COMMITTED.match(entry.name)
+            if match and (entry / MANIFEST).is_file():
+                found.append((int(match.group(1)), entry))
+        return [path for _step, path in sorted(found)]
+
+    def latest(self) -> Path | None:
+        """The newest committed checkpoint, or None."""
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    def save(self, step: int, **parts: Any) -> None:
+        """Save ``parts`` (model=, optimizer=, scheduler=... as for save_state) as step ``step``."""
+        self.wait()
+        rank, _world = _rank_world()
+        temporary = self.root / f"{_TEMPORARY}{step}"
+        if rank == 0 and temporary.exists():
+            shutil.rmtree(temporary)
+        _barrier()
+        handle = save_state(temporary, step=step, async_save=self.async_save, **parts)
+        if handle is None:
+            self._commit(step)
+        else:
+            self._pending = (step, handle)
+
+    def wait(self) -> None:
+        """Complete and commit a pending async save (on every rank)."""
+        if self._pending is not None:
+            step, handle = self._pending
+            self._pending = None
+            handle.wait()
+            self._commit(step)
+
+    def restore(self, **parts: Any) -> int | None:
+        """Load the newest checkpoint into ``parts``; return its step, or None if there is none."""
+        self.wait()
+        latest = self.latest()
+        if latest is None:
+            return None
+        return load_state(latest, **parts).step
+
+    def _commit(self, step: int) -> None:
+        rank, _world = _rank_world()
+        if rank == 0:
+            final = self.root / f"checkpoint_{step}"
+            if final.exists():  # the same step saved again: the new one replaces it
+                self._delete(final)
+            os.rename(self.root / f"{_TEMPORARY}{step}", final)
+            _fsync_dir(self.root)
+            self._apply_retention()
+        _barrier()
+
+    def _apply_retention(self) -> None:
+        committed = self.checkpoints()
+        keep = set(committed[-self.keep_last:] if self.keep_last else committed)
+        if self.keep_every:
+            keep |= {p for p in committed if int(p.name.split("_")[1]) % self.keep_every == 0}
+        for path in committed:
+            if path not in keep:
+                self._delete(path)
+
+    def _delete(self, path: Path) -> None:
+        # Uncommit first, atomically: a crash in the middle of rmtree must not leave a
+        # half-deleted folder that still looks committed. The rename makes it a leftover.
+        doomed = self.root / f"{_TEMPORARY}deleting-{path.name}"
+        os.rename(path, doomed)
+        _fsync_dir(self.root)
+        shutil.rmtree(doomed, ignore_errors=True)

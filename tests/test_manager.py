@@ -1,0 +1,151 @@
+"""CheckpointManager: atomic commits, latest, retention, and surviving SIGKILL mid-save."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+import fsdpckpt
+
+import workers
+from multirank import run_ranks, start_ranks
+
+
+def _parts():
+    model = workers.make_model()
+    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=0.05)}
+
+
+def _steps(manager):
+    return [int(p.name.split("_")[1]) for p in manager.checkpoints()]
+
+
+def test_layout_is_one_accelerate_folder_per_step(tmp_path):
+    manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=None)
+    manager.save(7, **_parts())
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_7"]
+    assert {"pytorch_model_fsdp_0", "optimizer_0", "random_states_0.pkl", "fsdpckpt.json"} <= \
+        set(os.listdir(tmp_path / "checkpoint_7"))
+
+
+def test_keep_last_keeps_the_newest(tmp_path):
+    manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=2)
+    for step in range(5):
+        manager.save(step, **_parts())
+    assert _steps(manager) == [3, 4]
+    assert manager.latest() == tmp_path / "checkpoint_4"
+
+
+def test_keep_every_also_keeps_milestones(tmp_path):
+    manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=1, keep_every=3)
+    for step in range(8):
+        manager.save(step, **_parts())
+    assert _steps(manager) == [0, 3, 6, 7]
+
+
+def test_old_checkpoints_are_deleted_only_after_the_new_one_commits(tmp_path, monkeypatch):
+    import fsdpckpt.manager as manager_module
+
+    manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=1)
+    manager.save(0, **_parts())
+
+    def crash(*_a, **_k):
+        raise RuntimeError("disk died")
+
+    monkeypatch.setattr(manager_module, "save_state", crash)
+    with pytest.raises(RuntimeError):
+        manager.save(1, **_parts())
+    assert _steps(manager) == [0]
+
+
+def test_async_saves_count_only_once_complete_and_are_never_deleted_early(tmp_path):
+    manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=1, async_save=True)
+    manager.save(0, **_parts())
+    assert manager.checkpoints() == []                  # still being written
+    manager.save(1, **_parts())                          # completes and commits step 0
+    assert _steps(manager) == [0]
+    assert (tmp_path / ".tmp-checkpoint_1").exists()     # pending, not deleted
+    manager.wait()
+    assert _steps(manager) == [1]
+
+
+def test_restore_loads_the_latest_and_returns_its_step(tmp_path):
+    manager = fsdpckpt.CheckpointManager(tmp_path)
+    parts = _parts()
+    manager.save(3, **parts)
+    fresh = _parts()
+    assert manager.restore(**fresh) == 3
+    for name, value in parts["model"].state_dict().items():
+        assert torch.equal(fresh["model"].state_dict()[name], value)
+
+
+def test_restore_without_checkpoints_returns_none(tmp_path):
+    assert fsdpckpt.CheckpointManager(tmp_path).restore(**_parts()) is None
+
+
+def test_leftovers_of_a_crashed_save_are_removed_with_a_log_line(tmp_path, caplog):
+    (tmp_path / ".tmp-checkpoint_9").mkdir()
+    with caplog.at_level(logging.WARNING, logger="fsdpckpt"):
+        manager = fsdpckpt.CheckpointManager(tmp_path)
+    assert not (tmp_path / ".tmp-checkpoint_9").exists()
+    assert "did not finish" in caplog.text and manager.latest() is None
+
+
+def test_a_folder_without_manifest_is_not_a_committed_checkpoint(tmp_path):
+    (tmp_path / "checkpoint_5").mkdir()
+    assert fsdpckpt.CheckpointManager(tmp_path).latest() is None
+
+
+# --- SIGKILL at random moments --------------------------------------------------
+
+TRIALS = 20
+
+
+def _wait_for(log, count, seconds=60):
+    deadline = time.monotonic() + seconds
+    while not log.exists() or log.read_text().count("started") < count:
+        assert time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.02)
+
+
+@pytest.mark.multirank
+def test_sigkill_during_saves_never_loses_or_damages_a_committed_checkpoint(tmp_path):
+    rng = random.Random(1234)
+    root, log = tmp_path / "ckpts", tmp_path / "committed.log"
+    killed_mid_save = 0
+    for trial in range(TRIALS):
+        rendezvous = tmp_path / f"rdzv{trial}"
+        rendezvous.mkdir()
+        procs = start_ranks(workers.save_forever, str(root), str(log),
+                            rendezvous_dir=str(rendezvous))
+        _wait_for(log, 2 * (trial + 1))      # both ranks of this trial are saving
+        time.sleep(rng.uniform(0.05, 0.6))   # then die anywhere in a save, or between saves
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            proc.join()
+
+        killed_mid_save += bool(list(root.glob(".tmp-*")))
+        manager = fsdpckpt.CheckpointManager(root, keep_last=3)  # as the next run would
+        newest = manager.latest()
+        assert newest is not None, f"trial {trial}: no committed checkpoint"
+        assert not list(root.glob(".tmp-*")), "leftovers of the killed save remain"
+        for path in manager.checkpoints():  # every committed checkpoint is whole
+            report = fsdpckpt.verify_checkpoint(path)
+            assert report["ok"], (trial, path, report["problems"])
+        # The newest steps the run reported committed are still there. Retention keeps 3
+        # and may have dropped the third for a commit the run had no time to report.
+        committed = [int(x) for x in log.read_text().split() if x.isdigit()]
+        assert set(committed[-2:]) <= set(_steps(manager)), (trial, committed[-3:])
+        # It loads: on one process every trial, on two ranks every fifth.
+        step = int(newest.name.split("_")[1])
+        assert fsdpckpt.load_state(newest, workers.make_model()).step == step
+        if trial % 5 == 4:
+            assert run_ranks(workers.restore_latest, str(root)) == [step, step]
+    assert killed_mid_save >= TRIALS // 4, killed_mid_save  # the kills did land inside saves

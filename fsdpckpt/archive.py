@@ -16,7 +16,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .dtypes import DTYPES, DType, dtype_from_storage_class
+from .dtypes import DTYPES, DType
 from .errors import CorruptCheckpointError, NotACheckpointError
 from .safe_pickle import BUILTIN_GLOBALS, safe_loads
 

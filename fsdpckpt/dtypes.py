@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DType", "DTYPES", "dtype_from_name", "dtype_from_storage_class"]
+__all__ = ["DType", "DTYPES", "dtype_from_name"]
 
 
 @dataclass(frozen=True)
@@ -72,15 +72,9 @@ _ALIASES = {
     "cdouble": "complex128",
 }
 
-_BY_STORAGE = {d.storage_class: d for d in _TABLE if d.storage_class}
-
 
 def dtype_from_name(name: str) -> DType | None:
     """Return the dtype called ``name`` (``"float32"`` or ``"torch.float32"``), or None."""
     name = name.removeprefix("torch.")
     return DTYPES.get(_ALIASES.get(name, name))
 
-
-def dtype_from_storage_class(name: str) -> DType | None:
-    """Return the dtype of a legacy storage class name such as ``"FloatStorage"``, or None."""
-    return _BY_STORAGE.get(name)

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from .manifest import MANIFEST
-from .training import AsyncSave, _barrier, _fsync_dir, _rank_world, load_state, save_state
+from .durable import fsync_dir
+from .training import AsyncSave, _barrier, _rank_world, load_state, save_state
 
 __all__ = ["CheckpointManager"]
 
@@ -115,7 +116,7 @@ class CheckpointManager:
             if final.exists():  # the same step saved again: the new one replaces it
                 self._delete(final)
             os.rename(self.root / f"{_TEMPORARY}{step}", final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._apply_retention()
         _barrier()
 
@@ -133,5 +134,5 @@ class CheckpointManager:
         # half-deleted folder that still looks committed. The rename makes it a leftover.
         doomed = self.root / f"{_TEMPORARY}deleting-{path.name}"
         os.rename(path, doomed)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         shutil.rmtree(doomed, ignore_errors=True)

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from .archive import _open_archive
+from .durable import write_bytes
 from .errors import CorruptCheckpointError
 from .reader import is_dcp_folder, read_dcp_folder
 
 __all__ = ["MANIFEST", "checksum_writer", "chunk_crcs", "build_manifest", "write_manifest",
-           "read_manifest", "file_crc", "write_bytes"]
+           "read_manifest", "file_crc"]
 
 MANIFEST = "fsdpckpt.json"
 
@@ -66,15 +67,6 @@ def checksum_writer(path: str | os.PathLike[str], record: dict[str, tuple[int, i
     writer = FileSystemWriter(path)
     writer.fs = _ChecksumFileSystem()
     return writer
-
-
-def write_bytes(path: Path, data: bytes) -> tuple[int, int]:
-    """Write ``data`` durably (fsync) and return ``(size, crc32)``."""
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    return len(data), zlib.crc32(data)
 
 
 def file_crc(path: Path, progress: Any = None, block: int = 16 * 2**20) -> int:

@@ -11,14 +11,15 @@ anything is changed.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
-from .reader import read_dcp_folder
-from .manifest import build_manifest, checksum_writer, write_bytes, write_manifest
+from .statecheck import compare, flatten, mismatch_message
+from .durable import fsync_dir, write_bytes
+from .manifest import build_manifest, checksum_writer, write_manifest
 from .rng import restore_rng, rng_state_bytes
 
 __all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError"]
@@ -170,7 +171,6 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     Example:
         >>> fsdpckpt.save_state("ckpt/step_100", model, optimizer, scheduler, step=100)
     """
-    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
@@ -248,62 +248,8 @@ class _Finish:
             write_manifest(self.root, build_manifest(self.root, files, world_size=world,
                                                      step=self.step))
             for folder in [self.root] + [self.root / f for f in self.records if f]:
-                _fsync_dir(folder)
+                fsync_dir(folder)
         _barrier()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _global_shape(value: Any) -> tuple[int, ...] | None:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape)  # DTensor and ShardedTensor report the global shape
-    size = getattr(value, "size", None)
-    return tuple(size()) if callable(size) else None
-
-
-def _compare(folder: Path, state: Mapping[str, Any], prefix: str) -> tuple[list, list, list]:
-    metadata = read_dcp_folder(folder).metadata
-    stored: dict[str, tuple[int, ...] | None] = {t.name: t.shape for t in metadata.tensors}
-    stored.update({o.name: None for o in metadata.objects})
-    missing, mismatched = [], []
-    wanted = set()
-    for key, value in state.items():
-        name = f"{prefix}.{key}"
-        wanted.add(name)
-        shape = _global_shape(value)
-        if name not in stored:
-            missing.append(key)
-        elif shape is not None and stored[name] is not None and tuple(stored[name]) != shape:
-            mismatched.append(f"{key} (checkpoint {list(stored[name])}, model {list(shape)})")
-    unexpected = [n[len(prefix) + 1:] for n in stored if n not in wanted and
-                  n.startswith(prefix + ".")]
-    return missing, unexpected, mismatched
-
-
-def _flatten(state: Mapping[str, Any]) -> dict[str, Any]:
-    """DCP's flat names (``state.0.weight.exp_avg``) for a nested state dict."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    return flatten_state_dict(dict(state))[0]
-
-
-def _mismatch_message(folder: Path, missing: list, unexpected: list, mismatched: list) -> str:
-    parts = []
-    for label, items in (("missing from the checkpoint", missing),
-                         ("not in the model", unexpected), ("shape differs", mismatched)):
-        if items:
-            shown = ", ".join(items[:5]) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
-            parts.append(f"{len(items)} {label}: {shown}")
-    return (f"{folder}: the model does not match the checkpoint; " + "; ".join(parts) +
-            ". Nothing was loaded. Pass strict=False to load the keys that match.")
 
 
 def _check_parts(root: Path, models: list, optimizers: list, schedulers: list) -> None:
@@ -368,18 +314,18 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     _check_parts(root, models, optimizers, schedulers)
     templates = [get_model_state_dict(m) for m in models]
     for i, state in enumerate(templates):
-        missing, unexpected, mismatched = _compare(_model_folder(root, i), state, "model")
+        missing, unexpected, mismatched = compare(_model_folder(root, i), state, "model")
         if strict and (missing or unexpected or mismatched):
-            raise StateMismatchError(_mismatch_message(_model_folder(root, i), missing,
+            raise StateMismatchError(mismatch_message(_model_folder(root, i), missing,
                                                        unexpected, mismatched))
         for key in missing + [m.split(" (")[0] for m in mismatched]:
             state.pop(key, None)
     optimizer_templates = [get_optimizer_state_dict(m, o) for m, o in _pairs(models, optimizers)]
     for i, state in enumerate(optimizer_templates):
         folder = _optimizer_folder(root, i)
-        missing, unexpected, mismatched = _compare(folder, _flatten(state), "optimizer")
+        missing, unexpected, mismatched = compare(folder, flatten(state), "optimizer")
         if missing or mismatched:  # a different optimizer (SGD for AdamW) or model
-            raise StateMismatchError(_mismatch_message(folder, missing, unexpected, mismatched)
+            raise StateMismatchError(mismatch_message(folder, missing, unexpected, mismatched)
                                      .replace("the model does not", "the optimizer does not"))
     restored: list[str] = []
     try:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .archive import locate_tensor
 from .copy import place_chunk
+from .durable import fsync_dir
 from .errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
 from .formats import ObjectValue, get_format
 from .objects import read_object
@@ -42,14 +43,6 @@ def output_paths(plan: MergePlan, output_dir: Path) -> list[Path]:
     """Every file the plan writes into ``output_dir``."""
     names = [f.name for f in plan.files] + ([plan.index_name] if plan.index_name else [])
     return [output_dir / n for n in names]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -213,6 +206,6 @@ def commit(written: list[Path], output_dir: Path) -> list[Path]:
         target = output_dir / path.name
         os.replace(path, target)
         final.append(target)
-    _fsync_dir(output_dir)
+    fsync_dir(output_dir)
     return final
 

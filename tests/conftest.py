@@ -105,3 +105,20 @@ def assert_one_line_error(result, *fragments):
     for fragment in fragments:
         assert str(fragment) in lines[0]
     assert "Traceback" not in result.output
+
+
+class _RunsCommand:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (self.command,))
+
+
+def hostile_pickle(sentinel) -> bytes:
+    """A pickle that, loaded with plain pickle, creates the file ``sentinel``."""
+    import pickle
+
+    return pickle.dumps(_RunsCommand(f"touch {sentinel}"))

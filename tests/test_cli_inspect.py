@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 
 import pytest
 
 
-from conftest import assert_one_line_error, run_cli as run, DCP_FOLDERS, FIXTURES
+from conftest import assert_one_line_error, hostile_pickle, run_cli as run, DCP_FOLDERS, FIXTURES
 
 
 
@@ -101,11 +100,7 @@ def test_garbage_metadata(dtensor_copy):
 def test_hostile_metadata_is_refused_and_never_runs(tmp_path, dtensor_copy):
     sentinel = tmp_path / "pwned"
 
-    class Evil:
-        def __reduce__(self):
-            return (os.system, (f"touch {sentinel}",))
-
-    (dtensor_copy / ".metadata").write_bytes(pickle.dumps(Evil()))
+    (dtensor_copy / ".metadata").write_bytes(hostile_pickle(sentinel))
     assert_one_line_error(run("inspect", dtensor_copy), dtensor_copy / ".metadata",
                           "refusing to load the global")
     assert not sentinel.exists()

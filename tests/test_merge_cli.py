@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 
 import fsdpckpt
 
-from conftest import assert_one_line_error, run_cli as run, DCP_FOLDERS, FIXTURES, assert_same_state, reference_state_dict
+from conftest import assert_one_line_error, hostile_pickle, run_cli as run, DCP_FOLDERS, FIXTURES, assert_same_state, reference_state_dict
 
 
 
@@ -176,11 +175,7 @@ def test_truncated_shard(tmp_path, dtensor_copy):
 def test_hostile_metadata_never_runs(tmp_path, dtensor_copy):
     sentinel = tmp_path / "pwned"
 
-    class Evil:
-        def __reduce__(self):
-            return (os.system, (f"touch {sentinel}",))
-
-    (dtensor_copy / ".metadata").write_bytes(pickle.dumps(Evil()))
+    (dtensor_copy / ".metadata").write_bytes(hostile_pickle(sentinel))
     assert_one_line_error(run("merge", dtensor_copy, tmp_path / "out"), "refusing")
     assert not sentinel.exists()
     assert_untouched(tmp_path / "out")

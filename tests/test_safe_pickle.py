@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 
 import pytest
@@ -12,17 +11,7 @@ from fsdpckpt.reader import parse_metadata, read_dcp_folder
 from fsdpckpt.safe_pickle import BUILTIN_GLOBALS, safe_loads
 
 
-class _RunsCommand:
-    def __init__(self, command: str) -> None:
-        self.command = command
-
-    def __reduce__(self):
-        return (os.system, (self.command,))
-
-
-def hostile_pickle(sentinel) -> bytes:
-    """A pickle that, loaded with plain pickle, creates ``sentinel``."""
-    return pickle.dumps(_RunsCommand(f"touch {sentinel}"))
+from conftest import _RunsCommand, hostile_pickle
 
 
 def test_hostile_metadata_never_runs(tmp_path, dtensor_copy):

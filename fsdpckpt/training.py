@@ -285,6 +285,33 @@ def _load_trusted(path: Path) -> Any:
         raise refused(path, exc, "state") from None
 
 
+def _safe_load_planner() -> Any:
+    """DCP's default load planner, but non-tensor values load with ``weights_only=True``.
+
+    torch's planner unpickles them with ``weights_only=False``: a checkpoint whose
+    ``param_groups`` entry hides a ``__reduce__`` would run code on load.
+    """
+    import torch
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from .rng import refused
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - one clear error
+                raise refused(Path(f"entry '{fqn}'"), exc, "checkpoint entry") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return SafeLoadPlanner()
+
+
 def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimizer: Any = None,
                scheduler: Any = None, *, scaler: Any = None,
                extra: Mapping[str, Any] | None = None, strict: bool = True) -> LoadResult:
@@ -331,16 +358,22 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     try:
         for i, (module, state) in enumerate(zip(models, templates)):
             wrapped = {"model": state}
-            dcp.load(wrapped, checkpoint_id=str(_model_folder(root, i)), **_dcp_kwargs())
+            dcp.load(wrapped, checkpoint_id=str(_model_folder(root, i)),
+                     planner=_safe_load_planner(), **_dcp_kwargs())
             set_model_state_dict(module, wrapped["model"], options=StateDictOptions(strict=strict))
         restored += ["model"] * bool(models)
         for i, ((module, opt), state) in enumerate(zip(_pairs(models, optimizers),
                                                        optimizer_templates)):
             wrapped = {"optimizer": state}
-            dcp.load(wrapped, checkpoint_id=str(_optimizer_folder(root, i)), **_dcp_kwargs())
+            dcp.load(wrapped, checkpoint_id=str(_optimizer_folder(root, i)),
+                     planner=_safe_load_planner(), **_dcp_kwargs())
             set_optimizer_state_dict(module, opt, wrapped["optimizer"])
         restored += ["optimizer"] * bool(optimizers)
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+        for failure in getattr(exc, "failures", {}).values():
+            cause = failure[0] if isinstance(failure, tuple) else failure  # (exc, traceback)
+            if isinstance(cause, FsdpCkptError):  # ours, e.g. a refused pickle: say it as is
+                raise cause from None
         first = str(exc).strip().splitlines()[0][:300]
         raise NotACheckpointError(f"{root}: DCP could not load it ({first})") from None
     for i, sched in enumerate(schedulers):

@@ -276,3 +276,37 @@ def test_async_save_on_two_ranks_while_training_goes_on(tmp_path):
     result = fsdpckpt.load_state(tmp_path / "ckpt", model)
     _equal_params(model.state_dict(), ranks[0]["saved"])
     assert result.step == 1
+
+
+def test_hostile_object_inside_the_optimizer_folder_never_runs(tmp_path):
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    ckpt = _saved_plain(tmp_path)
+    sentinel = tmp_path / "pwned"
+    folder = ckpt / "optimizer_0"
+    md = FileSystemReader(str(folder)).read_metadata()
+    info = md.storage_data[MetadataIndex("optimizer.param_groups.0.lr")]
+    blob = _torch_save_of_hostile(sentinel)
+    data = (folder / info.relative_path).read_bytes()
+    # Put the hostile blob at the end of the rank file and point the entry at it.
+    (folder / info.relative_path).write_bytes(data + blob)
+    info.offset, info.length = len(data), len(blob)
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    model = workers.make_model()
+    with pytest.raises(fsdpckpt.UnsafePickleError, match="param_groups.0.lr"):
+        fsdpckpt.load_state(ckpt, model, torch.optim.AdamW(model.parameters(), lr=0.05))
+    assert not sentinel.exists()
+
+
+def _torch_save_of_hostile(sentinel) -> bytes:
+    """What DCP stores for a non-tensor entry (a torch.save blob), but one that runs a command."""
+    import io
+
+    from conftest import _RunsCommand
+
+    buffer = io.BytesIO()
+    torch.save(_RunsCommand(f"touch {sentinel}"), buffer)
+    return buffer.getvalue()

@@ -17,18 +17,30 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from .manifest import MANIFEST
 from .durable import fsync_dir
-from .training import AsyncSave, _barrier, _rank_world, load_state, save_state
+from .training import AsyncSave, _rank_world, everywhere, load_state, save_state
 
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger("fsdpckpt")
 _COMMITTED = re.compile(r"^checkpoint_(\d+)$")
 _TEMPORARY = ".tmp-checkpoint_"
+
+
+def _from_rank_zero(value: Any) -> Any:
+    from .training import _dist
+
+    dist = _dist()
+    if dist is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 class CheckpointManager:
@@ -47,6 +59,7 @@ class CheckpointManager:
         >>> for step in range(start, steps):
         ...     train_step()
         ...     mgr.save(step, model=model, optimizer=opt)
+        >>> mgr.wait()  # with async_save=True: commits the last save
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
@@ -56,14 +69,25 @@ class CheckpointManager:
         self.root, self.keep_last, self.keep_every = Path(root), keep_last, keep_every
         self.async_save = async_save
         self._pending: tuple[int, AsyncSave] | None = None
+        everywhere(self._clean_up_on_rank_zero)
+
+    def _clean_up_on_rank_zero(self) -> None:
         rank, _world = _rank_world()
-        if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for leftover in sorted(self.root.glob(_TEMPORARY + "*")):
-                log.warning("fsdpckpt: removing %s, left by a save that did not finish",
-                            leftover)
-                shutil.rmtree(leftover, ignore_errors=True)
-        _barrier()
+        if rank != 0:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        for leftover in sorted(self.root.glob(_TEMPORARY + "*")):
+            final = self.root / leftover.name.replace(_TEMPORARY, "checkpoint_", 1)
+            if (leftover / MANIFEST).is_file() and _COMMITTED.match(final.name) and \
+                    not final.exists():
+                # Complete (the manifest is written last) but not renamed: a crash between
+                # the two, e.g. while replacing the same step. Commit it now.
+                log.warning("fsdpckpt: committing %s, complete but left unrenamed", leftover)
+                os.rename(leftover, final)
+                continue
+            log.warning("fsdpckpt: removing %s, left by a save that did not finish", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+        fsync_dir(self.root)
 
     def checkpoints(self) -> list[Path]:
         """The committed checkpoints, oldest first."""
@@ -84,9 +108,8 @@ class CheckpointManager:
         self.wait()
         rank, _world = _rank_world()
         temporary = self.root / f"{_TEMPORARY}{step}"
-        if rank == 0 and temporary.exists():
-            shutil.rmtree(temporary)
-        _barrier()
+        everywhere(lambda: shutil.rmtree(temporary) if rank == 0 and temporary.exists()
+                   else None)
         handle = save_state(temporary, step=step, async_save=self.async_save, **parts)
         if handle is None:
             self._commit(step)
@@ -104,35 +127,45 @@ class CheckpointManager:
     def restore(self, **parts: Any) -> int | None:
         """Load the newest checkpoint into ``parts``; return its step, or None if there is none."""
         self.wait()
-        latest = self.latest()
+        latest = _from_rank_zero(self.latest())  # every rank loads the same one
         if latest is None:
             return None
         return load_state(latest, **parts).step
 
     def _commit(self, step: int) -> None:
+        everywhere(lambda: self._commit_on_rank_zero(step))
+
+    def _commit_on_rank_zero(self, step: int) -> None:
         rank, _world = _rank_world()
         if rank == 0:
             final = self.root / f"checkpoint_{step}"
-            if final.exists():  # the same step saved again: the new one replaces it
-                self._delete(final)
+            replaced = None
+            if final.exists():  # the same step saved again: the old copy goes only after
+                replaced = self._uncommit(final)
             os.rename(self.root / f"{_TEMPORARY}{step}", final)
             fsync_dir(self.root)
-            self._apply_retention()
-        _barrier()
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+            self._apply_retention(just_committed=final)
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, *, just_committed: Path) -> None:
         committed = self.checkpoints()
         keep = set(committed[-self.keep_last:] if self.keep_last else committed)
+        keep.add(just_committed)  # even when its step is lower than older ones (a rewind)
         if self.keep_every:
             keep |= {p for p in committed if int(p.name.split("_")[1]) % self.keep_every == 0}
         for path in committed:
             if path not in keep:
                 self._delete(path)
 
-    def _delete(self, path: Path) -> None:
-        # Uncommit first, atomically: a crash in the middle of rmtree must not leave a
-        # half-deleted folder that still looks committed. The rename makes it a leftover.
-        doomed = self.root / f"{_TEMPORARY}deleting-{path.name}"
-        os.rename(path, doomed)
+    def _uncommit(self, path: Path) -> Path:
+        # Atomically: a crash in the middle of rmtree must not leave a half-deleted folder
+        # that still looks committed. The rename makes it a leftover, removed on next start.
+        doomed = Path(tempfile.mkdtemp(prefix=f"{_TEMPORARY}deleting-{path.name}-",
+                                       dir=self.root))
+        os.rename(path, doomed / path.name)
         fsync_dir(self.root)
-        shutil.rmtree(doomed, ignore_errors=True)
+        return doomed
+
+    def _delete(self, path: Path) -> None:
+        shutil.rmtree(self._uncommit(path), ignore_errors=True)

@@ -62,8 +62,7 @@ class AsyncSave:
 
     def wait(self) -> None:
         """Block until every part is written; call it on every rank."""
-        for future in self._futures:
-            future.result()
+        everywhere(lambda: [future.result() for future in self._futures])
         if not self._finished:
             self._finish()
             self._finished = True
@@ -97,6 +96,32 @@ def _async_group(part: str) -> Any:
     if part not in _ASYNC_GROUPS:
         _ASYNC_GROUPS[part] = _dist().new_group(backend="gloo")
     return _ASYNC_GROUPS[part]
+
+
+def everywhere(fn: Any) -> Any:
+    """Run ``fn`` on this rank and agree: if it failed on any rank, raise on every rank.
+
+    Replaces a bare barrier after rank-local work (rank 0 writing a file, each rank
+    reading its own): without it, the other ranks would wait at the barrier until the
+    process group times out.
+    """
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        error = exc
+    dist = _dist()
+    if dist is not None:
+        rank, world = _rank_world()
+        reports: list[Any] = [None] * world
+        dist.all_gather_object(reports, None if error is None else f"rank {rank}: {error}")
+        failed = [r for r in reports if r]
+        if error is None and failed:
+            raise FsdpCkptError(f"another rank failed, so this one stops too: {failed[0]}")
+    if error is not None:
+        raise error
+    return result
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -178,10 +203,12 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     root = Path(checkpoint_dir)
     rank, _world = _rank_world()
     models, optimizers = _as_list(model), _as_list(optimizer)
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_parts(root)
-    _barrier()
+    def prepare() -> None:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_stale_parts(root)
+
+    everywhere(prepare)
     futures = []
     records: dict[str, dict[str, tuple[int, int]]] = {}  # folder -> file -> (size, crc32)
 
@@ -244,12 +271,14 @@ class _Finish:
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, files)
             files = {k: v for part in gathered for k, v in part.items()}
-        if rank == 0:
-            write_manifest(self.root, build_manifest(self.root, files, world_size=world,
-                                                     step=self.step))
-            for folder in [self.root] + [self.root / f for f in self.records if f]:
-                fsync_dir(folder)
-        _barrier()
+        def on_rank_zero() -> None:
+            if rank == 0:
+                write_manifest(self.root, build_manifest(self.root, files, world_size=world,
+                                                         step=self.step))
+                for folder in [self.root] + [self.root / f for f in self.records if f]:
+                    fsync_dir(folder)
+
+        everywhere(on_rank_zero)
 
 
 def _check_parts(root: Path, models: list, optimizers: list, schedulers: list) -> None:
@@ -385,7 +414,6 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     for i, (name, obj) in enumerate((extra or {}).items()):
         obj.load_state_dict(_load_trusted(root / f"custom_checkpoint_{i}.pkl"))
         restored.append(f"extra:{name}")
-    step, warnings = restore_rng(root, rank, world)
+    step, warnings = everywhere(lambda: restore_rng(root, rank, world))
     restored += ["rng"] * (step is not None or not warnings)
-    _barrier()
     return LoadResult(step, tuple(restored), tuple(warnings))

@@ -149,3 +149,36 @@ def test_sigkill_during_saves_never_loses_or_damages_a_committed_checkpoint(tmp_
         if trial % 5 == 4:
             assert run_ranks(workers.restore_latest, str(root)) == [step, step]
     assert killed_mid_save >= TRIALS // 4, killed_mid_save  # the kills did land inside saves
+
+
+def test_saving_an_existing_step_again_replaces_it(tmp_path):
+    manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=2)
+    manager.save(3, **_parts())
+    manager.save(3, **_parts())
+    assert _steps(manager) == [3] and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_crash_before_the_rename_of_a_replacing_save_loses_nothing(tmp_path, monkeypatch):
+    import fsdpckpt.manager as manager_module
+
+    manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=3)
+    manager.save(30, **_parts())
+    real_rename = os.rename
+
+    def crash_on_commit(src, dst):
+        if str(src).endswith(".tmp-checkpoint_30"):
+            raise KeyboardInterrupt  # the job dies between uncommitting the old and renaming
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(manager_module.os, "rename", crash_on_commit)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(30, **_parts())
+    monkeypatch.setattr(manager_module.os, "rename", real_rename)
+    assert _steps(fsdpckpt.CheckpointManager(tmp_path)) == [30]  # the complete copy is committed
+
+
+def test_a_rewind_keeps_the_checkpoint_just_saved(tmp_path):
+    manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=2)
+    for step in (10, 20, 30, 15):
+        manager.save(step, **_parts())
+    assert 15 in _steps(manager)

@@ -186,6 +186,10 @@ def locate_tensor(file: IO[bytes], start: int, length: int, *, source: str) -> R
         if not isinstance(record, _TensorRecord) or not isinstance(record.storage, _Storage):
             raise CorruptCheckpointError(f"{source}: the archive does not hold a single tensor.")
         prefix = pkl.filename[: -len("data.pkl")]
+        if f"{prefix}byteorder" in archive.namelist() and \
+                archive.read(f"{prefix}byteorder").strip() != b"little":
+            raise CorruptCheckpointError(f"{source}: saved on a big-endian machine, which "
+                                         "fsdpckpt does not convert; merge it there")
         try:
             data = archive.getinfo(f"{prefix}data/{record.storage.key}")
         except KeyError:

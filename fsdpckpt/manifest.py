@@ -21,7 +21,7 @@ from .durable import write_bytes
 from .errors import CorruptCheckpointError
 from .reader import is_dcp_folder, read_dcp_folder
 
-__all__ = ["MANIFEST", "checksum_writer", "chunk_crcs", "build_manifest", "write_manifest",
+__all__ = ["MANIFEST", "checksum_writer", "chunk_crcs", "data_entry_crc", "build_manifest", "write_manifest",
            "read_manifest", "file_crc"]
 
 MANIFEST = "fsdpckpt.json"
@@ -80,6 +80,15 @@ def file_crc(path: Path, progress: Any = None, block: int = 16 * 2**20) -> int:
     return crc
 
 
+def data_entry_crc(handle: IO[bytes], start: int, length: int, *, source: str) -> int:
+    """The CRC-32 a chunk's zip directory stores for its data entry (no data is read)."""
+    with _open_archive(handle, start, length, source) as archive:
+        data = [i for i in archive.infolist() if "/data/" in i.filename]
+    if len(data) != 1:
+        raise CorruptCheckpointError(f"{source}: expected one data entry, found {len(data)}")
+    return data[0].CRC
+
+
 def chunk_crcs(folder: Path) -> list[dict[str, Any]]:
     """Each tensor chunk of a DCP folder with the CRC-32 its zip directory stores for its data."""
     meta = read_dcp_folder(folder).metadata
@@ -93,12 +102,10 @@ def chunk_crcs(folder: Path) -> list[dict[str, Any]]:
                 handle = handles.get(chunk.file) or handles.setdefault(
                     chunk.file, open(folder / chunk.file, "rb"))
                 source = f"{folder / chunk.file} (tensor '{tensor.name}')"
-                with _open_archive(handle, chunk.offset, chunk.length, source) as archive:
-                    data = [i for i in archive.infolist() if "/data/" in i.filename]
-                    if len(data) != 1:
-                        raise CorruptCheckpointError(f"{source}: expected one data entry")
                 out.append({"tensor": tensor.name, "offsets": list(chunk.offsets),
-                            "file": chunk.file, "crc32": data[0].CRC})
+                            "file": chunk.file,
+                            "crc32": data_entry_crc(handle, chunk.offset, chunk.length,
+                                                    source=source)})
     finally:
         for handle in handles.values():
             handle.close()

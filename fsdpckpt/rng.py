@@ -98,7 +98,7 @@ def load_rng_file(path: Path) -> dict[str, Any]:
         raise refused(path, exc, "RNG state") from None
     if not isinstance(state, dict):
         raise NotACheckpointError(f"{path}: holds a {type(state).__name__}, not RNG state")
-    return state
+    return _normalize(state, path)
 
 
 def refused(path: Path, exc: BaseException, what: str) -> Exception:
@@ -116,6 +116,19 @@ def refused(path: Path, exc: BaseException, what: str) -> Exception:
                                "it is damaged or not a torch.save file")
 
 
+# HF Trainer's rng_state_{rank}.pth names the same states differently.
+_TRAINER_KEYS = {"python": "random_state", "numpy": "numpy_random_seed",
+                 "cpu": "torch_manual_seed", "cuda": "torch_cuda_manual_seed"}
+
+
+def _normalize(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    state = {_TRAINER_KEYS.get(k, k): v for k, v in state.items()}
+    if "torch_manual_seed" not in state and "random_state" not in state:
+        raise NotACheckpointError(f"{path}: holds no RNG state this tool knows "
+                                  f"(keys {sorted(state)})")
+    return state
+
+
 def _apply(state: dict[str, Any]) -> None:
     import torch
 
@@ -126,8 +139,12 @@ def _apply(state: dict[str, Any]) -> None:
         np.random.set_state(state["numpy_random_seed"])
     if "torch_manual_seed" in state:
         torch.set_rng_state(state["torch_manual_seed"])
-    if "torch_cuda_manual_seed" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["torch_cuda_manual_seed"])
+    cuda = state.get("torch_cuda_manual_seed")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            torch.cuda.set_rng_state(cuda)
 
 
 def _derive(rank_zero: dict[str, Any], rank: int) -> None:

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .archive import _open_archive, locate_tensor
-from .errors import FsdpCkptError
+from .archive import locate_tensor
+from .errors import CorruptCheckpointError, FsdpCkptError
 from .inspection import inspect_checkpoint
 from .layout import find_layout
-from .manifest import MANIFEST, file_crc, read_manifest
+from .manifest import MANIFEST, data_entry_crc, file_crc, read_manifest
 from .reader import read_dcp_folder
 
 __all__ = ["verify_checkpoint"]
@@ -57,8 +57,7 @@ def _check_chunks(folder: Path, problems: list[dict[str, str]], *, only_file: st
             try:
                 with open(path, "rb") as handle:
                     raw = locate_tensor(handle, chunk.offset, chunk.length, source=where)
-                    with _open_archive(handle, chunk.offset, chunk.length, where) as archive:
-                        stored = [i.CRC for i in archive.infolist() if "/data/" in i.filename][0]
+                    stored = data_entry_crc(handle, chunk.offset, chunk.length, source=where)
                     actual = _range_crc(handle, raw.storage_start, raw.storage_nbytes, progress)
             except FsdpCkptError as exc:
                 problems.append({"path": str(path), "message": f"{where}: {exc}"})
@@ -67,7 +66,8 @@ def _check_chunks(folder: Path, problems: list[dict[str, str]], *, only_file: st
                 problems.append({"path": str(path), "message":
                                  f"{where}: holds {raw.dtype.name} {list(raw.shape)}, the "
                                  f"metadata says {tensor.dtype.name} {list(chunk.sizes)}"})
-            want = expected.get((tensor.name, chunk.offsets), stored) if expected else stored
+            key = (folder.name, tensor.name, chunk.offsets)
+            want = expected.get(key, stored) if expected else stored
             if actual != want:
                 problems.append({"path": str(path), "message":
                                  f"{where}: data does not match its checksum (a changed byte)"})
@@ -112,19 +112,24 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         if name != MANIFEST and name not in listed:
             problems.append({"path": str(root / name), "message": "stray file: not in the "
                              "manifest, so not part of this checkpoint as it was written"})
-    expected = {(c["tensor"], tuple(c["offsets"])): c["crc32"]
-                for chunks in manifest.get("chunks", {}).values() for c in chunks}
-    for name, info in listed.items():
+    try:
+        expected = {(folder, c["tensor"], tuple(c["offsets"])): int(c["crc32"])
+                    for folder, chunks in manifest.get("chunks", {}).items() for c in chunks}
+        listed = {name: (int(info["size"]), int(info["crc32"])) for name, info in listed.items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{root / MANIFEST}: malformed ({exc!r}); it cannot be "
+                                     "trusted, delete it to verify without it") from None
+    for name, (want_size, want_crc) in listed.items():
         file = root / name
         if not file.is_file():
             problems.append({"path": str(file), "message": "missing file listed in the manifest"})
             continue
         size = file.stat().st_size
-        if size != info["size"]:
+        if size != want_size:
             problems.append({"path": str(file), "message": f"size {size}, the manifest says "
-                             f"{info['size']}: the file is truncated or was changed"})
+                             f"{want_size}: the file is truncated or was changed"})
             continue
-        if file_crc(file, progress) != info["crc32"]:
+        if file_crc(file, progress) != want_crc:
             folder = file.parent
             before = len(problems)
             if (folder / ".metadata").is_file() and file.name.endswith(".distcp"):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .archive import locate_tensor
 from .copy import place_chunk
-from .durable import fsync_dir
+from .durable import fsync_dir, write_bytes
 from .errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
 from .formats import ObjectValue, get_format
 from .objects import read_object
@@ -192,7 +192,7 @@ def write_plan(plan: MergePlan, stage: Path, *,
             written.append(path)
         if plan.index_name:
             path = stage / plan.index_name
-            path.write_text(json.dumps(plan.index(), indent=2) + "\n")
+            write_bytes(path, (json.dumps(plan.index(), indent=2) + "\n").encode())
             written.append(path)
         return written
     finally:

@@ -310,3 +310,18 @@ def _torch_save_of_hostile(sentinel) -> bytes:
     buffer = io.BytesIO()
     torch.save(_RunsCommand(f"touch {sentinel}"), buffer)
     return buffer.getvalue()
+
+
+def test_hf_trainer_rng_files_are_restored(tmp_path):
+    ckpt = _saved_plain(tmp_path)
+    (ckpt / "random_states_0.pkl").unlink()
+    torch.manual_seed(42)
+    random.seed(42)
+    np.random.seed(42)
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
+                "cpu": torch.get_rng_state()}, ckpt / "rng_state_0.pth")
+    expected = (torch.rand(1).item(), random.random(), float(np.random.rand()))
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    result = fsdpckpt.load_state(ckpt, workers.make_model())
+    assert (torch.rand(1).item(), random.random(), float(np.random.rand())) == expected
+    assert "rng" in result.restored

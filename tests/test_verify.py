@@ -112,3 +112,8 @@ def test_without_manifest_a_flipped_byte_is_still_found(tmp_path):
 
 def test_verify_of_a_missing_path(tmp_path):
     assert_one_line_error(run("verify", tmp_path / "nope"), "no such file")
+
+
+def test_a_malformed_manifest_is_one_clear_error(saved):
+    (saved / "fsdpckpt.json").write_text('{"format": "fsdpckpt-manifest", "files": {"x": 1}}')
+    assert_one_line_error(run("verify", saved), "fsdpckpt.json", "malformed")

@@ -184,7 +184,10 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
     if len(set(targets)) != len(targets):
         raise MergePlanError(f"two merged parts would both write {targets[0].name}; "
                              "drop --file-name")
-    existing = [str(p) for p in targets if p.exists()]
+    # An earlier merge of another layout (one file against shards) would sit beside the
+    # new one, and loaders prefer the single file: it counts as an existing output.
+    stale = sorted({p for plan in plans for p in _same_stem_outputs(plan, out)} - set(targets))
+    existing = [str(p) for p in targets if p.exists()] + [str(p) for p in stale]
     if existing and not overwrite:
         raise OutputExistsError(f"{existing[0]}: already exists"
                                 + (f" (and {len(existing) - 1} more)" if len(existing) > 1 else "")
@@ -205,7 +208,19 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
             results.append(MergeResult(plan.folder.path, tuple(final), plan.num_tensors,
                                        plan.tensor_bytes, tuple(o.name for o in plan.objects),
                                        seconds))
+        for path in stale:  # only now that the new output is in place
+            path.unlink(missing_ok=True)
     return results
+
+
+def _same_stem_outputs(plan: MergePlan, out: Path) -> list[Path]:
+    if not out.is_dir():
+        return []
+    first = plan.files[0].name
+    stem = first.split("-0", 1)[0] if plan.index_name else first.rsplit(".", 1)[0]
+    suffix = first.rsplit(".", 1)[1]
+    patterns = [f"{stem}.{suffix}", f"{stem}-*-of-*.{suffix}", f"{stem}.{suffix}.index.json"]
+    return [p for pattern in patterns for p in out.glob(pattern)]
 
 
 def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization: bool = True,

@@ -334,3 +334,14 @@ def test_python_messages_name_the_keyword(tmp_path):
     fsdpckpt.merge(DCP_FOLDERS["dtensor"], tmp_path)
     with pytest.raises(fsdpckpt.OutputExistsError, match="overwrite=True"):
         fsdpckpt.merge(DCP_FOLDERS["dtensor"], tmp_path)
+
+
+def test_a_merge_of_another_layout_does_not_leave_the_old_one_beside_it(tmp_path):
+    fsdpckpt.merge(DCP_FOLDERS["fsdp2-model"], tmp_path)              # model.safetensors
+    with pytest.raises(fsdpckpt.OutputExistsError, match="model.safetensors"):
+        fsdpckpt.merge(DCP_FOLDERS["fsdp2-model"], tmp_path, max_shard_size=600)
+    fsdpckpt.merge(DCP_FOLDERS["fsdp2-model"], tmp_path, max_shard_size=600, overwrite=True)
+    assert not (tmp_path / "model.safetensors").exists()
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    fsdpckpt.merge(DCP_FOLDERS["fsdp2-model"], tmp_path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]

@@ -22,7 +22,7 @@ from .errors import CorruptCheckpointError
 from .reader import is_dcp_folder, read_dcp_folder
 
 __all__ = ["MANIFEST", "checksum_writer", "chunk_crcs", "data_entry_crc", "build_manifest", "write_manifest",
-           "read_manifest", "file_crc"]
+           "read_manifest", "file_crc", "crc32_range"]
 
 MANIFEST = "fsdpckpt.json"
 
@@ -69,15 +69,28 @@ def checksum_writer(path: str | os.PathLike[str], record: dict[str, tuple[int, i
     return writer
 
 
-def file_crc(path: Path, progress: Any = None, block: int = 16 * 2**20) -> int:
-    """CRC-32 of a whole file, read in blocks."""
+def crc32_range(fd: int, start: int, count: int, progress: Any = None,
+                block: int = 16 * 2**20) -> int:
+    """CRC-32 of ``count`` bytes at ``start`` of the open file ``fd``, read in blocks."""
     crc = 0
-    with open(path, "rb", buffering=0) as handle:
-        while chunk := handle.read(block):
-            crc = zlib.crc32(chunk, crc)
-            if progress:
-                progress(len(chunk))
+    while count > 0:
+        data = os.pread(fd, min(count, block), start)
+        if not data:
+            break
+        crc = zlib.crc32(data, crc)
+        start, count = start + len(data), count - len(data)
+        if progress:
+            progress(len(data))
     return crc
+
+
+def file_crc(path: Path, progress: Any = None) -> int:
+    """CRC-32 of a whole file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return crc32_range(fd, 0, os.fstat(fd).st_size, progress)
+    finally:
+        os.close(fd)
 
 
 def data_entry_crc(handle: IO[bytes], start: int, length: int, *, source: str) -> int:

@@ -57,12 +57,17 @@ def capture_rng_state(step: int | None) -> dict[str, Any]:
 
 def rng_state_bytes(step: int | None) -> bytes:
     """This process's RNG state as the bytes of a ``random_states_{rank}.pkl`` file."""
+    return torch_save_bytes(capture_rng_state(step))
+
+
+def torch_save_bytes(obj: Any) -> bytes:
+    """``torch.save(obj)`` into bytes."""
     import io
 
     import torch
 
     buffer = io.BytesIO()
-    torch.save(capture_rng_state(step), buffer)
+    torch.save(obj, buffer)
     return buffer.getvalue()
 
 

@@ -20,7 +20,7 @@ from .errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
 from .statecheck import compare, flatten, mismatch_message
 from .durable import fsync_dir, write_bytes
 from .manifest import build_manifest, checksum_writer, write_manifest
-from .rng import restore_rng, rng_state_bytes
+from .rng import restore_rng, rng_state_bytes, torch_save_bytes
 
 __all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError"]
 
@@ -237,22 +237,12 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
         shared += [(root / f"custom_checkpoint_{i}.pkl", obj)
                    for i, obj in enumerate((extra or {}).values())]
         for path, obj in shared:
-            side[path.name] = write_bytes(path, _torch_save_bytes(obj.state_dict()))
+            side[path.name] = write_bytes(path, torch_save_bytes(obj.state_dict()))
     finish = _Finish(root, records, step)
     if async_save:
         return AsyncSave(futures, finish)
     finish()
     return None
-
-
-def _torch_save_bytes(obj: Any) -> bytes:
-    import io
-
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 class _Finish:

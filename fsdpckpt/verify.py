@@ -11,7 +11,6 @@ blocks; no tensor is ever held whole.
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,27 +19,10 @@ from .archive import locate_tensor
 from .errors import CorruptCheckpointError, FsdpCkptError
 from .inspection import inspect_checkpoint
 from .layout import find_layout
-from .manifest import MANIFEST, data_entry_crc, file_crc, read_manifest
+from .manifest import MANIFEST, crc32_range, data_entry_crc, file_crc, read_manifest
 from .reader import read_dcp_folder
 
 __all__ = ["verify_checkpoint"]
-
-_BLOCK = 16 * 2**20
-
-
-def _range_crc(handle: Any, start: int, count: int, progress: Callable[[int], None] | None) -> int:
-    crc = 0
-    handle.seek(start)
-    while count > 0:
-        block = handle.read(min(count, _BLOCK))
-        if not block:
-            break
-        crc = zlib.crc32(block, crc)
-        count -= len(block)
-        if progress:
-            progress(len(block))
-    return crc
-
 
 def _check_chunks(folder: Path, problems: list[dict[str, str]], *, only_file: str | None,
                   expected: dict[tuple[str, tuple], int] | None,
@@ -58,7 +40,8 @@ def _check_chunks(folder: Path, problems: list[dict[str, str]], *, only_file: st
                 with open(path, "rb") as handle:
                     raw = locate_tensor(handle, chunk.offset, chunk.length, source=where)
                     stored = data_entry_crc(handle, chunk.offset, chunk.length, source=where)
-                    actual = _range_crc(handle, raw.storage_start, raw.storage_nbytes, progress)
+                    actual = crc32_range(handle.fileno(), raw.storage_start, raw.storage_nbytes,
+                                         progress)
             except FsdpCkptError as exc:
                 problems.append({"path": str(path), "message": f"{where}: {exc}"})
                 continue

@@ -14,22 +14,19 @@ import json
 import os
 import shutil
 import tempfile
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .archive import locate_tensor
 from .copy import place_chunk
 from .durable import fsync_dir, write_bytes
+from .manifest import crc32_range
 from .errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
 from .formats import ObjectValue, get_format
 from .objects import read_object
 from .plan import MergePlan, PlannedFile, chunk_runs
 
 __all__ = ["OutputExistsError", "DiskFullError", "write_plan", "output_paths", "staging", "commit"]
-
-_CRC_BLOCK = 16 * 2**20
-
 
 class OutputExistsError(FsdpCkptError, FileExistsError):
     """An output file is already there and ``overwrite`` was not given."""
@@ -91,15 +88,6 @@ def _start_writeback(fd: int, start: int, count: int) -> None:
         os.posix_fadvise(fd, start, count, os.POSIX_FADV_DONTNEED)
 
 
-def _crc(fd: int, start: int, count: int) -> int:
-    crc = 0
-    while count > 0:
-        block = os.pread(fd, min(count, _CRC_BLOCK), start)
-        crc = zlib.crc32(block, crc)
-        start, count = start + len(block), count - len(block)
-    return crc
-
-
 class _Sources:
     """Open data files of the merged folder, opened once each."""
 
@@ -148,7 +136,7 @@ def _write_file(plan: MergePlan, file: PlannedFile, objects: list[ObjectValue], 
                 place_chunk(src, raw, chunk, chunk_runs(entry.shape, chunk), planned.spec.dtype,
                             fd, start, source=source, progress=progress)
             if fmt.needs_crc:
-                crcs[planned.spec.name] = _crc(fd, start, planned.spec.nbytes)
+                crcs[planned.spec.name] = crc32_range(fd, start, planned.spec.nbytes)
             _start_writeback(fd, start, planned.spec.nbytes)
         fmt.finish(fd, layout, crcs)
         os.fsync(fd)

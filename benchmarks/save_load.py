@@ -7,7 +7,8 @@ A 2-rank FSDP2 run (gloo, CPU) holds N layers of 2048x2048 fp32 (16 MiB each;
 processes, alternating tools each round, it times (barrier to barrier):
   - raw DCP: dcp.save / dcp.load of {"model": get_model_state_dict(...)} and
     {"optimizer": get_optimizer_state_dict(...)}, set_*_state_dict after loading
-  - fsdpckpt.save_state / fsdpckpt.load_state (same parts, plus RNG files)
+  - fsdpckpt.save_state / fsdpckpt.load_state (same parts, plus RNG files and the
+    manifest of CRC-32s), and save_state(manifest=False)
   - Accelerate's save_state / load_state (FSDP2, SHARDED_STATE_DICT)
   - the blocking time of fsdpckpt.save_state(async_save=True) against a
     synchronous save, and the time until its wait() returns.
@@ -76,6 +77,9 @@ def _ranks(rank: int, world: int, layers: int, rounds: int, work: str, rendezvou
         "raw dcp": (raw_save, raw_load),
         "fsdpckpt": (lambda p: fsdpckpt.save_state(p, model, optimizer),
                      lambda p: fsdpckpt.load_state(p, model, optimizer)),
+        "fsdpckpt manifest=False": (
+            lambda p: fsdpckpt.save_state(p, model, optimizer, manifest=False),
+            lambda p: fsdpckpt.load_state(p, model, optimizer)),
         "accelerate": (accelerator.save_state, accelerator.load_state),
     }
     times: dict[str, list[float]] = {}
@@ -89,7 +93,7 @@ def _ranks(rank: int, world: int, layers: int, rounds: int, work: str, rendezvou
 
     for r in range(rounds):
         for name, (save, load) in tools.items():
-            path = f"{work}/{name.replace(' ', '_')}_{r}"
+            path = f"{work}/{name.replace(' ', '_').replace('=', '_')}_{r}"
             timed(f"{name} save", lambda: save(path))
             timed(f"{name} load", lambda: load(path))
         path = f"{work}/async_{r}"

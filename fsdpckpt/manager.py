@@ -110,7 +110,8 @@ class CheckpointManager:
         temporary = self.root / f"{_TEMPORARY}{step}"
         everywhere(lambda: shutil.rmtree(temporary) if rank == 0 and temporary.exists()
                    else None)
-        handle = save_state(temporary, step=step, async_save=self.async_save, **parts)
+        handle = save_state(temporary, step=step, async_save=self.async_save, manifest=True,
+                            **parts)
         if handle is None:
             self._commit(step)
         else:

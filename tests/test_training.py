@@ -325,3 +325,10 @@ def test_hf_trainer_rng_files_are_restored(tmp_path):
     result = fsdpckpt.load_state(ckpt, workers.make_model())
     assert (torch.rand(1).item(), random.random(), float(np.random.rand())) == expected
     assert "rng" in result.restored
+
+
+def test_manifest_can_be_left_out(tmp_path):
+    model = workers.make_model()
+    fsdpckpt.save_state(tmp_path / "ckpt", model, manifest=False)
+    assert not (tmp_path / "ckpt" / "fsdpckpt.json").exists()
+    assert fsdpckpt.verify_checkpoint(tmp_path / "ckpt")["ok"]

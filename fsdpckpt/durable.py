@@ -18,10 +18,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes(path: Path, data: bytes) -> tuple[int, int]:
-    """Write ``data`` durably (fsync) and return ``(size, crc32)``."""
+def write_bytes(path: Path, data: bytes, *, sync: bool = True) -> tuple[int, int]:
+    """Write ``data`` (durably, with fsync, unless ``sync=False``); return ``(size, crc32)``."""
     with open(path, "wb") as handle:
         handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+        if sync:
+            handle.flush()
+            os.fsync(handle.fileno())
     return len(data), zlib.crc32(data)

@@ -192,7 +192,9 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
         manifest: write ``fsdpckpt.json`` with every file's CRC-32 (computed while
             writing; about 0.1 s per 400 MB per rank here). ``fsdpckpt verify`` checks
             every byte against it; without it, verify still checks each chunk against
-            its own zip CRC. The CheckpointManager always writes it.
+            its own zip CRC. With ``manifest=False`` the small side files (RNG,
+            scheduler) are not fsynced either, as Accelerate writes them; the
+            CheckpointManager always writes the manifest and fsyncs everything.
 
     Returns:
         None, or the :class:`AsyncSave` handle.
@@ -237,14 +239,15 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
         write({"optimizer": get_optimizer_state_dict(module, opt)}, _optimizer_folder(root, i))
     side = records.setdefault("", {})
     side[f"random_states_{rank}.pkl"] = write_bytes(root / f"random_states_{rank}.pkl",
-                                                    rng_state_bytes(step))
+                                                    rng_state_bytes(step), sync=manifest)
     if rank == 0:
         shared = [(_scheduler_file(root, i), s) for i, s in enumerate(_as_list(scheduler))]
         shared += [(root / "scaler.pt", scaler)] if scaler is not None else []
         shared += [(root / f"custom_checkpoint_{i}.pkl", obj)
                    for i, obj in enumerate((extra or {}).values())]
         for path, obj in shared:
-            side[path.name] = write_bytes(path, torch_save_bytes(obj.state_dict()))
+            side[path.name] = write_bytes(path, torch_save_bytes(obj.state_dict()),
+                                          sync=manifest)
     finish = _Finish(root, records, step, manifest=manifest)
     if async_save:
         return AsyncSave(futures, finish)

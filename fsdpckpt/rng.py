@@ -4,7 +4,7 @@ The file is a ``torch.save`` of ``{"step", "random_state", "numpy_random_seed",
 "torch_manual_seed", "torch_cuda_manual_seed"}``, as Accelerate writes it. numpy's
 state needs numpy globals, so plain ``weights_only=True`` refuses the file; it is
 read with ``weights_only=True`` plus a narrow allowlist of exactly those globals,
-never ``weights_only=False``.
+never with the allowlist switched off.
 
 Policy when the world size changes (documented in docs/training.md): a rank
 with a saved file restores it; a rank without one seeds python, numpy and torch

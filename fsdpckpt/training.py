@@ -317,7 +317,7 @@ def _load_trusted(path: Path) -> Any:
 def _safe_load_planner() -> Any:
     """DCP's default load planner, but non-tensor values load with ``weights_only=True``.
 
-    torch's planner unpickles them with ``weights_only=False``: a checkpoint whose
+    torch's planner unpickles them with the allowlist switched off: a checkpoint whose
     ``param_groups`` entry hides a ``__reduce__`` would run code on load.
     """
     import torch

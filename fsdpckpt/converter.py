@@ -22,6 +22,7 @@ from typing import Any
 
 from .errors import CheckpointNotFoundError, NotACheckpointError
 from .formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
+from .full import shard_files
 from .objects import loads
 from .writer import OutputExistsError
 
@@ -40,20 +41,13 @@ class ConvertResult:
     bytes: int
 
 
-def _shard_files(path: Path) -> list[Path]:
-    if path.name.endswith(".index.json"):
-        index = json.loads(path.read_text())
-        return [path.parent / n for n in dict.fromkeys(index["weight_map"].values())]
-    return [path]
-
-
 def _entries(path: Path, key: str | None) -> Iterator[tuple[tuple, Any]]:
     """``(key_path, value)`` for every entry of the full file, one tensor loaded at a time."""
     prefix: tuple = (key,) if key else ()
     if path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
         from safetensors import safe_open
 
-        for file in _shard_files(path):
+        for file in shard_files(path):
             with safe_open(str(file), framework="pt") as handle:
                 meta = handle.metadata() or {}
                 paths = json.loads(meta.get(KEY_PATHS_KEY, "{}"))
@@ -65,7 +59,7 @@ def _entries(path: Path, key: str | None) -> Iterator[tuple[tuple, Any]]:
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    for file in _shard_files(path):  # a .bin shard index lists .bin files the same way
+    for file in shard_files(path):  # a .bin shard index lists .bin files the same way
         # mmap: tensors are paged in as each is written, not loaded all at once.
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         if not isinstance(state, dict):

@@ -12,13 +12,14 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable
+from typing import Any
 
 from .archive import RawTensor
 from .dtypes import DType
 from .errors import CorruptCheckpointError
 from .metadata import Chunk
 
-__all__ = ["copy_range", "read_exact", "place_chunk", "convert"]
+__all__ = ["copy_range", "read_exact", "place_chunk", "convert", "stored_tensor"]
 
 _BLOCK = 16 * 2**20
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF,
@@ -65,15 +66,22 @@ def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, count: int,
             progress(len(block))
 
 
+def stored_tensor(storage: bytearray, raw: RawTensor) -> Any:
+    """The chunk as a torch tensor viewing ``storage`` (the bytes of its whole storage)."""
+    import torch
+
+    flat = torch.frombuffer(storage, dtype=getattr(torch, raw.dtype.name))
+    return torch.as_strided(flat, raw.shape, raw.stride, raw.storage_offset)
+
+
 def convert(data: bytes | bytearray, raw: RawTensor, out: DType) -> bytes:
     """Reorder a stored chunk to row-major and convert it to ``out``, with torch."""
     import torch
 
     if raw.nbytes == 0:
         return b""
-    flat = torch.frombuffer(bytearray(data), dtype=getattr(torch, raw.dtype.name))
-    tensor = torch.as_strided(flat, raw.shape, raw.stride, raw.storage_offset)
-    tensor = tensor.to(getattr(torch, out.name)).contiguous()
+    storage = data if isinstance(data, bytearray) else bytearray(data)
+    tensor = stored_tensor(storage, raw).to(getattr(torch, out.name)).contiguous()
     return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 

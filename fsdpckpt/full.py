@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from .archive import locate_tensor
-from .copy import read_exact
+from .copy import read_exact, stored_tensor
 from .errors import CheckpointNotFoundError, NotACheckpointError
 from .formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from .nesting import unflatten
 from .objects import loads, read_object
 from .reader import is_dcp_folder, read_dcp_folder
 
-__all__ = ["load_full_state_dict"]
+__all__ = ["load_full_state_dict", "shard_files"]
 
 _MERGED_NAMES = ["model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
                  "pytorch_model.bin", "optimizer.safetensors.index.json", "optimizer.safetensors",
@@ -54,10 +54,8 @@ def _from_dcp(path: Path) -> dict[Any, Any]:
                     continue
                 data = bytearray(read_exact(fd(chunk.file), raw.storage_nbytes,
                                             raw.storage_start, source=source))
-                flat = torch.frombuffer(data, dtype=getattr(torch, raw.dtype.name))
-                piece = torch.as_strided(flat, raw.shape, raw.stride, raw.storage_offset)
                 index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
-                full[index] = piece
+                full[index] = stored_tensor(data, raw)
             items.append((tensor.key_path, full))
         for obj in folder.metadata.objects:
             with os.fdopen(os.dup(fd(obj.file)), "rb") as handle:
@@ -87,6 +85,14 @@ def _from_safetensors(files: list[Path]) -> dict[Any, Any]:
     return unflatten((tuple(paths.get(name, [name])), value) for name, value in flat.items())
 
 
+def shard_files(path: Path) -> list[Path]:
+    """The files a shard index (``*.index.json``) lists, in order; any other path alone."""
+    if path.name.endswith(".index.json"):
+        index = json.loads(path.read_text())
+        return [path.parent / n for n in dict.fromkeys(index["weight_map"].values())]
+    return [path]
+
+
 def _deep_update(target: dict[Any, Any], extra: dict[Any, Any]) -> None:
     # Shards of a nested state dict (optimizer state) each hold part of the same subtrees.
     for key, value in extra.items():
@@ -98,8 +104,7 @@ def _deep_update(target: dict[Any, Any], extra: dict[Any, Any]) -> None:
 
 def _from_file(path: Path) -> dict[Any, Any]:
     if path.name.endswith(".index.json"):
-        index = json.loads(path.read_text())
-        shards = [path.parent / name for name in dict.fromkeys(index["weight_map"].values())]
+        shards = shard_files(path)
         if path.name.startswith(("model.safetensors", "optimizer.safetensors")) or \
                 shards and shards[0].suffix == ".safetensors":
             return _from_safetensors(shards)

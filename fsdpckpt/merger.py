@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .dtypes import DType, dtype_from_name
 from .checks import check_folder
@@ -152,18 +153,18 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
     include = [include] if isinstance(include, str) else list(include)
     exclude = [exclude] if isinstance(exclude, str) else list(exclude)
     errors: list[Exception] = []
-    export = limit = parts = None
-    for attempt in ("dtype", "size", "parts"):  # every problem with the options, at once
+
+    def attempt(step: Callable[[], Any]) -> Any:  # every problem with the options, at once
         try:
-            if attempt == "dtype":
-                export = parse_dtype(dtype)
-            elif attempt == "size" and max_shard_size is not None:
-                limit = parse_size(max_shard_size)
-            elif attempt == "parts":
-                parts = resolve_folders(checkpoint, optimizer=optimizer,
-                                        model_index=model_index)
+            return step()
         except (MergePlanError, NotACheckpointError, CheckpointNotFoundError) as exc:
             errors.append(exc)
+            return None
+
+    export = attempt(lambda: parse_dtype(dtype))
+    limit = attempt(lambda: parse_size(max_shard_size)) if max_shard_size is not None else None
+    parts = attempt(lambda: resolve_folders(checkpoint, optimizer=optimizer,
+                                            model_index=model_index))
     if len(errors) == 1:
         raise errors[0]
     if errors:

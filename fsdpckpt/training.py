@@ -79,12 +79,6 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
 
 
-def _barrier() -> None:
-    dist = _dist()
-    if dist:
-        dist.barrier()
-
-
 _ASYNC_GROUPS: dict[str, Any] = {}
 
 

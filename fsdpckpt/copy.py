@@ -1,69 +1,75 @@
-"""Moving one chunk's bytes to their place in an output file.
+"""Moving one chunk's bytes to their place in an output, in bounded blocks.
 
 The fast path never decodes a tensor: a chunk that is one contiguous run of
 its output tensor (FSDP's dim-0 shards) is copied file to file with
-``os.copy_file_range``; a chunk that is many runs (dim-1 shards) is read once
-and written run by run. Only a dtype conversion or a non-contiguous stored
-chunk imports torch, and then holds one chunk in memory.
+``os.copy_file_range``; a chunk that is many runs (dim-1 shards) is read in
+16 MiB blocks and written run by run. Only a dtype conversion or a
+non-contiguous stored chunk imports torch, and then works tile by tile: each
+tile is a box of the chunk whose stored bytes span at most ``_SPAN`` bytes and
+whose output is at most ``_TILE`` bytes, so memory stays flat however large
+the tensor (a transposed 2.4 GB chunk used to be held whole, three times).
 """
 
 from __future__ import annotations
 
-import errno
-import os
-from collections.abc import Callable
-from typing import Any
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 from .archive import RawTensor
 from .dtypes import DType
 from .errors import CorruptCheckpointError
 from .metadata import Chunk
+from .rawio import copy_range, pread_into, pwrite_all, read_exact
 
-__all__ = ["copy_range", "read_exact", "place_chunk", "convert", "stored_tensor"]
+__all__ = ["copy_range", "read_exact", "place_chunk", "stored_tensor", "FileSink",
+           "MemorySink", "tiles"]
 
-_BLOCK = 16 * 2**20
-_NO_COPY_FILE_RANGE = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF,
-                       errno.EPERM}
-_copy_file_range_works = hasattr(os, "copy_file_range")
-
-
-def read_exact(fd: int, count: int, offset: int, *, source: str) -> bytes:
-    """``count`` bytes at ``offset`` of ``fd``, or a CorruptCheckpointError naming ``source``."""
-    data = os.pread(fd, count, offset)
-    while len(data) < count:
-        more = os.pread(fd, count - len(data), offset + len(data))
-        if not more:
-            raise CorruptCheckpointError(f"{source}: the file ends before byte "
-                                         f"{offset + count}: it is truncated")
-        data += more
-    return data
+# Stored bytes read for one tile, and output bytes made by one tile. With torch
+# imported (about 220 MB here) two such buffers keep a merge under 300 MB.
+_SPAN = 16 * 2**20
+_TILE = 16 * 2**20
 
 
-def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, count: int, *,
-               source: str, progress: Callable[[int], None] | None = None) -> None:
-    """Copy ``count`` bytes between files: in the kernel where it can, else in 16 MiB blocks."""
-    global _copy_file_range_works
-    while count > 0 and _copy_file_range_works:
-        try:
-            done = os.copy_file_range(src, dst, min(count, 2**30), src_offset, dst_offset)
-        except OSError as exc:
-            if exc.errno not in _NO_COPY_FILE_RANGE:
-                raise
-            _copy_file_range_works = False
-            break
-        if done == 0:
-            raise CorruptCheckpointError(f"{source}: the file ends before byte "
-                                         f"{src_offset + count}: it is truncated")
-        src_offset, dst_offset, count = src_offset + done, dst_offset + done, count - done
+class Sink(Protocol):
+    """Where placed bytes go: an output file, or memory (``load_full_state_dict``)."""
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """Put all of ``data`` at byte ``offset``."""
+
+    def copy_from(self, src: int, src_offset: int, offset: int, count: int, *, source: str,
+                  progress: Callable[[int], None] | None) -> None:
+        """Put ``count`` bytes of the file ``src`` from ``src_offset`` at byte ``offset``."""
+
+
+class FileSink:
+    """An open output file, written with looping ``pwrite`` and ``copy_file_range``."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, data: memoryview, offset: int) -> None:
+        pwrite_all(self.fd, data, offset)
+
+    def copy_from(self, src: int, src_offset: int, offset: int, count: int, *, source: str,
+                  progress: Callable[[int], None] | None) -> None:
+        copy_range(src, src_offset, self.fd, offset, count, source=source, progress=progress)
+
+
+class MemorySink:
+    """A writable buffer (the memory of a tensor being filled): reads land in it directly."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view.cast("B")
+
+    def write(self, data: memoryview, offset: int) -> None:
+        self.view[offset:offset + len(data)] = data
+
+    def copy_from(self, src: int, src_offset: int, offset: int, count: int, *, source: str,
+                  progress: Callable[[int], None] | None) -> None:
+        pread_into(src, self.view[offset:offset + count], src_offset, source=source)
         if progress:
-            progress(done)
-    while count > 0:
-        block = read_exact(src, min(count, _BLOCK), src_offset, source=source)
-        os.pwrite(dst, block, dst_offset)
-        src_offset, dst_offset, count = src_offset + len(block), dst_offset + len(block), \
-            count - len(block)
-        if progress:
-            progress(len(block))
+            progress(count)
 
 
 def stored_tensor(storage: bytearray, raw: RawTensor) -> Any:
@@ -74,19 +80,138 @@ def stored_tensor(storage: bytearray, raw: RawTensor) -> Any:
     return torch.as_strided(flat, raw.shape, raw.stride, raw.storage_offset)
 
 
-def convert(data: bytes | bytearray, raw: RawTensor, out: DType) -> bytes:
-    """Reorder a stored chunk to row-major and convert it to ``out``, with torch."""
+def _runs(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> tuple[int, list[int]]:
+    # Deferred import: plan imports formats, which must not need this module first.
+    from .plan import chunk_runs
+
+    return chunk_runs(shape, Chunk(tuple(offsets), tuple(sizes), None, 0, 0))
+
+
+def tiles(shape: Sequence[int], stride: Sequence[int], span_max: int,
+          numel_max: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Cut a strided tensor into boxes that each span and hold few enough elements.
+
+    A box's span is the distance, in elements of the storage, from its first
+    stored element to its last (plus one). Boxes come in row-major order of
+    their corners where the layout allows, and together cover every element once.
+
+    Args:
+        shape, stride: the tensor's shape and strides, in elements.
+        span_max: the most storage elements one box may span (at least 1).
+        numel_max: the most elements one box may hold (at least 1).
+
+    Yields:
+        ``(offsets, sizes)`` of each non-empty box.
+    """
+    ndim = len(shape)
+    stack = [((0,) * ndim, tuple(shape))]
+    while stack:
+        offsets, sizes = stack.pop()
+        numel = math.prod(sizes)
+        if numel == 0:
+            continue
+        reach = [(s - 1) * abs(st) for s, st in zip(sizes, stride)]
+        span = 1 + sum(reach)
+        if span <= span_max and numel <= numel_max:
+            yield offsets, sizes
+            continue
+        cuttable = [d for d in range(ndim) if sizes[d] > 1]
+        if span > span_max:
+            # Cutting the dim with the widest step shrinks the span most; a transposed
+            # chunk is cut across its stored rows, not along them.
+            d = max(cuttable, key=lambda k: abs(stride[k]))
+            rest = span - reach[d]
+            piece = (span_max - rest) // abs(stride[d]) + 1 if rest < span_max else 1
+        else:
+            d = cuttable[0]  # the outermost: boxes stay whole rows, written in one piece
+            piece = max(1, numel_max // (numel // sizes[d]))
+        parts = []
+        for start in range(0, sizes[d], piece):
+            part = list(sizes)
+            part[d] = min(piece, sizes[d] - start)
+            corner = list(offsets)
+            corner[d] += start
+            parts.append((tuple(corner), tuple(part)))
+        stack.extend(reversed(parts))
+
+
+def _pieces(chunk_sizes: Sequence[int], box_offsets: Sequence[int], box_sizes: Sequence[int],
+            run: int, starts: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """``(position in the box's row-major output, element of the tensor, count)``, coalesced."""
+    box_run, box_starts = _runs(chunk_sizes, box_offsets, box_sizes)
+    pending: list[int] | None = None
+    for k, first in enumerate(box_starts):  # ``first``: element index within the chunk
+        at, left = k * box_run, box_run
+        while left:
+            index, within = divmod(first, run)
+            count = min(left, run - within)
+            target = starts[index] + within
+            if pending is not None and pending[1] + pending[2] == target:
+                pending[2] += count
+            else:
+                if pending is not None:
+                    yield pending[0], pending[1], pending[2]
+                pending = [at, target, count]
+            at, first, left = at + count, first + count, left - count
+    if pending is not None:
+        yield pending[0], pending[1], pending[2]
+
+
+def _place_contiguous(src: int, raw: RawTensor, run: int, starts: Sequence[int], itemsize: int,
+                      sink: Sink, tensor_start: int, source: str,
+                      progress: Callable[[int], None] | None) -> None:
+    """A row-major chunk of many runs: read blocks of runs, write each run."""
+    run_bytes = run * itemsize
+    total = run_bytes * len(starts)
+    buffer = memoryview(bytearray(min(total, _SPAN)))
+    done = 0  # bytes of the chunk placed so far
+    while done < total:
+        block = buffer[:min(total - done, len(buffer))]
+        pread_into(src, block, raw.data_start + done, source=source)
+        at = 0
+        while at < len(block):
+            index, within = divmod(done + at, run_bytes)
+            count = min(len(block) - at, run_bytes - within)
+            sink.write(block[at:at + count], tensor_start + starts[index] * itemsize + within)
+            at += count
+        done += len(block)
+        if progress:
+            progress(len(block))
+
+
+def _place_tiled(src: int, raw: RawTensor, chunk: Chunk, run: int, starts: Sequence[int],
+                 out: DType, sink: Sink, tensor_start: int, source: str,
+                 progress: Callable[[int], None] | None) -> None:
+    """Reorder and/or convert with torch, one bounded tile at a time."""
     import torch
 
-    if raw.nbytes == 0:
-        return b""
-    storage = data if isinstance(data, bytearray) else bytearray(data)
-    tensor = stored_tensor(storage, raw).to(getattr(torch, out.name)).contiguous()
-    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    in_size, out_size = raw.dtype.itemsize, out.itemsize
+    in_dtype, out_dtype = getattr(torch, raw.dtype.name), getattr(torch, out.name)
+    span_max = max(1, _SPAN // in_size)
+    numel_max = max(1, _TILE // max(in_size, out_size))
+    stored = bytearray(min(raw.storage_nbytes, span_max * in_size))
+    made = bytearray(min(math.prod(raw.shape), numel_max) * out_size)
+    for offsets, sizes in tiles(raw.shape, raw.stride, span_max, numel_max):
+        base = raw.storage_offset + sum(o * st for o, st in zip(offsets, raw.stride))
+        low = base + sum(min(0, (s - 1) * st) for s, st in zip(sizes, raw.stride))
+        high = base + sum(max(0, (s - 1) * st) for s, st in zip(sizes, raw.stride)) + 1
+        numel = math.prod(sizes)
+        pread_into(src, memoryview(stored)[:(high - low) * in_size],
+                   raw.storage_start + low * in_size, source=source)
+        view = torch.frombuffer(stored, dtype=in_dtype, count=high - low).as_strided(
+            sizes, raw.stride, base - low)
+        target = torch.frombuffer(made, dtype=out_dtype, count=numel).view(sizes)
+        target.copy_(view)  # the same cast as tensor.to(out): round to nearest even
+        result = memoryview(made)
+        for at, element, count in _pieces(chunk.sizes, offsets, sizes, run, starts):
+            sink.write(result[at * out_size:(at + count) * out_size],
+                       tensor_start + element * out_size)
+        if progress:
+            progress(numel * out_size)
 
 
 def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: tuple[int, list[int]],
-                out: DType, dst: int, tensor_start: int, *, source: str,
+                out: DType, dst: int | Sink, tensor_start: int, *, source: str,
                 progress: Callable[[int], None] | None = None) -> None:
     """Write one chunk's elements at their place in the output tensor.
 
@@ -96,7 +221,7 @@ def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: tuple[int, list[in
         chunk: the chunk, as the metadata places it.
         runs: :func:`fsdpckpt.plan.chunk_runs` of the chunk in its tensor.
         out: the output dtype.
-        dst: the open output file.
+        dst: the open output file, or a :class:`MemorySink`.
         tensor_start: byte offset of the output tensor's first element.
         source: how to name the chunk in messages.
         progress: called with the number of bytes written, as they are.
@@ -107,18 +232,13 @@ def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: tuple[int, list[in
     if raw.shape != chunk.sizes:
         raise CorruptCheckpointError(f"{source}: holds shape {list(raw.shape)}, the metadata "
                                      f"says {list(chunk.sizes)}")
-    same = raw.dtype.name == out.name
-    if same and raw.is_contiguous and len(starts) == 1:
-        copy_range(src, raw.data_start, dst, tensor_start + starts[0] * out.itemsize, raw.nbytes,
-                   source=source, progress=progress)
+    sink = FileSink(dst) if isinstance(dst, int) else dst
+    if raw.dtype.name == out.name and raw.is_contiguous:
+        if len(starts) == 1:
+            sink.copy_from(src, raw.data_start, tensor_start + starts[0] * out.itemsize,
+                           raw.nbytes, source=source, progress=progress)
+        else:
+            _place_contiguous(src, raw, run, starts, out.itemsize, sink, tensor_start, source,
+                              progress)
         return
-    if same and raw.is_contiguous:
-        data: bytes = read_exact(src, raw.nbytes, raw.data_start, source=source)
-    else:
-        storage = read_exact(src, raw.storage_nbytes, raw.storage_start, source=source)
-        data = convert(storage, raw, out)
-    view, width = memoryview(data), run * out.itemsize
-    for i, start in enumerate(starts):
-        os.pwrite(dst, view[i * width:(i + 1) * width], tensor_start + start * out.itemsize)
-    if progress:
-        progress(len(data))
+    _place_tiled(src, raw, chunk, run, starts, out, sink, tensor_start, source, progress)

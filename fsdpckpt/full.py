@@ -9,16 +9,19 @@ Unlike the merge, this holds the whole state dict: it is for models that fit.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 from .archive import locate_tensor
-from .copy import read_exact, stored_tensor
-from .errors import CheckpointNotFoundError, NotACheckpointError
+from .copy import MemorySink, place_chunk
+from .dtypes import DType
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from .formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from .nesting import unflatten
 from .objects import loads, read_object
+from .plan import chunk_runs
 from .reader import is_dcp_folder, read_dcp_folder
 
 __all__ = ["load_full_state_dict", "shard_files"]
@@ -28,9 +31,18 @@ _MERGED_NAMES = ["model.safetensors.index.json", "model.safetensors", "pytorch_m
                  "optimizer.bin.index.json", "optimizer.bin"]
 
 
-def _from_dcp(path: Path) -> dict[Any, Any]:
+def _empty(dtype: DType, shape: tuple[int, ...]) -> tuple[Any, MemorySink]:
+    """A tensor to fill, and a sink writing into its memory."""
     import torch
 
+    memory = bytearray(math.prod(shape) * dtype.itemsize)
+    if not memory:
+        return torch.empty(shape, dtype=getattr(torch, dtype.name)), MemorySink(memoryview(memory))
+    flat = torch.frombuffer(memory, dtype=getattr(torch, dtype.name))  # keeps ``memory`` alive
+    return flat.view(shape), MemorySink(memoryview(memory))
+
+
+def _from_dcp(path: Path) -> dict[Any, Any]:
     folder = read_dcp_folder(path)
     items: list[tuple[tuple, Any]] = []
     fds: dict[str, int] = {}
@@ -45,17 +57,17 @@ def _from_dcp(path: Path) -> dict[Any, Any]:
             return fds[name]
 
         for tensor in folder.metadata.tensors:
-            full = torch.empty(tensor.shape, dtype=getattr(torch, tensor.dtype.name))
+            full, sink = _empty(tensor.dtype, tensor.shape)
             for chunk in tensor.chunks:
                 source = f"{path / str(chunk.file)} (tensor '{tensor.name}')"
                 with os.fdopen(os.dup(fd(chunk.file)), "rb") as handle:
                     raw = locate_tensor(handle, chunk.offset, chunk.length, source=source)
-                if raw.nbytes == 0:
-                    continue
-                data = bytearray(read_exact(fd(chunk.file), raw.storage_nbytes,
-                                            raw.storage_start, source=source))
-                index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
-                full[index] = stored_tensor(data, raw)
+                if raw.dtype.name != tensor.dtype.name:
+                    raise CorruptCheckpointError(f"{source}: holds {raw.dtype.name}, the "
+                                                 f"metadata says {tensor.dtype.name}")
+                # Straight into the tensor's memory: nothing is held but the tensor itself.
+                place_chunk(fd(chunk.file), raw, chunk, chunk_runs(tensor.shape, chunk),
+                            tensor.dtype, sink, 0, source=source)
             items.append((tensor.key_path, full))
         for obj in folder.metadata.objects:
             with os.fdopen(os.dup(fd(obj.file)), "rb") as handle:

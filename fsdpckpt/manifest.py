@@ -19,6 +19,7 @@ from typing import IO, Any
 from .archive import _open_archive
 from .durable import write_bytes
 from .errors import CorruptCheckpointError
+from .rawio import pread_into
 from .reader import is_dcp_folder, read_dcp_folder
 
 __all__ = ["MANIFEST", "checksum_writer", "chunk_crcs", "data_entry_crc", "build_manifest", "write_manifest",
@@ -70,13 +71,17 @@ def checksum_writer(path: str | os.PathLike[str], record: dict[str, tuple[int, i
 
 
 def crc32_range(fd: int, start: int, count: int, progress: Any = None,
-                block: int = 16 * 2**20) -> int:
-    """CRC-32 of ``count`` bytes at ``start`` of the open file ``fd``, read in blocks."""
+                block: int = 16 * 2**20, *, source: str = "a file") -> int:
+    """CRC-32 of ``count`` bytes at ``start`` of the open file ``fd``, read in blocks.
+
+    Raises:
+        CorruptCheckpointError: the file ends before ``start + count``.
+    """
     crc = 0
+    buffer = memoryview(bytearray(min(count, block))) if count > 0 else memoryview(b"")
     while count > 0:
-        data = os.pread(fd, min(count, block), start)
-        if not data:
-            break
+        data = buffer[:min(count, len(buffer))]
+        pread_into(fd, data, start, source=source)
         crc = zlib.crc32(data, crc)
         start, count = start + len(data), count - len(data)
         if progress:
@@ -88,7 +93,7 @@ def file_crc(path: Path, progress: Any = None) -> int:
     """CRC-32 of a whole file."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        return crc32_range(fd, 0, os.fstat(fd).st_size, progress)
+        return crc32_range(fd, 0, os.fstat(fd).st_size, progress, source=str(path))
     finally:
         os.close(fd)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from .archive import locate_tensor
 from .copy import place_chunk
 from .durable import fsync_dir, write_bytes
+from .rawio import pwrite_all
 from .manifest import crc32_range
 from .errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
 from .formats import ObjectValue, get_format
@@ -118,7 +119,7 @@ def _write_file(plan: MergePlan, file: PlannedFile, objects: list[ObjectValue], 
     try:
         _reserve(fd, layout.size, path)
         for offset, data in layout.fixed:
-            os.pwrite(fd, data, offset)
+            pwrite_all(fd, data, offset)
         crcs = {}
         for planned in file.tensors:
             entry, start = planned.source, layout.starts[planned.spec.name]

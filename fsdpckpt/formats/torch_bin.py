@@ -21,6 +21,7 @@ from typing import Any
 
 from ..dtypes import DType
 from ..nesting import unflatten
+from ..rawio import pwrite_all
 from . import FileLayout, ObjectValue, OutputFormat, TensorSpec
 
 __all__ = ["TorchBinFormat", "pickle_state_dict"]
@@ -177,6 +178,6 @@ class TorchBinFormat(OutputFormat):
         for entry in entries:
             if entry.name in names:
                 entry.crc = crcs[names[entry.name]]
-                os.pwrite(fd, struct.pack("<I", entry.crc), entry.offset + 14)
+                pwrite_all(fd, struct.pack("<I", entry.crc), entry.offset + 14)
         central = b"".join(e.central_header() for e in entries)
-        os.pwrite(fd, central + _end_records(entries, cd_offset, len(central)), cd_offset)
+        pwrite_all(fd, central + _end_records(entries, cd_offset, len(central)), cd_offset)

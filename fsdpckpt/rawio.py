@@ -1,0 +1,102 @@
+"""Reads and writes that finish: every call here loops until its whole range is done.
+
+A single ``read``/``write`` system call may move fewer bytes than asked, and on
+Linux one call never moves more than 2,147,479,552 bytes (``0x7ffff000``)
+whatever the size asked for. Code that ignores the count returned writes zeros,
+or stale bytes, silently past that point. Every byte fsdpckpt reads or writes by
+offset goes through these functions, which keep calling until the range is
+done, and fail loudly when the file ends or the system writes nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+
+from .errors import CorruptCheckpointError
+
+__all__ = ["pread_into", "read_exact", "pwrite_all", "copy_range"]
+
+_BLOCK = 16 * 2**20
+# copy_file_range is refused for these reasons (another file system, an old kernel,
+# a special file); the block copy then does the job instead.
+_NO_COPY_FILE_RANGE = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF,
+                       errno.EPERM}
+_copy_file_range_works = hasattr(os, "copy_file_range")
+
+
+def _truncated(source: str, end: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{source}: the file ends before byte {end}: it is truncated")
+
+
+def pread_into(fd: int, view: memoryview, offset: int, *, source: str) -> None:
+    """Fill all of ``view`` with the bytes of ``fd`` from ``offset``.
+
+    Raises:
+        CorruptCheckpointError: the file ends first (naming ``source``).
+    """
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    done, count = 0, len(view)
+    while done < count:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise _truncated(source, offset + count)
+        done += got
+
+
+def read_exact(fd: int, count: int, offset: int, *, source: str) -> bytearray:
+    """``count`` bytes at ``offset`` of ``fd``, or a CorruptCheckpointError naming ``source``."""
+    data = bytearray(count)
+    pread_into(fd, memoryview(data), offset, source=source)
+    return data
+
+
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of ``fd``, however many calls it takes.
+
+    Raises:
+        OSError: the system refuses the write (full disk...) or writes nothing.
+    """
+    view = memoryview(data).cast("B")
+    done, count = 0, len(view)
+    while done < count:
+        wrote = os.pwrite(fd, view[done:], offset + done)
+        if wrote <= 0:  # never returned for a real write; looping on it would never end
+            raise OSError(errno.EIO, f"a write at byte {offset + done} wrote nothing")
+        done += wrote
+
+
+def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, count: int, *,
+               source: str, progress: Callable[[int], None] | None = None) -> None:
+    """Copy ``count`` bytes between files: in the kernel where it can, else in 16 MiB blocks.
+
+    Raises:
+        CorruptCheckpointError: ``src`` ends before the range does.
+    """
+    global _copy_file_range_works
+    end = src_offset + count
+    while count > 0 and _copy_file_range_works:
+        try:
+            done = os.copy_file_range(src, dst, min(count, 2**30), src_offset, dst_offset)
+        except OSError as exc:
+            if exc.errno not in _NO_COPY_FILE_RANGE:
+                raise
+            _copy_file_range_works = False
+            break
+        if done <= 0:
+            raise _truncated(source, end)
+        src_offset, dst_offset, count = src_offset + done, dst_offset + done, count - done
+        if progress:
+            progress(done)
+    if count <= 0:
+        return
+    buffer = memoryview(bytearray(min(count, _BLOCK)))
+    while count > 0:
+        block = buffer[:min(count, len(buffer))]
+        pread_into(src, block, src_offset, source=source)
+        pwrite_all(dst, block, dst_offset)
+        src_offset, dst_offset, count = (src_offset + len(block), dst_offset + len(block),
+                                         count - len(block))
+        if progress:
+            progress(len(block))

@@ -20,7 +20,7 @@ from .archive import RawTensor
 from .dtypes import DType
 from .errors import CorruptCheckpointError
 from .metadata import Chunk
-from .rawio import copy_range, pread_into, pwrite_all, read_exact
+from .rawio import copy_range, pread_into, pwrite_all, read_exact, scratch
 
 __all__ = ["copy_range", "read_exact", "place_chunk", "stored_tensor", "FileSink",
            "MemorySink", "tiles"]
@@ -163,7 +163,7 @@ def _place_contiguous(src: int, raw: RawTensor, run: int, starts: Sequence[int],
     """A row-major chunk of many runs: read blocks of runs, write each run."""
     run_bytes = run * itemsize
     total = run_bytes * len(starts)
-    buffer = memoryview(bytearray(min(total, _SPAN)))
+    buffer = scratch(min(total, _SPAN))
     done = 0  # bytes of the chunk placed so far
     while done < total:
         block = buffer[:min(total - done, len(buffer))]
@@ -189,22 +189,29 @@ def _place_tiled(src: int, raw: RawTensor, chunk: Chunk, run: int, starts: Seque
     in_dtype, out_dtype = getattr(torch, raw.dtype.name), getattr(torch, out.name)
     span_max = max(1, _SPAN // in_size)
     numel_max = max(1, _TILE // max(in_size, out_size))
-    stored = bytearray(min(raw.storage_nbytes, span_max * in_size))
-    made = bytearray(min(math.prod(raw.shape), numel_max) * out_size)
+    numel_cap = min(math.prod(raw.shape), numel_max)
+    stored = scratch(min(raw.storage_nbytes, span_max * in_size))
+    made = scratch(numel_cap * out_size)
+    staged: memoryview | None = None  # a strided tile to cast is reordered here first
     for offsets, sizes in tiles(raw.shape, raw.stride, span_max, numel_max):
         base = raw.storage_offset + sum(o * st for o, st in zip(offsets, raw.stride))
         low = base + sum(min(0, (s - 1) * st) for s, st in zip(sizes, raw.stride))
         high = base + sum(max(0, (s - 1) * st) for s, st in zip(sizes, raw.stride)) + 1
         numel = math.prod(sizes)
-        pread_into(src, memoryview(stored)[:(high - low) * in_size],
-                   raw.storage_start + low * in_size, source=source)
+        pread_into(src, stored[:(high - low) * in_size], raw.storage_start + low * in_size,
+                   source=source)
         view = torch.frombuffer(stored, dtype=in_dtype, count=high - low).as_strided(
             sizes, raw.stride, base - low)
-        target = torch.frombuffer(made, dtype=out_dtype, count=numel).view(sizes)
-        target.copy_(view)  # the same cast as tensor.to(out): round to nearest even
-        result = memoryview(made)
+        if in_dtype != out_dtype and not view.is_contiguous():
+            # torch casts a strided source on its scalar path and a contiguous one on its
+            # vector path, and the two disagree on NaN bits (0x7FC0 against 0xFFFF for
+            # bf16). The reference is .to() of the contiguous tensor torch loads: reorder
+            # first (exact), then cast contiguous to contiguous as .to() does.
+            staged = staged if staged is not None else scratch(numel_cap * in_size)
+            view = torch.frombuffer(staged, dtype=in_dtype, count=numel).view(sizes).copy_(view)
+        torch.frombuffer(made, dtype=out_dtype, count=numel).view(sizes).copy_(view)
         for at, element, count in _pieces(chunk.sizes, offsets, sizes, run, starts):
-            sink.write(result[at * out_size:(at + count) * out_size],
+            sink.write(made[at * out_size:(at + count) * out_size],
                        tensor_start + element * out_size)
         if progress:
             progress(numel * out_size)

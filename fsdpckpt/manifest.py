@@ -19,7 +19,7 @@ from typing import IO, Any
 from .archive import _open_archive
 from .durable import write_bytes
 from .errors import CorruptCheckpointError
-from .rawio import pread_into
+from .rawio import pread_into, scratch
 from .reader import is_dcp_folder, read_dcp_folder
 
 __all__ = ["MANIFEST", "checksum_writer", "chunk_crcs", "data_entry_crc", "build_manifest", "write_manifest",
@@ -78,7 +78,7 @@ def crc32_range(fd: int, start: int, count: int, progress: Any = None,
         CorruptCheckpointError: the file ends before ``start + count``.
     """
     crc = 0
-    buffer = memoryview(bytearray(min(count, block))) if count > 0 else memoryview(b"")
+    buffer = scratch(min(count, block)) if count > 0 else memoryview(b"")
     while count > 0:
         data = buffer[:min(count, len(buffer))]
         pread_into(fd, data, start, source=source)

@@ -1,0 +1,123 @@
+"""The tile engine: any stored layout, any chunk, any dtype cast, exact and in bounded pieces."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+import fsdpckpt
+from fsdpckpt import copy as engine
+from fsdpckpt.archive import RawTensor
+from fsdpckpt.copy import MemorySink, place_chunk, tiles
+from fsdpckpt.dtypes import DTYPES
+from fsdpckpt.metadata import Chunk
+from fsdpckpt.plan import chunk_runs
+
+from chunked import split, write_dcp
+
+
+@st.composite
+def _strided(draw):
+    """A shape and the strides of some permutation of a contiguous layout (maybe expanded)."""
+    shape = draw(st.lists(st.integers(1, 6), min_size=0, max_size=4))
+    order = draw(st.permutations(range(len(shape))))
+    stride = [0] * len(shape)
+    step = 1
+    for dim in reversed(order):
+        stride[dim] = step
+        step *= shape[dim]
+    if shape and draw(st.booleans()):  # a broadcast dim, as expand() saves it
+        stride[draw(st.integers(0, len(shape) - 1))] = 0
+    return tuple(shape), tuple(stride)
+
+
+@given(_strided(), st.integers(1, 40), st.integers(1, 40))
+def test_tiles_cover_every_element_once_within_both_limits(layout, span_max, numel_max):
+    shape, stride = layout
+    seen = []
+    for offsets, sizes in tiles(shape, stride, span_max, numel_max):
+        assert math.prod(sizes) <= numel_max
+        assert 1 + sum((s - 1) * abs(t) for s, t in zip(sizes, stride)) <= span_max
+        ranges = [range(o, o + s) for o, s in zip(offsets, sizes)]
+        seen += [tuple(i) for i in _product(ranges)]
+    assert sorted(seen) == sorted(_product([range(s) for s in shape]))
+
+
+def _product(ranges):
+    out = [()]
+    for r in ranges:
+        out = [p + (i,) for p in out for i in r]
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_place_chunk_matches_torch_for_any_layout_chunk_and_cast(tmp_path, monkeypatch, data):
+    """A chunk stored with any strides lands exactly where torch puts it, cast as .to() casts."""
+    monkeypatch.setattr(engine, "_SPAN", data.draw(st.integers(8, 64)))
+    monkeypatch.setattr(engine, "_TILE", data.draw(st.integers(8, 64)))
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    offsets = tuple(data.draw(st.integers(0, s - 1)) for s in shape)
+    sizes = tuple(data.draw(st.integers(1, s - o)) for s, o in zip(shape, offsets))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int16, torch.float64]))
+    out = data.draw(st.sampled_from([dtype, torch.bfloat16, torch.float16]
+                                    if dtype.is_floating_point else [dtype]))
+    chunk_value = torch.randn(sizes, dtype=torch.float64).mul(100).to(dtype)
+    order = data.draw(st.permutations(range(len(sizes))))
+    stored = chunk_value.permute(*order).contiguous().permute(*_inverse(order))
+    pad = data.draw(st.integers(0, 3))  # elements before the tensor in its storage
+    storage = torch.cat([torch.zeros(pad, dtype=dtype), stored.permute(*order).reshape(-1)])
+    path = tmp_path / f"chunk-{os.getpid()}-{id(data)}"
+    path.write_bytes(storage.view(torch.uint8).numpy().tobytes() if storage.numel() else b"")
+    raw = RawTensor(0, storage.numel() * storage.element_size(), DTYPES[str(dtype)[6:]], pad,
+                    sizes, tuple(stored.stride()))
+    full = torch.zeros(shape, dtype=out)
+    memory = bytearray(full.numel() * full.element_size())
+    chunk = Chunk(offsets, sizes, "f", 0, 0)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        place_chunk(fd, raw, chunk, chunk_runs(shape, chunk), DTYPES[str(out)[6:]],
+                    MemorySink(memoryview(memory)), 0, source="test")
+    finally:
+        os.close(fd)
+    got = torch.frombuffer(memory, dtype=out).view(shape) if memory else full
+    index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+    full[index] = chunk_value.to(out)
+    assert torch.equal(got.view(-1).view(torch.uint8), full.view(-1).view(torch.uint8))
+
+
+def _inverse(order):
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return inverse
+
+
+def _specials(dtype):
+    """Every value class a cast can get wrong: ties, NaN payloads, infinities, subnormals."""
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80C000, 0x7FC00000, 0xFFC00001, 0x7F800001,
+                         0x7F800000, 0xFF800000, 0x00000001, 0x80000001, 0x00800000, 0x7F7FFFFF,
+                         0x477FF000, 0x477FE000, 0x33800000, 0x33000001, 0x80000000, 0x0],
+                        dtype=torch.int64).to(torch.int32)
+    values = torch.cat([bits.view(torch.float32), torch.randn(200) * 1e4]).to(dtype)
+    return values.reshape(2, -1)
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("target", ["bf16", "fp16", "fp32"])
+def test_dtype_export_is_bit_identical_to_torch_to(tmp_path, source, target):
+    value = _specials(source)
+    folder = write_dcp(tmp_path / "ckpt", {"dim0": (value, split([0])),
+                                          "dim1": (value, split([1])),
+                                          "transposed": (value, split([1], transpose=True))})
+    (result,) = fsdpckpt.merge(folder, tmp_path / "out", dtype=target)
+    want = value.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[target])
+    for name, got in load_file(result.path).items():
+        assert got.dtype == want.dtype, name
+        assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), name

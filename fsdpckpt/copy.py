@@ -3,8 +3,9 @@
 The fast path never decodes a tensor: a chunk that is one contiguous run of
 its output tensor (FSDP's dim-0 shards) is copied file to file with
 ``os.copy_file_range``; a chunk that is many runs (dim-1 shards) is read in
-16 MiB blocks and written run by run. Only a dtype conversion or a
-non-contiguous stored chunk imports torch, and then works tile by tile: each
+16 MiB blocks and written run by run, cast on the way by :mod:`fsdpckpt.casts`
+for the common exports (fp32 to bf16 or fp16), without torch. Any other cast,
+or a non-contiguous stored chunk, imports torch, and then works tile by tile: each
 tile is a box of the chunk whose stored bytes span at most ``_SPAN`` bytes and
 whose output is at most ``_TILE`` bytes, so memory stays flat however large
 the tensor (a transposed 2.4 GB chunk used to be held whole, three times).
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from .archive import RawTensor
+from .casts import cast_block, fast_cast
 from .dtypes import DType
 from .errors import CorruptCheckpointError
 from .metadata import Chunk
@@ -157,26 +159,32 @@ def _pieces(chunk_sizes: Sequence[int], box_offsets: Sequence[int], box_sizes: S
         yield pending[0], pending[1], pending[2]
 
 
-def _place_contiguous(src: int, raw: RawTensor, run: int, starts: Sequence[int], itemsize: int,
+def _place_contiguous(src: int, raw: RawTensor, run: int, starts: Sequence[int], out: DType,
                       sink: Sink, tensor_start: int, source: str,
                       progress: Callable[[int], None] | None) -> None:
-    """A row-major chunk of many runs: read blocks of runs, write each run."""
-    run_bytes = run * itemsize
-    total = run_bytes * len(starts)
-    buffer = scratch(min(total, _SPAN))
-    done = 0  # bytes of the chunk placed so far
+    """A row-major chunk: read blocks of elements, cast them if asked, write each run's part."""
+    in_size, out_size = raw.dtype.itemsize, out.itemsize
+    total = run * len(starts)  # elements
+    per_block = max(1, _SPAN // max(in_size, out_size))
+    stored = scratch(min(total, per_block) * in_size, "stored")
+    made = scratch(min(total, per_block) * out_size, "made") if raw.dtype != out else stored
+    done = 0  # elements of the chunk placed so far
     while done < total:
-        block = buffer[:min(total - done, len(buffer))]
-        pread_into(src, block, raw.data_start + done, source=source)
+        count = min(total - done, per_block)
+        block = stored[:count * in_size]
+        pread_into(src, block, raw.data_start + done * in_size, source=source)
+        if made is not stored:
+            cast_block(raw.dtype.name, out.name, block, made[:count * out_size])
         at = 0
-        while at < len(block):
-            index, within = divmod(done + at, run_bytes)
-            count = min(len(block) - at, run_bytes - within)
-            sink.write(block[at:at + count], tensor_start + starts[index] * itemsize + within)
-            at += count
-        done += len(block)
+        while at < count:
+            index, within = divmod(done + at, run)
+            piece = min(count - at, run - within)
+            sink.write(made[at * out_size:(at + piece) * out_size],
+                       tensor_start + (starts[index] + within) * out_size)
+            at += piece
+        done += count
         if progress:
-            progress(len(block))
+            progress(count * out_size)
 
 
 def _place_tiled(src: int, raw: RawTensor, chunk: Chunk, run: int, starts: Sequence[int],
@@ -190,8 +198,8 @@ def _place_tiled(src: int, raw: RawTensor, chunk: Chunk, run: int, starts: Seque
     span_max = max(1, _SPAN // in_size)
     numel_max = max(1, _TILE // max(in_size, out_size))
     numel_cap = min(math.prod(raw.shape), numel_max)
-    stored = scratch(min(raw.storage_nbytes, span_max * in_size))
-    made = scratch(numel_cap * out_size)
+    stored = scratch(min(raw.storage_nbytes, span_max * in_size), "stored")
+    made = scratch(numel_cap * out_size, "made")
     staged: memoryview | None = None  # a strided tile to cast is reordered here first
     for offsets, sizes in tiles(raw.shape, raw.stride, span_max, numel_max):
         base = raw.storage_offset + sum(o * st for o, st in zip(offsets, raw.stride))
@@ -207,7 +215,7 @@ def _place_tiled(src: int, raw: RawTensor, chunk: Chunk, run: int, starts: Seque
             # vector path, and the two disagree on NaN bits (0x7FC0 against 0xFFFF for
             # bf16). The reference is .to() of the contiguous tensor torch loads: reorder
             # first (exact), then cast contiguous to contiguous as .to() does.
-            staged = staged if staged is not None else scratch(numel_cap * in_size)
+            staged = staged if staged is not None else scratch(numel_cap * in_size, "staged")
             view = torch.frombuffer(staged, dtype=in_dtype, count=numel).view(sizes).copy_(view)
         torch.frombuffer(made, dtype=out_dtype, count=numel).view(sizes).copy_(view)
         for at, element, count in _pieces(chunk.sizes, offsets, sizes, run, starts):
@@ -240,12 +248,11 @@ def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: tuple[int, list[in
         raise CorruptCheckpointError(f"{source}: holds shape {list(raw.shape)}, the metadata "
                                      f"says {list(chunk.sizes)}")
     sink = FileSink(dst) if isinstance(dst, int) else dst
-    if raw.dtype.name == out.name and raw.is_contiguous:
-        if len(starts) == 1:
-            sink.copy_from(src, raw.data_start, tensor_start + starts[0] * out.itemsize,
-                           raw.nbytes, source=source, progress=progress)
-        else:
-            _place_contiguous(src, raw, run, starts, out.itemsize, sink, tensor_start, source,
-                              progress)
-        return
-    _place_tiled(src, raw, chunk, run, starts, out, sink, tensor_start, source, progress)
+    same = raw.dtype.name == out.name
+    if same and raw.is_contiguous and len(starts) == 1:
+        sink.copy_from(src, raw.data_start, tensor_start + starts[0] * out.itemsize,
+                       raw.nbytes, source=source, progress=progress)
+    elif raw.is_contiguous and (same or fast_cast(raw.dtype.name, out.name) is not None):
+        _place_contiguous(src, raw, run, starts, out, sink, tensor_start, source, progress)
+    else:
+        _place_tiled(src, raw, chunk, run, starts, out, sink, tensor_start, source, progress)

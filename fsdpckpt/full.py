@@ -22,6 +22,7 @@ from .formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from .nesting import unflatten
 from .objects import loads, read_object
 from .plan import chunk_runs
+from .rawio import reusing_scratch
 from .reader import is_dcp_folder, read_dcp_folder
 
 __all__ = ["load_full_state_dict", "shard_files"]
@@ -42,6 +43,7 @@ def _empty(dtype: DType, shape: tuple[int, ...]) -> tuple[Any, MemorySink]:
     return flat.view(shape), MemorySink(memoryview(memory))
 
 
+@reusing_scratch()
 def _from_dcp(path: Path) -> dict[Any, Any]:
     folder = read_dcp_folder(path)
     items: list[tuple[tuple, Any]] = []

@@ -78,7 +78,7 @@ def crc32_range(fd: int, start: int, count: int, progress: Any = None,
         CorruptCheckpointError: the file ends before ``start + count``.
     """
     crc = 0
-    buffer = scratch(min(count, block)) if count > 0 else memoryview(b"")
+    buffer = scratch(min(count, block), "crc") if count > 0 else memoryview(b"")
     while count > 0:
         data = buffer[:min(count, len(buffer))]
         pread_into(fd, data, start, source=source)

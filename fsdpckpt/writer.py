@@ -20,7 +20,7 @@ from pathlib import Path
 from .archive import locate_tensor
 from .copy import place_chunk
 from .durable import fsync_dir, write_bytes
-from .rawio import pwrite_all
+from .rawio import pwrite_all, reusing_scratch
 from .manifest import crc32_range
 from .errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
 from .formats import ObjectValue, get_format
@@ -157,6 +157,7 @@ def _read_objects(plan: MergePlan, sources: _Sources) -> list[ObjectValue]:
     return values
 
 
+@reusing_scratch()  # one set of block buffers for the whole merge
 def write_plan(plan: MergePlan, stage: Path, *,
                progress: Callable[[int], None] | None = None) -> list[Path]:
     """Write every file of ``plan`` into the folder ``stage``; return their paths.

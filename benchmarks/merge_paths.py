@@ -1,0 +1,127 @@
+"""Every merge path side by side: plain, --dtype bf16, dim-1 chunks, non-contiguous chunks.
+
+Run by hand (not in CI):
+
+    python benchmarks/merge_paths.py                 # 24 layers of 4096x4096 fp32 (1.6 GB)
+    python benchmarks/merge_paths.py --layers 48 --rounds 5
+
+Three model folders of the same tensors (N layers of 4096x4096 fp32):
+  - dim0: written by a real 2-rank FSDP2 run (each weight split on dim 0), as FSDP saves;
+  - dim1: each weight in two dim-1 chunks, as tensor parallelism saves;
+  - transposed: each weight in two dim-0 chunks stored column-major (a transposed view
+    that torch.save kept with its strides).
+Each merge is a whole `fsdpckpt merge` process; tools alternate within each round; median
+wall time, peak RSS from wait4. Page cache warm, `sync` (untimed) before each run. The
+anchor is the plain merge of the dim0 folder, measured in the same run. Targets (issue 8):
+peak RSS <= 300 MB on every path; `--dtype bf16` <= 1.5x the plain merge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from merge import build, run  # noqa: E402 - the sibling benchmark's FSDP2 builder and timer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _build_layouts(work: Path, layers: int) -> None:
+    # In a child: the measuring process must not hold torch (its peak would leak into
+    # the children's ru_maxrss).
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(ROOT / 'tests')!r})
+from chunked import split, write_dcp
+from pathlib import Path
+g = torch.Generator().manual_seed(0)
+for name, layout in [("dim1", split([1])), ("transposed", split([0], transpose=True))]:
+    tensors = {{f"{{i}}.weight": (torch.randn(4096, 4096, generator=g), layout)
+               for i in range({layers})}}
+    write_dcp(Path({str(work)!r}) / name, tensors)
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _merge(src: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "fsdpckpt", "merge", str(src), str(out), "--quiet", *extra]
+
+
+def measure(work: Path, rounds: int) -> dict[str, dict[str, float]]:
+    out = work / "out"
+    cases = {
+        "merge (dim0, plain)": _merge(work / "dim0", out),
+        "merge --dtype bf16 (dim0)": _merge(work / "dim0", out, "--dtype", "bf16"),
+        "merge (dim1 chunks)": _merge(work / "dim1", out),
+        "merge --dtype bf16 (dim1 chunks)": _merge(work / "dim1", out, "--dtype", "bf16"),
+        "merge (transposed chunks)": _merge(work / "transposed", out),
+        "merge --dtype bf16 (transposed)": _merge(work / "transposed", out, "--dtype", "bf16"),
+        "cp -r (dim0, the I/O floor)": ["cp", "-r", str(work / "dim0"), str(out / "copy")],
+    }
+    for folder in ("dim0", "dim1", "transposed"):  # warm the page cache once
+        subprocess.run(["cat", *map(str, (work / folder).iterdir())], stdout=subprocess.DEVNULL,
+                       check=True)
+    times: dict[str, list[float]] = {}
+    peaks: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, cmd in cases.items():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            os.sync()
+            wall, peak = run(cmd)
+            times.setdefault(name, []).append(wall)
+            peaks.setdefault(name, []).append(peak)
+    shutil.rmtree(out, ignore_errors=True)
+    return {name: {"seconds": statistics.median(times[name]), "peak_mb": max(peaks[name]),
+                   "runs": times[name]} for name in cases}
+
+
+def report(results: dict[str, dict[str, float]], size_gb: float) -> None:
+    anchor = results["merge (dim0, plain)"]["seconds"]
+    print(f"\n{size_gb:.1f} GB of fp32 weights per folder; whole process, median wall")
+    print(f"{'case':34} {'wall s':>7} {'x plain':>8} {'peak RSS MB':>12}")
+    for name, r in results.items():
+        print(f"{name:34} {r['seconds']:7.2f} {r['seconds'] / anchor:8.2f} {r['peak_mb']:12.0f}")
+    bf16 = results["merge --dtype bf16 (dim0)"]["seconds"] / anchor
+    worst = max(r["peak_mb"] for n, r in results.items() if n.startswith("merge"))
+    print(f"targets: --dtype bf16 <= 1.5x plain: {bf16:.2f}x; peak RSS <= 300 MB on every "
+          f"path: {worst:.0f} MB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="fsdpckpt merge paths benchmark")
+    parser.add_argument("--layers", type=int, default=24, help="4096x4096 fp32 layers (64 MiB each)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--json", type=Path, help="write the figures as JSON here")
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="fsdpckpt-paths-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"cpus: {os.cpu_count()}, workdir: {work}")
+    try:
+        if not (work / "dim0" / ".metadata").exists():
+            start = time.perf_counter()
+            build(work / "dim0", args.layers)
+            _build_layouts(work, args.layers)
+            print(f"built the folders in {time.perf_counter() - start:.1f} s")
+        size_gb = sum(p.stat().st_size for p in (work / "dim0").iterdir()) / 1e9
+        results = measure(work, args.rounds)
+        report(results, size_gb)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

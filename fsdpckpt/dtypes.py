@@ -50,6 +50,9 @@ _TABLE = [
     DType("float8_e4m3fnuz", 1, "F8_E4M3FNUZ", True),
     DType("float8_e5m2fnuz", 1, "F8_E5M2FNUZ", True),
     DType("float8_e8m0fnu", 1, None, True),
+    # Two float4 values packed per byte; torch has no conversion to or from it, so a
+    # --dtype export leaves it as it is.
+    DType("float4_e2m1fn_x2", 1, None, False),
     DType("int64", 8, "I64", False, "LongStorage"),
     DType("int32", 4, "I32", False, "IntStorage"),
     DType("int16", 2, "I16", False, "ShortStorage"),

@@ -18,6 +18,7 @@ from typing import IO, Any
 
 from .archive import check_view, read_archive_with_tensors
 from .dtypes import DType, dtype_from_name
+from .errors import CorruptCheckpointError
 from .metadata import ObjectEntry
 from .safe_pickle import BUILTIN_GLOBALS
 
@@ -162,13 +163,23 @@ def decode_value(data: Any) -> Any:
 
 def _decode_tensor(doc: Any) -> TensorValue:
     # The JSON comes from a file: check it as strictly as a torch.save archive.
+    where = "a tensor in the fsdpckpt.objects metadata"
     dtype = dtype_from_name(str(doc.get("dtype"))) if isinstance(doc, dict) else None
-    if dtype is None:
-        raise ValueError(f"a stored tensor has an unknown dtype: {doc!r:.200}")
-    storage = base64.b64decode(doc.get("storage", ""), validate=True)
-    offset, shape, stride = check_view(dtype, len(storage), doc.get("offset"), doc.get("shape"),
-                                       doc.get("stride"), source="a tensor in fsdpckpt.objects")
-    return TensorValue(dtype, storage, offset, shape, stride)
+    storage = doc.get("storage") if isinstance(doc, dict) else None
+    if dtype is None or not isinstance(storage, str):
+        raise CorruptCheckpointError(f"{where} has no known dtype or no storage: {doc!r:.200}; "
+                                     "the file is damaged or was not written by fsdpckpt.")
+    try:
+        data = base64.b64decode(storage, validate=True)
+    except ValueError:
+        raise CorruptCheckpointError(f"{where} has a storage that is not base64; the file "
+                                     "is damaged.") from None
+    if len(data) % dtype.itemsize:
+        raise CorruptCheckpointError(f"{where} holds {len(data)} bytes, not a whole number of "
+                                     f"{dtype.name} elements; the file is damaged.")
+    offset, shape, stride = check_view(dtype, len(data), doc.get("offset"), doc.get("shape"),
+                                       doc.get("stride"), source=where)
+    return TensorValue(dtype, data, offset, shape, stride)
 
 
 def _hashable(key: Any) -> Any:

@@ -178,3 +178,16 @@ def test_a_hostile_global_beside_a_tensor_is_still_refused(tmp_path):
     with pytest.raises(UnsafePickleError):
         _read(_Blob(3, extra=_RunsCommand(f"touch {sentinel}")).archive(bytes(12)))
     assert not sentinel.exists()
+
+
+@pytest.mark.parametrize("doc", [
+    {"dtype": "float99", "storage": "", "offset": 0, "shape": [0], "stride": [1]},
+    {"dtype": "float32", "storage": 5, "offset": 0, "shape": [0], "stride": [1]},
+    {"dtype": "float32", "storage": "not base64!", "offset": 0, "shape": [0], "stride": [1]},
+    {"dtype": "float32", "storage": "AAAA", "offset": 0, "shape": [0], "stride": [1]},
+    {"dtype": "float32", "storage": "AAAAAA==", "offset": -1, "shape": [1], "stride": [1]},
+    "not a dict",
+])
+def test_a_damaged_json_tensor_is_corrupt(doc):
+    with pytest.raises(CorruptCheckpointError):
+        loads(json.dumps({"x": {"__tensor__": doc}}))

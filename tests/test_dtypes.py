@@ -130,3 +130,17 @@ def test_a_safetensors_merge_of_every_dtype_with_a_code_loads_in_safetensors(tmp
         assert got.dtype == tensor.dtype and got.shape == tensor.shape, key
         assert _bytes(got) == _bytes(tensor), key
     assert_same_state(load_full_state_dict(tmp_path / "out"), expected)
+
+
+def test_a_bf16_export_of_the_matrix_is_torch_s_own_cast(tmp_path):
+    # Floating dtypes (every float8 included) become bfloat16 as tensor.to() makes them;
+    # float4_e2m1fn_x2, integers, bool and complex keep their dtype and bytes.
+    result = run_cli("merge", MATRIX, tmp_path / "out", "--format", "bin", "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    with torch.serialization.safe_globals([set, frozenset, complex]):
+        merged = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)["model"]
+    for key, tensor in reference_state_dict(MATRIX)["model"].items():
+        cast = tensor.dtype.is_floating_point and tensor.dtype != torch.float4_e2m1fn_x2
+        want = tensor.to(torch.bfloat16) if cast else tensor
+        assert merged[key].dtype == want.dtype, key
+        assert _bytes(merged[key]) == _bytes(want), key

@@ -14,13 +14,15 @@ import math
 import struct
 import zipfile
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import IO, Any
 
 from .dtypes import DTYPES, DType
 from .errors import CorruptCheckpointError, NotACheckpointError
 from .safe_pickle import BUILTIN_GLOBALS, safe_loads
 
-__all__ = ["RawTensor", "SliceFile", "locate_tensor", "read_archive_pickle"]
+__all__ = ["RawTensor", "SliceFile", "check_view", "locate_tensor", "read_archive_pickle",
+           "read_archive_with_tensors"]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
 
@@ -47,12 +49,24 @@ class SliceFile(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
-        count = max(0, min(len(buffer), self._length - self._pos))
+        """Fill ``buffer`` from the window; short only at the window's or the file's real end.
+
+        The underlying ``read`` may return fewer bytes than asked (a pipe, a network file
+        system, a signal); it is called again until the count is reached or it returns
+        nothing, so a short result here always means end of data.
+        """
+        view = memoryview(buffer).cast("B")
+        count = max(0, min(len(view), self._length - self._pos))
+        done = 0
         self._file.seek(self._start + self._pos)
-        data = self._file.read(count)
-        buffer[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
+        while done < count:
+            data = self._file.read(count - done)
+            if not data:
+                break
+            view[done:done + len(data)] = data
+            done += len(data)
+        self._pos += done
+        return done
 
 
 @dataclass(frozen=True)
@@ -96,15 +110,17 @@ class RawTensor:
 
 
 class _Storage:
-    def __init__(self, dtype: DType | None, key: str, numel: int) -> None:
-        self.dtype, self.key, self.numel = dtype, key, numel
+    """A storage a pickle refers to by persistent id, its byte size checked against the pid."""
+
+    def __init__(self, dtype: DType | None, key: str, nbytes: int) -> None:
+        self.dtype, self.key, self.nbytes = dtype, key, nbytes
 
 
 class _TensorRecord:
     def __init__(self, storage: Any, offset: Any, shape: Any, stride: Any,
                  dtype: DType | None = None) -> None:
         self.storage, self.offset, self.shape, self.stride, self.dtype = (
-            storage, offset, tuple(shape), tuple(stride), dtype)
+            storage, offset, shape, stride, dtype)
 
 
 class _StorageType:
@@ -121,21 +137,109 @@ def _rebuild_v3(storage: Any, offset: Any, shape: Any, stride: Any, _grad: Any, 
     return _TensorRecord(storage, offset, shape, stride, dtype if isinstance(dtype, DType) else None)
 
 
-_TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
-    **BUILTIN_GLOBALS,
+_STORAGE_GLOBALS: dict[tuple[str, str], Any] = {
     **{("torch", name): d for name, d in DTYPES.items()},
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
-    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
     ("torch.storage", "UntypedStorage"): _StorageType(None),
     **{("torch", d.storage_class): _StorageType(d) for d in DTYPES.values() if d.storage_class},
 }
 
+_TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
+    **BUILTIN_GLOBALS,
+    **_STORAGE_GLOBALS,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 def _persistent_storage(pid: Any) -> _Storage:
     if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-            and isinstance(pid[1], _StorageType)):
+            and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)
+            and _is_int(pid[4]) and pid[4] >= 0):
         raise NotACheckpointError(f"unexpected persistent id {pid!r}")
-    return _Storage(pid[1].dtype, str(pid[2]), int(pid[4]))
+    dtype = pid[1].dtype
+    # torch.save records a typed (legacy) storage's size in elements, an UntypedStorage's
+    # (every dtype without a legacy class: uint16, float8, complex32...) in bytes.
+    return _Storage(dtype, pid[2], pid[4] * dtype.itemsize if dtype else pid[4])
+
+
+def _tensor_dtype(record: _TensorRecord, source: str) -> DType:
+    dtype = record.dtype or record.storage.dtype
+    if dtype is None:
+        raise CorruptCheckpointError(f"{source}: the archive does not name its dtype.")
+    return dtype
+
+
+def check_view(dtype: DType, storage_nbytes: int, offset: Any, shape: Any, stride: Any, *,
+               source: str) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Check that a tensor's storage offset, shape and strides stay inside its storage.
+
+    torch refuses such a tensor when it loads it; a merge that trusted them would read
+    bytes of the zip around the storage as values.
+
+    Args:
+        dtype: the element type.
+        storage_nbytes: the bytes the storage really holds.
+        offset, shape, stride: as the archive's pickle gives them (untrusted).
+        source: how to name the tensor in messages.
+
+    Returns:
+        ``(offset, shape, stride)`` as plain ints and tuples.
+
+    Raises:
+        CorruptCheckpointError: naming ``source``, when any of them is not a
+            non-negative integer, the ranks differ, or the view reaches outside the storage.
+    """
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else shape
+    stride = tuple(stride) if isinstance(stride, (tuple, list)) else stride
+    if not (_is_int(offset) and isinstance(shape, tuple) and isinstance(stride, tuple)
+            and all(map(_is_int, shape)) and all(map(_is_int, stride))):
+        raise CorruptCheckpointError(f"{source}: the archive gives a storage offset, shape or "
+                                     "strides that are not integers; the file is damaged.")
+    if len(shape) != len(stride):
+        raise CorruptCheckpointError(f"{source}: the archive gives {len(shape)} dims but "
+                                     f"{len(stride)} strides; the file is damaged.")
+    if offset < 0 or any(d < 0 for d in shape) or any(s < 0 for s in stride):
+        raise CorruptCheckpointError(
+            f"{source}: the archive gives a negative storage offset, size or stride "
+            f"(offset {offset}, shape {list(shape)}, strides {list(stride)}); torch refuses "
+            "such a tensor, the file is damaged.")
+    capacity = storage_nbytes // dtype.itemsize
+    # Python ints do not overflow, so the extent is exact however large the numbers.
+    extent = sum((d - 1) * s for d, s in zip(shape, stride)) + 1 if all(shape) else 0
+    if offset + extent > capacity or offset > capacity:
+        raise CorruptCheckpointError(
+            f"{source}: the tensor (offset {offset}, shape {list(shape)}, strides "
+            f"{list(stride)}) reaches past its storage of {capacity} {dtype.name} elements; "
+            "the file is damaged.")
+    return offset, shape, stride
+
+
+def _storage_entry(archive: zipfile.ZipFile, prefix: str, storage: _Storage, dtype: DType,
+                   source: str) -> zipfile.ZipInfo:
+    """The archive entry holding ``storage``, checked against the size the pickle declares."""
+    try:
+        data = archive.getinfo(f"{prefix}data/{storage.key}")
+    except KeyError:
+        raise CorruptCheckpointError(f"{source}: the archive lacks its storage entry.") from None
+    if data.compress_type != zipfile.ZIP_STORED:
+        raise CorruptCheckpointError(f"{source}: the tensor data is compressed, which torch.save "
+                                     "never does.")
+    if data.file_size != storage.nbytes or storage.nbytes % dtype.itemsize:
+        raise CorruptCheckpointError(
+            f"{source}: storage holds {data.file_size} bytes, but the archive says "
+            f"{storage.nbytes} bytes of {dtype.itemsize}-byte {dtype.name} elements.")
+    return data
+
+
+def _check_byteorder(archive: zipfile.ZipFile, prefix: str, source: str) -> None:
+    if f"{prefix}byteorder" in archive.namelist() and \
+            archive.read(f"{prefix}byteorder").strip() != b"little":
+        raise CorruptCheckpointError(f"{source}: saved on a big-endian machine, which "
+                                     "fsdpckpt does not convert; merge it there")
 
 
 def _open_archive(file: IO[bytes], start: int, length: int, source: str) -> zipfile.ZipFile:
@@ -164,6 +268,62 @@ def read_archive_pickle(file: IO[bytes], start: int, length: int, *, source: str
                           persistent_load=persistent)
 
 
+def read_archive_with_tensors(file: IO[bytes], start: int, length: int, *, source: str,
+                              allowed: dict[tuple[str, str], Any],
+                              make_tensor: Callable[[DType, bytes, int, tuple[int, ...],
+                                                     tuple[int, ...]], Any]) -> Any:
+    """Unpickle a ``torch.save`` archive whose value may hold tensors, without torch.
+
+    Every tensor is decoded from the archive's own storage entries and handed to
+    ``make_tensor(dtype, storage_bytes, storage_offset, shape, strides)``, whose result
+    takes its place. Sizes the pickle declares are checked against the entries present
+    before any storage is read, and each view against its storage, so a hostile or
+    damaged archive can make this read no more than the archive's own bytes.
+
+    Args:
+        file, start, length: where the archive lies.
+        source: how to name the entry in messages.
+        allowed: the globals the value may name besides tensors and storages.
+        make_tensor: builds the value standing for one tensor.
+
+    Raises:
+        UnsafePickleError: the pickle names a global outside ``allowed`` and the tensor ones.
+        CorruptCheckpointError / NotACheckpointError: the archive is damaged.
+    """
+    with _open_archive(file, start, length, source) as archive:
+        pkl = _entry(archive, "/data.pkl", source)
+        prefix = pkl.filename[: -len("data.pkl")]
+        _check_byteorder(archive, prefix, source)
+        storages: dict[str, bytes] = {}
+
+        def storage(pid: Any) -> _Storage:
+            found = _persistent_storage(pid)
+            # Checked now, before any byte of it is read: the entry must exist and be
+            # exactly as large as the pickle says.
+            _storage_entry(archive, prefix, found, found.dtype or DTYPES["uint8"], source)
+            return found
+
+        def rebuild(record: _TensorRecord) -> Any:
+            if not isinstance(record.storage, _Storage):
+                raise CorruptCheckpointError(f"{source}: a tensor has no storage.")
+            dtype = _tensor_dtype(record, source)
+            entry = _storage_entry(archive, prefix, record.storage, dtype, source)
+            offset, shape, stride = check_view(dtype, entry.file_size, record.offset,
+                                               record.shape, record.stride, source=source)
+            if entry.filename not in storages:
+                storages[entry.filename] = archive.read(entry)
+            return make_tensor(dtype, storages[entry.filename], offset, shape, stride)
+
+        globals_ = {
+            **allowed,
+            **_STORAGE_GLOBALS,
+            ("torch._utils", "_rebuild_tensor_v2"): lambda *a: rebuild(_rebuild_v2(*a)),
+            ("torch._utils", "_rebuild_tensor_v3"): lambda *a: rebuild(_rebuild_v3(*a)),
+        }
+        return safe_loads(archive.read(pkl), allowed=globals_, source=source,
+                          persistent_load=storage)
+
+
 def locate_tensor(file: IO[bytes], start: int, length: int, *, source: str) -> RawTensor:
     """Find the raw bytes of the tensor saved in the ``torch.save`` archive at ``start``.
 
@@ -186,34 +346,17 @@ def locate_tensor(file: IO[bytes], start: int, length: int, *, source: str) -> R
         if not isinstance(record, _TensorRecord) or not isinstance(record.storage, _Storage):
             raise CorruptCheckpointError(f"{source}: the archive does not hold a single tensor.")
         prefix = pkl.filename[: -len("data.pkl")]
-        if f"{prefix}byteorder" in archive.namelist() and \
-                archive.read(f"{prefix}byteorder").strip() != b"little":
-            raise CorruptCheckpointError(f"{source}: saved on a big-endian machine, which "
-                                         "fsdpckpt does not convert; merge it there")
-        try:
-            data = archive.getinfo(f"{prefix}data/{record.storage.key}")
-        except KeyError:
-            raise CorruptCheckpointError(f"{source}: the archive lacks its storage entry.") from None
-    dtype = record.dtype or record.storage.dtype
-    if dtype is None:
-        raise CorruptCheckpointError(f"{source}: the archive does not name its dtype.")
-    if data.compress_type != zipfile.ZIP_STORED:
-        raise CorruptCheckpointError(f"{source}: the tensor data is compressed, which torch.save "
-                                     "never does.")
-    if data.file_size != record.storage.numel * dtype.itemsize:
-        raise CorruptCheckpointError(
-            f"{source}: storage holds {data.file_size} bytes, but the archive says "
-            f"{record.storage.numel} x {dtype.itemsize}-byte elements.")
+        _check_byteorder(archive, prefix, source)
+        dtype = _tensor_dtype(record, source)
+        data = _storage_entry(archive, prefix, record.storage, dtype, source)
+    offset, shape, stride = check_view(dtype, data.file_size, record.offset, record.shape,
+                                       record.stride, source=source)
     file.seek(start + data.header_offset)
     header = file.read(_LOCAL_HEADER.size)
     if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(f"{source}: a zip entry header is damaged.")
     name_len, extra_len = _LOCAL_HEADER.unpack(header)[1:]
     storage_start = start + data.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    raw = RawTensor(storage_start, data.file_size, dtype, int(record.offset), record.shape,
-                    record.stride)
-    extent = sum((s - 1) * st for s, st in zip(raw.shape, raw.stride)) + 1 if all(raw.shape) else 0
-    if (raw.storage_offset + extent) * dtype.itemsize > raw.storage_nbytes or \
-            storage_start + raw.storage_nbytes > start + length:
-        raise CorruptCheckpointError(f"{source}: the tensor reaches past its storage.")
-    return raw
+    if storage_start + data.file_size > start + length:
+        raise CorruptCheckpointError(f"{source}: the tensor's storage reaches past its archive.")
+    return RawTensor(storage_start, data.file_size, dtype, offset, shape, stride)

@@ -1,19 +1,30 @@
 """Structural checks of a DCP folder, from its metadata and file sizes alone.
 
 They answer "is this folder whole?" without reading tensor data: every chunk
-has a storage entry inside a file that exists and is long enough, the chunks
-of each tensor tile it exactly (no gap, no overlap), and no rank's file is
-missing. Problems are collected, never raised, so a user sees all of them.
+has a storage entry inside a file that exists and is long enough, and the
+chunks of each tensor tile it exactly (no gap, no overlap). Problems are
+collected, never raised, so a user sees all of them.
+
+A rank with no data file is not a problem by itself: with
+``FileSystemWriter(single_file_per_rank=False)`` each rank writes one file per
+item (``__{rank}_0.distcp``, ``__{rank}_1.distcp``...) and a rank with nothing
+to write writes none. ``.metadata`` names every file a load needs, and each of
+those is checked. It does not record the world size, which
+:func:`known_world_size` therefore gives as a lower bound when the files
+cannot tell it.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from .metadata import Chunk, TensorEntry, rank_of_file
+from .metadata import Chunk, TensorEntry
 from .reader import DcpFolder
 
-__all__ = ["Problem", "check_folder", "check_tensor_chunks"]
+__all__ = ["Problem", "check_folder", "check_tensor_chunks", "known_world_size"]
+
+_RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
 @dataclass(frozen=True)
@@ -108,9 +119,28 @@ def check_folder(folder: DcpFolder) -> list[Problem]:
         more = f" and {len(needers) - 1} more" if len(needers) > 1 else ""
         problems.append(Problem(f"{base}/{file}", f"missing file, needed by {needers[0]}{more}; "
                                 "copy it from the machine that wrote the checkpoint"))
-    present = {rank_of_file(name) for name in list(sizes) + list(missing)}
-    for rank in range(folder.world_size):
-        if rank not in present:
-            problems.append(Problem(base, f"no data file of rank {rank} (__{rank}_0.distcp); "
-                                    "the copy of this checkpoint is incomplete"))
     return problems
+
+
+def known_world_size(folder: DcpFolder) -> tuple[int, bool]:
+    """The world size that wrote ``folder``, and whether it is exact or only a lower bound.
+
+    ``.metadata`` does not record the world size; the rank file names show it. With
+    torch's default (``single_file_per_rank=True``, one writer thread) every rank writes
+    exactly ``__{rank}_0.distcp``, even with nothing to write, so ranks ``0..N-1`` each
+    with that one file give exactly ``N``. Any other pattern (a rank without a file,
+    ``__{rank}_1.distcp`` and beyond) may come from ``single_file_per_rank=False``,
+    where ranks with nothing to write, the last ones included, write no file: then
+    ``N`` is a lower bound.
+
+    Returns:
+        ``(world_size, exact)``; ``(0, False)`` for a folder with no rank files.
+    """
+    names = {f.name for f in folder.files} | set(folder.metadata.referenced_files)
+    found = [(int(m.group(1)), int(m.group(2))) for m in map(_RANK_FILE.match, names) if m]
+    if not found:
+        return 0, False
+    ranks = {rank for rank, _ in found}
+    world = max(ranks) + 1
+    one_file_per_rank = all(index == 0 for _, index in found) and len(ranks) == world
+    return world, one_file_per_rank

@@ -19,7 +19,9 @@ class DType:
     Attributes:
         name: torch's name without the ``torch.`` prefix, e.g. ``"float32"``.
         itemsize: bytes per element.
-        safetensors: the safetensors dtype code (``"F32"``), or None if it has none.
+        safetensors: the safetensors dtype code (``"F32"``), or None where the oldest
+            safetensors fsdpckpt supports (0.8, see ``pyproject.toml``) cannot load it
+            into torch (``safetensors.torch._TYPES``): a merge then asks for ``--format bin``.
         is_floating: whether a ``--dtype`` conversion applies to it.
         storage_class: the legacy ``torch.<X>Storage`` name ``torch.save`` pickles, if any.
     """
@@ -34,6 +36,10 @@ class DType:
         return self.name
 
 
+# safetensors codes, checked against safetensors.torch._TYPES: U16/U32/U64 load since
+# safetensors 0.6.1, C64 since 0.7.0, the float8 FNUZ codes since 0.8.0 (hence the floor).
+# F8_E8M0 is a header code but no version's torch loader maps it, so float8_e8m0fnu has
+# none; complex32 and complex128 have no code at all.
 _TABLE = [
     DType("float64", 8, "F64", True, "DoubleStorage"),
     DType("float32", 4, "F32", True, "FloatStorage"),
@@ -41,9 +47,12 @@ _TABLE = [
     DType("bfloat16", 2, "BF16", True, "BFloat16Storage"),
     DType("float8_e4m3fn", 1, "F8_E4M3", True),
     DType("float8_e5m2", 1, "F8_E5M2", True),
-    DType("float8_e4m3fnuz", 1, None, True),
-    DType("float8_e5m2fnuz", 1, None, True),
-    DType("float8_e8m0fnu", 1, "F8_E8M0", True),
+    DType("float8_e4m3fnuz", 1, "F8_E4M3FNUZ", True),
+    DType("float8_e5m2fnuz", 1, "F8_E5M2FNUZ", True),
+    DType("float8_e8m0fnu", 1, None, True),
+    # Two float4 values packed per byte; torch has no conversion to or from it, so a
+    # --dtype export leaves it as it is.
+    DType("float4_e2m1fn_x2", 1, None, False),
     DType("int64", 8, "I64", False, "LongStorage"),
     DType("int32", 4, "I32", False, "IntStorage"),
     DType("int16", 2, "I16", False, "ShortStorage"),
@@ -53,6 +62,7 @@ _TABLE = [
     DType("uint16", 2, "U16", False),
     DType("uint8", 1, "U8", False, "ByteStorage"),
     DType("bool", 1, "BOOL", False, "BoolStorage"),
+    DType("complex32", 4, None, False),  # torch.chalf: saved as an untyped storage
     DType("complex64", 8, "C64", False, "ComplexFloatStorage"),
     DType("complex128", 16, None, False, "ComplexDoubleStorage"),
 ]
@@ -68,6 +78,7 @@ _ALIASES = {
     "long": "int64",
     "int": "int32",
     "short": "int16",
+    "chalf": "complex32",
     "cfloat": "complex64",
     "cdouble": "complex128",
 }

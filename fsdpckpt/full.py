@@ -20,7 +20,7 @@ from .dtypes import DType
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from .formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from .nesting import unflatten
-from .objects import loads, read_object
+from .objects import loads, read_object, to_torch
 from .plan import chunk_runs
 from .rawio import reusing_scratch
 from .reader import is_dcp_folder, read_dcp_folder
@@ -73,8 +73,8 @@ def _from_dcp(path: Path) -> dict[Any, Any]:
             items.append((tensor.key_path, full))
         for obj in folder.metadata.objects:
             with os.fdopen(os.dup(fd(obj.file)), "rb") as handle:
-                items.append((obj.key_path, read_object(handle, obj, source=str(path / str(
-                    obj.file)))))
+                value = read_object(handle, obj, source=str(path / str(obj.file)))
+                items.append((obj.key_path, to_torch(value)))
     finally:
         for handle in fds.values():
             os.close(handle)
@@ -91,7 +91,7 @@ def _from_safetensors(files: list[Path]) -> dict[Any, Any]:
             meta = handle.metadata() or {}
             flat.update({name: handle.get_tensor(name) for name in handle.keys()})
         if OBJECTS_KEY in meta:
-            flat.update(loads(meta[OBJECTS_KEY]))
+            flat.update(to_torch(loads(meta[OBJECTS_KEY])))
         if KEY_PATHS_KEY in meta:
             paths.update(json.loads(meta[KEY_PATHS_KEY]))
     if not paths:
@@ -130,7 +130,10 @@ def _from_file(path: Path) -> dict[Any, Any]:
         return _from_safetensors([path])
     import torch
 
-    return torch.load(path, map_location="cpu", weights_only=True)
+    # torch's weights-only loader refuses some harmless builtins (frozenset) that
+    # non-tensor entries hold and a .bin merge keeps.
+    with torch.serialization.safe_globals([set, frozenset, complex, slice]):
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def load_full_state_dict(path: str | os.PathLike[str]) -> dict[Any, Any]:

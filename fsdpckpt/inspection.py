@@ -12,7 +12,7 @@ import os
 from collections import Counter
 from typing import Any
 
-from .checks import Problem, check_folder
+from .checks import Problem, check_folder, known_world_size
 from .layout import DcpPart, find_layout
 from .metadata import TensorEntry
 from .reader import DcpFolder, read_dcp_folder
@@ -65,9 +65,11 @@ def _part_doc(part: DcpPart, folder: DcpFolder | None, keep) -> dict[str, Any]:
     if folder is None:
         return doc
     meta = folder.metadata
+    world, exact = known_world_size(folder)
     doc.update({
         "version": meta.version,
-        "world_size": folder.world_size,
+        "world_size": world,
+        "world_size_exact": exact,
         "bytes": folder.nbytes,
         "tensor_bytes": sum(t.nbytes for t in meta.tensors),
         "num_tensors": len(meta.tensors),
@@ -120,6 +122,8 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, names: str | None = None
         parts.append(_part_doc(part, folder, keep))
     rng_ranks = [f.rank for f in layout.files_of("rng") if f.rank is not None]
     world = max([p.get("world_size", 0) for p in parts] + [r + 1 for r in rng_ranks] + [0])
+    # Every rank writes its RNG file; without them a DCP folder may only give a lower bound.
+    exact = bool(rng_ranks) or all(p.get("world_size_exact", True) for p in parts)
     for rank in range(world if rng_ranks else 0):
         if rank not in rng_ranks:
             problems.append(Problem(str(layout.path), f"no RNG state file for rank {rank}"))
@@ -128,6 +132,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, names: str | None = None
         "style": layout.style,
         "ok": not problems,
         "world_size": world,
+        "world_size_exact": exact,
         "bytes": sum(p.get("bytes", 0) for p in parts) + sum(f.size for f in layout.side_files),
         "parts": parts,
         "side_files": [

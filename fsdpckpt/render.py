@@ -46,7 +46,9 @@ def render_inspect(doc: dict[str, Any], *, chunks: bool = False, tensors: bool =
     """The human form of :func:`fsdpckpt.inspection.inspect_checkpoint`'s document."""
     style = {"dcp": "DCP folder", "accelerate": "Accelerate checkpoint",
              "hf-trainer": "HF Trainer checkpoint"}[doc["style"]]
-    out = [f"{doc['path']}: {style}, world size {doc['world_size']}, "
+    world = doc["world_size"] if doc.get("world_size_exact", True) else \
+        f"at least {doc['world_size']}"
+    out = [f"{doc['path']}: {style}, world size {world}, "
            f"{human_bytes(doc['bytes'])}"]
     out += ["", "Parts:"]
     rows = []

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .dtypes import DTYPES, DType
-from .errors import NotACheckpointError, UnsafePickleError
+from .errors import CorruptCheckpointError, NotACheckpointError, UnsafePickleError
 
 __all__ = [
     "Record",
@@ -79,13 +79,19 @@ def _torch_constants(names: list[str]) -> dict[tuple[str, str], Any]:
     return {("torch", n): n for n in names}
 
 
-#: Harmless builtins any of our pickles may name.
+_HARMLESS_BUILTINS: dict[str, Any] = {
+    "set": set,
+    "frozenset": frozenset,
+    "slice": slice,
+    "complex": complex,
+}
+
+#: Harmless builtins any of our pickles may name. Pickle protocol 2 (torch.save's) names
+#: them as Python 2 did, ``__builtin__.set``; later protocols say ``builtins.set``.
 BUILTIN_GLOBALS: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): dict,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "slice"): slice,
-    ("builtins", "complex"): complex,
+    **{(module, name): value for module in ("builtins", "__builtin__")
+       for name, value in _HARMLESS_BUILTINS.items()},
 }
 
 _DTYPE_GLOBALS: dict[tuple[str, str], DType] = {("torch", name): d for name, d in DTYPES.items()}
@@ -196,7 +202,9 @@ def safe_loads(
     )
     try:
         return unpickler.load()
-    except UnsafePickleError:
+    except (UnsafePickleError, CorruptCheckpointError):
+        # A stand-in found the file damaged (a tensor outside its storage): its message
+        # says more than "not a readable pickle" would.
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
             IndexError, KeyError, ImportError, OverflowError, RecursionError,

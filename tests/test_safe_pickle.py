@@ -67,3 +67,31 @@ def test_a_pickle_of_something_else_is_not_dcp_metadata():
 def test_plain_builtins_load():
     assert safe_loads(pickle.dumps({"a": (1, 2.5, "x", None, True)}), allowed=BUILTIN_GLOBALS,
                       source="x") == {"a": (1, 2.5, "x", None, True)}
+
+
+def _torch_save_pickle(value) -> bytes:
+    """The data.pkl torch.save writes for ``value`` (pickle protocol 2)."""
+    import io
+    import zipfile
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    with zipfile.ZipFile(buffer) as archive:
+        return archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+
+
+def test_protocol_2_spellings_of_harmless_builtins_load():
+    # Protocol 2 names builtins as Python 2 did: __builtin__.set, __builtin__.complex.
+    data = _torch_save_pickle({"s": {1, 2}, "f": frozenset({"a"}), "c": 1 + 2j, "sl": slice(1, 4)})
+    assert b"__builtin__" in data
+    assert safe_loads(data, allowed=BUILTIN_GLOBALS, source="x") == \
+        {"s": {1, 2}, "f": frozenset({"a"}), "c": 1 + 2j, "sl": slice(1, 4)}
+
+
+@pytest.mark.parametrize("name", ["eval", "exec", "getattr", "open", "__import__"])
+def test_other_protocol_2_builtins_stay_refused(name):
+    data = b"\x80\x02c__builtin__\n" + name.encode() + b"\nq\x00."
+    with pytest.raises(UnsafePickleError, match=f"__builtin__.{name}"):
+        safe_loads(data, allowed=BUILTIN_GLOBALS, source="x")

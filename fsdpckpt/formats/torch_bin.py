@@ -21,6 +21,7 @@ from typing import Any
 
 from ..dtypes import DType
 from ..nesting import unflatten
+from ..objects import TensorValue
 from ..rawio import pwrite_all
 from . import FileLayout, ObjectValue, OutputFormat, TensorSpec
 
@@ -47,8 +48,10 @@ class _Storage:
 
 
 class _Tensor:
-    def __init__(self, storage: _Storage, shape: tuple[int, ...]) -> None:
-        self.storage, self.shape = storage, shape
+    def __init__(self, storage: _Storage, shape: tuple[int, ...],
+                 stride: tuple[int, ...] | None = None, offset: int = 0) -> None:
+        self.storage, self.shape, self.offset = storage, shape, offset
+        self.stride = _contiguous_stride(shape) if stride is None else stride
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -69,19 +72,33 @@ class _Pickler(pickle._Pickler):  # type: ignore[misc, name-defined]
         self.memoize(obj)
 
     def save_tensor(self, obj: _Tensor) -> None:
-        storage, stride = obj.storage, _contiguous_stride(obj.shape)
+        storage, stride = obj.storage, obj.stride
         hooks = collections.OrderedDict()  # type: ignore[var-annotated]
         if storage.dtype.storage_class:
             func = _Global("torch._utils", "_rebuild_tensor_v2")
-            args: tuple[Any, ...] = (storage, 0, obj.shape, stride, False, hooks)
+            args: tuple[Any, ...] = (storage, obj.offset, obj.shape, stride, False, hooks)
         else:  # dtypes without a legacy typed storage (float8, uint16...) name their dtype
             func = _Global("torch._utils", "_rebuild_tensor_v3")
-            args = (storage, 0, obj.shape, stride, False, hooks,
+            args = (storage, obj.offset, obj.shape, stride, False, hooks,
                     _Global("torch", storage.dtype.name))
         self.save_reduce(func, args, obj=obj)
 
+    def save_tensor_value(self, obj: TensorValue) -> None:
+        # A tensor inside a non-tensor entry (a tensor hyperparameter): its storage
+        # becomes one more data/{key} entry of the archive, its view stays as stored.
+        key = str(self.first_extra_key + len(self.extra_storages))
+        self.extra_storages.append((key, obj.storage))
+        storage = _Storage(key, obj.dtype, len(obj.storage) // obj.dtype.itemsize)
+        self.save_tensor(_Tensor(storage, obj.shape, obj.stride, obj.storage_offset))
+
     dispatch[_Global] = save_global_ref
     dispatch[_Tensor] = save_tensor
+    dispatch[TensorValue] = save_tensor_value
+
+    def __init__(self, file: Any, first_extra_key: int) -> None:
+        super().__init__(file, protocol=2)
+        self.first_extra_key = first_extra_key
+        self.extra_storages: list[tuple[str, bytes]] = []
 
     def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, _Storage):
@@ -94,14 +111,21 @@ class _Pickler(pickle._Pickler):  # type: ignore[misc, name-defined]
 
 def pickle_state_dict(tensors: Sequence[TensorSpec], objects: Sequence[ObjectValue]) -> bytes:
     """The ``data.pkl`` of a torch.save archive holding ``tensors`` (storage keys 0..n-1) and ``objects``."""
+    return _pickle_with_storages(tensors, objects)[0]
+
+
+def _pickle_with_storages(tensors: Sequence[TensorSpec], objects: Sequence[ObjectValue]
+                          ) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """``data.pkl``, and the storages of tensors inside ``objects`` (keys n, n+1...) with their bytes."""
     items: list[tuple[Any, Any]] = []
     for index, spec in enumerate(tensors):
         numel = spec.nbytes // spec.dtype.itemsize
         items.append((spec.key_path, _Tensor(_Storage(str(index), spec.dtype, numel), spec.shape)))
     items += [(o.key_path, o.value) for o in objects]
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=2).dump(unflatten(items))
-    return buffer.getvalue()
+    pickler = _Pickler(buffer, len(tensors))
+    pickler.dump(unflatten(items))
+    return buffer.getvalue(), pickler.extra_storages
 
 
 class _Entry:
@@ -151,17 +175,19 @@ class TorchBinFormat(OutputFormat):
 
     def layout(self, tensors: Sequence[TensorSpec], objects: Sequence[ObjectValue], *,
                nested: bool) -> FileLayout:
+        data_pkl, extra_storages = _pickle_with_storages(tensors, objects)
         records: list[tuple[str, int, bytes | None]] = [
-            ("data.pkl", 0, pickle_state_dict(tensors, objects)),
+            ("data.pkl", 0, data_pkl),
             ("byteorder", 0, b"little"),
             *((f"data/{i}", spec.nbytes, None) for i, spec in enumerate(tensors)),
+            *((f"data/{key}", 0, data) for key, data in extra_storages),
             ("version", 0, b"3\n"),
         ]
         entries, fixed, starts, offset = [], [], {}, 0
         for (name, size, data), spec_index in zip(records, range(-2, len(records))):
             size = len(data) if data is not None else size
             entry = _Entry(_PREFIX + name, offset, size, data)
-            header = entry.local_header(_ALIGN if data is None else None)
+            header = entry.local_header(_ALIGN if name.startswith("data/") else None)
             fixed.append((offset, header + (data or b"")))
             if data is None:
                 starts[tensors[spec_index].name] = offset + len(header)

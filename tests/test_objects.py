@@ -1,0 +1,193 @@
+"""Non-tensor entries torch writes and loads are read, merged and loaded bit-exactly.
+
+An optimizer may hold its hyperparameters as tensors (``lr=torch.tensor(1e-2)``): its
+``param_groups`` entries are small torch.save archives holding real storages. Values may
+also be sets, frozensets and complex numbers, which torch.save's protocol 2 names
+``__builtin__.set`` and so on.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+
+import pytest
+import torch
+
+from conftest import reference_state_dict, run_cli
+from deep_compare import assert_same_deep
+from fsdpckpt import load_full_state_dict
+from fsdpckpt.archive import read_archive_with_tensors
+from fsdpckpt.dtypes import DTYPES
+from fsdpckpt.errors import CorruptCheckpointError, UnsafePickleError
+from fsdpckpt.objects import TensorValue, dumps, loads
+from fsdpckpt.safe_pickle import BUILTIN_GLOBALS
+
+
+@pytest.fixture(scope="module")
+def tensor_hyperparameters(tmp_path_factory):
+    """A DCP folder of AdamW state with tensor hyperparameters, plus sets and a complex."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path_factory.mktemp("objects") / "ckpt"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2),
+                                  betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    state = {"optimizer": optimizer.state_dict(),
+             "extra": {"tags": {"a", "b"}, "frozen": frozenset({1, 2}), "phase": 1 - 2.5j,
+                       "nan_phase": complex(float("nan"), float("inf"))}}
+    dcp.save(state, checkpoint_id=folder, no_dist=True)
+    return folder
+
+
+def _merge(folder, out, fmt):
+    result = run_cli("merge", folder, out, "--format", fmt)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _same_allowing_nan(got, expected):
+    # Tensors inside tuples compared byte for byte; complex('nan+infj') equal to itself.
+    assert_same_deep(got, expected)
+
+
+def test_tensor_hyperparameters_load_from_the_folder_as_torch_loads_them(tensor_hyperparameters):
+    got = load_full_state_dict(tensor_hyperparameters)
+    group = got["optimizer"]["param_groups"][0]
+    assert isinstance(group["lr"], torch.Tensor) and isinstance(group["betas"][0], torch.Tensor)
+    _same_allowing_nan(got, reference_state_dict(tensor_hyperparameters))
+
+
+def test_a_bin_merge_keeps_tensor_hyperparameters_as_real_tensors(tensor_hyperparameters,
+                                                                   tmp_path):
+    out = _merge(tensor_hyperparameters, tmp_path / "out", "bin")
+    (merged,) = out.glob("*.bin")
+    with torch.serialization.safe_globals([frozenset]):
+        plain = torch.load(merged, weights_only=True)  # torch's own loader reads it
+    assert all(isinstance(b, torch.Tensor) for b in plain["optimizer"]["param_groups"][0]["betas"])
+    with zipfile.ZipFile(merged) as archive:  # sound, with the betas' own storage entries
+        assert archive.testzip() is None
+    _same_allowing_nan(plain, reference_state_dict(tensor_hyperparameters))
+    _same_allowing_nan(load_full_state_dict(out), reference_state_dict(tensor_hyperparameters))
+
+
+def test_a_safetensors_merge_keeps_tensor_hyperparameters_typed_in_its_metadata(
+        tensor_hyperparameters, tmp_path):
+    from safetensors import safe_open
+
+    out = _merge(tensor_hyperparameters, tmp_path / "out", "safetensors")
+    (merged,) = out.glob("*.safetensors")
+    with safe_open(str(merged), framework="pt") as handle:
+        objects = json.loads(handle.metadata()["fsdpckpt.objects"])
+    # lr, a tensor itself, is a tensor entry; betas, a tuple of tensors, is an object.
+    betas = objects["optimizer.param_groups.0.betas"]["__tuple__"]
+    assert [b["__tensor__"]["dtype"] for b in betas] == ["float32", "float32"]
+    _same_allowing_nan(load_full_state_dict(out), reference_state_dict(tensor_hyperparameters))
+
+
+def test_sets_frozensets_and_complex_values_survive_both_merges(tensor_hyperparameters, tmp_path):
+    for fmt in ("bin", "safetensors"):
+        extra = load_full_state_dict(_merge(tensor_hyperparameters, tmp_path / fmt, fmt))["extra"]
+        assert extra["tags"] == {"a", "b"} and type(extra["frozen"]) is frozenset
+        assert extra["phase"] == 1 - 2.5j and repr(extra["nan_phase"]) == "(nan+infj)"
+
+
+# ----------------------------------------------------------------------------- the JSON form
+
+def test_json_form_of_a_tensor_value_is_lossless():
+    value = TensorValue(DTYPES["bfloat16"], bytes(range(12)), 1, (2, 2), (1, 2))
+    back = loads(dumps({"x": [value, (1 + 2j, {3})]}))
+    assert back == {"x": [value, (1 + 2j, {3})]}
+    assert torch.equal(back["x"][0].to_torch().view(torch.int16),
+                       torch.frombuffer(bytearray(range(12)), dtype=torch.int16)
+                       .as_strided((2, 2), (1, 2), 1))
+
+
+def test_json_tensor_reaching_past_its_storage_is_refused():
+    doc = {"x": {"__tensor__": {"dtype": "float32", "storage": "AAAAAA==", "offset": 1,
+                                "shape": [4], "stride": [1]}}}
+    with pytest.raises(CorruptCheckpointError, match="reaches past its storage"):
+        loads(json.dumps(doc))
+
+
+# ----------------------------------------------------------------------------- hostile blobs
+
+class _Blob:
+    """Pickles as torch.save pickles a float32 tensor whose storage the pid sizes at will."""
+
+    def __init__(self, declared_elements, offset=0, shape=(3,), extra=None) -> None:
+        self.declared, self.offset, self.shape, self.extra = declared_elements, offset, shape, extra
+
+    def __reduce__(self):
+        import collections
+
+        return (torch._utils._rebuild_tensor_v2,
+                (_STORAGE, self.offset, self.shape, (1,), False, collections.OrderedDict()))
+
+    def archive(self, stored_bytes: bytes) -> bytes:
+        import pickle
+
+        declared = self.declared
+
+        class _Pickler(pickle.Pickler):
+            def persistent_id(self, obj):
+                return ("storage", torch.FloatStorage, "0", "cpu", declared) \
+                    if obj is _STORAGE else None
+
+        pkl = io.BytesIO()
+        _Pickler(pkl, protocol=2).dump({"lr": self, "other": self.extra})
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+            archive.writestr("archive/data.pkl", pkl.getvalue())
+            archive.writestr("archive/data/0", stored_bytes)
+        return out.getvalue()
+
+
+_STORAGE = object()
+
+
+def _read(blob: bytes):
+    return read_archive_with_tensors(io.BytesIO(blob), 0, len(blob), source="the blob",
+                                     allowed=BUILTIN_GLOBALS,
+                                     make_tensor=lambda *a: TensorValue(*a))
+
+
+def test_a_sound_blob_reads():
+    value = _read(_Blob(3).archive(bytes(12)))
+    assert value["lr"] == TensorValue(DTYPES["float32"], bytes(12), 0, (3,), (1,))
+
+
+def test_a_storage_declared_larger_than_its_entry_is_corrupt():
+    with pytest.raises(CorruptCheckpointError, match="storage holds 12 bytes"):
+        _read(_Blob(10**15).archive(bytes(12)))
+
+
+def test_a_tensor_past_its_storage_in_an_object_is_corrupt():
+    with pytest.raises(CorruptCheckpointError, match="the blob.*reaches past its storage"):
+        _read(_Blob(3, offset=2).archive(bytes(12)))
+
+
+def test_a_hostile_global_beside_a_tensor_is_still_refused(tmp_path):
+    from conftest import _RunsCommand
+
+    sentinel = tmp_path / "pwned"
+    with pytest.raises(UnsafePickleError):
+        _read(_Blob(3, extra=_RunsCommand(f"touch {sentinel}")).archive(bytes(12)))
+    assert not sentinel.exists()
+
+
+@pytest.mark.parametrize("doc", [
+    {"dtype": "float99", "storage": "", "offset": 0, "shape": [0], "stride": [1]},
+    {"dtype": "float32", "storage": 5, "offset": 0, "shape": [0], "stride": [1]},
+    {"dtype": "float32", "storage": "not base64!", "offset": 0, "shape": [0], "stride": [1]},
+    {"dtype": "float32", "storage": "AAAA", "offset": 0, "shape": [0], "stride": [1]},
+    {"dtype": "float32", "storage": "AAAAAA==", "offset": -1, "shape": [1], "stride": [1]},
+    "not a dict",
+])
+def test_a_damaged_json_tensor_is_corrupt(doc):
+    with pytest.raises(CorruptCheckpointError):
+        loads(json.dumps({"x": {"__tensor__": doc}}))

@@ -77,10 +77,12 @@ def sigterm_interrupts() -> Iterator[None]:
     """Within the block, SIGTERM raises :class:`Terminated` instead of killing the process.
 
     The default action would end the process on the spot and leave the staging folder
-    (the partial output) behind. The previous handler is restored on exit. Only the
-    main thread can set handlers: elsewhere the block changes nothing.
+    (the partial output) behind. The previous handler is restored on exit. A handler the
+    application set itself (or SIG_IGN) is its choice and is left alone; so is every
+    thread but the main one, which alone may set handlers.
     """
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
     raised = False

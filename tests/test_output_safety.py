@@ -279,6 +279,29 @@ def test_sigterm_during_a_merge_cleans_up_and_restores_the_handler(tmp_path, mon
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_an_applications_own_sigterm_handler_is_left_to_run(tmp_path, monkeypatch):
+    import fsdpckpt.merger as merger
+
+    calls = []
+    real = merger.write_plan
+
+    def signalled(plan, stage, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(plan, stage, **kwargs)
+
+    monkeypatch.setattr(merger, "write_plan", signalled)
+    def app(*_args):
+        calls.append("app")
+
+    previous = signal.signal(signal.SIGTERM, app)
+    try:
+        (result,) = fsdpckpt.merge(DCP_FOLDERS["dtensor"], tmp_path)
+        assert calls == ["app"] and result.path.is_file()
+        assert signal.getsignal(signal.SIGTERM) is app
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 _SLOW_MERGE = """
 import sys, time
 import fsdpckpt.merger as merger, fsdpckpt.cli as cli

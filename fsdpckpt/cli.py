@@ -51,8 +51,8 @@ class _Group(click.Group):
         except OSError as exc:
             where = f"{exc.filename}: " if exc.filename else ""
             _fail(ctx, f"{where}{exc.strerror or exc}", exc)
-        except KeyboardInterrupt as exc:
-            _fail(ctx, "interrupted", exc)
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM during a merge
+            _fail(ctx, str(exc) or "interrupted", exc)
         except Exception as exc:  # noqa: BLE001 - the boundary of last resort
             _fail(ctx, f"unexpected {type(exc).__name__}: {exc} (rerun with --debug and "
                        "report it, with the traceback)", exc)
@@ -167,7 +167,8 @@ def _merge_report(results: list[Any], as_json: bool) -> None:
               help="Convert floating-point tensors to this dtype (integer and bool tensors keep "
                    "theirs). Default: keep every dtype.")
 @click.option("--max-shard-size", metavar="SIZE",
-              help="Split into HF-style shards of at most SIZE (e.g. 5GB) plus an index file.")
+              help="Split into HF-style shards of at most SIZE (e.g. 5GB) plus an index file; "
+                   "a model that fits in one shard is one file, without an index.")
 @click.option("--keep-keys", is_flag=True,
               help="Keep wrapper segments (_fsdp_wrapped_module., _checkpoint_wrapped_module., "
                    "_orig_mod.) in names; by default they are removed.")
@@ -175,7 +176,9 @@ def _merge_report(results: list[Any], as_json: bool) -> None:
               help="Only merge entries whose output name matches (repeatable).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Skip entries whose output name matches (repeatable).")
-@click.option("--overwrite", is_flag=True, help="Replace existing output files.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace the output of an earlier merge (the files its index names, or the "
+                   "single file); other files in OUTPUT_DIR are never touched.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
 @_debug_option
@@ -214,7 +217,8 @@ def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | 
               help="Save the merged weights as pytorch_model.bin rather than model.safetensors.")
 @click.option("--remove_checkpoint_dir", "--remove-checkpoint-dir", "remove", is_flag=True,
               help="Remove the checkpoint directory after a successful merge.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output file.")
+@click.option("--overwrite", is_flag=True, hidden=True,
+              help="Accepted for older scripts; an existing output is always replaced.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
 @_debug_option
@@ -225,7 +229,9 @@ def merge_weights(checkpoint_directory: str, output_path: str, unsafe: bool, rem
     Merges CHECKPOINT_DIRECTORY (e.g. ckpt/pytorch_model_fsdp_0) into
     OUTPUT_PATH/model.safetensors (or pytorch_model.bin with --unsafe_serialization),
     keys exactly as Accelerate writes them, but streaming in constant memory, and
-    without crashing on optimizer folders or non-tensor entries.
+    without crashing on optimizer folders or non-tensor entries (an optimizer folder
+    becomes optimizer.safetensors / optimizer.bin). As with Accelerate, an existing
+    output is replaced: atomically, the old file stays whole until the new one is done.
 
     \b
     Example:
@@ -236,8 +242,9 @@ def merge_weights(checkpoint_directory: str, output_path: str, unsafe: bool, rem
     from .merger import merge_fsdp_weights
 
     start = time.perf_counter()
+    del overwrite  # always on, as in Accelerate
     path = merge_fsdp_weights(checkpoint_directory, output_path, not unsafe, remove,
-                              overwrite=overwrite, progress=_progress(quiet))
+                              overwrite=True, progress=_progress(quiet))
     seconds = time.perf_counter() - start
     if as_json:
         click.echo(json.dumps({"output": str(path), "seconds": round(seconds, 3)}))

@@ -23,7 +23,7 @@ from .nesting import unflatten
 from .objects import loads, read_object, to_torch
 from .plan import chunk_runs
 from .rawio import reusing_scratch
-from .reader import is_dcp_folder, read_dcp_folder
+from .reader import is_dcp_folder, open_data_file, read_dcp_folder
 
 __all__ = ["load_full_state_dict", "shard_files"]
 
@@ -53,9 +53,7 @@ def _from_dcp(path: Path) -> dict[Any, Any]:
             if name is None:
                 raise NotACheckpointError(f"{path}: an entry has no storage entry in .metadata")
             if name not in fds:
-                if not (path / name).is_file():
-                    raise CheckpointNotFoundError(f"{path / name}: missing data file")
-                fds[name] = os.open(path / name, os.O_RDONLY)
+                fds[name] = open_data_file(path, name)  # only from inside the folder
             return fds[name]
 
         for tensor in folder.metadata.tensors:

@@ -8,7 +8,9 @@ the state dict ever being held in memory.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -16,17 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .dtypes import DType, dtype_from_name
 from .checks import check_folder
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from .layout import DcpPart, find_layout
-from .plan import MergePlan, MergePlanError, parse_size, plan_merge
+from .plan import MergePlan, MergePlanError, parse_dtype, parse_size, plan_merge
 from .reader import read_dcp_folder
-from .writer import OutputExistsError, commit, output_paths, staging, write_plan
+from .writer import (OutputExistsError, commit, output_paths, sigterm_interrupts, staging,
+                     write_plan)
 
 __all__ = ["merge", "merge_fsdp_weights", "MergeResult", "resolve_folders", "parse_dtype"]
-
-_DTYPE_WORDS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 
 
 @dataclass(frozen=True)
@@ -51,16 +51,6 @@ class MergeResult:
     def path(self) -> Path:
         """The file to load: the single output, or the shard index."""
         return self.files[-1]
-
-
-def parse_dtype(text: str | None) -> DType | None:
-    """``"bf16"``/``"bfloat16"``/``"torch.bfloat16"`` -> the dtype; None stays None."""
-    if text is None:
-        return None
-    dtype = dtype_from_name(_DTYPE_WORDS.get(text.lower(), text.lower()))
-    if dtype is None or not dtype.is_floating:
-        raise MergePlanError(f"unknown export dtype {text!r}; choose bf16, fp16 or fp32")
-    return dtype
 
 
 def resolve_folders(checkpoint: str | os.PathLike[str], *, optimizer: bool = False,
@@ -130,10 +120,13 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
         model_index: which model of a checkpoint with several (``pytorch_model_fsdp_{i}``).
         format: ``"safetensors"`` (default) or ``"bin"``.
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``: convert floating-point tensors.
-        max_shard_size: e.g. ``"5GB"``: HF-style shards plus an index file.
+        max_shard_size: e.g. ``"5GB"``: HF-style shards plus an index file (one file
+            without an index when everything fits in one shard).
         keep_keys: keep wrapper segments such as ``_fsdp_wrapped_module.`` in names.
         include, exclude: glob filters on output names.
-        overwrite: replace existing output files.
+        overwrite: replace the output of an earlier merge into ``output_dir``: the
+            files this merge writes, and the single file, index and shards an earlier
+            one wrote under the same stem. Other files are never touched.
         file_name: the single output file's name, instead of ``model.safetensors``...
         progress: ``progress(total_bytes, files)`` returns a callback given byte counts.
 
@@ -185,9 +178,10 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
     if len(set(targets)) != len(targets):
         raise MergePlanError(f"two merged parts would both write {targets[0].name}; "
                              "drop --file-name")
-    # An earlier merge of another layout (one file against shards) would sit beside the
-    # new one, and loaders prefer the single file: it counts as an existing output.
-    stale = sorted({p for plan in plans for p in _same_stem_outputs(plan, out)} - set(targets))
+    # An earlier merge of ours in another layout (one file against shards, or more shards)
+    # would sit beside the new one, and loaders prefer the single file: it counts as an
+    # existing output, and is replaced with it.
+    stale = sorted({p for plan in plans for p in _earlier_outputs(plan, out)} - set(targets))
     existing = [str(p) for p in targets if p.exists()] + [str(p) for p in stale]
     if existing and not overwrite:
         raise OutputExistsError(f"{existing[0]}: already exists"
@@ -197,7 +191,8 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
     if out.exists() and not out.is_dir():
         raise NotACheckpointError(f"{out}: is a file; pass a folder for the output.")
     results = []
-    with staging(out) as stage:
+    # SIGTERM (a job scheduler, `kill`) unwinds like Ctrl-C, so the staging folder goes too.
+    with sigterm_interrupts(), staging(out) as stage:
         staged = []
         for plan in plans:
             start = time.perf_counter()
@@ -214,18 +209,45 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
     return results
 
 
-def _same_stem_outputs(plan: MergePlan, out: Path) -> list[Path]:
+_INDEX_LIMIT = 64 * 2**20  # an index of 64 MiB would list millions of tensors: not one of ours
+
+
+def _earlier_outputs(plan: MergePlan, out: Path) -> list[Path]:
+    """The files in ``out`` that an earlier merge under this plan's stem wrote.
+
+    Those are the single file (``model.safetensors``, or the plan's own file name), the
+    index (``model.safetensors.index.json``), and the shards that index names, when they
+    carry our shard names (``model-00001-of-00003.safetensors``). Files that merely look
+    alike (``model-v2-of-llama.safetensors``) are not ours and never touched.
+    """
     if not out.is_dir():
         return []
-    first = plan.files[0].name
-    stem = first.split("-0", 1)[0] if plan.index_name else first.rsplit(".", 1)[0]
-    suffix = first.rsplit(".", 1)[1]
-    patterns = [f"{stem}.{suffix}", f"{stem}-*-of-*.{suffix}", f"{stem}.{suffix}.index.json"]
-    return [p for pattern in patterns for p in out.glob(pattern)]
+    names = {f"{plan.stem}.{plan.suffix}"}
+    if plan.index_name is None:
+        names.add(plan.files[0].name)
+    index = out / f"{plan.stem}.{plan.suffix}.index.json"
+    found = [out / n for n in names if (out / n).is_file()]
+    if index.is_file():
+        found.append(index)
+        shard = re.compile(rf"{re.escape(plan.stem)}-\d{{5,}}-of-\d{{5,}}\.{plan.suffix}")
+        found += [out / n for n in _index_files(index) if shard.fullmatch(n) and
+                  (out / n).is_file()]
+    return found
+
+
+def _index_files(index: Path) -> list[str]:
+    # A damaged or foreign index names nothing we may delete; the index itself is still ours.
+    try:
+        if index.stat().st_size > _INDEX_LIMIT:
+            return []
+        weight_map = json.loads(index.read_bytes()).get("weight_map", {})
+        return sorted({n for n in weight_map.values() if isinstance(n, str)})
+    except (OSError, ValueError, AttributeError):
+        return []
 
 
 def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization: bool = True,
-                       remove_checkpoint_dir: bool = False, *, overwrite: bool = False,
+                       remove_checkpoint_dir: bool = False, *, overwrite: bool = True,
                        progress: Callable[[int, int], Callable[[int], None]] | None = None,
                        ) -> Path:
     """Accelerate's ``merge_fsdp_weights``, streaming and in constant memory.
@@ -233,15 +255,20 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
     Writes ``{output_path}/model.safetensors`` (metadata ``{"format": "pt"}``) or, with
     ``safe_serialization=False``, ``{output_path}/pytorch_model.bin``; keys are the
     stored names less the single top-level key, exactly as Accelerate writes them.
-    Unlike Accelerate, an optimizer folder or non-tensor entries do not crash the
-    safetensors output: they are kept in its metadata.
+    An optimizer folder is written as ``optimizer.safetensors`` (``optimizer.bin``):
+    named for what it holds. Unlike Accelerate, an optimizer folder or non-tensor
+    entries do not crash the safetensors output: they are kept in its metadata.
+
+    As Accelerate does, an existing output is replaced; here atomically: the new file is
+    written under a temporary name and renamed over the old one, which stays whole until
+    then.
 
     Args:
         checkpoint_dir: the DCP folder (``pytorch_model_fsdp_0`` or ``optimizer_0``).
         output_path: the output folder.
         safe_serialization: safetensors (True) or a torch.save ``.bin`` (False).
         remove_checkpoint_dir: delete ``checkpoint_dir`` after a successful merge.
-        overwrite: replace an existing output file (Accelerate always does; fsdpckpt asks).
+        overwrite: replace an existing output (default, as Accelerate); False refuses.
         progress: as for :func:`merge`.
 
     Returns:
@@ -257,9 +284,9 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
         raise NotACheckpointError(f"{layout.path}: holds {len(layout.parts)} DCP folders; "
                                   f"pass one of them: {choices}")
     fmt = "safetensors" if safe_serialization else "bin"
-    file_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+    # No file name: the plan names it (model.safetensors, pytorch_model.bin, optimizer.*).
     (result,) = merge(checkpoint_dir, output_path, format=fmt, keep_keys=True,
-                      file_name=file_name, overwrite=overwrite, progress=progress)
+                      overwrite=overwrite, progress=progress)
     if remove_checkpoint_dir:
         shutil.rmtree(result.source)
     return result.path

@@ -8,6 +8,7 @@ imported. The result is the plain data model of :mod:`fsdpckpt.metadata`.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,77 @@ from .errors import CheckpointNotFoundError, NotACheckpointError
 from .metadata import Chunk, DataFile, DcpMetadata, KeyPath, ObjectEntry, TensorEntry, rank_of_file
 from .safe_pickle import METADATA_GLOBALS, Record, safe_loads
 
-__all__ = ["DcpFolder", "read_dcp_folder", "parse_metadata", "is_dcp_folder", "METADATA_FILE"]
+__all__ = ["DcpFolder", "read_dcp_folder", "parse_metadata", "is_dcp_folder", "METADATA_FILE",
+           "data_file_path", "open_data_file", "path_inside"]
 
 METADATA_FILE = ".metadata"
+
+_ONLY_INSIDE = "fsdpckpt reads a checkpoint's data files only from inside its folder"
+
+
+def path_inside(folder: Path, relative: str) -> Path:
+    """``folder / relative``, checked to stay inside ``folder`` once symlinks are followed.
+
+    This is the one rule every reader applies before it opens or sizes a data file:
+    the file must lie inside the checkpoint folder. A symlink is followed only when
+    it leads to a place inside the folder; an absolute path, a ``..`` that climbs
+    out, or a symlink to a file elsewhere is refused, so a checkpoint can never make
+    fsdpckpt read (or merge, or load) a file that is not part of it.
+
+    Raises:
+        NotACheckpointError: the path leads outside ``folder``; the message says where.
+    """
+    path = folder / relative
+    root = os.path.realpath(folder)
+    real = os.path.realpath(path)
+    if os.path.isabs(relative) or os.path.commonpath([root, real]) != root or real == root:
+        how = f"a symlink to {real}" if os.path.islink(path) else f"resolves to {real}"
+        fix = (f"; replace the link by the file itself (cp --remove-destination {real} {path})"
+               if os.path.islink(path) else "; use an intact copy of the checkpoint")
+        raise NotACheckpointError(f"{path}: {how}, outside the checkpoint folder {folder}; "
+                                  f"{_ONLY_INSIDE}{fix}")
+    return path
+
+
+def data_file_path(folder: Path, name: str) -> Path:
+    """The path of the data file ``name`` of the DCP folder ``folder``, checked.
+
+    DCP's ``FileSystemWriter`` names data files by plain file names (``__0_0.distcp``);
+    a ``.metadata`` naming a path (``/elsewhere/x``, ``../x``, ``sub/x``) is damaged or
+    crafted and refused. The file itself must then pass :func:`path_inside`.
+
+    Raises:
+        NotACheckpointError: ``name`` is not a plain file name, or leads outside.
+    """
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or \
+            "\\" in name or "\0" in name:
+        raise NotACheckpointError(f"{folder / METADATA_FILE}: names the data file {name!r}, a "
+                                  "path that may lead outside the checkpoint folder where DCP "
+                                  f"writes plain names (__0_0.distcp); {_ONLY_INSIDE}, so this "
+                                  ".metadata is damaged or crafted: use an intact copy")
+    return path_inside(folder, name)
+
+
+def open_data_file(folder: Path, name: str) -> int:
+    """Open the data file ``name`` of ``folder`` for reading (by :func:`data_file_path`'s rule).
+
+    Returns:
+        A file descriptor; the caller closes it.
+
+    Raises:
+        NotACheckpointError: the name or the file leads outside the folder, or it is
+            not a regular file.
+        CheckpointNotFoundError: the file is missing.
+    """
+    path = data_file_path(folder, name)
+    real = os.path.realpath(path)  # opened as resolved, so no link is followed after the check
+    try:
+        if not stat.S_ISREG(os.stat(real).st_mode):
+            raise NotACheckpointError(f"{path}: not a regular file; a data file must be one")
+        return os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: missing data file; copy it from the machine that "
+                                      "wrote the checkpoint") from None
 
 
 @dataclass(frozen=True)
@@ -69,7 +138,8 @@ def read_dcp_folder(path: str | os.PathLike[str]) -> DcpFolder:
 
     Raises:
         CheckpointNotFoundError: ``path`` or its ``.metadata`` does not exist.
-        NotACheckpointError: ``.metadata`` is not a DCP metadata pickle.
+        NotACheckpointError: ``.metadata`` is not a DCP metadata pickle, or a data file
+            (named in it, or present) leads outside the folder (see :func:`path_inside`).
         UnsafePickleError: ``.metadata`` names a global a DCP pickle never holds.
 
     Example:
@@ -89,9 +159,12 @@ def read_dcp_folder(path: str | os.PathLike[str]) -> DcpFolder:
             "(DCP writes .metadata last; a save that did not finish leaves none). "
             "Pass the folder that holds .metadata."
         )
-    metadata = parse_metadata(meta_path.read_bytes(), source=str(meta_path))
+    metadata = parse_metadata(path_inside(folder, METADATA_FILE).read_bytes(),
+                              source=str(meta_path))
+    for name in sorted(metadata.referenced_files):  # before any of them is sized or opened
+        data_file_path(folder, name)
     files = tuple(
-        DataFile(entry.name, entry.stat().st_size)
+        DataFile(entry.name, os.stat(data_file_path(folder, entry.name)).st_size)
         for entry in sorted(os.scandir(folder), key=lambda e: e.name)
         if entry.name.endswith(".distcp") and entry.is_file()
     )

@@ -20,7 +20,7 @@ from .errors import CorruptCheckpointError, FsdpCkptError
 from .inspection import inspect_checkpoint
 from .layout import find_layout
 from .manifest import MANIFEST, crc32_range, data_entry_crc, file_crc, read_manifest
-from .reader import read_dcp_folder
+from .reader import open_data_file, path_inside, read_dcp_folder
 
 __all__ = ["verify_checkpoint"]
 
@@ -37,7 +37,7 @@ def _check_chunks(folder: Path, problems: list[dict[str, str]], *, only_file: st
             where = f"tensor '{tensor.name}' chunk at {list(chunk.offsets)}"
             path = folder / chunk.file
             try:
-                with open(path, "rb") as handle:
+                with os.fdopen(open_data_file(folder, chunk.file), "rb") as handle:
                     raw = locate_tensor(handle, chunk.offset, chunk.length, source=where)
                     stored = data_entry_crc(handle, chunk.offset, chunk.length, source=where)
                     actual = crc32_range(handle.fileno(), raw.storage_start, raw.storage_nbytes,
@@ -104,6 +104,11 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
                                      "trusted, delete it to verify without it") from None
     for name, (want_size, want_crc) in listed.items():
         file = root / name
+        try:
+            path_inside(root, name)  # a manifest may not send us outside the checkpoint
+        except FsdpCkptError as exc:
+            problems.append({"path": str(file), "message": str(exc)})
+            continue
         if not file.is_file():
             problems.append({"path": str(file), "message": "missing file listed in the manifest"})
             continue

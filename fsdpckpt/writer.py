@@ -2,8 +2,10 @@
 
 Files are staged in a hidden folder inside the output folder (same file system,
 so the final renames are atomic), space is reserved up front so a full disk
-fails before the copy rather than in the middle, and on any error or Ctrl-C
-the staging folder is removed, leaving the output folder as it was.
+fails before the copy rather than in the middle, and on any error, Ctrl-C or
+SIGTERM the staging folder is removed, leaving the output folder as it was. A
+staging folder that survived anyway (SIGKILL, a power cut) names its host and
+process, and the next merge into that folder removes it once that process is gone.
 """
 
 from __future__ import annotations
@@ -11,23 +13,38 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
+import re
 import shutil
+import signal
+import socket
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from .archive import locate_tensor
 from .copy import place_chunk
 from .durable import fsync_dir, write_bytes
 from .rawio import pwrite_all, reusing_scratch
 from .manifest import crc32_range
-from .errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
+from .errors import FsdpCkptError, NotACheckpointError
 from .formats import ObjectValue, get_format
 from .objects import read_object
 from .plan import MergePlan, PlannedFile, chunk_runs
+from .reader import open_data_file
 
-__all__ = ["OutputExistsError", "DiskFullError", "write_plan", "output_paths", "staging", "commit"]
+__all__ = ["OutputExistsError", "DiskFullError", "OutputNotWritableError", "Terminated",
+           "write_plan", "output_paths", "staging", "commit", "sigterm_interrupts",
+           "STAGING_PREFIX"]
+
+log = logging.getLogger("fsdpckpt")
+
+#: Staging folders are ``{STAGING_PREFIX}{host}-{pid}-{random}`` inside the output folder.
+STAGING_PREFIX = ".fsdpckpt-tmp-"
+
 
 class OutputExistsError(FsdpCkptError, FileExistsError):
     """An output file is already there and ``overwrite`` was not given."""
@@ -36,6 +53,53 @@ class OutputExistsError(FsdpCkptError, FileExistsError):
 class DiskFullError(FsdpCkptError, OSError):
     """The output's file system has not enough free space."""
 
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28]"
+        return str(self.strerror)
+
+
+class OutputNotWritableError(FsdpCkptError, OSError):
+    """The output folder cannot be created or written (read-only, no permission, a file
+    in the way); ``errno`` says why."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived during a merge. A :class:`KeyboardInterrupt`, so it unwinds (and
+    cleans up) exactly as Ctrl-C does, and ``except Exception`` cannot swallow it."""
+
+    def __str__(self) -> str:
+        return "interrupted by SIGTERM"
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` instead of killing the process.
+
+    The default action would end the process on the spot and leave the staging folder
+    (the partial output) behind. The previous handler is restored on exit. A handler the
+    application set itself (or SIG_IGN) is its choice and is left alone; so is every
+    thread but the main one, which alone may set handlers.
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    raised = False
+
+    def handler(_signum: int, _frame: Any) -> None:
+        nonlocal raised
+        if not raised:  # once: a second SIGTERM must not break the cleanup it started
+            raised = True
+            raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
 
 def output_paths(plan: MergePlan, output_dir: Path) -> list[Path]:
     """Every file the plan writes into ``output_dir``."""
@@ -43,12 +107,81 @@ def output_paths(plan: MergePlan, output_dir: Path) -> list[Path]:
     return [output_dir / n for n in names]
 
 
+def _host() -> str:
+    # '-' separates the fields of the name, so it may not appear in the host part.
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+_STAGE_NAME = re.compile(re.escape(STAGING_PREFIX) + r"(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-[^-]*$")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, it is someone else's
+        return True
+    return True
+
+
+def clear_stale_stages(output_dir: Path) -> list[Path]:
+    """Remove the staging folders in ``output_dir`` that a merge on this host left behind
+    when it died; return them.
+
+    A folder is removed only when its name carries this host and a process id that no
+    longer exists. A running merge's folder (its process is alive), another host's
+    (shared file systems), and any folder named otherwise are kept.
+    """
+    removed = []
+    host = _host()
+    try:
+        candidates = [e for e in os.scandir(output_dir)
+                      if e.name.startswith(STAGING_PREFIX) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return removed
+    for entry in candidates:
+        match = _STAGE_NAME.match(entry.name)
+        if not match or match["host"] != host:
+            continue
+        pid = int(match["pid"])
+        if pid <= 0 or pid == os.getpid() or _process_alive(pid):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        log.warning("fsdpckpt: removed %s, left by an interrupted merge (process %d, no longer "
+                    "running)", entry.path, pid)
+        removed.append(Path(entry.path))
+    return removed
+
+
+def _not_writable(output_dir: Path, exc: OSError) -> OutputNotWritableError:
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        blocker = next((p for p in [output_dir, *output_dir.parents] if p.exists()
+                        and not p.is_dir()), output_dir)
+        why = f"{blocker} is a file, not a folder; choose another output folder"
+    elif exc.errno == errno.EROFS:
+        why = "the file system is read-only; choose an output folder on a writable one"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        why = ("not allowed to write there; choose a folder you can write to, or change its "
+               "permissions")
+    else:
+        why = f"{exc.strerror or exc}; choose another output folder"
+    return OutputNotWritableError(exc.errno, f"{output_dir}: cannot write the output there: "
+                                  f"{why}")
+
+
 @contextlib.contextmanager
 def staging(output_dir: Path) -> Iterator[Path]:
     """A hidden folder inside ``output_dir`` that is removed on exit, whatever happens.
 
     ``output_dir`` (and missing parents) is created if needed, and removed again on
-    failure if it was.
+    failure if it was. Stale staging folders of dead merges are cleared first.
+
+    Raises:
+        NotACheckpointError: ``output_dir`` is a file.
+        OutputNotWritableError: ``output_dir`` cannot be created or written; the message
+            names ``output_dir`` (never the hidden folder) and says what to do.
+        DiskFullError: no space even for the staging folder.
     """
     if output_dir.exists() and not output_dir.is_dir():
         raise NotACheckpointError(f"{output_dir}: is a file; pass a folder for the output.")
@@ -57,8 +190,18 @@ def staging(output_dir: Path) -> Iterator[Path]:
         created = created.parent
     if created.exists():
         created = None  # type: ignore[assignment]
-    output_dir.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".fsdpckpt-tmp-", dir=output_dir))
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_stages(output_dir)
+        stage = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{_host()}-{os.getpid()}-",
+                                      dir=output_dir))
+    except OSError as exc:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        if exc.errno == errno.ENOSPC:
+            raise DiskFullError(errno.ENOSPC, f"{output_dir}: no space left on the device; "
+                                "free some space or choose another output folder") from None
+        raise _not_writable(output_dir, exc) from None
     ok = False
     try:
         yield stage
@@ -90,20 +233,14 @@ def _start_writeback(fd: int, start: int, count: int) -> None:
 
 
 class _Sources:
-    """Open data files of the merged folder, opened once each."""
+    """Open data files of the merged folder, opened once each, only from inside it."""
 
     def __init__(self, folder: Path) -> None:
         self.folder, self.fds = folder, {}  # type: ignore[var-annotated]
 
     def fd(self, name: str) -> int:
         if name not in self.fds:
-            path = self.folder / name
-            try:
-                self.fds[name] = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(
-                    f"{path}: missing data file; copy it from the machine that wrote the "
-                    "checkpoint") from None
+            self.fds[name] = open_data_file(self.folder, name)
         return self.fds[name]
 
     def close(self) -> None:

@@ -217,3 +217,39 @@ def test_plan_is_computed_from_metadata_alone():
     assert all(f.nbytes <= 600 or len(f.tensors) == 1 for f in plan.files)
     assert [t.spec.name for f in plan.files for t in f.tensors] == [
         t.name.split(".", 1)[1] for t in plan.folder.metadata.tensors]
+
+
+def test_plan_merge_takes_what_merge_takes(tmp_path):
+    from fsdpckpt.plan import plan_merge
+
+    folder = DCP_FOLDERS["dtensor"]
+    plan = plan_merge(str(folder), dtype="bf16", max_shard_size="5GB", include="*")
+    assert plan.folder.path == folder and plan.num_tensors
+    floats = [t.spec.dtype.name for t in plan.files[0].tensors if t.source.dtype.is_floating]
+    assert floats and set(floats) == {"bfloat16"}
+    assert plan_merge(folder, dtype=torch.float16).files[0].tensors  # a torch.dtype, a Path
+
+
+@pytest.mark.parametrize("dtype, size", [("int8", None), ("bf16", "lots"), ("bf16", 0)])
+def test_plan_merge_names_a_bad_dtype_or_size(dtype, size):
+    from fsdpckpt.plan import plan_merge
+
+    with pytest.raises(MergePlanError, match=repr(dtype) if size is None else repr(size)):
+        plan_merge(DCP_FOLDERS["dtensor"], dtype=dtype, max_shard_size=size)
+
+
+@pytest.mark.parametrize("fmt, name", [("safetensors", "model.safetensors"),
+                                       ("bin", "pytorch_model.bin")])
+def test_a_shard_size_larger_than_the_model_writes_one_file_without_index(tmp_path, fmt, name):
+    (result,) = fsdpckpt.merge(DCP_FOLDERS["fsdp2-model"], tmp_path, format=fmt,
+                               max_shard_size="5GB")
+    assert [p.name for p in result.files] == [name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_the_plan_knows_its_stem(tmp_path):
+    from fsdpckpt.plan import plan_merge
+
+    assert plan_merge(DCP_FOLDERS["fsdp2-optimizer"], stem="optimizer",
+                      max_shard_size=100).stem == "optimizer"
+    assert plan_merge(DCP_FOLDERS["fsdp2-model"], format="bin").stem == "pytorch_model"

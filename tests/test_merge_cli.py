@@ -345,3 +345,42 @@ def test_a_merge_of_another_layout_does_not_leave_the_old_one_beside_it(tmp_path
     assert (tmp_path / "model.safetensors.index.json").exists()
     fsdpckpt.merge(DCP_FOLDERS["fsdp2-model"], tmp_path, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def test_merge_weights_replaces_an_earlier_output_like_accelerate(tmp_path):
+    folder = DCP_FOLDERS["fsdp2-model"]
+    assert run("merge-weights", folder, tmp_path, "-q").exit_code == 0
+    first = (tmp_path / "model.safetensors").stat().st_ino
+    second = run("merge-weights", folder, tmp_path, "-q")
+    assert second.exit_code == 0, second.output
+    assert (tmp_path / "model.safetensors").stat().st_ino != first  # a new file, renamed in
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    assert_same_state(load(tmp_path / "model.safetensors"),
+                      next(iter(reference_state_dict(folder).values())))
+
+
+def test_merge_weights_that_fails_leaves_the_earlier_output_whole(tmp_path, dtensor_copy):
+    assert run("merge-weights", dtensor_copy, tmp_path / "out", "-q").exit_code == 0
+    before = (tmp_path / "out" / "model.safetensors").read_bytes()
+    (dtensor_copy / "__1_0.distcp").unlink()
+    assert run("merge-weights", dtensor_copy, tmp_path / "out", "-q").exit_code == 1
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+
+
+def test_merge_still_asks_for_overwrite_after_merge_weights(tmp_path):
+    assert run("merge-weights", DCP_FOLDERS["dtensor"], tmp_path, "-q").exit_code == 0
+    assert_one_line_error(run("merge", DCP_FOLDERS["dtensor"], tmp_path), "--overwrite")
+
+
+@pytest.mark.parametrize("flags, name", [((), "optimizer.safetensors"),
+                                         (("--unsafe_serialization",), "optimizer.bin")])
+def test_merge_weights_names_an_optimizer_folder_for_what_it_is(tmp_path, flags, name):
+    result = run("merge-weights", DCP_FOLDERS["fsdp2-optimizer"], tmp_path, "-q", *flags)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_merge_weights_overwrite_flag_is_still_accepted(tmp_path):
+    assert run("merge-weights", DCP_FOLDERS["dtensor"], tmp_path, "--overwrite",
+               "-q").exit_code == 0

@@ -259,7 +259,9 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
 
     The reverse of merge: a pretrained or merged model becomes a DCP folder that
     an FSDP run of any world size can load (DCP reshards on load). One tensor is
-    in memory at a time. FULL_FILE may be a shard index (*.safetensors.index.json).
+    in memory at a time. FULL_FILE may be a shard index (*.safetensors.index.json),
+    or a folder holding model.safetensors or pytorch_model.bin (or their index).
+    A sharded checkpoint is DCP already: to get a full file from it, use merge.
 
     \b
     Examples:
@@ -271,10 +273,11 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
 
     result = convert_file(full_file, out_dcp_dir, key=key or None, overwrite=overwrite)
     if as_json:
-        click.echo(json.dumps({"output": str(result.path), "tensors": result.tensors,
-                               "objects": result.objects, "bytes": result.bytes}))
+        click.echo(json.dumps({"source": str(result.source), "output": str(result.path),
+                               "tensors": result.tensors, "objects": result.objects,
+                               "bytes": result.bytes}))
     else:
-        click.echo(f"converted {full_file} -> {result.path}: {result.tensors} tensors "
+        click.echo(f"converted {result.source} -> {result.path}: {result.tensors} tensors "
                    f"({human_bytes(result.bytes)}), {result.objects} other entries")
 
 

@@ -119,15 +119,20 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
         sys.exit(1)
 
 
-def _progress(quiet: bool):
-    """A factory of tqdm byte bars on stderr; silent with --quiet or when stderr is no terminal."""
+def _progress(quiet: bool, desc: str = "merging"):
+    """A factory of tqdm byte bars on stderr; silent with --quiet or when stderr is no terminal.
+
+    The library calls ``factory(total_bytes, files)`` once it knows what it will read (merge
+    and verify do) and gives the returned callback byte counts; with a total the bar shows a
+    percentage and an ETA.
+    """
     if quiet or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 
     def factory(total: int, _files: int):
         bar = tqdm(total=total or None, unit="B", unit_scale=True, unit_divisor=1024,
-                   file=sys.stderr, desc="merging" if total else "checking", leave=False)
+                   file=sys.stderr, desc=desc, leave=False)
         return bar.update
 
     return factory
@@ -301,8 +306,7 @@ def verify(path: str, as_json: bool, quiet: bool) -> None:
     """
     from .verify import verify_checkpoint
 
-    factory = _progress(quiet)
-    report = verify_checkpoint(path, progress=factory(0, 0) if factory else None)
+    report = verify_checkpoint(path, progress=_progress(quiet, "verifying"))
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

@@ -32,7 +32,6 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpo
     UnsafePickleError
 from .formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from .objects import loads
-from .reader import METADATA_FILE
 from .writer import OutputExistsError
 
 __all__ = ["convert", "ConvertResult", "MODEL_FILES"]
@@ -120,6 +119,10 @@ def _shards(path: Path) -> list[Path]:
         names = list(dict.fromkeys(index["weight_map"].values()))
         if not all(isinstance(n, str) and n for n in names):
             raise TypeError("a file name is not a string")
+        # Shards lie beside their index (symlinks, as in the Hugging Face cache, are fine):
+        # an index may not send us to read files elsewhere.
+        if outside := [n for n in names if os.path.isabs(n) or ".." in Path(n).parts]:
+            raise ValueError(f"'{outside[0]}' lies outside the index's folder")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise NotACheckpointError(
             f"{path}: not a shard index (a JSON file with a 'weight_map' of names to files: "
@@ -156,9 +159,6 @@ def _resolve(source: Path) -> Path:
         raise NotACheckpointError(
             f"{source}: is a DCP checkpoint already; convert turns a full .safetensors or "
             f".bin file into one. To get a full file from it: fsdpckpt merge {source} OUT_DIR")
-    if (source / METADATA_FILE).exists():
-        raise NotACheckpointError(f"{source}: is a DCP folder already; to get a full file "
-                                  f"from it: fsdpckpt merge {source} OUT_DIR")
     candidates = sorted(e.name for e in os.scandir(source) if e.is_file() and
                         e.name.endswith((".safetensors", ".bin", ".pt", ".index.json")))
     hint = f"; pass one of its files, e.g. {source / candidates[0]}" if candidates else \
@@ -180,9 +180,8 @@ def _torch_load(file: Path, kind: str) -> Any:
         if asked:
             raise UnsafePickleError(
                 f"{file}: refused: its pickle asks for {asked.group(1)}, which a state dict "
-                "of tensors "
-                "never holds; nothing in it was run. Convert only files you trust, saved "
-                "as a plain state dict.") from None
+                "of tensors never holds; nothing in it was run. Convert only files you trust, "
+                "saved as a plain state dict.") from None
         raise CorruptCheckpointError(f"{file}: a torch.save file whose pickle cannot be read "
                                      "by torch's weights-only loader; it is damaged or not "
                                      "a state dict.") from None

@@ -213,3 +213,23 @@ def test_a_damaged_shard_is_found_before_anything_is_written(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=shards[-1].name):
         fsdpckpt.convert(tmp_path / "m" / "model.safetensors.index.json", tmp_path / "dcp")
     assert_nothing_written(tmp_path)
+
+
+def test_a_shard_index_may_not_name_files_outside_its_folder(tmp_path, weights):
+    save_file(weights, tmp_path / "elsewhere.safetensors")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"layer.weight": "../elsewhere.safetensors"}}')
+    assert_one_line_error(run("convert", tmp_path / "m", tmp_path / "dcp"),
+                          "../elsewhere.safetensors", "outside the index's folder")
+    assert_nothing_written(tmp_path)
+
+
+def test_json_report_names_the_file_read(tmp_path, weights):
+    import json
+
+    (tmp_path / "hf").mkdir()
+    save_file(weights, tmp_path / "hf" / "model.safetensors")
+    doc = json.loads(run("convert", tmp_path / "hf", tmp_path / "dcp", "--json").stdout)
+    assert doc == {"source": str(tmp_path / "hf" / "model.safetensors"),
+                   "output": str(tmp_path / "dcp"), "tensors": 2, "objects": 0, "bytes": 72}

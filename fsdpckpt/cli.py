@@ -84,7 +84,8 @@ def main() -> None:
               help="Only list tensors and objects whose name matches: a glob "
                    "('*.weight') or a substring ('layers.0.').")
 @click.option("--chunks", is_flag=True, help="Also list every chunk: offsets, sizes, file, byte range.")
-@click.option("--summary", is_flag=True, help="Only the summary, no table of tensors.")
+@click.option("--summary", is_flag=True,
+              help="Only the summary: no table of tensors, and each part's rank files on one line.")
 @_debug_option
 def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: bool) -> None:
     """Show what a checkpoint holds and check that its structure is whole.

@@ -84,7 +84,8 @@ def main() -> None:
               help="Only list tensors and objects whose name matches: a glob "
                    "('*.weight') or a substring ('layers.0.').")
 @click.option("--chunks", is_flag=True, help="Also list every chunk: offsets, sizes, file, byte range.")
-@click.option("--summary", is_flag=True, help="Only the summary, no table of tensors.")
+@click.option("--summary", is_flag=True,
+              help="Only the summary: no table of tensors, and each part's rank files on one line.")
 @_debug_option
 def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: bool) -> None:
     """Show what a checkpoint holds and check that its structure is whole.
@@ -119,15 +120,20 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
         sys.exit(1)
 
 
-def _progress(quiet: bool):
-    """A factory of tqdm byte bars on stderr; silent with --quiet or when stderr is no terminal."""
+def _progress(quiet: bool, desc: str = "merging"):
+    """A factory of tqdm byte bars on stderr; silent with --quiet or when stderr is no terminal.
+
+    The library calls ``factory(total_bytes, files)`` once it knows what it will read (merge
+    and verify do) and gives the returned callback byte counts; with a total the bar shows a
+    percentage and an ETA.
+    """
     if quiet or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 
     def factory(total: int, _files: int):
         bar = tqdm(total=total or None, unit="B", unit_scale=True, unit_divisor=1024,
-                   file=sys.stderr, desc="merging" if total else "checking", leave=False)
+                   file=sys.stderr, desc=desc, leave=False)
         return bar.update
 
     return factory
@@ -266,7 +272,9 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
 
     The reverse of merge: a pretrained or merged model becomes a DCP folder that
     an FSDP run of any world size can load (DCP reshards on load). One tensor is
-    in memory at a time. FULL_FILE may be a shard index (*.safetensors.index.json).
+    in memory at a time. FULL_FILE may be a shard index (*.safetensors.index.json),
+    or a folder holding model.safetensors or pytorch_model.bin (or their index).
+    A sharded checkpoint is DCP already: to get a full file from it, use merge.
 
     \b
     Examples:
@@ -278,10 +286,11 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
 
     result = convert_file(full_file, out_dcp_dir, key=key or None, overwrite=overwrite)
     if as_json:
-        click.echo(json.dumps({"output": str(result.path), "tensors": result.tensors,
-                               "objects": result.objects, "bytes": result.bytes}))
+        click.echo(json.dumps({"source": str(result.source), "output": str(result.path),
+                               "tensors": result.tensors, "objects": result.objects,
+                               "bytes": result.bytes}))
     else:
-        click.echo(f"converted {full_file} -> {result.path}: {result.tensors} tensors "
+        click.echo(f"converted {result.source} -> {result.path}: {result.tensors} tensors "
                    f"({human_bytes(result.bytes)}), {result.objects} other entries")
 
 
@@ -305,8 +314,7 @@ def verify(path: str, as_json: bool, quiet: bool) -> None:
     """
     from .verify import verify_checkpoint
 
-    factory = _progress(quiet)
-    report = verify_checkpoint(path, progress=factory(0, 0) if factory else None)
+    report = verify_checkpoint(path, progress=_progress(quiet, "verifying"))
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

@@ -21,16 +21,24 @@ __all__ = ["inspect_checkpoint", "sharding_of", "name_matcher"]
 
 
 def sharding_of(tensor: TensorEntry) -> str:
-    """Describe how ``tensor`` is split, in words: ``"dim0 x2"``, ``"dim1 x2 uneven"``, ``"replicated"``."""
-    if len(tensor.chunks) <= 1:
-        return "replicated" if tensor.chunks else "no chunks"
+    """Describe how ``tensor`` is split, in words: ``"dim0 x2"``, ``"dim1 x2 uneven"``, ``"replicated"``.
+
+    Chunks without elements do not count: a ``[2]`` tensor sharded over 8 ranks is stored
+    as 2 chunks of one element and 6 empty ones, and is ``"dim0 x2"``. A tensor without
+    elements is ``"empty"``.
+    """
+    if not tensor.chunks:
+        return "no chunks"
+    chunks = [c for c in tensor.chunks if c.numel]
+    if len(chunks) <= 1:
+        return "replicated" if chunks else "empty"
     words = []
     for dim in range(len(tensor.shape)):
-        cuts = {c.offsets[dim]: c.sizes[dim] for c in tensor.chunks if len(c.offsets) > dim}
+        cuts = {c.offsets[dim]: c.sizes[dim] for c in chunks if len(c.offsets) > dim}
         if len(cuts) > 1:
             uneven = " uneven" if len(set(cuts.values())) > 1 else ""
             words.append(f"dim{dim} x{len(cuts)}{uneven}")
-    return ", ".join(words) or f"{len(tensor.chunks)} chunks"
+    return ", ".join(words) or f"{len(chunks)} chunks"
 
 
 def name_matcher(pattern: str | None):

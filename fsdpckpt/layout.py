@@ -113,6 +113,41 @@ def _holds_checkpoint(path: Path) -> bool:
         return False
 
 
+def _natural_key(name: str) -> list[tuple[int, int | str]]:
+    """Sort key that orders numbers by value: ``checkpoint-500`` before ``checkpoint-1000``."""
+    return [(0, int(part)) if part.isdigit() else (1, part)
+            for part in re.split(r"(\d+)", name) if part]
+
+
+def _is_finished(path: Path) -> bool:
+    """Whether a checkpoint folder's save finished: every DCP folder in it has ``.metadata``."""
+    if (path / METADATA_FILE).is_file():
+        return True
+    try:
+        dirs = [e for e in os.scandir(path) if e.is_dir() and
+                (_MODEL_DIR.match(e.name) or _OPTIMIZER_DIR.match(e.name))]
+    except OSError:
+        return False
+    return bool(dirs) and all((Path(e.path) / METADATA_FILE).is_file() for e in dirs)
+
+
+def _several_checkpoints(root: Path, names: list[str]) -> NotACheckpointError:
+    """The error for a folder of checkpoints: list them, newest last, and suggest the newest
+    one whose save finished (names sort by their numbers, so ``checkpoint-1000`` is newer
+    than ``checkpoint-500``)."""
+    names = sorted(names, key=_natural_key)
+    if len(names) == 1:
+        return NotACheckpointError(f"{root}: holds one checkpoint ({names[0]}); pass it: "
+                                   f"{root / names[0]}")
+    shown = names if len(names) <= 5 else names[:2] + ["..."] + names[-2:]
+    finished = [n for n in names if _is_finished(root / n)]
+    pick = finished[-1] if finished else names[-1]
+    why = "the newest" if pick == names[-1] else f"the newest finished save ({names[-1]} is not)"
+    return NotACheckpointError(
+        f"{root}: holds {len(names)} checkpoints ({', '.join(shown)}); pass one of them, "
+        f"e.g. {why}: {root / pick}")
+
+
 def _side_file(entry: os.DirEntry[str]) -> SideFile | None:
     for pattern, kind in _SIDE_FILES:
         if match := pattern.match(entry.name):
@@ -169,14 +204,11 @@ def find_layout(path: str | os.PathLike[str]) -> CheckpointLayout:
     # whatever the names: list them all rather than treat one DCP folder as the checkpoint.
     nested += [e.name for e in entries if e.is_dir() and _holds_checkpoint(Path(e.path))]
     if nested:
-        nested = sorted(set(nested) | {p.name for p in parts if p.kind == "dcp"})
+        nested = list(set(nested) | {p.name for p in parts if p.kind == "dcp"})
         parts = []
     if not parts:
         if nested:
-            listed = ", ".join(nested[:5]) + (f" and {len(nested) - 5} more" if len(nested) > 5 else "")
-            raise NotACheckpointError(
-                f"{root}: holds several checkpoints ({listed}); pass one of them, "
-                f"e.g. {root / nested[-1]}.")
+            raise _several_checkpoints(root, nested)
         if any(name.endswith(".distcp") for name in other):
             raise NotACheckpointError(
                 f"{root}: has .distcp data files but no .metadata, so the save never finished "

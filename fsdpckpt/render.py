@@ -41,6 +41,42 @@ def _shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
+def _size_range(sizes: Sequence[int]) -> str:
+    """``"7.5 KiB"`` when all sizes print alike, else ``"7.5-7.7 KiB"`` (or ``"900 B-1.1 KiB"``)."""
+    low, high = human_bytes(min(sizes)), human_bytes(max(sizes))
+    if low == high:
+        return low
+    (low_value, low_unit), high_unit = low.split(" "), high.split(" ")[1]
+    return f"{low_value}-{high}" if low_unit == high_unit else f"{low}-{high}"
+
+
+def _files_summary(files: Sequence[dict[str, Any]]) -> str:
+    """One line for a part's data files: ``"8 rank files, 1.2 GiB, 150.0-160.0 MiB each"``."""
+    if not files:
+        return "  no data files"
+    sizes = [f["size"] for f in files]
+    line = f"  {_plural(len(files), 'rank file')}, {human_bytes(sum(sizes))}"
+    return line + (f", {_size_range(sizes)} each" if len(files) > 1 else "")
+
+
+def _side_rows(side_files: Sequence[dict[str, Any]], summary: bool) -> list[list[str]]:
+    """Rows for the side files; in a summary, the per-rank files of a kind become one row."""
+    rows, grouped = [], {}
+    for f in side_files:
+        if summary and f["rank"] is not None:
+            grouped.setdefault(f["kind"], []).append(f)
+            continue
+        rows.append([f["kind"], f["name"], f"rank {f['rank']}" if f["rank"] is not None else "",
+                     human_bytes(f["size"])])
+    for kind, files in grouped.items():
+        files.sort(key=lambda f: f["rank"])
+        names = files[0]["name"] if len(files) == 1 else \
+            f"{files[0]['name']} .. {files[-1]['name']}"
+        rows.insert(0, [kind, names, _plural(len(files), "rank"),
+                        human_bytes(sum(f["size"] for f in files))])
+    return rows
+
+
 def render_inspect(doc: dict[str, Any], *, chunks: bool = False, tensors: bool = True,
                    names: str | None = None) -> str:
     """The human form of :func:`fsdpckpt.inspection.inspect_checkpoint`'s document."""
@@ -62,8 +98,7 @@ def render_inspect(doc: dict[str, Any], *, chunks: bool = False, tensors: bool =
     out += table(rows, right=(4,))
     if doc["side_files"]:
         out += ["", "Other state:"]
-        out += table([[f["kind"], f["name"], f"rank {f['rank']}" if f["rank"] is not None else "",
-                       human_bytes(f["size"])] for f in doc["side_files"]], right=(3,))
+        out += table(_side_rows(doc["side_files"], summary=not tensors), right=(3,))
     if doc["other_files"]:
         out += ["", "Not recognized: " + ", ".join(doc["other_files"])]
     for part in doc["parts"]:
@@ -72,7 +107,10 @@ def render_inspect(doc: dict[str, Any], *, chunks: bool = False, tensors: bool =
         out += ["", f"{part['name']}/ ({part['kind']}): {part['num_tensors']} tensors, "
                     f"{human_bytes(part['tensor_bytes'])} of tensor data; dtypes: "
                 + (", ".join(f"{k} x{v}" for k, v in part["dtypes"].items()) or "none")]
-        out += table([[f["name"], human_bytes(f["size"])] for f in part["files"]], right=(1,))
+        if tensors:
+            out += table([[f["name"], human_bytes(f["size"])] for f in part["files"]], right=(1,))
+        else:  # --summary: one line however many ranks
+            out.append(_files_summary(part["files"]))
         if tensors and part["tensors"]:
             out.append("")
             rows = []

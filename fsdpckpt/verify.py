@@ -43,7 +43,11 @@ def _check_chunks(folder: Path, problems: list[dict[str, str]], *, only_file: st
                     actual = crc32_range(handle.fileno(), raw.storage_start, raw.storage_nbytes,
                                          progress)
             except FsdpCkptError as exc:
-                problems.append({"path": str(path), "message": f"{where}: {exc}"})
+                # The archive reader already names the chunk (``source=where``): say it once.
+                message = str(exc)
+                if not message.startswith(where):
+                    message = f"{where}: {message}"
+                problems.append({"path": str(path), "message": message})
                 continue
             if raw.dtype.name != tensor.dtype.name or raw.shape != chunk.sizes:
                 problems.append({"path": str(path), "message":
@@ -56,6 +60,20 @@ def _check_chunks(folder: Path, problems: list[dict[str, str]], *, only_file: st
                                  f"{where}: data does not match its checksum (a changed byte)"})
 
 
+def _chunk_bytes(folders: list[Path]) -> tuple[int, int]:
+    """Bytes and data files that checking every chunk of ``folders`` reads, from the metadata:
+    each chunk's data (DCP saves a chunk's own elements, no more)."""
+    total, files = 0, set()
+    for folder in folders:
+        meta = read_dcp_folder(folder).metadata
+        for tensor in meta.tensors:
+            for chunk in tensor.chunks:
+                if chunk.file is not None and (folder / chunk.file).is_file():
+                    total += chunk.numel * tensor.dtype.itemsize
+                    files.add(folder / chunk.file)
+    return total, len(files)
+
+
 def _walk(root: Path) -> list[str]:
     found = []
     for dirpath, _dirs, names in os.walk(root):
@@ -65,8 +83,16 @@ def _walk(root: Path) -> list[str]:
 
 
 def verify_checkpoint(path: str | os.PathLike[str], *,
-                      progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+                      progress: Callable[[int, int], Callable[[int], None]] | None = None,
+                      ) -> dict[str, Any]:
     """Check the structure and every byte of the checkpoint at ``path``.
+
+    Args:
+        path: a DCP folder, or a checkpoint folder in Accelerate's or HF Trainer's layout.
+        progress: as for :func:`fsdpckpt.merge`: ``progress(total_bytes, files)`` is called
+            once, before any data is read, with the bytes verify will read (from the
+            manifest's file sizes, or without one the metadata's chunk sizes) and the number
+            of data files; the callback it returns is given byte counts as they are read.
 
     Returns:
         ``{"path", "ok", "manifest": bool, "problems": [{"path", "message"}]}``.
@@ -86,8 +112,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     manifest = read_manifest(root) if layout.style != "dcp" else None
     folders = [p.path for p in layout.parts if p.complete]
     if manifest is None:
+        callback = progress(*_chunk_bytes(folders)) if progress else None
         for folder in folders:
-            _check_chunks(folder, problems, only_file=None, expected=None, progress=progress)
+            _check_chunks(folder, problems, only_file=None, expected=None, progress=callback)
         return {"path": str(root), "ok": not problems, "manifest": False, "problems": problems}
 
     listed = manifest.get("files", {})
@@ -102,6 +129,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{root / MANIFEST}: malformed ({exc!r}); it cannot be "
                                      "trusted, delete it to verify without it") from None
+    whole: list[tuple[Path, int]] = []
     for name, (want_size, want_crc) in listed.items():
         file = root / name
         try:
@@ -117,12 +145,16 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             problems.append({"path": str(file), "message": f"size {size}, the manifest says "
                              f"{want_size}: the file is truncated or was changed"})
             continue
-        if file_crc(file, progress) != want_crc:
+        whole.append((file, want_crc))
+    callback = progress(sum(f.stat().st_size for f, _ in whole), len(whole)) if progress else None
+    for file, want_crc in whole:
+        if file_crc(file, callback) != want_crc:
             folder = file.parent
             before = len(problems)
             if (folder / ".metadata").is_file() and file.name.endswith(".distcp"):
+                # Naming the damaged tensor re-reads this file: not in the bar's total.
                 _check_chunks(folder, problems, only_file=file.name, expected=expected,
-                              progress=progress)
+                              progress=None)
             if len(problems) == before:
                 problems.append({"path": str(file), "message": "contents do not match the "
                                  "manifest's checksum (a changed byte outside tensor data)"})

@@ -156,3 +156,95 @@ def test_errors_without_debug_have_no_traceback(tmp_path):
 def test_help_and_version(args):
     result = run(*args)
     assert result.exit_code == 0 and result.stdout
+
+
+# --- many ranks, and tensors smaller than the world -------------------------------------
+
+def write_sharded(folder, tensors, world):
+    """A DCP folder as ``world`` ranks of FSDP2 write it: each tensor split on dim 0 into
+    ceil(n / world) rows per rank, the last ranks holding empty chunks at offset n."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    folder.mkdir(parents=True)
+    handles = [open(folder / f"__{rank}_0.distcp", "wb") for rank in range(world)]
+    entries, storage, planner = {}, {}, {}
+    for name, tensor in tensors.items():
+        step, chunks = -(-tensor.shape[0] // world), []
+        for rank, handle in enumerate(handles):
+            start = min(rank * step, tensor.shape[0])
+            piece = tensor[start:start + step].clone()
+            offsets = torch.Size([start] + [0] * (tensor.dim() - 1))
+            at = handle.tell()
+            torch.save(piece, handle)
+            chunks.append(ChunkStorageMetadata(offsets, piece.size()))
+            storage[MetadataIndex(name, offsets)] = _StorageInfo(handle.name.rsplit("/", 1)[1],
+                                                                 at, handle.tell() - at)
+        entries[name] = TensorStorageMetadata(TensorProperties.create_from_tensor(tensor),
+                                              tensor.size(), chunks)
+        planner[name] = tuple(name.split("."))
+    for handle in handles:
+        handle.close()
+    with open(folder / ".metadata", "wb") as meta:
+        pickle.dump(Metadata(entries, planner_data=planner, storage_data=storage,
+                             version="1.0.0"), meta)
+    return folder
+
+
+@pytest.fixture
+def eight_ranks(tmp_path):
+    """An Accelerate-style checkpoint of world size 8 with tensors smaller than the world."""
+    import torch
+
+    root = tmp_path / "ckpt"
+    write_sharded(root / "pytorch_model_fsdp_0", {
+        "model.tiny": torch.tensor([1.0, 2.0]),        # 2 rows: ranks 2-7 hold nothing
+        "model.ten": torch.arange(10.0),                # 2 rows each on ranks 0-4
+        "model.w": torch.arange(12.0).reshape(3, 4),    # 1 row each on ranks 0-2
+        "model.big": torch.zeros(64, 16)}, world=8)
+    for rank in range(8):
+        (root / f"random_states_{rank}.pkl").write_bytes(b"x" * 100)
+    return root
+
+
+def test_summary_puts_the_rank_files_of_a_part_on_one_line(eight_ranks):
+    result = run("inspect", eight_ranks, "--summary")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    (files,) = [line for line in lines if "rank files," in line]
+    assert files.startswith("  8 rank files, ") and files.endswith(" each")
+    assert "__3_0.distcp" not in result.stdout
+    (rng,) = [line for line in lines if line.strip().startswith("rng")]
+    assert "random_states_0.pkl .. random_states_7.pkl" in rng and "8 ranks" in rng
+    assert "random_states_3.pkl" not in result.stdout
+    assert len(lines) < 20
+
+
+def test_without_summary_every_rank_file_is_still_listed(eight_ranks):
+    out = run("inspect", eight_ranks).stdout
+    assert all(f"__{rank}_0.distcp" in out and f"random_states_{rank}.pkl" in out
+               for rank in range(8))
+    doc = json.loads(run("inspect", eight_ranks, "--json").stdout)
+    assert len(doc["parts"][0]["files"]) == 8 and len(doc["side_files"]) == 8
+
+
+def test_empty_chunks_do_not_count_in_the_sharding_words(eight_ranks):
+    result = run("inspect", eight_ranks, "--json")
+    assert result.exit_code == 0, result.output
+    sharding = {t["name"]: (t["sharding"], len(t["chunks"]))
+                for t in json.loads(result.stdout)["parts"][0]["tensors"]}
+    assert sharding == {"model.tiny": ("dim0 x2", 8), "model.ten": ("dim0 x5", 8),
+                        "model.w": ("dim0 x3", 8), "model.big": ("dim0 x8", 8)}
+
+
+def test_a_tensor_without_elements_is_called_empty():
+    from fsdpckpt.dtypes import DTYPES
+    from fsdpckpt.inspection import sharding_of
+    from fsdpckpt.metadata import Chunk, TensorEntry
+
+    chunks = tuple(Chunk((0,), (0,), f"__{r}_0.distcp", 0, 100) for r in range(8))
+    assert sharding_of(TensorEntry("e", DTYPES["float32"], (0,), chunks, ("e",))) == "empty"

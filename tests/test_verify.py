@@ -117,3 +117,70 @@ def test_verify_of_a_missing_path(tmp_path):
 def test_a_malformed_manifest_is_one_clear_error(saved):
     (saved / "fsdpckpt.json").write_text('{"format": "fsdpckpt-manifest", "files": {"x": 1}}')
     assert_one_line_error(run("verify", saved), "fsdpckpt.json", "malformed")
+
+
+# --- messages and progress ------------------------------------------------------------
+
+def _chunk_of(folder, tensor_name):
+    from fsdpckpt.reader import read_dcp_folder
+
+    tensor = next(t for t in read_dcp_folder(folder).metadata.tensors if t.name == tensor_name)
+    return tensor.chunks[0]
+
+
+def test_a_damaged_chunk_archive_names_the_chunk_once(tmp_path):
+    ckpt = shutil.copytree(FIXTURES / "fsdp2_accelerate", tmp_path / "ckpt")
+    folder = ckpt / "pytorch_model_fsdp_0"
+    chunk = _chunk_of(folder, "model.0.weight")
+    with open(folder / chunk.file, "r+b") as handle:  # the zip directory at the archive's end
+        handle.seek(chunk.offset + chunk.length - 30)
+        handle.write(b"\0" * 30)
+    result = run("verify", ckpt)
+    assert result.exit_code == 1
+    (line,) = [l for l in result.stdout.splitlines() if "model.0.weight" in l]
+    assert line.startswith(f"{folder / chunk.file}: tensor 'model.0.weight' chunk at [0, 0]: ")
+    assert line.count("chunk at") == 1 and "not a torch.save archive" in line
+
+
+class _Recorder:
+    """A progress factory that remembers what it was told and what it was given."""
+
+    def __init__(self):
+        self.calls, self.done = [], 0
+
+    def __call__(self, total, files):
+        assert self.done == 0, "the total must come before any byte is read"
+        self.calls.append((total, files))
+        return self.update
+
+    def update(self, count):
+        self.done += count
+
+
+@pytest.mark.parametrize("name", ["fsdp2_accelerate", "fsdp1", "dtensor"])
+def test_without_manifest_progress_is_told_the_bytes_it_will_read(name):
+    from fsdpckpt.verify import verify_checkpoint
+
+    recorder = _Recorder()
+    assert verify_checkpoint(FIXTURES / name, progress=recorder)["ok"]
+    ((total, files),) = recorder.calls
+    assert total > 0 and files >= 2 and recorder.done == total
+
+
+def test_with_a_manifest_progress_is_told_the_bytes_it_will_read(saved):
+    from fsdpckpt.verify import verify_checkpoint
+
+    recorder = _Recorder()
+    assert verify_checkpoint(saved, progress=recorder)["ok"]
+    listed = json.loads((saved / "fsdpckpt.json").read_text())["files"]
+    assert recorder.calls == [(sum(f["size"] for f in listed.values()), len(listed))]
+    assert recorder.done == recorder.calls[0][0]
+
+
+def test_the_cli_bar_of_verify_gets_a_total(monkeypatch):
+    from fsdpckpt import cli
+
+    recorder = _Recorder()
+    monkeypatch.setattr(cli, "_progress", lambda quiet, *_args: None if quiet else recorder)
+    assert run("verify", FIXTURES / "dtensor").exit_code == 0
+    assert recorder.calls and recorder.calls[0][0] > 0 and recorder.done == recorder.calls[0][0]

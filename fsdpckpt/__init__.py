@@ -37,6 +37,7 @@ def __getattr__(name: str):
         "OutputExistsError": "writer", "DiskFullError": "writer",
         "save_state": "training", "load_state": "training", "LoadResult": "training",
         "AsyncSave": "training", "StateMismatchError": "training",
+        "ResumeWarning": "training",
         "CheckpointManager": "manager", "verify_checkpoint": "verify",
     }
     if name in lazy:
@@ -84,6 +85,7 @@ __all__ = [
     "LoadResult",
     "AsyncSave",
     "StateMismatchError",
+    "ResumeWarning",
     "CheckpointManager",
     "verify_checkpoint",
 ]

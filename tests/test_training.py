@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -332,3 +333,43 @@ def test_manifest_can_be_left_out(tmp_path):
     fsdpckpt.save_state(tmp_path / "ckpt", model, manifest=False)
     assert not (tmp_path / "ckpt" / "fsdpckpt.json").exists()
     assert fsdpckpt.verify_checkpoint(tmp_path / "ckpt")["ok"]
+
+
+# --- torch's "torch.distributed is disabled" notice -------------------------------------
+
+def _save_and_load_in_one_process(ckpt) -> None:
+    model = workers.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    fsdpckpt.save_state(ckpt, model, optimizer, step=1)
+    fsdpckpt.load_state(ckpt, model, optimizer)
+
+
+def test_single_process_save_and_load_issue_no_warnings(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _save_and_load_in_one_process(tmp_path / "ckpt")
+    assert [str(w.message) for w in caught] == []
+
+
+def test_other_warnings_during_a_single_process_save_still_show(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+
+    def save_with_a_warning(*args, **kwargs):
+        warnings.warn("a warning of another kind", UserWarning)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", save_with_a_warning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _save_and_load_in_one_process(tmp_path / "ckpt")
+    assert [str(w.message) for w in caught] == ["a warning of another kind"] * 2  # model, optim
+
+
+def test_the_single_process_notice_is_silenced_only_inside_our_calls(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    _save_and_load_in_one_process(tmp_path / "ckpt")
+    with pytest.warns(UserWarning, match="assuming the intent is to save in a single process"):
+        dcp.save({"x": torch.zeros(2)}, checkpoint_id=str(tmp_path / "own"), no_dist=True)

@@ -230,9 +230,8 @@ def test_async_save_completes_on_wait(tmp_path):
     _equal_params(fresh.state_dict(), model.state_dict())
 
 
-def test_the_documented_training_loop_resumes_exactly(tmp_path):
+def _training_example():
     import importlib.util
-    import shutil
 
     from conftest import ROOT
 
@@ -240,11 +239,38 @@ def test_the_documented_training_loop_resumes_exactly(tmp_path):
                                                   ROOT / "docs" / "training_example.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_the_documented_training_loop_resumes_exactly(tmp_path):
+    example = _training_example()
     straight = example.main(str(tmp_path / "a"), total_steps=6)
     example.main(str(tmp_path / "b"), total_steps=4)        # stops after step 3 (saved)
-    shutil.rmtree(tmp_path / "b" / "step_1")                 # resume from the newest: step_3
     torch.manual_seed(123)                                   # the resume must restore RNG
     resumed = example.main(str(tmp_path / "b"), total_steps=6)
+    assert resumed == straight[4:]
+
+
+def test_the_documented_training_loop_never_resumes_from_a_save_that_crashed(tmp_path,
+                                                                             monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    example = _training_example()
+    straight = example.main(str(tmp_path / "a"), total_steps=6)
+    real_save, calls = dcp.save, []
+
+    def die_in_the_third_save(*args, **kwargs):  # model, then optimizer, per checkpoint
+        calls.append(1)
+        if len(calls) == 6:  # step 5's model is written, its optimizer is not
+            raise KeyboardInterrupt("killed mid-save")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", die_in_the_third_save)
+    with pytest.raises(KeyboardInterrupt):
+        example.main(str(tmp_path / "b"), total_steps=6)
+    monkeypatch.setattr(dcp, "save", real_save)
+    torch.manual_seed(123)
+    resumed = example.main(str(tmp_path / "b"), total_steps=6)  # from step 3, the last whole one
     assert resumed == straight[4:]
 
 

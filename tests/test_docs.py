@@ -21,7 +21,8 @@ The rule, for whoever writes the docs (every ``.md`` in ``docs/`` is picked up o
 
 Each document runs in a scratch copy of the repository, from its root, as a reader in a
 fresh checkout would run it: blocks share files (and Python names) within a document, in
-document order; documents do not share anything. ``fsdpckpt`` is the one installed beside
+document order. Then all of them run one after another in one checkout (README first, then
+docs/ by name), as a reader who follows them all would: name outputs so they do not clash. ``fsdpckpt`` is the one installed beside
 the interpreter running the tests.
 """
 
@@ -145,6 +146,20 @@ def test_every_block_of_the_document_runs_in_order(doc, tmp_path, monkeypatch):
             _run_python(block, namespace)
         else:
             _run_shell(block, checkout)
+
+
+def test_the_documents_pasted_one_after_another_in_one_checkout(tmp_path, monkeypatch):
+    """A reader goes from the README to the docs in one checkout: no document's commands
+    may trip over files an earlier one made (an output folder that already exists...)."""
+    checkout = _scratch(tmp_path)
+    monkeypatch.chdir(checkout)
+    monkeypatch.setattr(sys, "argv", [""])
+    for doc in documents():
+        namespace: dict = {"__name__": "__main__"}
+        for block in blocks(doc):
+            if block.runs and block.skip is None:
+                _run_python(block, namespace) if block.tag in PYTHON_TAGS else \
+                    _run_shell(block, checkout)
 
 
 @pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.runs and b.skip is not None],

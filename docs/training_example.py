@@ -1,13 +1,12 @@
-"""A complete training loop that saves with fsdpckpt and resumes exactly.
+"""A complete training loop that saves with fsdpckpt's CheckpointManager and resumes exactly.
 
 Run it in one process:           python docs/training_example.py /tmp/run
 or on 2 ranks with FSDP2:        torchrun --nproc-per-node 2 docs/training_example.py /tmp/run
-Run it again with the same folder and it resumes from the newest checkpoint.
+Run it again with the same folder and it resumes from the newest complete checkpoint.
 """
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,13 +28,14 @@ def main(run_dir: str, total_steps: int = 6, save_every: int = 2) -> list[float]
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
 
-    start = 0
-    checkpoints = sorted(Path(run_dir).glob("step_*"), key=lambda p: int(p.name[5:]))
-    if checkpoints:
-        result = fsdpckpt.load_state(checkpoints[-1], model, optimizer, scheduler)
-        start = result.step + 1
-        print(f"resumed from {checkpoints[-1]} at step {start}; restored {result.restored}")
+    # run_dir/checkpoint_{step}/, each committed only once complete; the 2 newest are kept.
+    manager = fsdpckpt.CheckpointManager(run_dir, keep_last=2)
+    last = manager.restore(**parts)  # the newest complete checkpoint, or None on a fresh run
+    start = 0 if last is None else last + 1
+    if last is not None:
+        print(f"resumed from {manager.latest()} at step {start}")
 
     losses = []
     for step in range(start, total_steps):
@@ -47,7 +47,8 @@ def main(run_dir: str, total_steps: int = 6, save_every: int = 2) -> list[float]
         scheduler.step()
         losses.append(loss.item())
         if (step + 1) % save_every == 0:
-            fsdpckpt.save_state(f"{run_dir}/step_{step}", model, optimizer, scheduler, step=step)
+            manager.save(step, **parts)  # model, optimizer, scheduler and every rank's RNG
+    manager.wait()  # with async_save=True: completes and commits the last save
     return losses
 
 

@@ -38,6 +38,7 @@ def __getattr__(name: str):
         "OutputNotWritableError": "writer",
         "save_state": "training", "load_state": "training", "LoadResult": "training",
         "AsyncSave": "training", "StateMismatchError": "training",
+        "ResumeWarning": "training",
         "CheckpointManager": "manager", "verify_checkpoint": "verify",
     }
     if name in lazy:
@@ -86,6 +87,7 @@ __all__ = [
     "LoadResult",
     "AsyncSave",
     "StateMismatchError",
+    "ResumeWarning",
     "CheckpointManager",
     "verify_checkpoint",
 ]

@@ -18,12 +18,14 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
 from .manifest import MANIFEST
 from .durable import fsync_dir
-from .training import AsyncSave, _rank_world, everywhere, load_state, save_state
+from .training import (AsyncSave, LoadResult, ResumeWarning, _rank_world, everywhere,
+                       load_state, save_state)
 
 __all__ = ["CheckpointManager"]
 
@@ -69,6 +71,8 @@ class CheckpointManager:
         self.root, self.keep_last, self.keep_every = Path(root), keep_last, keep_every
         self.async_save = async_save
         self._pending: tuple[int, AsyncSave] | None = None
+        #: What the last :meth:`restore` loaded (its ``warnings`` included), or None.
+        self.last_restore: LoadResult | None = None
         everywhere(self._clean_up_on_rank_zero)
 
     def _clean_up_on_rank_zero(self) -> None:
@@ -126,12 +130,25 @@ class CheckpointManager:
             self._commit(step)
 
     def restore(self, **parts: Any) -> int | None:
-        """Load the newest checkpoint into ``parts``; return its step, or None if there is none."""
+        """Load the newest checkpoint into ``parts``; return its step, or None if there is none.
+
+        What :func:`load_state` reports is not dropped: each of its warnings (the RNG
+        policy applied when the world size changed...) is issued as a
+        :class:`~fsdpckpt.training.ResumeWarning` on the rank it concerns, and the whole
+        :class:`~fsdpckpt.training.LoadResult` is kept in :attr:`last_restore`.
+
+        Raises:
+            the errors of :func:`load_state` (a model that does not match, a hostile file).
+        """
         self.wait()
         latest = _from_rank_zero(self.latest())  # every rank loads the same one
         if latest is None:
             return None
-        return load_state(latest, **parts).step
+        result = load_state(latest, **parts)
+        self.last_restore = result
+        for message in result.warnings:
+            warnings.warn(message, ResumeWarning, stacklevel=2)
+        return result.step
 
     def _commit(self, step: int) -> None:
         everywhere(lambda: self._commit_on_rank_zero(step))

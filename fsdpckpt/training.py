@@ -11,6 +11,7 @@ anything is changed.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,8 @@ from .durable import fsync_dir, write_bytes
 from .manifest import build_manifest, checksum_writer, write_manifest
 from .rng import restore_rng, rng_state_bytes, torch_save_bytes
 
-__all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError"]
+__all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError",
+           "ResumeWarning"]
 
 
 class StateMismatchError(FsdpCkptError, KeyError):
@@ -30,6 +32,12 @@ class StateMismatchError(FsdpCkptError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
+
+
+class ResumeWarning(UserWarning):
+    """Something a resume did that the caller should know, e.g. the RNG policy applied
+    because the world size changed. :meth:`CheckpointManager.restore` warns with it; the
+    same messages are in :attr:`LoadResult.warnings`."""
 
 
 @dataclass(frozen=True)
@@ -153,9 +161,24 @@ def _remove_stale_parts(root: Path) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def _dcp_kwargs() -> dict[str, Any]:
-    # Without a process group DCP runs in a single process; say so instead of letting it warn.
-    return {} if _dist() else {"no_dist": True}
+# torch 2.13 warns on every single-process DCP call, even with no_dist=True, which is how
+# we say that we mean it. Exactly that notice is silenced, and only around our own calls.
+_SINGLE_PROCESS_NOTICE = (r"torch\.distributed is (disabled, )?unavailable or uninitialized, "
+                          r"assuming the intent is to (save|load) in a single process")
+
+
+def _dcp_call(fn: Any, state: dict[str, Any], **kwargs: Any) -> Any:
+    """Call ``dcp.save``, ``dcp.load`` or ``dcp.async_save``; without a process group, in
+    a single process (``no_dist=True``) and without torch's notice that it assumes so.
+
+    An async save warns again from torch's writer thread, outside this call: that one
+    is left alone, since filtering it would mean changing the filters for every thread.
+    """
+    if _dist() is not None:
+        return fn(state, **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE, category=UserWarning)
+        return fn(state, no_dist=True, **kwargs)
 
 
 def _pairs(models: list[Any], optimizers: list[Any]) -> list[tuple[Any, Any]]:
@@ -213,19 +236,19 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     records: dict[str, dict[str, tuple[int, int]]] = {}  # folder -> file -> (size, crc32)
 
     def write(state: dict[str, Any], folder: Path) -> None:
-        kwargs = _dcp_kwargs()
+        kwargs: dict[str, Any] = {}
         if manifest:
             kwargs["storage_writer"] = checksum_writer(folder, records.setdefault(folder.name, {}))
         else:
             kwargs["checkpoint_id"] = str(folder)
         if not async_save:
-            dcp.save(state, **kwargs)
+            _dcp_call(dcp.save, state, **kwargs)
             return
         if _dist():
             # The background writer runs collectives while training runs its own; on
             # one process group they would interleave and hang.
             kwargs["process_group"] = _async_group(folder.name)
-        futures.append(dcp.async_save(state, **kwargs))
+        futures.append(_dcp_call(dcp.async_save, state, **kwargs))
 
     for i, module in enumerate(models):
         write({"model": get_model_state_dict(module)}, _model_folder(root, i))
@@ -381,15 +404,15 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     try:
         for i, (module, state) in enumerate(zip(models, templates)):
             wrapped = {"model": state}
-            dcp.load(wrapped, checkpoint_id=str(_model_folder(root, i)),
-                     planner=_safe_load_planner(), **_dcp_kwargs())
+            _dcp_call(dcp.load, wrapped, checkpoint_id=str(_model_folder(root, i)),
+                      planner=_safe_load_planner())
             set_model_state_dict(module, wrapped["model"], options=StateDictOptions(strict=strict))
         restored += ["model"] * bool(models)
         for i, ((module, opt), state) in enumerate(zip(_pairs(models, optimizers),
                                                        optimizer_templates)):
             wrapped = {"optimizer": state}
-            dcp.load(wrapped, checkpoint_id=str(_optimizer_folder(root, i)),
-                     planner=_safe_load_planner(), **_dcp_kwargs())
+            _dcp_call(dcp.load, wrapped, checkpoint_id=str(_optimizer_folder(root, i)),
+                      planner=_safe_load_planner())
             set_optimizer_state_dict(module, opt, wrapped["optimizer"])
         restored += ["optimizer"] * bool(optimizers)
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it

@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import signal
 import time
+import warnings
 
 import pytest
 import torch
@@ -83,6 +85,29 @@ def test_restore_loads_the_latest_and_returns_its_step(tmp_path):
     assert manager.restore(**fresh) == 3
     for name, value in parts["model"].state_dict().items():
         assert torch.equal(fresh["model"].state_dict()[name], value)
+
+
+def test_restore_warns_what_load_state_reports(tmp_path):
+    manager = fsdpckpt.CheckpointManager(tmp_path)
+    manager.save(4, **_parts())
+    latest = manager.latest()
+    # As if saved on 2 ranks: this single process applies the RNG policy and must say so.
+    shutil.copy(latest / "random_states_0.pkl", latest / "random_states_1.pkl")
+    with pytest.warns(fsdpckpt.ResumeWarning, match="RNG states saved for 2 ranks, this run has 1"):
+        assert manager.restore(**_parts()) == 4
+    assert manager.last_restore.step == 4
+    assert "saved for 2 ranks" in manager.last_restore.warnings[0]
+
+
+def test_a_plain_restore_issues_no_warning_and_keeps_its_result(tmp_path):
+    manager = fsdpckpt.CheckpointManager(tmp_path)
+    manager.save(2, **_parts())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert manager.restore(**_parts()) == 2
+    assert [str(w.message) for w in caught] == []
+    assert manager.last_restore.restored == ("model", "optimizer", "rng")
+    assert manager.last_restore.warnings == ()
 
 
 def test_restore_without_checkpoints_returns_none(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -229,9 +230,8 @@ def test_async_save_completes_on_wait(tmp_path):
     _equal_params(fresh.state_dict(), model.state_dict())
 
 
-def test_the_documented_training_loop_resumes_exactly(tmp_path):
+def _training_example():
     import importlib.util
-    import shutil
 
     from conftest import ROOT
 
@@ -239,11 +239,38 @@ def test_the_documented_training_loop_resumes_exactly(tmp_path):
                                                   ROOT / "docs" / "training_example.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_the_documented_training_loop_resumes_exactly(tmp_path):
+    example = _training_example()
     straight = example.main(str(tmp_path / "a"), total_steps=6)
     example.main(str(tmp_path / "b"), total_steps=4)        # stops after step 3 (saved)
-    shutil.rmtree(tmp_path / "b" / "step_1")                 # resume from the newest: step_3
     torch.manual_seed(123)                                   # the resume must restore RNG
     resumed = example.main(str(tmp_path / "b"), total_steps=6)
+    assert resumed == straight[4:]
+
+
+def test_the_documented_training_loop_never_resumes_from_a_save_that_crashed(tmp_path,
+                                                                             monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    example = _training_example()
+    straight = example.main(str(tmp_path / "a"), total_steps=6)
+    real_save, calls = dcp.save, []
+
+    def die_in_the_third_save(*args, **kwargs):  # model, then optimizer, per checkpoint
+        calls.append(1)
+        if len(calls) == 6:  # step 5's model is written, its optimizer is not
+            raise KeyboardInterrupt("killed mid-save")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", die_in_the_third_save)
+    with pytest.raises(KeyboardInterrupt):
+        example.main(str(tmp_path / "b"), total_steps=6)
+    monkeypatch.setattr(dcp, "save", real_save)
+    torch.manual_seed(123)
+    resumed = example.main(str(tmp_path / "b"), total_steps=6)  # from step 3, the last whole one
     assert resumed == straight[4:]
 
 
@@ -332,3 +359,43 @@ def test_manifest_can_be_left_out(tmp_path):
     fsdpckpt.save_state(tmp_path / "ckpt", model, manifest=False)
     assert not (tmp_path / "ckpt" / "fsdpckpt.json").exists()
     assert fsdpckpt.verify_checkpoint(tmp_path / "ckpt")["ok"]
+
+
+# --- torch's "torch.distributed is disabled" notice -------------------------------------
+
+def _save_and_load_in_one_process(ckpt) -> None:
+    model = workers.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    fsdpckpt.save_state(ckpt, model, optimizer, step=1)
+    fsdpckpt.load_state(ckpt, model, optimizer)
+
+
+def test_single_process_save_and_load_issue_no_warnings(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _save_and_load_in_one_process(tmp_path / "ckpt")
+    assert [str(w.message) for w in caught] == []
+
+
+def test_other_warnings_during_a_single_process_save_still_show(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+
+    def save_with_a_warning(*args, **kwargs):
+        warnings.warn("a warning of another kind", UserWarning)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", save_with_a_warning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _save_and_load_in_one_process(tmp_path / "ckpt")
+    assert [str(w.message) for w in caught] == ["a warning of another kind"] * 2  # model, optim
+
+
+def test_the_single_process_notice_is_silenced_only_inside_our_calls(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    _save_and_load_in_one_process(tmp_path / "ckpt")
+    with pytest.warns(UserWarning, match="assuming the intent is to save in a single process"):
+        dcp.save({"x": torch.zeros(2)}, checkpoint_id=str(tmp_path / "own"), no_dist=True)

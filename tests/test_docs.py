@@ -1,0 +1,205 @@
+"""Every command and code block in README.md and docs/*.md runs as written, in order.
+
+The rule, for whoever writes the docs (every ``.md`` in ``docs/`` is picked up on its own):
+
+- ```` ```bash ```` (or ``sh``, ``shell``) blocks run as one bash script with
+  ``set -euo pipefail``.
+- ```` ```console ```` blocks: the lines starting with ``$ `` run; the other lines are their
+  output, shown for the reader and not compared.
+- ```` ```python ```` (or ``py``) blocks run as if pasted into one interpreter per document:
+  names defined by one block are there for the next, ``__name__`` is ``"__main__"`` and
+  ``sys.argv`` is ``[""]``.
+- Every other block (no language, ``text``, ``jsonc``...) is shown, never run: use those for
+  output, file trees and formats.
+- A block that installs things or takes minutes is left out only by a marker on the line
+  just before its fence (a blank line between is allowed)::
+
+      <!-- doctest: skip (why, e.g. run by .ci/run) -->
+
+  Each skipped block shows up as one SKIPPED line with its place and reason in pytest's
+  summary. A block whose reason says "run by .ci/run" must appear in ``.ci/run`` verbatim.
+
+Each document runs in a scratch copy of the repository, from its root, as a reader in a
+fresh checkout would run it: blocks share files (and Python names) within a document, in
+document order. Then all of them run one after another in one checkout (README first, then
+docs/ by name), as a reader who follows them all would: name outputs so they do not clash. ``fsdpckpt`` is the one installed beside
+the interpreter running the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+SHELL_TAGS = {"bash", "sh", "shell"}
+PYTHON_TAGS = {"python", "py"}
+_FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
+_SKIP = re.compile(r"^\s*<!--\s*doctest:\s*skip\s*\((?P<reason>[^)]*)\)\s*-->\s*$")
+_SCRATCH_IGNORE = shutil.ignore_patterns(".git", ".venv", "venv", "__pycache__", "*.pyc",
+                                         "build", "dist", "*.egg-info", ".pytest_cache", "out")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a Markdown document."""
+
+    doc: str        # path relative to the repository root
+    line: int       # 1-based line of the opening fence
+    tag: str        # the info string's first word, lower case ("" when none)
+    code: str
+    skip: str | None  # the marker's reason, or None
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+    @property
+    def runs(self) -> bool:
+        return self.tag in SHELL_TAGS | PYTHON_TAGS | {"console"}
+
+
+def documents() -> list[Path]:
+    """README.md, then every Markdown file in docs/ in name order."""
+    return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+
+
+def blocks(path: Path, name: str | None = None) -> list[Block]:
+    """The fenced blocks of one document, in order, with their skip markers."""
+    name = name or str(path.relative_to(ROOT))
+    lines = path.read_text(encoding="utf-8").splitlines()
+    found: list[Block] = []
+    i = 0
+    while i < len(lines):
+        opening = _FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        indent, fence, tag = opening.groups()
+        body, j = [], i + 1
+        while j < len(lines) and not lines[j].strip().startswith(fence):
+            # Indented blocks (inside a list item) lose the fence's indentation.
+            body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j])
+            j += 1
+        k = i - 1
+        while k >= 0 and not lines[k].strip():
+            k -= 1
+        marker = _SKIP.match(lines[k]) if k >= 0 else None
+        found.append(Block(name, i + 1, tag.lower(), "\n".join(body) + "\n",
+                           marker.group("reason").strip() if marker else None))
+        i = j + 1
+    return found
+
+
+def _scratch(tmp_path: Path) -> Path:
+    return Path(shutil.copytree(ROOT, tmp_path / "checkout", ignore=_SCRATCH_IGNORE))
+
+
+def _shell(block: Block) -> str:
+    if block.tag == "console":
+        return "\n".join(line[2:] for line in block.code.splitlines() if line.startswith("$ "))
+    return block.code
+
+
+def _run_shell(block: Block, cwd: Path) -> None:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + _shell(block)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        pytest.fail(f"{block.where}: the {block.tag} block exits {done.returncode}:\n"
+                    f"{_shell(block)}\n--- stdout ---\n{done.stdout[-3000:]}"
+                    f"\n--- stderr ---\n{done.stderr[-3000:]}", pytrace=False)
+
+
+def _run_python(block: Block, namespace: dict) -> None:
+    try:
+        exec(compile(block.code, block.where, "exec"), namespace)  # noqa: S102 - our own docs
+    except BaseException as exc:  # noqa: BLE001 - reported with the block's place
+        pytest.fail(f"{block.where}: the python block raises {type(exc).__name__}: {exc}\n"
+                    f"{block.code}", pytrace=False)
+
+
+ALL_BLOCKS = [b for doc in documents() for b in blocks(doc)]
+
+
+@pytest.mark.parametrize("doc", documents(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_block_of_the_document_runs_in_order(doc, tmp_path, monkeypatch):
+    checkout = _scratch(tmp_path)
+    monkeypatch.chdir(checkout)
+    monkeypatch.setattr(sys, "argv", [""])
+    namespace: dict = {"__name__": "__main__"}
+    for block in blocks(doc):
+        if not block.runs or block.skip is not None:
+            continue
+        if block.tag in PYTHON_TAGS:
+            _run_python(block, namespace)
+        else:
+            _run_shell(block, checkout)
+
+
+def test_the_documents_pasted_one_after_another_in_one_checkout(tmp_path, monkeypatch):
+    """A reader goes from the README to the docs in one checkout: no document's commands
+    may trip over files an earlier one made (an output folder that already exists...)."""
+    checkout = _scratch(tmp_path)
+    monkeypatch.chdir(checkout)
+    monkeypatch.setattr(sys, "argv", [""])
+    for doc in documents():
+        namespace: dict = {"__name__": "__main__"}
+        for block in blocks(doc):
+            if block.runs and block.skip is None:
+                _run_python(block, namespace) if block.tag in PYTHON_TAGS else \
+                    _run_shell(block, checkout)
+
+
+@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.runs and b.skip is not None],
+                         ids=lambda b: b.where)
+def test_skipped_block(block):
+    """Says which blocks are left out and why (pytest's summary lists each one)."""
+    if "run by .ci/run" in block.skip:
+        ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+        missing = [line for line in _shell(block).splitlines() if line.strip()
+                   and line.strip() not in ci]
+        assert not missing, f"{block.where} says it is run by .ci/run, but .ci/run lacks {missing}"
+    pytest.skip(f"{block.where}: {block.skip}")
+
+
+def test_markers_sit_right_before_a_block_that_would_run():
+    for doc in documents():
+        lines = doc.read_text(encoding="utf-8").splitlines()
+        marked = {b.line for b in blocks(doc) if b.skip is not None and b.runs}
+        for number, line in enumerate(lines, 1):
+            if not (line.lstrip().startswith("<!--") and "doctest:" in line):
+                continue
+            after = next((n for n in range(number + 1, len(lines) + 1) if lines[n - 1].strip()),
+                         None)
+            assert _SKIP.match(line) and after in marked, \
+                f"{doc.name}:{number}: a doctest marker must read '<!-- doctest: skip (why) -->' " \
+                "and sit just before a bash, console or python block"
+
+
+def test_the_training_page_shows_the_example_file_verbatim():
+    example = (ROOT / "docs" / "training_example.py").read_text(encoding="utf-8")
+    shown = [b.code for b in blocks(ROOT / "docs" / "training.md") if b.tag in PYTHON_TAGS]
+    assert example in shown, "docs/training.md must show docs/training_example.py as it is"
+
+
+def test_the_block_reader_follows_the_rule(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text("text\n\n```bash\necho a\n```\n\n<!-- doctest: skip (slow) -->\n\n"
+                   "```python\nx = 1\n```\n```\nplain\n```\n```console\n$ echo b\nb\n```\n")
+    found = blocks(doc, name="x.md")
+    assert [(b.line, b.tag, b.skip, b.runs) for b in found] == [
+        (3, "bash", None, True), (9, "python", "slow", True), (12, "", None, False),
+        (15, "console", None, True)]
+    assert _shell(found[3]) == "echo b"

@@ -174,7 +174,11 @@ def _torch_load(file: Path, kind: str) -> Any:
     try:
         # mmap: tensors are paged in as each is written, not loaded all at once (the legacy
         # format cannot be mapped).
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=kind == "torch")
+        # As load_full_state_dict: non-tensor entries a .bin merge keeps may hold these
+        # harmless builtins, which torch's weights-only loader refuses by default.
+        with torch.serialization.safe_globals([set, frozenset, complex, slice]):
+            return torch.load(file, map_location="cpu", weights_only=True,
+                              mmap=kind == "torch")
     except pickle.UnpicklingError as exc:
         asked = re.search(r"GLOBAL (\S+)", str(exc))
         if asked:

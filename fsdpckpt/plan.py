@@ -302,6 +302,7 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *, format: str = "saf
     problems = [f"two entries would both be named '{n}'; pass --keep-keys to keep the stored "
                 "names" for n in dict.fromkeys(_iter_duplicates(names))]
     tensors, objects = [], []
+    uncoded: dict[str, list[str]] = {}  # dtype -> tensors safetensors has no code for
     for entry, name in zip(entries, names):
         if not select(name, include=include, exclude=exclude):
             continue
@@ -311,8 +312,7 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *, format: str = "saf
             continue
         out = dtype if dtype is not None and entry.dtype.is_floating else entry.dtype
         if fmt.name == "safetensors" and out.safetensors is None:
-            problems.append(f"tensor '{entry.name}' is {out.name}, which safetensors cannot "
-                            "hold; use --format bin")
+            uncoded.setdefault(out.name, []).append(entry.name)
         if fmt.name == "safetensors" and name == RESERVED_NAME:
             # safetensors reads this header key as the file's metadata: the file would
             # be unreadable. (Objects live inside the metadata, so their names are free.)
@@ -320,6 +320,11 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *, format: str = "saf
                             "safetensors reserves for its header; leave it out with --exclude "
                             f"'{RESERVED_NAME}', or use --format bin")
         tensors.append(PlannedTensor(TensorSpec(name, key_path, out, entry.shape), entry))
+    if uncoded:  # one clause for them all: a dtype matrix would repeat it per tensor
+        kinds = ", ".join(f"{dtype} ('{found[0]}'" + (f" and {len(found) - 1} more" if
+                          len(found) > 1 else "") + ")" for dtype, found in uncoded.items())
+        problems.append(f"safetensors has no code for {kinds}; use --format bin, or leave "
+                        "them out with --exclude")
     if not problems:  # names collide already: their nesting would only say it again
         problems += _nesting_conflicts([(t.spec.name, t.spec.key_path) for t in tensors] +
                                        [(o.name, o.key_path) for o in objects])

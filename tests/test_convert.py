@@ -233,3 +233,14 @@ def test_json_report_names_the_file_read(tmp_path, weights):
     doc = json.loads(run("convert", tmp_path / "hf", tmp_path / "dcp", "--json").stdout)
     assert doc == {"source": str(tmp_path / "hf" / "model.safetensors"),
                    "output": str(tmp_path / "dcp"), "tensors": 2, "objects": 0, "bytes": 72}
+
+
+def test_a_bin_merge_holding_sets_and_complex_values_converts_back(tmp_path):
+    from conftest import FIXTURES
+
+    import fsdpckpt
+
+    (merged,) = fsdpckpt.merge(FIXTURES / "dtypes", tmp_path / "out", format="bin")
+    result = fsdpckpt.convert(merged.path, tmp_path / "back", key=None)
+    assert result.objects > 0
+    assert fsdpckpt.load_full_state_dict(tmp_path / "back")

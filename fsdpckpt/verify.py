@@ -20,6 +20,7 @@ from .errors import CorruptCheckpointError, FsdpCkptError
 from .inspection import inspect_checkpoint
 from .layout import find_layout
 from .manifest import MANIFEST, crc32_range, data_entry_crc, file_crc, read_manifest
+from .rawio import reusing_scratch
 from .reader import open_data_file, path_inside, read_dcp_folder
 
 __all__ = ["verify_checkpoint"]
@@ -82,6 +83,7 @@ def _walk(root: Path) -> list[str]:
     return sorted(found)
 
 
+@reusing_scratch()  # one read buffer for every chunk and file checked
 def verify_checkpoint(path: str | os.PathLike[str], *,
                       progress: Callable[[int, int], Callable[[int], None]] | None = None,
                       ) -> dict[str, Any]:

@@ -38,14 +38,20 @@ def _work(np: Any, count: int, slot: str, dtype: Any) -> Any:
     return np.frombuffer(scratch(count * np.dtype(dtype).itemsize, slot), dtype=dtype)
 
 
+def _nan_free_magnitudes(np: Any, bits: Any) -> Any:
+    """``bits & 0x7FFFFFFF`` in a pooled buffer, or None when a float32 in ``bits`` is NaN."""
+    magnitude = _work(np, len(bits), "cast-work", np.uint32)
+    np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=magnitude)
+    return None if len(bits) and magnitude.max() > 0x7F800000 else magnitude
+
+
 def _fp32_to_bf16(np: Any) -> _Cast:
     u32 = np.uint32
 
     def cast(src: memoryview, dst: memoryview) -> bool:
         bits = np.frombuffer(src, dtype=u32)
-        work = _work(np, len(bits), "cast-work", u32)
-        np.bitwise_and(bits, u32(0x7FFFFFFF), out=work)
-        if len(bits) and work.max() > 0x7F800000:
+        work = _nan_free_magnitudes(np, bits)
+        if work is None:
             return False
         # c10's round_to_nearest_even: add 0x7FFF plus the lowest kept bit, keep the top half.
         np.right_shift(bits, u32(16), out=work)
@@ -84,9 +90,8 @@ def _fp32_to_fp16(np: Any) -> _Cast:
 
     def cast(src: memoryview, dst: memoryview) -> bool:
         bits = np.frombuffer(src, dtype=u32)
-        magnitude = _work(np, len(bits), "cast-work", u32)
-        np.bitwise_and(bits, u32(0x7FFFFFFF), out=magnitude)
-        if len(bits) and magnitude.max() > 0x7F800000:
+        magnitude = _nan_free_magnitudes(np, bits)
+        if magnitude is None:
             return False
         # Normal results: rebias the exponent, add the rounding bias, keep 16 bits.
         result = _work(np, len(bits), "cast-result", u32)

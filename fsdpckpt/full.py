@@ -74,8 +74,8 @@ def _from_dcp(path: Path) -> dict[Any, Any]:
                 value = read_object(handle, obj, source=str(path / str(obj.file)))
                 items.append((obj.key_path, to_torch(value)))
     finally:
-        for handle in fds.values():
-            os.close(handle)
+        for descriptor in fds.values():
+            os.close(descriptor)
     return unflatten(items)
 
 

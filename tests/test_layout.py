@@ -90,20 +90,22 @@ def _checkpoints(root, *names):
         shutil.copytree(FIXTURES / "fsdp2_accelerate", root / name)
 
 
+def _refusal(path) -> str:
+    with pytest.raises(NotACheckpointError) as caught:
+        find_layout(path)
+    return str(caught.value)
+
+
 def test_checkpoints_sort_by_their_number_and_the_newest_is_suggested(tmp_path):
     _checkpoints(tmp_path, "checkpoint-1000", "checkpoint-500")
-    with pytest.raises(NotACheckpointError) as caught:
-        find_layout(tmp_path)
-    message = str(caught.value)
+    message = _refusal(tmp_path)
     assert "holds 2 checkpoints (checkpoint-500, checkpoint-1000)" in message
     assert message.endswith(f"e.g. the newest: {tmp_path / 'checkpoint-1000'}")
 
 
 def test_one_checkpoint_is_called_one_and_suggested(tmp_path):
     _checkpoints(tmp_path, "checkpoint-500")
-    with pytest.raises(NotACheckpointError) as caught:
-        find_layout(tmp_path)
-    message = str(caught.value)
+    message = _refusal(tmp_path)
     assert "holds one checkpoint (checkpoint-500)" in message and "several" not in message
     assert message.endswith(str(tmp_path / "checkpoint-500"))
 
@@ -111,9 +113,7 @@ def test_one_checkpoint_is_called_one_and_suggested(tmp_path):
 def test_an_unfinished_newest_save_is_not_the_suggestion(tmp_path):
     _checkpoints(tmp_path, "checkpoint-500", "checkpoint-1000", "checkpoint-1500")
     (tmp_path / "checkpoint-1500" / "optimizer_0" / ".metadata").unlink()
-    with pytest.raises(NotACheckpointError) as caught:
-        find_layout(tmp_path)
-    message = str(caught.value)
+    message = _refusal(tmp_path)
     assert "(checkpoint-500, checkpoint-1000, checkpoint-1500)" in message
     assert message.endswith(f"(checkpoint-1500 is not): {tmp_path / 'checkpoint-1000'}")
 
@@ -121,9 +121,7 @@ def test_an_unfinished_newest_save_is_not_the_suggestion(tmp_path):
 def test_many_checkpoints_show_the_oldest_and_the_newest(tmp_path):
     for step in range(100, 1300, 100):
         (tmp_path / f"checkpoint-{step}").mkdir()
-    with pytest.raises(NotACheckpointError) as caught:
-        find_layout(tmp_path)
-    message = str(caught.value)
+    message = _refusal(tmp_path)
     assert ("holds 12 checkpoints (checkpoint-100, checkpoint-200, ..., checkpoint-1100, "
             "checkpoint-1200)") in message
     assert message.endswith(str(tmp_path / "checkpoint-1200"))

@@ -16,6 +16,9 @@ cannot tell it.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 import re
 from dataclasses import dataclass
 
@@ -24,7 +27,10 @@ from .reader import DcpFolder
 
 __all__ = ["Problem", "check_folder", "check_tensor_chunks", "known_world_size"]
 
-_RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+# Rank and index of at most 9 digits: longer numbers are no rank file DCP writes, and
+# converting them would cost time quadratic in their length.
+_RANK_FILE = re.compile(r"^__(\d{1,9})_(\d{1,9})\.distcp$")
+_SHOWN = 5  # problems of one kind named in full; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -50,8 +56,95 @@ def _overlaps(a: Chunk, b: Chunk) -> bool:
     )
 
 
+#: Grid cells the painting check may visit per chunk (plus a floor): past it, chunks cut in
+#: three or more dims at misaligned places are refused as too irregular rather than checked
+#: in quadratic time. Any grid DCP writes paints exactly one cell per chunk.
+_CELLS_PER_CHUNK = 8
+_CELLS_FLOOR = 1 << 20
+
+
+def _sweep_overlap(boxes: list[tuple[Chunk, tuple[int, int], tuple[int, int]]]
+                   ) -> tuple[Chunk, Chunk] | None:
+    """The first overlapping pair of 2-d boxes ``(chunk, (x0, x1), (y0, y1))``, or None.
+
+    A sweep along x: boxes leave before boxes at the same x enter (intervals are
+    half-open), and the active y-intervals, kept sorted by start, are pairwise disjoint
+    until the first overlap is found, so one bisect tells whether a new interval meets
+    any of them. O(n log n) comparisons (list inserts move memory, not Python objects).
+    """
+    events = sorted([(x1, 0, i) for i, (_, (x0, x1), _) in enumerate(boxes)]
+                    + [(x0, 1, i) for i, (_, (x0, x1), _) in enumerate(boxes)])
+    starts: list[int] = []  # sorted y0 of the active boxes
+    owners: list[int] = []  # their box indices, in the same order
+    for _, entering, i in events:
+        y0, y1 = boxes[i][2]
+        at = bisect.bisect_left(starts, y0)
+        if not entering:
+            del starts[at], owners[at]
+            continue
+        for near in (at - 1, at):  # only the neighbours can meet [y0, y1)
+            if 0 <= near < len(starts):
+                other = boxes[owners[near]][2]
+                if other[0] < y1 and y0 < other[1]:
+                    return boxes[owners[near]][0], boxes[i][0]
+        starts.insert(at, y0)
+        owners.insert(at, i)
+    return None
+
+
+def _paint_overlap(chunks: list[Chunk], dims: list[int]) -> tuple[Chunk, Chunk] | None | str:
+    """The first overlapping pair found by painting a coordinate-compressed grid.
+
+    Returns the pair, None when no two chunks overlap, or a message when the grid is
+    too fine to paint within the budget (see ``_CELLS_PER_CHUNK``).
+    """
+    cuts = [sorted({c.offsets[d] for c in chunks} | {c.offsets[d] + c.sizes[d] for c in chunks})
+            for d in dims]
+    spans = []
+    cells = 0
+    budget = _CELLS_FLOOR + _CELLS_PER_CHUNK * len(chunks)
+    for chunk in chunks:
+        span = [range(bisect.bisect_left(cut, chunk.offsets[d]),
+                      bisect.bisect_left(cut, chunk.offsets[d] + chunk.sizes[d]))
+                for cut, d in zip(cuts, dims)]
+        cells += math.prod(len(r) for r in span)
+        if cells > budget:
+            return (f"{len(chunks)} chunks cut it at misaligned places in {len(dims)} dims, "
+                    "more finely than any DCP save does; the metadata is damaged or crafted")
+        spans.append(span)
+    owner: dict[tuple[int, ...], Chunk] = {}
+    for chunk, span in zip(chunks, spans):
+        for cell in itertools.product(*span):
+            if cell in owner:
+                return owner[cell], chunk
+            owner[cell] = chunk
+    return None
+
+
+def _first_overlap(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None | str:
+    """Two non-empty chunks that overlap, exactly, in O(n log n) for cuts in up to 2 dims."""
+    if len(chunks) < 2:
+        return None
+    ndim = len(chunks[0].sizes)
+    # A dim where every chunk spans the same interval separates none of them: drop it.
+    dims = [d for d in range(ndim)
+            if len({(c.offsets[d], c.sizes[d]) for c in chunks}) > 1]
+    if not dims:
+        return chunks[0], chunks[1]
+    if len(dims) <= 2:
+        ys = (lambda c: (c.offsets[dims[1]], c.offsets[dims[1]] + c.sizes[dims[1]])) \
+            if len(dims) == 2 else (lambda c: (0, 1))
+        return _sweep_overlap([(c, (c.offsets[dims[0]], c.offsets[dims[0]] + c.sizes[dims[0]]),
+                                ys(c)) for c in chunks])
+    return _paint_overlap(chunks, dims)
+
+
 def check_tensor_chunks(tensor: TensorEntry) -> list[str]:
-    """Say how the chunks of ``tensor`` fail to tile its shape exactly (empty if they do)."""
+    """Say how the chunks of ``tensor`` fail to tile its shape exactly (empty if they do).
+
+    Exact for any chunks, and bounded: O(n log n) in the number of chunks when they
+    are cut in at most two dims (every FSDP/TP layout), a painted grid otherwise.
+    """
     shape, found = tensor.shape, []
     if not tensor.chunks:
         return ["has no chunks"]
@@ -63,21 +156,17 @@ def check_tensor_chunks(tensor: TensorEntry) -> list[str]:
             found.append(f"chunk at {list(chunk.offsets)} of size {list(chunk.sizes)} reaches "
                          f"outside the shape {list(shape)}")
     if found:
-        return found
-    chunks = sorted(tensor.chunks, key=lambda c: c.offsets)
-    # Sorted by offsets, an overlapping pair is usually adjacent; the full scan
-    # only runs for the rare tensor whose chunk volumes do not add up.
-    total = sum(c.numel for c in chunks)
-    pairs = zip(chunks, chunks[1:]) if total == tensor.numel else (
-        (a, b) for i, a in enumerate(chunks) for b in chunks[i + 1:])
-    for a, b in pairs:
-        if a.numel and b.numel and _overlaps(a, b):
-            found.append(f"chunks at {list(a.offsets)} and {list(b.offsets)} overlap")
-            break
-    if not found and total < tensor.numel:
+        return found[:_SHOWN] + ([f"{len(found) - _SHOWN} more such chunks"]
+                                 if len(found) > _SHOWN else [])
+    total = sum(c.numel for c in tensor.chunks)
+    overlap = _first_overlap([c for c in tensor.chunks if c.numel])
+    if isinstance(overlap, str):
+        return [overlap]
+    if overlap is not None:
+        a, b = sorted(overlap, key=lambda c: c.offsets)
+        found.append(f"chunks at {list(a.offsets)} and {list(b.offsets)} overlap")
+    elif total < tensor.numel:
         found.append(f"chunks cover {total} of {tensor.numel} elements: there is a gap")
-    elif not found and total > tensor.numel:
-        found.append(f"chunks hold {total} elements for a tensor of {tensor.numel}: they overlap")
     return found
 
 
@@ -106,20 +195,53 @@ def check_folder(folder: DcpFolder) -> list[Problem]:
                 f"{what} lies at bytes {offset}..{offset + length}, past the end of the file "
                 f"({sizes[file]} bytes): the file is truncated"))
 
+    ranges: list[tuple[str, int, int, str]] = []  # (file, offset, end, what)
     for tensor in folder.metadata.tensors:
         for message in check_tensor_chunks(tensor):
             problems.append(Problem(base, f"tensor '{tensor.name}': {message}"))
         for chunk in tensor.chunks:
-            check_location(f"tensor '{tensor.name}' chunk at {list(chunk.offsets)}",
-                           chunk.file, chunk.offset, chunk.length)
+            what = f"tensor '{tensor.name}' chunk at {list(chunk.offsets)}"
+            check_location(what, chunk.file, chunk.offset, chunk.length)
+            # The chunk's archive holds its elements: a declared size larger than the
+            # archive is refused here, before anything allocates or reserves it.
+            if chunk.file is not None and chunk.numel * tensor.dtype.itemsize > chunk.length:
+                problems.append(Problem(
+                    f"{base}/{chunk.file}",
+                    f"{what} declares {chunk.numel * tensor.dtype.itemsize} bytes of "
+                    f"{tensor.dtype.name} (sizes {list(chunk.sizes)}), but its archive holds "
+                    f"only {chunk.length} bytes: the metadata is damaged or crafted"))
+            if chunk.file is not None and chunk.numel:
+                # Empty chunks of one tensor share one storage entry (DCP keys it by
+                # name and offsets, the same for them all): only real data must not share.
+                ranges.append((chunk.file, chunk.offset, chunk.offset + chunk.length, what))
     for obj in folder.metadata.objects:
         check_location(f"object '{obj.name}'", obj.file, obj.offset, obj.length)
+        if obj.file is not None:
+            ranges.append((obj.file, obj.offset, obj.offset + obj.length, f"object '{obj.name}'"))
+    problems.extend(_shared_bytes(base, ranges))
 
     for file, needers in sorted(missing.items()):
         more = f" and {len(needers) - 1} more" if len(needers) > 1 else ""
         problems.append(Problem(f"{base}/{file}", f"missing file, needed by {needers[0]}{more}; "
                                 "copy it from the machine that wrote the checkpoint"))
     return problems
+
+
+def _shared_bytes(base: str, ranges: list[tuple[str, int, int, str]]) -> list[Problem]:
+    """Entries whose byte ranges overlap in one file (DCP writes each item once, in turn).
+
+    Sorted by file and offset, one pass finds them; refusing them keeps the work of
+    every reader proportional to the bytes on disk (no archive is parsed twice).
+    """
+    found: list[Problem] = []
+    ranges.sort(key=lambda r: (r[0], r[1], r[2]))
+    for (file_a, _, end_a, what_a), (file_b, start_b, _, what_b) in zip(ranges, ranges[1:]):
+        if file_a == file_b and start_b < end_a:
+            found.append(Problem(f"{base}/{file_a}", f"{what_a} and {what_b} share bytes "
+                                 f"from {start_b}: the metadata is damaged or crafted"))
+            if len(found) == _SHOWN:
+                break
+    return found
 
 
 def known_world_size(folder: DcpFolder) -> tuple[int, bool]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .archive import locate_tensor
+from .checks import check_folder
 from .copy import MemorySink, place_chunk
 from .dtypes import DType
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
@@ -46,6 +47,11 @@ def _empty(dtype: DType, shape: tuple[int, ...]) -> tuple[Any, MemorySink]:
 @reusing_scratch()
 def _from_dcp(path: Path) -> dict[Any, Any]:
     folder = read_dcp_folder(path)
+    problems = check_folder(folder)
+    if problems:  # before anything is allocated: declared sizes are checked against the bytes
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CorruptCheckpointError(f"{problems[0]}{more}; run `fsdpckpt inspect {path}` "
+                                     "for the full list")
     items: list[tuple[tuple, Any]] = []
     fds: dict[str, int] = {}
     try:

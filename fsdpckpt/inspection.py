@@ -94,6 +94,35 @@ def _part_doc(part: DcpPart, folder: DcpFolder | None, keep) -> dict[str, Any]:
     return doc
 
 
+_SHOWN_RANKS = 5  # missing ranks named in full; the rest are counted
+
+
+def _missing_rng(path: str, world: int, present: set[int]) -> list[Problem]:
+    """The ranks below ``world`` without an RNG file, found without looping over ``world``.
+
+    ``world`` comes from file names (``__9999999_0.distcp``, ``random_states_10000000.pkl``),
+    so it may be huge for a tiny folder: the work here is bounded by the files present.
+    """
+    have = sorted(r for r in present if r < world)
+    missing_count = world - len(have)
+    if not missing_count:
+        return []
+    named: list[int] = []
+    rank, ranks = 0, iter(have + [world])
+    nxt = next(ranks)
+    while len(named) < _SHOWN_RANKS and rank < world:
+        if rank == nxt:
+            nxt = next(ranks)
+        else:
+            named.append(rank)
+        rank += 1
+    problems = [Problem(path, f"no RNG state file for rank {r}") for r in named]
+    if missing_count > len(named):
+        problems.append(Problem(path, f"no RNG state file for {missing_count - len(named)} more "
+                                f"ranks below {world}"))
+    return problems
+
+
 def inspect_checkpoint(path: str | os.PathLike[str], *, names: str | None = None) -> dict[str, Any]:
     """Describe the checkpoint at ``path`` and check its structure.
 
@@ -132,9 +161,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, names: str | None = None
     world = max([p.get("world_size", 0) for p in parts] + [r + 1 for r in rng_ranks] + [0])
     # Every rank writes its RNG file; without them a DCP folder may only give a lower bound.
     exact = bool(rng_ranks) or all(p.get("world_size_exact", True) for p in parts)
-    for rank in range(world if rng_ranks else 0):
-        if rank not in rng_ranks:
-            problems.append(Problem(str(layout.path), f"no RNG state file for rank {rank}"))
+    problems.extend(_missing_rng(str(layout.path), world if rng_ranks else 0, set(rng_ranks)))
     return {
         "path": str(layout.path),
         "style": layout.style,

@@ -21,8 +21,10 @@ __all__ = ["CheckpointLayout", "DcpPart", "SideFile", "find_layout"]
 
 # (pattern, kind) for the files saved beside the DCP folders; the first match wins.
 _SIDE_FILES = [
-    (re.compile(r"^random_states_(\d+)\.pkl$"), "rng"),
-    (re.compile(r"^rng_state(_(\d+))?\.pth$"), "rng"),
+    # Ranks of at most 9 digits: a larger number is no rank a run had (and would make
+    # every per-rank report as long as the number).
+    (re.compile(r"^random_states_(\d{1,9})\.pkl$"), "rng"),
+    (re.compile(r"^rng_state(_(\d{1,9}))?\.pth$"), "rng"),
     (re.compile(r"^scheduler(_\d+)?\.(bin|pt)$"), "scheduler"),
     (re.compile(r"^sampler(_\d+)?\.bin$"), "sampler"),
     (re.compile(r"^dl_state_dict(_\d+)?\.bin$"), "dataloader"),

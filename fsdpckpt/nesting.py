@@ -5,13 +5,33 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .errors import NotACheckpointError
 from .metadata import KeyPath
 
 __all__ = ["set_element", "unflatten"]
 
 
-def set_element(root: dict[Any, Any], path: KeyPath, value: Any) -> None:
-    """Put ``value`` at ``path`` in ``root``; int keys make lists (DCP's ``set_element``)."""
+def _check_index(path: KeyPath, limit: int | None) -> None:
+    for key in path[1:]:  # the root is a dict whatever its keys
+        if type(key) is int and (key < 0 or (limit is not None and key >= limit)):
+            raise NotACheckpointError(
+                f"the key path {list(path)} holds the list index {key}, but there are only "
+                f"{limit} entries; a list that long would be mostly holes, so the key paths "
+                "are damaged or crafted")
+
+
+def set_element(root: dict[Any, Any], path: KeyPath, value: Any, *,
+                limit: int | None = None) -> None:
+    """Put ``value`` at ``path`` in ``root``; int keys make lists (DCP's ``set_element``).
+
+    Args:
+        limit: refuse a list index at or past it (the number of entries being nested:
+            no honest list is longer); negative indices are always refused.
+
+    Raises:
+        NotACheckpointError: an index is negative or not below ``limit``.
+    """
+    _check_index(path, limit)
     container: Any = root
     for prev_key, key in zip(path, path[1:]):
         default: Any = {} if type(key) is str else []
@@ -31,8 +51,15 @@ def set_element(root: dict[Any, Any], path: KeyPath, value: Any) -> None:
 
 
 def unflatten(items: Iterable[tuple[KeyPath, Any]]) -> dict[Any, Any]:
-    """Build the nested dict holding each ``(key_path, value)``."""
+    """Build the nested dict holding each ``(key_path, value)``.
+
+    No list grows past the number of items: a larger index is refused.
+
+    Raises:
+        NotACheckpointError: a key path holds a negative index or one past the item count.
+    """
+    entries = list(items)
     root: dict[Any, Any] = {}
-    for path, value in items:
-        set_element(root, path, value)
+    for path, value in entries:
+        set_element(root, path, value, limit=len(entries))
     return root

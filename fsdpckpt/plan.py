@@ -168,6 +168,9 @@ def chunk_runs(shape: Sequence[int], chunk: Chunk) -> tuple[int, list[int]]:
     ndim = len(shape)
     if ndim == 0:
         return 1, [0]
+    if not math.prod(chunk.sizes) or not math.prod(shape):
+        # No element, no run: a shape like (200000000, 2, 0) must not enumerate its rows.
+        return 0, []
     stride = [math.prod(shape[d + 1:]) for d in range(ndim)]
     k = ndim - 1  # the outermost dim of the contiguous run: all dims after it are whole
     while k > 0 and chunk.sizes[k] == shape[k]:
@@ -226,6 +229,14 @@ def _nesting_conflicts(entries: Sequence[tuple[str, KeyPath]]) -> list[str]:
     child_kind: dict[KeyPath, tuple[type, str]] = {}
     found: list[str] = []
     for name, path in entries:
+        bad = [k for k in path[1:] if type(k) is int and not 0 <= k < len(entries)]
+        if bad:
+            # An index is a list position: past the number of entries, the list would be
+            # mostly holes (and a huge index would fill memory with them).
+            found.append(f"'{name}' has the list index {bad[0]} in its key path "
+                         f"{list(path)}, but there are only {len(entries)} entries; the "
+                         "metadata is damaged or crafted")
+            continue
         if path in leaves:
             found.append(f"'{leaves[path]}' and '{name}' both have the key path {list(path)}")
         leaves.setdefault(path, name)

@@ -113,7 +113,10 @@ class DcpFolder:
     def world_size(self) -> int:
         """Ranks that wrote this folder, as the rank file names (present or referenced) show."""
         names = {f.name for f in self.files} | set(self.metadata.referenced_files)
-        ranks = [r for r in map(rank_of_file, names) if r is not None]
+        # Only names DCP could write (__{rank}_{n}.distcp, numbers of at most 9 digits): a
+        # longer one is no rank file, and converting it costs time quadratic in its length.
+        ranks = [r for r in map(rank_of_file, (n for n in names if len(n) <= 28))
+                 if r is not None and r < 10**9]
         return max(ranks) + 1 if ranks else 0
 
     @property

@@ -242,19 +242,112 @@ def _check_byteorder(archive: zipfile.ZipFile, prefix: str, source: str) -> None
                                      "fsdpckpt does not convert; merge it there")
 
 
-def _open_archive(file: IO[bytes], start: int, length: int, source: str) -> zipfile.ZipFile:
+#: Entries a chunk's archive may hold: torch.save writes about seven (data.pkl, byteorder,
+#: version, .format_version, .storage_alignment, .data/serialization_id, data/0).
+CHUNK_ENTRIES = 32
+#: Bytes a chunk's ``data.pkl`` may have: it names one tensor (a few hundred bytes).
+CHUNK_PICKLE_BYTES = 1 << 16
+_EOCD = struct.Struct("<4s4xHHII")  # signature, ..., entries here, entries, cd size, cd offset
+_MAX_ZIP_VERSION = 63  # the newest zip version Python's zipfile reads
+
+
+def _declared_entries(file: IO[bytes], start: int, length: int) -> int | None:
+    """The entry count the end-of-central-directory record declares, read before any parse.
+
+    None when the record is not the plain 22 bytes at the very end (a comment, zip64):
+    the count is then checked after parsing.
+    """
+    if length < 22:
+        return None
+    file.seek(start + length - 22)
+    record = file.read(22)
+    if len(record) < 22 or record[:4] != b"PK\x05\x06" or record[-2:] != b"\0\0":
+        return None
+    entries = _EOCD.unpack(record[:20])[2]
+    return None if entries == 0xFFFF else entries
+
+
+def _check_entries(archive: zipfile.ZipFile, length: int, source: str, where: str) -> None:
+    """Refuse what torch.save never writes, before any entry is decompressed or read.
+
+    Compressed or encrypted entries (a zip bomb needs compression), zip versions
+    zipfile cannot read, and entries that reach outside the archive's byte range or
+    share bytes with another are all damage or crafting; refusing them here keeps
+    every read bounded by the archive's own bytes.
+    """
+    spans = []
+    for info in archive.infolist():
+        why = None
+        if info.compress_type != zipfile.ZIP_STORED:
+            why = f"is compressed (method {info.compress_type}), which torch.save never does"
+        elif info.flag_bits & 0x1:
+            why = "is encrypted, which torch.save never does"
+        elif info.extract_version > _MAX_ZIP_VERSION:
+            why = f"needs zip version {info.extract_version / 10:.1f}, which nothing here reads"
+        elif info.header_offset < 0 or info.header_offset + 30 + info.file_size > length:
+            why = f"lies outside the archive's {length} bytes"
+        if why:
+            raise CorruptCheckpointError(f"{source}: {where}: the entry '{info.filename}' {why}; "
+                                         "the file is damaged or crafted.")
+        spans.append((info.header_offset, info.header_offset + 30 + len(info.filename)
+                      + info.file_size, info.filename))
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CorruptCheckpointError(f"{source}: {where}: the entries '{first}' and "
+                                         f"'{second}' share bytes; the file is damaged or "
+                                         "crafted.")
+
+
+def _open_archive(file: IO[bytes], start: int, length: int, source: str,
+                  max_entries: int | None = None) -> zipfile.ZipFile:
+    """Open the ``torch.save`` archive at ``start``, checked as :func:`_check_entries` says.
+
+    Args:
+        max_entries: refuse an archive with more entries (checked from the end record
+            before the central directory is parsed, where it can be).
+    """
+    where = f"the archive at offset {start} (length {length})"
     try:
-        return zipfile.ZipFile(SliceFile(file, start, length))
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        if max_entries is not None:
+            declared = _declared_entries(file, start, length)
+            if declared is not None and declared > max_entries:
+                raise CorruptCheckpointError(
+                    f"{source}: {where} declares {declared} entries where torch.save writes "
+                    f"a handful (at most {max_entries} accepted); the file is damaged or "
+                    "crafted.")
+        archive = zipfile.ZipFile(SliceFile(file, start, length))
+    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, OverflowError,
+            EOFError, UnicodeDecodeError) as exc:
+        if isinstance(exc, CorruptCheckpointError):
+            raise
         raise CorruptCheckpointError(
             f"{source}: the bytes at offset {start} (length {length}) are not a torch.save "
             f"archive ({exc}); the file is damaged or was overwritten."
         ) from exc
+    try:
+        if max_entries is not None and len(archive.infolist()) > max_entries:
+            raise CorruptCheckpointError(
+                f"{source}: {where} holds {len(archive.infolist())} entries where torch.save "
+                f"writes a handful (at most {max_entries} accepted); the file is damaged or "
+                "crafted.")
+        _check_entries(archive, length, source, where)
+    except BaseException:
+        archive.close()
+        raise
+    return archive
 
 
-def _entry(archive: zipfile.ZipFile, suffix: str, source: str) -> zipfile.ZipInfo:
+def _entry(archive: zipfile.ZipFile, suffix: str, source: str,
+           max_bytes: int | None = None) -> zipfile.ZipInfo:
+    """The archive's one entry named ``*suffix``, no larger than ``max_bytes`` if given."""
     for info in archive.infolist():
         if info.filename.endswith(suffix):
+            if max_bytes is not None and info.file_size > max_bytes:
+                raise CorruptCheckpointError(
+                    f"{source}: the archive's '{info.filename}' has {info.file_size} bytes "
+                    f"where torch.save writes a few hundred (at most {max_bytes} accepted); "
+                    "the file is damaged or crafted.")
             return info
     raise CorruptCheckpointError(f"{source}: the archive has no '*{suffix}' entry.")
 
@@ -339,8 +432,8 @@ def locate_tensor(file: IO[bytes], start: int, length: int, *, source: str) -> R
     Raises:
         CorruptCheckpointError: the bytes are not such an archive, or disagree with themselves.
     """
-    with _open_archive(file, start, length, source) as archive:
-        pkl = _entry(archive, "/data.pkl", source)
+    with _open_archive(file, start, length, source, max_entries=CHUNK_ENTRIES) as archive:
+        pkl = _entry(archive, "/data.pkl", source, max_bytes=CHUNK_PICKLE_BYTES)
         record = safe_loads(archive.read(pkl), allowed=_TENSOR_GLOBALS, source=source,
                             persistent_load=_persistent_storage)
         if not isinstance(record, _TensorRecord) or not isinstance(record.storage, _Storage):

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .errors import NotACheckpointError, UnsafePickleError
 
-__all__ = ["capture_rng_state", "rng_state_bytes", "load_rng_file", "restore_rng", "rng_file"]
+__all__ = ["capture_rng_state", "rng_state_bytes", "load_rng_file", "restore_rng", "rng_file",
+           "prepare_rng", "PreparedRng"]
 
 
 def rng_file(checkpoint_dir: Path, rank: int) -> Path:
@@ -165,8 +167,54 @@ def _derive(rank_zero: dict[str, Any], rank: int) -> None:
         np.random.seed(seed % 2**32)
 
 
-def restore_rng(checkpoint_dir: Path, rank: int, world_size: int) -> tuple[int | None, list[str]]:
-    """Restore this rank's RNG state by the policy above; return the saved step and warnings."""
+class PreparedRng:
+    """This rank's RNG state, read and checked by :func:`prepare_rng`, not yet applied.
+
+    Attributes:
+        step: the step saved with it, or None.
+        warnings: what the caller should know (the policy applied on a new world size...).
+    """
+
+    def __init__(self, step: int | None, warnings: list[str],
+                 apply: Callable[[], None]) -> None:
+        self.step, self.warnings, self._apply = step, warnings, apply
+
+    def apply(self) -> None:
+        """Set python's, numpy's and torch's RNG state (or seed them, by the policy above)."""
+        self._apply()
+
+
+def _checked(path: Path, change: Callable[[], None]) -> Callable[[], None]:
+    # The decoded state is tried once and the current state put back, so apply() later
+    # cannot fail half-way: whatever python, numpy or torch would refuse is refused now,
+    # before a load has changed anything.
+    current = capture_rng_state(None)
+    try:
+        change()
+    except Exception as exc:  # noqa: BLE001 - one clear error
+        raise NotACheckpointError(f"{path}: holds RNG state that cannot be restored "
+                                  f"({type(exc).__name__}); the file is damaged. Delete it "
+                                  "to resume without it") from None
+    finally:
+        _apply(current)
+    return change
+
+
+def prepare_rng(checkpoint_dir: Path, rank: int, world_size: int) -> PreparedRng:
+    """Read and check everything :func:`restore_rng` needs, changing no RNG state.
+
+    Args:
+        checkpoint_dir: the checkpoint folder holding ``random_states_{rank}.pkl``.
+        rank: this process's rank.
+        world_size: the number of ranks now.
+
+    Returns:
+        A :class:`PreparedRng`; its ``apply()`` restores the state by the policy above.
+
+    Raises:
+        UnsafePickleError: an RNG file asks for a global outside the allowlist.
+        NotACheckpointError: an RNG file is damaged or holds state that cannot be set.
+    """
     saved = sorted(int(p.stem.rsplit("_", 1)[1]) for p in checkpoint_dir.glob("random_states_*.pkl")
                    if p.stem.rsplit("_", 1)[1].isdigit())
     if not saved:
@@ -174,16 +222,29 @@ def restore_rng(checkpoint_dir: Path, rank: int, world_size: int) -> tuple[int |
                        if p.stem.rsplit("_", 1)[1].isdigit())
     warnings: list[str] = []
     if not saved:
-        return None, [f"{checkpoint_dir}: no RNG state files; RNG state was not restored"]
+        return PreparedRng(None, [f"{checkpoint_dir}: no RNG state files; RNG state was not "
+                                  "restored"], lambda: None)
     if len(saved) != world_size and rank == 0:
         warnings.append(f"{checkpoint_dir}: RNG states saved for {len(saved)} ranks, this run has "
                         f"{world_size}; ranks without a file are seeded from rank 0's state and "
                         "their rank, extra files are ignored")
+    path = rng_file(checkpoint_dir, rank if rank in saved else saved[0])
+    state = load_rng_file(path)
     if rank in saved:
-        state = load_rng_file(rng_file(checkpoint_dir, rank))
-        _apply(state)
+        change = _checked(path, lambda: _apply(state))
     else:
-        state = load_rng_file(rng_file(checkpoint_dir, saved[0]))
-        _derive(state, rank)
+        change = _checked(path, lambda: _derive(state, rank))
     step = state.get("step")
-    return (int(step) if isinstance(step, int) else None), warnings
+    step = int(step) if isinstance(step, int) and not isinstance(step, bool) else None
+    return PreparedRng(step, warnings, change)
+
+
+def restore_rng(checkpoint_dir: Path, rank: int, world_size: int) -> tuple[int | None, list[str]]:
+    """Restore this rank's RNG state by the policy above; return the saved step and warnings.
+
+    The same as :func:`prepare_rng` then ``apply()``: nothing changes unless every
+    part of the state could be read and set.
+    """
+    prepared = prepare_rng(checkpoint_dir, rank, world_size)
+    prepared.apply()
+    return prepared.step, prepared.warnings

@@ -21,7 +21,8 @@ from .errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
 from .statecheck import compare, flatten, mismatch_message
 from .durable import fsync_dir, write_bytes
 from .manifest import build_manifest, checksum_writer, write_manifest
-from .rng import restore_rng, rng_state_bytes, torch_save_bytes
+from .dcp_io import safe_load_planner, safe_storage_reader
+from .rng import prepare_rng, rng_state_bytes, torch_save_bytes
 
 __all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError",
            "ResumeWarning"]
@@ -320,42 +321,40 @@ def _check_parts(root: Path, models: list, optimizers: list, schedulers: list) -
             message)
 
 
-def _load_trusted(path: Path) -> Any:
+def _load_trusted(path: Path, what: str = "state") -> Any:
     import torch
 
     from .rng import refused
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - turned into one clear error
-        raise refused(path, exc, "state") from None
+        raise refused(path, exc, what) from None
+    if what != "state" and not isinstance(state, dict):  # a scheduler's or scaler's state_dict
+        raise NotACheckpointError(f"{path}: holds a {type(state).__name__}, not a {what}; the "
+                                  "file is damaged or not the one saved with this checkpoint")
+    return state
 
 
-def _safe_load_planner() -> Any:
-    """DCP's default load planner, but non-tensor values load with ``weights_only=True``.
+def _read_everything(root: Path, models: list, optimizers: list, schedulers: list,
+                     scaler: Any, extra: Mapping[str, Any], rank: int, world: int) -> Any:
+    """Read and check every part of a checkpoint before any training state changes.
 
-    torch's planner unpickles them with the allowlist switched off: a checkpoint whose
-    ``param_groups`` entry hides a ``__reduce__`` would run code on load.
+    Returns the storage readers of the model and optimizer folders (their metadata
+    parsed through the allowlist), the decoded scheduler, scaler and extra states,
+    and the prepared RNG state.
     """
-    import torch
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    from .rng import refused
-
-    class SafeLoadPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: Any) -> None:
-            fqn = read_item.dest_index.fqn
-            try:
-                obj = torch.load(value, weights_only=True)
-            except Exception as exc:  # noqa: BLE001 - one clear error
-                raise refused(Path(f"entry '{fqn}'"), exc, "checkpoint entry") from None
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], obj)
-            else:
-                self.state_dict[fqn] = obj
-
-    return SafeLoadPlanner()
+    model_readers = [safe_storage_reader(_model_folder(root, i)) for i in range(len(models))]
+    optimizer_readers = [safe_storage_reader(_optimizer_folder(root, i))
+                         for i in range(len(optimizers))]
+    scheduler_states = [_load_trusted(_scheduler_file(root, i, reading=True), "scheduler state")
+                        for i in range(len(schedulers))]
+    scaler_state = _load_trusted(root / "scaler.pt", "scaler state") if scaler is not None \
+        else None
+    extra_states = [_load_trusted(root / f"custom_checkpoint_{i}.pkl")
+                    for i in range(len(extra))]
+    rng = prepare_rng(root, rank, world)
+    return model_readers, optimizer_readers, scheduler_states, scaler_state, extra_states, rng
 
 
 def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimizer: Any = None,
@@ -385,6 +384,11 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     rank, world = _rank_world()
     models, optimizers, schedulers = _as_list(model), _as_list(optimizer), _as_list(scheduler)
     _check_parts(root, models, optimizers, schedulers)
+    # All or nothing: every part is read and checked (on every rank, which agree) before
+    # the first one is loaded, so a damaged file changes no training state.
+    model_readers, optimizer_readers, scheduler_states, scaler_state, extra_states, rng = \
+        everywhere(lambda: _read_everything(root, models, optimizers, schedulers, scaler,
+                                            extra or {}, rank, world))
     templates = [get_model_state_dict(m) for m in models]
     for i, state in enumerate(templates):
         missing, unexpected, mismatched = compare(_model_folder(root, i), state, "model")
@@ -402,17 +406,17 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
                                      .replace("the model does not", "the optimizer does not"))
     restored: list[str] = []
     try:
-        for i, (module, state) in enumerate(zip(models, templates)):
+        # Our storage reader, never a checkpoint_id: torch's own reader would unpickle
+        # .metadata (and rank-local metadata files) with plain pickle.
+        for module, state, reader in zip(models, templates, model_readers):
             wrapped = {"model": state}
-            _dcp_call(dcp.load, wrapped, checkpoint_id=str(_model_folder(root, i)),
-                      planner=_safe_load_planner())
+            _dcp_call(dcp.load, wrapped, storage_reader=reader, planner=safe_load_planner())
             set_model_state_dict(module, wrapped["model"], options=StateDictOptions(strict=strict))
         restored += ["model"] * bool(models)
-        for i, ((module, opt), state) in enumerate(zip(_pairs(models, optimizers),
-                                                       optimizer_templates)):
+        for (module, opt), state, reader in zip(_pairs(models, optimizers), optimizer_templates,
+                                                optimizer_readers):
             wrapped = {"optimizer": state}
-            _dcp_call(dcp.load, wrapped, checkpoint_id=str(_optimizer_folder(root, i)),
-                      planner=_safe_load_planner())
+            _dcp_call(dcp.load, wrapped, storage_reader=reader, planner=safe_load_planner())
             set_optimizer_state_dict(module, opt, wrapped["optimizer"])
         restored += ["optimizer"] * bool(optimizers)
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
@@ -422,15 +426,15 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
                 raise cause from None
         first = str(exc).strip().splitlines()[0][:300]
         raise NotACheckpointError(f"{root}: DCP could not load it ({first})") from None
-    for i, sched in enumerate(schedulers):
-        sched.load_state_dict(_load_trusted(_scheduler_file(root, i, reading=True)))
+    for sched, state in zip(schedulers, scheduler_states):
+        sched.load_state_dict(state)
     restored += ["scheduler"] * bool(schedulers)
     if scaler is not None:
-        scaler.load_state_dict(_load_trusted(root / "scaler.pt"))
+        scaler.load_state_dict(scaler_state)
         restored.append("scaler")
-    for i, (name, obj) in enumerate((extra or {}).items()):
-        obj.load_state_dict(_load_trusted(root / f"custom_checkpoint_{i}.pkl"))
+    for (name, obj), state in zip((extra or {}).items(), extra_states):
+        obj.load_state_dict(state)
         restored.append(f"extra:{name}")
-    step, warnings = everywhere(lambda: restore_rng(root, rank, world))
-    restored += ["rng"] * (step is not None or not warnings)
-    return LoadResult(step, tuple(restored), tuple(warnings))
+    rng.apply()
+    restored += ["rng"] * (rng.step is not None or not rng.warnings)
+    return LoadResult(rng.step, tuple(restored), tuple(rng.warnings))

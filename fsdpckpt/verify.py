@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .archive import locate_tensor
+from .dcp_io import stray_metadata_files
 from .errors import CorruptCheckpointError, FsdpCkptError
 from .inspection import inspect_checkpoint
 from .layout import find_layout
@@ -113,6 +114,11 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         problems.append({"path": str(root), "message": str(exc)})
     manifest = read_manifest(root) if layout.style != "dcp" else None
     folders = [p.path for p in layout.parts if p.complete]
+    for folder in folders:  # never part of a committed checkpoint; load_state refuses them
+        for stray in stray_metadata_files(folder):
+            problems.append({"path": str(stray), "message": "stray rank-local DCP metadata "
+                             "file: not part of a committed checkpoint, and torch's loader "
+                             "would unpickle it without an allowlist; delete it"})
     if manifest is None:
         callback = progress(*_chunk_bytes(folders)) if progress else None
         for folder in folders:
@@ -120,8 +126,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         return {"path": str(root), "ok": not problems, "manifest": False, "problems": problems}
 
     listed = manifest.get("files", {})
+    named = {p["path"] for p in problems}  # stray metadata files are named above already
     for name in _walk(root):
-        if name != MANIFEST and name not in listed:
+        if name != MANIFEST and name not in listed and str(root / name) not in named:
             problems.append({"path": str(root / name), "message": "stray file: not in the "
                              "manifest, so not part of this checkpoint as it was written"})
     try:

@@ -102,7 +102,7 @@ def refused(path: Path, exc: BaseException, what: str) -> Exception:
 
 
 def _normalize(state: dict[Any, Any], path: Path) -> dict[str, Any]:
-    """Check every field (HF Trainer's names too) and build the real states; see :func:`rng_fields`."""
+    """Check every field (HF Trainer's names too) and build the real states (:func:`rng_fields`)."""
     state = rng_fields(state, path)
     if "torch_manual_seed" not in state and "random_state" not in state:
         raise NotACheckpointError(f"{path}: holds no RNG state this tool knows "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import pickle
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = ["read_rng_archive", "rng_fields", "MAX_RNG_FILE_BYTES"]
 #: and is refused before a byte of it is decoded.
 MAX_RNG_FILE_BYTES = 16 * 2**20
 
+_MAX_ENTRIES = 4096             # an RNG archive has ~7, plus one per GPU state
 _MT_WORDS = 624                 # Mersenne Twister state words (python's and numpy's)
 _TORCH_CPU_STATE_BYTES = 5056   # torch.get_rng_state() on CPU
 _CUDA_STATE_BYTES = (8, 16)     # seed, or seed and Philox offset (torch accepts both)
@@ -76,7 +78,7 @@ class _Global:
 
 
 class _Built:
-    """What a numpy constructor stand-in returns: its arguments, then the state BUILD gives it once."""
+    """What a numpy constructor stand-in returns: its arguments, then the state BUILD gives once."""
 
     __slots__ = ("kind", "args", "state", "_built")
 
@@ -151,6 +153,7 @@ def read_rng_archive(path: Path) -> dict[Any, Any]:
             "resume without it.")
     try:
         with open(path, "rb") as file:
+            _check_entries(file, size, path)
             state = read_archive_with_tensors(file, 0, size, source=str(path),
                                               allowed=_stand_ins(), make_tensor=TensorValue)
     except UnsafePickleError as exc:
@@ -167,8 +170,26 @@ def read_rng_archive(path: Path) -> dict[Any, Any]:
     return state
 
 
+def _check_entries(file: Any, size: int, path: Path) -> None:
+    """Refuse archives that would make reading them cost more than their bytes.
+
+    ``torch.save`` stores every entry uncompressed, and an RNG file has a handful;
+    a compressed ``data.pkl`` could inflate far beyond the file (a zip bomb).
+    """
+    with zipfile.ZipFile(file) as archive:
+        entries = archive.infolist()
+        if len(entries) > _MAX_ENTRIES:
+            raise NotACheckpointError(f"{path}: holds {len(entries)} archive entries, far more "
+                                      "than RNG state ever has; it is not an RNG state file")
+        for info in entries:
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size > size:
+                raise NotACheckpointError(
+                    f"{path}: the archive entry {_show(info.filename)} is compressed or larger "
+                    "than the file, which torch.save never writes; it is not an RNG state file")
+
+
 def rng_fields(state: dict[Any, Any], path: Path) -> dict[str, Any]:
-    """Check every field of a decoded RNG file and build the real values, keyed as Accelerate keys them.
+    """Check every field of a decoded RNG file and build the real values, under Accelerate's keys.
 
     Returns:
         ``{"step", "random_state", "numpy_random_seed", "torch_manual_seed",
@@ -193,7 +214,7 @@ def rng_fields(state: dict[Any, Any], path: Path) -> dict[str, Any]:
         try:
             out[name] = check(value)
         except _Bad as exc:
-            raise NotACheckpointError(f"{path}: field '{key}': {exc}; the file is damaged or "
+            raise NotACheckpointError(f"{path}: field {_show(key)}: {exc}; the file is damaged or "
                                       "not an RNG state file. Delete it to resume without it.") \
                 from None
     if "numpy_random_seed" in out and out["numpy_random_seed"] is None:

@@ -1,4 +1,7 @@
-"""RNG files are decoded exactly by fsdpckpt's own unpickler: real files round-trip, anything else is one line."""
+"""RNG files are decoded exactly by fsdpckpt's own unpickler.
+
+Real files (Accelerate's, HF Trainer's, our own) round-trip; anything else is one line.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +24,6 @@ from hypothesis import strategies as st
 
 import fsdpckpt
 from fsdpckpt.rng import load_rng_file, rng_state_bytes
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _save(path: Path, state) -> Path:
@@ -312,7 +313,8 @@ def test_a_hostile_global_is_refused_in_one_line_naming_it(tmp_path):
 
 
 def test_a_numpy_generator_object_is_refused_as_a_global(tmp_path):
-    path = _save(tmp_path / "r.pkl", {**_real_state(), "numpy_random_seed": np.random.RandomState(1)})
+    generator = np.random.RandomState(1)
+    path = _save(tmp_path / "r.pkl", {**_real_state(), "numpy_random_seed": generator})
     _refused(path, fsdpckpt.UnsafePickleError, "numpy.random")
 
 
@@ -375,6 +377,22 @@ def test_a_file_far_larger_than_rng_state_is_refused_before_reading(tmp_path):
     with open(path, "wb") as file:
         file.truncate(1 << 30)  # sparse: a gigabyte that is never read
     _refused(path, fsdpckpt.NotACheckpointError, "not an RNG state file")
+
+
+def test_a_compressed_pickle_is_refused_before_it_is_inflated(tmp_path):
+    path = tmp_path / "random_states_0.pkl"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("archive/data.pkl", b"\x80\x02}" + b"(" * 5_000_000 + b".")
+    _refused(path, fsdpckpt.NotACheckpointError, "compressed", "archive/data.pkl")
+
+
+def test_an_archive_of_thousands_of_entries_is_refused(tmp_path):
+    path = tmp_path / "random_states_0.pkl"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", pickle.dumps({}, protocol=2))
+        for index in range(5000):
+            archive.writestr(f"archive/data/{index}", b"")
+    _refused(path, fsdpckpt.NotACheckpointError, "5001 archive entries")
 
 
 def test_a_missing_file_is_named(tmp_path):

@@ -1,10 +1,10 @@
 """Saving and restoring RNG state per rank, in Accelerate's ``random_states_{rank}.pkl`` format.
 
 The file is a ``torch.save`` of ``{"step", "random_state", "numpy_random_seed",
-"torch_manual_seed", "torch_cuda_manual_seed"}``, as Accelerate writes it. numpy's
-state needs numpy globals, so plain ``weights_only=True`` refuses the file; it is
-read with ``weights_only=True`` plus a narrow allowlist of exactly those globals,
-never with the allowlist switched off.
+"torch_manual_seed", "torch_cuda_manual_seed"}``, as Accelerate writes it. It is
+never read by ``torch.load`` or numpy's unpickling: :mod:`fsdpckpt.rngfile` decodes
+exactly that shape of state with fsdpckpt's own restricted unpickler, checks every
+field, and refuses anything else with one line.
 
 Policy when the world size changes (documented in docs/training.md): a rank
 with a saved file restores it; a rank without one seeds python, numpy and torch
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import NotACheckpointError, UnsafePickleError
+from .rngfile import read_rng_archive, rng_fields
 
 __all__ = ["capture_rng_state", "rng_state_bytes", "load_rng_file", "restore_rng", "rng_file",
            "prepare_rng", "PreparedRng"]
@@ -73,39 +74,18 @@ def torch_save_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _numpy_globals() -> list[Any]:
-    np = _numpy()
-    if np is None:
-        return []
-    found = [np.ndarray, np.dtype]
-    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
-        try:
-            found.append(__import__(module, fromlist=["_reconstruct"])._reconstruct)
-        except (ImportError, AttributeError):
-            continue
-    # numpy 2 pickles dtypes through their classes (numpy.dtypes.UInt32DType...).
-    found += [type(np.dtype(t)) for t in ("uint32", "float64", "int64")]
-    return found
-
-
 def load_rng_file(path: Path) -> dict[str, Any]:
-    """Read an RNG file with ``weights_only=True`` and only numpy's RNG globals allowed.
+    """Read an RNG file exactly (see :mod:`fsdpckpt.rngfile`), keyed as Accelerate keys it.
+
+    Never calls ``torch.load`` or numpy's unpickling: numpy's key array is built
+    with ``numpy.frombuffer`` from bytes checked to be exactly 624 uint32 words.
 
     Raises:
-        UnsafePickleError: the file asks for anything else (it may be hostile).
-        NotACheckpointError: the file is not a torch.save archive of a dict.
+        UnsafePickleError: the file names a global outside the RNG allowlist (it may be hostile).
+        NotACheckpointError: the file is not a torch.save archive of RNG state, or a field
+            is not what RNG state holds; one line naming the file and the field.
     """
-
-    import torch
-
-    try:
-        with torch.serialization.safe_globals(_numpy_globals()):
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - turned into one clear error
-        raise refused(path, exc, "RNG state") from None
-    if not isinstance(state, dict):
-        raise NotACheckpointError(f"{path}: holds a {type(state).__name__}, not RNG state")
-    return _normalize(state, path)
+    return _normalize(read_rng_archive(path), path)
 
 
 def refused(path: Path, exc: BaseException, what: str) -> Exception:
@@ -123,13 +103,9 @@ def refused(path: Path, exc: BaseException, what: str) -> Exception:
                                "it is damaged or not a torch.save file")
 
 
-# HF Trainer's rng_state_{rank}.pth names the same states differently.
-_TRAINER_KEYS = {"python": "random_state", "numpy": "numpy_random_seed",
-                 "cpu": "torch_manual_seed", "cuda": "torch_cuda_manual_seed"}
-
-
-def _normalize(state: dict[str, Any], path: Path) -> dict[str, Any]:
-    state = {_TRAINER_KEYS.get(k, k): v for k, v in state.items()}
+def _normalize(state: dict[Any, Any], path: Path) -> dict[str, Any]:
+    """Check every field (HF Trainer's names too) and build the real states (:func:`rng_fields`)."""
+    state = rng_fields(state, path)
     if "torch_manual_seed" not in state and "random_state" not in state:
         raise NotACheckpointError(f"{path}: holds no RNG state this tool knows "
                                   f"(keys {sorted(state)})")

@@ -82,7 +82,8 @@ def stored_tensor(storage: bytearray, raw: RawTensor) -> Any:
     return torch.as_strided(flat, raw.shape, raw.stride, raw.storage_offset)
 
 
-def _runs(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> tuple[int, list[int]]:
+def _runs(shape: Sequence[int], offsets: Sequence[int],
+          sizes: Sequence[int]) -> tuple[int, Sequence[int]]:
     # Deferred import: plan imports formats, which must not need this module first.
     from .plan import chunk_runs
 
@@ -225,7 +226,7 @@ def _place_tiled(src: int, raw: RawTensor, chunk: Chunk, run: int, starts: Seque
             progress(numel * out_size)
 
 
-def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: tuple[int, list[int]],
+def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: tuple[int, Sequence[int]],
                 out: DType, dst: int | Sink, tensor_start: int, *, source: str,
                 progress: Callable[[int], None] | None = None) -> None:
     """Write one chunk's elements at their place in the output tensor.

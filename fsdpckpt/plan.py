@@ -157,13 +157,50 @@ def parse_dtype(value: DType | str | Any | None) -> DType | None:
     return dtype
 
 
-def chunk_runs(shape: Sequence[int], chunk: Chunk) -> tuple[int, list[int]]:
+class RunStarts(Sequence[int]):
+    """The first tensor element of each run of a chunk, computed on demand.
+
+    A chunk of many short runs (a width-1 column of a 10^8-row tensor) would otherwise
+    need a list of 10^8 Python ints, gigabytes, before one byte is copied. Run ``i``
+    starts at ``base + sum(digit_d(i) * stride_d)``, the digits being ``i`` written in
+    the mixed radix of the chunk's outer sizes; runs ascend with ``i``.
+    """
+
+    def __init__(self, base: int, sizes: Sequence[int], strides: Sequence[int]) -> None:
+        self._base, self._sizes, self._strides = base, tuple(sizes), tuple(strides)
+        self._count = math.prod(self._sizes)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        start = self._base
+        for size, stride in zip(reversed(self._sizes), reversed(self._strides)):
+            index, digit = divmod(index, size)
+            start += digit * stride
+        return start
+
+    def __iter__(self) -> Iterator[int]:
+        return (self[i] for i in range(self._count))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+
+def chunk_runs(shape: Sequence[int], chunk: Chunk) -> tuple[int, Sequence[int]]:
     """Where a chunk's elements land in its row-major tensor.
 
     Returns:
         ``(run, starts)``: the chunk, read in row-major order, is ``len(starts)``
         runs of ``run`` consecutive elements; run ``i`` starts at element
-        ``starts[i]`` of the tensor. One run means a single contiguous copy.
+        ``starts[i]`` of the tensor (a :class:`RunStarts`, computed on demand, ascending).
+        One run means a single contiguous copy.
     """
     ndim = len(shape)
     if ndim == 0:
@@ -177,10 +214,7 @@ def chunk_runs(shape: Sequence[int], chunk: Chunk) -> tuple[int, list[int]]:
         k -= 1
     run = math.prod(chunk.sizes[k:])
     base = sum(o * s for o, s in zip(chunk.offsets, stride))
-    starts = [base]
-    for d in range(k - 1, -1, -1):  # each outer dim repeats the runs found so far
-        starts = [s + i * stride[d] for i in range(chunk.sizes[d]) for s in starts]
-    return run, sorted(starts) if run else []
+    return run, RunStarts(base, chunk.sizes[:k], stride[:k])
 
 
 def _shard(tensors: list[PlannedTensor], limit: int | None) -> list[list[PlannedTensor]]:

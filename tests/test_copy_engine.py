@@ -121,3 +121,33 @@ def test_dtype_export_is_bit_identical_to_torch_to(tmp_path, source, target):
     for name, got in load_file(result.path).items():
         assert got.dtype == want.dtype, name
         assert torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), name
+
+
+def _eager_runs(shape, chunk):
+    """The enumeration chunk_runs used to build as a list: every run start, in row-major order."""
+    stride = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    return sorted(sum((o + i) * s for o, i, s in zip(chunk.offsets, index, stride))
+                  for index in _product([range(n) for n in chunk.sizes]))
+
+
+@given(st.data())
+def test_run_starts_are_every_run_start_in_order(data):
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=4)))
+    offsets = tuple(data.draw(st.integers(0, s - 1)) for s in shape)
+    sizes = tuple(data.draw(st.integers(1, s - o)) for s, o in zip(shape, offsets))
+    chunk = Chunk(offsets, sizes, "f", 0, 0)
+    run, starts = chunk_runs(shape, chunk)
+    elements = [s + i for s in starts for i in range(run)]
+    assert elements == _eager_runs(shape, chunk)
+    assert list(starts[::-1]) == list(starts)[::-1] and starts[-1] == list(starts)[-1]
+
+
+def test_run_starts_of_a_long_thin_chunk_take_no_memory():
+    import tracemalloc
+
+    tracemalloc.start()
+    run, starts = chunk_runs((10**8, 4), Chunk((0, 1), (10**8, 1), "f", 0, 0))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert (run, len(starts), starts[10**8 - 1]) == (1, 10**8, 4 * (10**8 - 1) + 1)
+    assert peak < 2**20, peak  # a list of the starts was 10^8 ints: gigabytes

@@ -249,3 +249,32 @@ def test_inspecting_a_poisoned_folder_leaves_a_later_merge_bit_exact(tmp_path, d
     reference = reference_state_dict(trusted)
     expected = next(iter(reference.values())) if len(reference) == 1 else reference
     assert_same_state(load_full_state_dict(merged.path), expected)
+
+
+def test_bytes_in_a_torch_save_value_still_load():
+    from fsdpckpt.objects import _OBJECT_GLOBALS
+
+    data = _torch_save_pickle({"b": b"\x00\xffabc", "e": b""})
+    assert b"_codecs" in data
+    assert safe_loads(data, allowed=_OBJECT_GLOBALS, source="x") == {"b": b"\x00\xffabc", "e": b""}
+
+
+@pytest.mark.parametrize("codec", ["rot13", "punycode", "idna", "utf-16", "no-such-codec"])
+def test_codecs_encode_accepts_only_latin1(codec):
+    from fsdpckpt.errors import NotACheckpointError
+    from fsdpckpt.objects import _OBJECT_GLOBALS
+
+    data = (b"\x80\x02c_codecs\nencode\n" + _state_ops(("abc", codec)) + pickle.REDUCE +
+            pickle.STOP)
+    with pytest.raises(NotACheckpointError, match="latin1"):
+        safe_loads(data, allowed=_OBJECT_GLOBALS, source="x")
+
+
+@pytest.mark.parametrize("args", [(10**12,), (5,), ("abc", "latin1")])
+def test_bytes_with_arguments_is_refused(args):
+    from fsdpckpt.errors import NotACheckpointError
+    from fsdpckpt.objects import _OBJECT_GLOBALS
+
+    data = b"\x80\x02c__builtin__\nbytes\n" + _state_ops(args) + pickle.REDUCE + pickle.STOP
+    with pytest.raises(NotACheckpointError, match="bytes"):
+        safe_loads(data, allowed=_OBJECT_GLOBALS, source="x")

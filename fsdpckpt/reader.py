@@ -213,7 +213,11 @@ def _int(value: Any, where: str) -> int:
 def _ints(value: Any, where: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)):
         raise _SchemaError(f"{where} is {brief(value)}, not a tuple of integers")
-    return tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(value))
+    ints = tuple(value)
+    # The common case in one pass of C-level checks; the slow path names the culprit.
+    if all(type(v) is int for v in ints) and (not ints or (min(ints) >= 0 and max(ints) < _INT64)):
+        return ints
+    return tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(ints))
 
 
 def _str(value: Any, where: str) -> str:

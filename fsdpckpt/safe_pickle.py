@@ -32,12 +32,13 @@ __all__ = [
 class Record:
     """A stand-in for an instance of an allowed class: it only stores what the pickle gives it.
 
-    ``kind`` names the class it stands for; positional constructor arguments land
-    in ``args`` and pickled state in ``state`` (a dict is also spread over attributes).
+    ``kind`` (a class attribute, which no pickle can change) names the class it stands
+    for; positional constructor arguments land in ``args`` and the pickled state (a
+    dataclass's field dict, or whatever ``__getstate__`` gave) in ``state``, untouched:
+    the reader checks it against its schema.
     """
 
     kind = "Record"
-    _OWN = frozenset({"kind", "args", "state"})
 
     def __init__(self, *args: Any) -> None:
         self.args = args
@@ -45,18 +46,9 @@ class Record:
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            state = {**(state[0] or {}), **state[1]}  # (dict, slots) form
-        if isinstance(state, dict):
-            for key, value in state.items():
-                # Only plain field names: never a dunder, nor what says what the record is.
-                if isinstance(key, str) and key.isidentifier() and \
-                        not key.startswith("_") and key not in self._OWN:
-                    setattr(self, key, value)
 
     def __repr__(self) -> str:
-        fields = {k: v for k, v in vars(self).items() if k not in ("args", "state")}
-        return f"<{self.kind} {fields or self.args}>"
+        return f"<{self.kind} {brief(getattr(self, 'state', None), 200)}>"
 
 
 def _record_class(kind: str) -> type[Record]:
@@ -232,27 +224,40 @@ class RestrictedUnpickler(_BASE):  # type: ignore[misc,valid-type]
         return self._persistent(pid)
 
     # -- objects this load builds -------------------------------------------------------
+    #
+    # These handlers run for most opcodes of a large .metadata, hence written out flat.
 
     def _push_built(self, value: Any) -> None:
+        """Push what a call returned; count it as built unless it is an allowlisted value."""
         if isinstance(value, _MUTABLE) and id(value) not in self._globals:
             self._built[id(value)] = value
         self.append(value)
 
     def _load_empty_dict(self) -> None:
-        self._push_built({})
+        value: dict[Any, Any] = {}
+        self._built[id(value)] = value
+        self.append(value)
 
     def _load_empty_list(self) -> None:
-        self._push_built([])
+        value: list[Any] = []
+        self._built[id(value)] = value
+        self.append(value)
 
     def _load_empty_set(self) -> None:
-        self._push_built(set())
+        value: set[Any] = set()
+        self._built[id(value)] = value
+        self.append(value)
 
     def _load_dict(self) -> None:
         items = self.pop_mark()
-        self._push_built({items[i]: items[i + 1] for i in range(0, len(items), 2)})
+        value = {items[i]: items[i + 1] for i in range(0, len(items), 2)}
+        self._built[id(value)] = value
+        self.append(value)
 
     def _load_list(self) -> None:
-        self._push_built(self.pop_mark())
+        value = self.pop_mark()
+        self._built[id(value)] = value
+        self.append(value)
 
     def _load_bytearray8(self) -> None:
         (size,) = struct.unpack("<Q", self.read(8))
@@ -262,19 +267,22 @@ class RestrictedUnpickler(_BASE):  # type: ignore[misc,valid-type]
         self._push_built(bytearray(data))
 
     def _load_reduce(self) -> None:
-        args = self.stack.pop()
-        func = self.stack.pop()
+        stack = self.stack
+        args = stack.pop()
+        func = stack.pop()
         self._push_built(func(*args))
 
     def _load_newobj(self) -> None:
-        args = self.stack.pop()
-        cls = self.stack.pop()
+        stack = self.stack
+        args = stack.pop()
+        cls = stack.pop()
         self._push_built(cls.__new__(cls, *args))
 
     def _load_newobj_ex(self) -> None:
-        kwargs = self.stack.pop()
-        args = self.stack.pop()
-        cls = self.stack.pop()
+        stack = self.stack
+        kwargs = stack.pop()
+        args = stack.pop()
+        cls = stack.pop()
         self._push_built(cls.__new__(cls, *args, **kwargs))
 
     def _load_obj(self) -> None:
@@ -294,11 +302,11 @@ class RestrictedUnpickler(_BASE):  # type: ignore[misc,valid-type]
             raise EOFError("the pickle ends inside a FRAME opcode")
 
     # -- opcodes that change an object --------------------------------------------------
+    #
+    # Each checks its target in line: built by this load (the very object, by identity)
+    # and of the one type the opcode may change; anything else goes to _refuse.
 
-    def _target(self, value: Any, kind: type | tuple[type, ...], opcode: str) -> Any:
-        """``value`` if this load built it and it is a ``kind``; else refuse the file."""
-        if self._built.get(id(value)) is value and isinstance(value, kind):
-            return value
+    def _refuse(self, value: Any, opcode: str) -> None:
         name = self._globals.get(id(value))
         what = f"the allowlisted global '{name}'" if name else \
             f"a {type(value).__name__} it did not build"
@@ -309,31 +317,51 @@ class RestrictedUnpickler(_BASE):  # type: ignore[misc,valid-type]
         )
 
     def _load_build(self) -> None:
-        state = self.stack.pop()
-        self._target(self.stack[-1], Record, "BUILD").__setstate__(state)
+        stack = self.stack
+        state = stack.pop()
+        target = stack[-1]
+        if self._built.get(id(target)) is not target or not isinstance(target, Record):
+            self._refuse(target, "BUILD")
+        target.state = state
 
     def _load_setitem(self) -> None:
-        value = self.stack.pop()
-        key = self.stack.pop()
-        self._target(self.stack[-1], dict, "SETITEM")[key] = value
+        stack = self.stack
+        value = stack.pop()
+        key = stack.pop()
+        target = stack[-1]
+        if self._built.get(id(target)) is not target or type(target) is not dict:
+            self._refuse(target, "SETITEM")
+        target[key] = value
 
     def _load_setitems(self) -> None:
         items = self.pop_mark()
-        target = self._target(self.stack[-1], dict, "SETITEMS")
+        target = self.stack[-1]
+        if self._built.get(id(target)) is not target or type(target) is not dict:
+            self._refuse(target, "SETITEMS")
         for i in range(0, len(items), 2):
             target[items[i]] = items[i + 1]
 
     def _load_append(self) -> None:
-        value = self.stack.pop()
-        self._target(self.stack[-1], list, "APPEND").append(value)
+        stack = self.stack
+        value = stack.pop()
+        target = stack[-1]
+        if self._built.get(id(target)) is not target or type(target) is not list:
+            self._refuse(target, "APPEND")
+        target.append(value)
 
     def _load_appends(self) -> None:
         items = self.pop_mark()
-        self._target(self.stack[-1], list, "APPENDS").extend(items)
+        target = self.stack[-1]
+        if self._built.get(id(target)) is not target or type(target) is not list:
+            self._refuse(target, "APPENDS")
+        target.extend(items)
 
     def _load_additems(self) -> None:
         items = self.pop_mark()
-        self._target(self.stack[-1], set, "ADDITEMS").update(items)
+        target = self.stack[-1]
+        if self._built.get(id(target)) is not target or type(target) is not set:
+            self._refuse(target, "ADDITEMS")
+        target.update(items)
 
     for _opcode, _handler in {
         pickle.EMPTY_DICT: _load_empty_dict, pickle.EMPTY_LIST: _load_empty_list,

@@ -207,6 +207,11 @@ class RestrictedUnpickler(_BASE):  # type: ignore[misc,valid-type]
         except pickle._Stop as stop:  # type: ignore[attr-defined]
             return stop.value
 
+    @property
+    def position(self) -> int:
+        """How many bytes of the pickle were read: the failing opcode ends here."""
+        return self._file.tell()
+
     def find_class(self, module: str, name: str) -> Any:
         try:
             return self._allowed[(module, name)]
@@ -429,7 +434,8 @@ def safe_loads(
         # The parser and the allowlisted callables fail in many ways on malformed bytes
         # (UnpicklingError, EOFError, struct.error, IndexError, TypeError, ValueError,
         # OverflowError, RecursionError, UnicodeDecodeError, LookupError, MemoryError...).
+        where = unpickler.position
         raise NotACheckpointError(
-            f"{source}: not a readable pickle of the expected kind "
-            f"({type(exc).__name__}: {_cap(str(exc), 200)})"
+            f"{source}: not a readable pickle of the expected kind (at byte {where} of "
+            f"{len(data)}: {type(exc).__name__}: {_cap(str(exc), 200)})"
         ) from exc

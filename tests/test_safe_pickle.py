@@ -278,3 +278,11 @@ def test_bytes_with_arguments_is_refused(args):
     data = b"\x80\x02c__builtin__\nbytes\n" + _state_ops(args) + pickle.REDUCE + pickle.STOP
     with pytest.raises(NotACheckpointError, match="bytes"):
         safe_loads(data, allowed=_OBJECT_GLOBALS, source="x")
+
+
+def test_an_unreadable_pickle_error_says_at_which_byte_it_failed():
+    from fsdpckpt.errors import NotACheckpointError
+
+    data = pickle.dumps({"a": [1, 2, 3]}, protocol=2)[:-4]
+    with pytest.raises(NotACheckpointError, match=rf"at byte {len(data)} of {len(data)}"):
+        safe_loads(data, allowed=BUILTIN_GLOBALS, source="x")

@@ -129,9 +129,6 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-#: What a state-setting opcode may change, once this load built it.
-_MUTABLE = (dict, list, set, bytearray, Record)
-
 _BASE = pickle._Unpickler  # type: ignore[attr-defined]
 
 
@@ -144,8 +141,9 @@ class RestrictedUnpickler(_BASE):  # type: ignore[misc,valid-type]
     - globals resolve only through ``allowed`` (:meth:`find_class`);
     - the opcodes that change an existing object (BUILD, SETITEM(S), APPEND(S),
       ADDITEMS) apply only to objects this same load built (an empty dict, list or set,
-      or what a call of an allowlisted class returned), and BUILD only to fsdpckpt's
-      :class:`Record` stand-ins; aimed at anything else, above all at an allowlisted
+      or what a call of an allowlisted class returned), and BUILD only through the
+      object's own ``__setstate__`` (fsdpckpt's stand-ins such as :class:`Record` define
+      one); aimed at anything else, above all at an allowlisted
       global, they stop the load with :class:`UnsafePickleError`. Without this a BUILD
       writes into the ``__dict__`` of a module-level stand-in (a frozen dataclass does not
       stop it), changing how every later file is read in the process;
@@ -234,7 +232,7 @@ class RestrictedUnpickler(_BASE):  # type: ignore[misc,valid-type]
 
     def _push_built(self, value: Any) -> None:
         """Push what a call returned; count it as built unless it is an allowlisted value."""
-        if isinstance(value, _MUTABLE) and id(value) not in self._globals:
+        if id(value) not in self._globals:
             self._built[id(value)] = value
         self.append(value)
 
@@ -314,7 +312,9 @@ class RestrictedUnpickler(_BASE):  # type: ignore[misc,valid-type]
     def _refuse(self, value: Any, opcode: str) -> None:
         name = self._globals.get(id(value))
         what = f"the allowlisted global '{name}'" if name else \
-            f"a {type(value).__name__} it did not build"
+            f"a {type(value).__name__} it did not build" \
+            if self._built.get(id(value)) is not value else \
+            f"a {type(value).__name__}, which takes no state"
         raise UnsafePickleError(
             f"{self._source}: refusing a pickle that changes {what} ({opcode}); no file of "
             "this kind does that, and it could change how later files are read. The file "
@@ -322,12 +322,15 @@ class RestrictedUnpickler(_BASE):  # type: ignore[misc,valid-type]
         )
 
     def _load_build(self) -> None:
+        # Only through the object's own __setstate__ (a stand-in's, which checks what it
+        # gets): never pickle's fallback that writes __dict__ or calls setattr.
         stack = self.stack
         state = stack.pop()
         target = stack[-1]
-        if self._built.get(id(target)) is not target or not isinstance(target, Record):
+        setstate = getattr(type(target), "__setstate__", None)
+        if self._built.get(id(target)) is not target or setstate is None:
             self._refuse(target, "BUILD")
-        target.state = state
+        setstate(target, state)
 
     def _load_setitem(self) -> None:
         stack = self.stack

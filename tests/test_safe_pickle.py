@@ -181,8 +181,40 @@ def test_build_on_a_value_an_allowlisted_function_returned_is_refused():
     # stand-in this file may set state on.
     data = (b"\x80\x02" + _global("torch", "Size") + _state_ops(((1, 2),)) + pickle.REDUCE +
             _state_ops({"x": 1}) + pickle.BUILD + pickle.STOP)
-    with pytest.raises(UnsafePickleError, match="refusing a pickle that changes a tuple"):
+    with pytest.raises(UnsafePickleError, match="refusing a pickle that changes a tuple, "
+                                                "which takes no state"):
         safe_loads(data, allowed=METADATA_GLOBALS, source="x")
+
+
+class _StandIn:
+    """A stand-in like the RNG reader's: built by a call, given state once by BUILD."""
+
+    def __init__(self, *args):
+        self.args, self.state = args, None
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class _Plain:
+    def __init__(self, *args):
+        self.args = args
+
+
+def test_build_goes_through_a_built_stand_in_s_own_setstate():
+    allowed = {("m", "StandIn"): _StandIn}
+    data = (b"\x80\x02" + _global("m", "StandIn") + _state_ops((1,)) + pickle.REDUCE +
+            _state_ops({"k": 2}) + pickle.BUILD + pickle.STOP)
+    got = safe_loads(data, allowed=allowed, source="x")
+    assert isinstance(got, _StandIn) and got.args == (1,) and got.state == {"k": 2}
+
+
+def test_build_never_writes_the_dict_of_a_built_object_without_setstate():
+    allowed = {("m", "Plain"): _Plain}
+    data = (b"\x80\x02" + _global("m", "Plain") + _state_ops((1,)) + pickle.REDUCE +
+            _state_ops({"args": 2}) + pickle.BUILD + pickle.STOP)
+    with pytest.raises(UnsafePickleError, match="a _Plain, which takes no state"):
+        safe_loads(data, allowed=allowed, source="x")
 
 
 def test_build_on_a_stand_in_class_itself_is_refused():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import pickle
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -20,7 +21,7 @@ from .archive import check_view, read_archive_with_tensors
 from .dtypes import DType, dtype_from_name
 from .errors import CorruptCheckpointError
 from .metadata import ObjectEntry
-from .safe_pickle import BUILTIN_GLOBALS
+from .safe_pickle import BUILTIN_GLOBALS, brief
 
 __all__ = ["TensorValue", "read_object", "encode_value", "decode_value", "dumps", "loads",
            "to_torch"]
@@ -73,8 +74,28 @@ def _tensor_value(dtype: DType, storage: bytes, offset: int, shape: tuple[int, .
                   stride: tuple[int, ...]) -> TensorValue:
     return TensorValue(dtype, storage, offset, shape, stride)
 
+def _latin1_bytes(text: Any, encoding: Any = "latin1") -> bytes:
+    """``_codecs.encode`` as pickle protocol 2 uses it for ``bytes``: latin-1 only.
+
+    Any other codec is refused: some are slow on long input, some are not text codecs,
+    and none appears in a file pickle writes.
+    """
+    if not (isinstance(text, str) and encoding in ("latin1", "latin-1")):
+        raise pickle.UnpicklingError(f"_codecs.encode with {type(text).__name__} text and "
+                                     f"codec {brief(encoding)}; pickle only uses latin1 here")
+    return text.encode("latin1")
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """``bytes()`` as pickle protocol 2 writes ``b""``; never ``bytes(n)``, whose n is untrusted."""
+    if args:
+        raise pickle.UnpicklingError("bytes() called with arguments; pickle never does that")
+    return b""
+
+
 # Python values pickled by torch.save (protocol 2) name at most these globals.
-_OBJECT_GLOBALS = {**BUILTIN_GLOBALS, ("_codecs", "encode"): lambda s, enc="latin1": s.encode(enc)}
+_OBJECT_GLOBALS = {**BUILTIN_GLOBALS, ("_codecs", "encode"): _latin1_bytes,
+                   ("__builtin__", "bytes"): _empty_bytes, ("builtins", "bytes"): _empty_bytes}
 
 
 def read_object(file: IO[bytes], entry: ObjectEntry, *, source: str) -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 from .dtypes import DType
 from .errors import CheckpointNotFoundError, NotACheckpointError
 from .metadata import Chunk, DataFile, DcpMetadata, KeyPath, ObjectEntry, TensorEntry, rank_of_file
-from .safe_pickle import METADATA_GLOBALS, Record, safe_loads
+from .safe_pickle import METADATA_GLOBALS, Record, brief, safe_loads
 
 __all__ = ["DcpFolder", "read_dcp_folder", "parse_metadata", "is_dcp_folder", "METADATA_FILE",
            "data_file_path", "open_data_file", "path_inside"]
@@ -196,27 +196,170 @@ def read_dcp_folder(path: str | os.PathLike[str]) -> DcpFolder:
     return DcpFolder(folder, metadata, files)
 
 
-def _attr(record: Any, name: str, source: str, default: Any = ...) -> Any:
-    value = getattr(record, name, default)
-    if value is ...:
-        raise NotACheckpointError(
-            f"{source}: a {getattr(record, 'kind', type(record).__name__)} entry lacks "
-            f"'{name}'; the file is damaged or from an unsupported torch version."
-        )
+# -- the schema of a DCP .metadata -------------------------------------------------------
+#
+# Every field is checked for type and range before it is used: a damaged or crafted file
+# then fails with one NotACheckpointError naming the file and the entry, never with a
+# TypeError or AttributeError from deep inside. Integers are bounded by int64, as torch's
+# own sizes and offsets are.
+
+_INT64 = 2**63
+
+
+class _SchemaError(Exception):
+    """What is wrong with one field; :func:`parse_metadata` adds the file and the advice."""
+
+
+def _fields(record: Any, kind: str, where: str) -> dict[str, Any]:
+    """The pickled fields of a ``kind`` record (its state dict, or dict and slots merged)."""
+    if not (isinstance(record, Record) and type(record).kind == kind):
+        raise _SchemaError(f"{where} is a {_kind(record)}, not a {kind}")
+    state = getattr(record, "state", None)
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) and \
+            (state[0] is None or isinstance(state[0], dict)):
+        state = {**(state[0] or {}), **state[1]}
+    if state is None:
+        state = {}
+    if not isinstance(state, dict):
+        raise _SchemaError(f"{where} ({kind}) holds a {_kind(state)} where its fields belong")
+    return state
+
+
+def _kind(value: Any) -> str:
+    return type(value).kind if isinstance(value, Record) else type(value).__name__
+
+
+def _int(value: Any, where: str) -> int:
+    if not (type(value) is int and 0 <= value < _INT64):
+        raise _SchemaError(f"{where} is {brief(value)}, not an integer in 0..2**63-1")
     return value
 
 
-def _is(record: Any, kind: str) -> bool:
-    return isinstance(record, Record) and record.kind == kind
+def _ints(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)):
+        raise _SchemaError(f"{where} is {brief(value)}, not a tuple of integers")
+    ints = tuple(value)
+    # The common case in one pass of C-level checks; the slow path names the culprit.
+    if all(type(v) is int for v in ints) and (not ints or (min(ints) >= 0 and max(ints) < _INT64)):
+        return ints
+    return tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(ints))
 
 
-def _properties_dtype(props: Any, source: str) -> DType:
+def _str(value: Any, where: str) -> str:
+    if type(value) is not str:
+        raise _SchemaError(f"{where} is {brief(value)}, not a string")
+    return value
+
+
+def _dict(value: Any, where: str, optional: bool = False) -> dict[Any, Any]:
+    if value is None and optional:
+        return {}
+    if type(value) is not dict:
+        raise _SchemaError(f"{where} is {brief(value)}, not a dict")
+    return value
+
+
+def _list(value: Any, where: str) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise _SchemaError(f"{where} is {brief(value)}, not a list")
+    return value
+
+
+def _key_path(value: Any, where: str) -> KeyPath:
+    path = tuple(_list(value, where))
+    for i, key in enumerate(path):
+        if type(key) is not str:
+            _int(key, f"{where}[{i}]")
+    return path
+
+
+def _dtype(props: Any, where: str) -> DType:
     # TensorProperties pickles its fields as a tuple (dtype first) since torch 2.0.
-    state = props.state if _is(props, "TensorProperties") else None
-    dtype = state[0] if isinstance(state, tuple) and state else getattr(props, "dtype", None)
+    if not (isinstance(props, Record) and type(props).kind == "TensorProperties"):
+        raise _SchemaError(f"{where} is a {_kind(props)}, not a TensorProperties")
+    state = getattr(props, "state", None)
+    dtype = state[0] if isinstance(state, tuple) and state else \
+        state.get("dtype") if isinstance(state, dict) else None
     if not isinstance(dtype, DType):
-        raise NotACheckpointError(f"{source}: a tensor entry has no recognizable dtype.")
+        raise _SchemaError(f"{where} has no recognizable dtype ({brief(dtype)})")
     return dtype
+
+
+def _locations(storage: dict[Any, Any]) -> dict[tuple[str, tuple[int, ...] | None],
+                                               tuple[str, int, int]]:
+    """``(fqn, chunk offsets or None) -> (file, offset, length)`` from ``storage_data``."""
+    locations: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
+    for index, info in storage.items():
+        if not (isinstance(index, Record) and type(index).kind == "MetadataIndex" and
+                isinstance(info, Record) and type(info).kind == "_StorageInfo"):
+            raise _SchemaError(
+                "storage entries are not file locations; this folder was not written by "
+                "FileSystemWriter (e.g. HuggingFaceStorageWriter), which is not supported")
+        key = _fields(index, "MetadataIndex", "a storage index")
+        fqn = _str(key.get("fqn"), "a storage index's fqn")
+        where = f"the storage entry of {brief(fqn)}"
+        offsets = key.get("offset")
+        fields = _fields(info, "_StorageInfo", where)
+        transforms = fields.get("transform_descriptors")
+        if transforms:
+            raise _SchemaError(f"entry {brief(fqn)} is stored with transforms "
+                               f"{brief(transforms)}, which fsdpckpt does not read yet")
+        locations[(fqn, None if offsets is None else _ints(offsets, f"{where}: offset"))] = (
+            _str(fields.get("relative_path"), f"{where}: relative_path"),
+            _int(fields.get("offset"), f"{where}: offset"),
+            _int(fields.get("length"), f"{where}: length"),
+        )
+    return locations
+
+
+def _tensor(fqn: str, entry: Any, locations: dict[Any, tuple[str, int, int]],
+            key_path: KeyPath) -> TensorEntry:
+    where = f"tensor {brief(fqn)}"
+    fields = _fields(entry, "TensorStorageMetadata", where)
+    shape = _ints(fields.get("size"), f"{where}: size")
+    chunks = []
+    for i, chunk in enumerate(_list(fields.get("chunks"), f"{where}: chunks")):
+        at = f"{where}: chunk {i}"
+        chunk_fields = _fields(chunk, "ChunkStorageMetadata", at)
+        offsets = _ints(chunk_fields.get("offsets"), f"{at}: offsets")
+        sizes = _ints(chunk_fields.get("sizes"), f"{at}: sizes")
+        if len(offsets) != len(sizes):
+            raise _SchemaError(f"{at} has {len(offsets)} offsets but {len(sizes)} sizes")
+        file, offset, length = locations.get((fqn, offsets), (None, 0, 0))
+        chunks.append(Chunk(offsets, sizes, file, offset, length))
+    dtype = _dtype(fields.get("properties"), f"{where}: properties")
+    return TensorEntry(fqn, dtype, shape, tuple(chunks), key_path)
+
+
+def _parse(root: Any) -> DcpMetadata:
+    """Check ``root`` (the unpickled stand-ins) against the schema and convert it."""
+    fields = _fields(root, "Metadata", "the root")
+    entries = _dict(fields.get("state_dict_metadata"), "state_dict_metadata")
+    storage = _dict(fields.get("storage_data"), "storage_data", optional=True)
+    planner = _dict(fields.get("planner_data"), "planner_data", optional=True)
+    meta = fields.get("storage_meta")
+    if meta is not None:
+        _fields(meta, "StorageMeta", "storage_meta")
+    version = fields.get("version")
+    if version is not None:
+        _str(version, "version")
+    locations = _locations(storage)
+    tensors: list[TensorEntry] = []
+    objects: list[ObjectEntry] = []
+    for fqn, entry in entries.items():
+        _str(fqn, "a state_dict_metadata key")
+        planned = planner.get(fqn)
+        key_path = _key_path(planned, f"planner_data[{brief(fqn)}]") if planned else \
+            tuple(fqn.split("."))
+        if isinstance(entry, Record) and type(entry).kind == "BytesStorageMetadata":
+            file, offset, length = locations.get((fqn, None), (None, 0, 0))
+            objects.append(ObjectEntry(fqn, file, offset, length, key_path))
+        elif isinstance(entry, Record) and type(entry).kind == "TensorStorageMetadata":
+            tensors.append(_tensor(fqn, entry, locations, key_path))
+        else:
+            raise _SchemaError(f"entry {brief(fqn)} has an unknown storage kind "
+                               f"({_kind(entry)})")
+    return DcpMetadata(tuple(tensors), tuple(objects), version)
 
 
 def parse_metadata(data: bytes, *, source: str) -> DcpMetadata:
@@ -236,55 +379,17 @@ def parse_metadata(data: bytes, *, source: str) -> DcpMetadata:
     if not data:
         raise NotACheckpointError(f"{source}: the file is empty; the save did not finish.")
     root = safe_loads(data, allowed=METADATA_GLOBALS, source=source)
-    if not _is(root, "Metadata"):
+    if not (isinstance(root, Record) and type(root).kind == "Metadata"):
         raise NotACheckpointError(
-            f"{source}: holds a {type(root).__name__}, not DCP checkpoint metadata."
+            f"{source}: holds a {_kind(root)}, not DCP checkpoint metadata."
         )
-    entries = _attr(root, "state_dict_metadata", source)
-    storage = getattr(root, "storage_data", None) or {}
-    planner = getattr(root, "planner_data", None) or {}
-    if not isinstance(entries, dict) or not isinstance(storage, dict):
-        raise NotACheckpointError(f"{source}: metadata fields have unexpected types.")
-
-    locations: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
-    for index, info in storage.items():
-        if not (_is(index, "MetadataIndex") and _is(info, "_StorageInfo")):
-            raise NotACheckpointError(
-                f"{source}: storage entries are not file locations; this folder was not "
-                "written by FileSystemWriter (e.g. HuggingFaceStorageWriter), which is not "
-                "supported."
-            )
-        if getattr(info, "transform_descriptors", None):
-            raise NotACheckpointError(
-                f"{source}: entry '{index.fqn}' is stored with transforms "
-                f"{list(info.transform_descriptors)}, which fsdpckpt does not read yet."
-            )
-        offset = getattr(index, "offset", None)
-        key = (_attr(index, "fqn", source), tuple(offset) if offset is not None else None)
-        locations[key] = (
-            _attr(info, "relative_path", source),
-            int(_attr(info, "offset", source)),
-            int(_attr(info, "length", source)),
-        )
-
-    tensors: list[TensorEntry] = []
-    objects: list[ObjectEntry] = []
-    for fqn, entry in entries.items():
-        key_path: KeyPath = tuple(planner.get(fqn) or fqn.split("."))
-        if _is(entry, "BytesStorageMetadata"):
-            file, offset, length = locations.get((fqn, None), (None, 0, 0))
-            objects.append(ObjectEntry(fqn, file, offset, length, key_path))
-        elif _is(entry, "TensorStorageMetadata"):
-            chunks = []
-            for chunk in _attr(entry, "chunks", source):
-                offsets = tuple(_attr(chunk, "offsets", source))
-                file, offset, length = locations.get((fqn, offsets), (None, 0, 0))
-                chunks.append(Chunk(offsets, tuple(_attr(chunk, "sizes", source)), file,
-                                    offset, length))
-            dtype = _properties_dtype(_attr(entry, "properties", source), source)
-            shape = tuple(_attr(entry, "size", source))
-            tensors.append(TensorEntry(fqn, dtype, shape, tuple(chunks), key_path))
-        else:
-            raise NotACheckpointError(f"{source}: entry '{fqn}' has an unknown storage kind.")
-    version = getattr(root, "version", None)
-    return DcpMetadata(tuple(tensors), tuple(objects), version if isinstance(version, str) else None)
+    try:
+        return _parse(root)
+    except _SchemaError as exc:
+        raise NotACheckpointError(
+            f"{source}: {exc}; the file is damaged, crafted, or from an unsupported torch "
+            "version: use an intact copy of the checkpoint."
+        ) from None
+    except (RecursionError, MemoryError) as exc:  # a key too deeply nested to hash, say
+        raise NotACheckpointError(f"{source}: not readable DCP metadata "
+                                  f"({type(exc).__name__})") from None

@@ -95,3 +95,226 @@ def test_other_protocol_2_builtins_stay_refused(name):
     data = b"\x80\x02c__builtin__\n" + name.encode() + b"\nq\x00."
     with pytest.raises(UnsafePickleError, match=f"__builtin__.{name}"):
         safe_loads(data, allowed=BUILTIN_GLOBALS, source="x")
+
+
+# -- No pickle changes how the next file is read ----------------------------------------
+#
+# A pickle may name an allowlisted global and then apply a state-setting opcode to it:
+# BUILD (dict state writes the object's __dict__, even of a frozen dataclass; slot state
+# calls setattr, which reaches a function's __defaults__), or SETITEM(S)/APPEND(S)/ADDITEMS.
+# Those objects are module-level and shared by every later load in the process, so each
+# such pickle must be refused, and leave them exactly as they were.
+
+import dataclasses  # noqa: E402
+import pickletools  # noqa: E402
+
+from fsdpckpt import archive, objects  # noqa: E402
+from fsdpckpt.dtypes import DTYPES  # noqa: E402
+from fsdpckpt.safe_pickle import METADATA_GLOBALS  # noqa: E402
+
+ALLOWLISTS = {
+    "metadata": METADATA_GLOBALS,
+    "tensor archive": archive._TENSOR_GLOBALS,
+    "objects": objects._OBJECT_GLOBALS,
+}
+
+
+def _snapshot(value):
+    """Everything a pickle could have changed on ``value``, as plain comparable data."""
+    seen = {}
+    for name in ("__dict__", "__defaults__", "__kwdefaults__"):
+        attr = getattr(value, name, None)
+        seen[name] = dict(attr) if isinstance(attr, dict) or type(attr).__name__ == \
+            "mappingproxy" else attr
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        seen["fields"] = dataclasses.astuple(value)
+    return repr(seen)
+
+
+def _all_snapshots():
+    return {(which, key): _snapshot(value) for which, allowed in ALLOWLISTS.items()
+            for key, value in allowed.items()} | \
+        {("dtype", name): _snapshot(d) for name, d in DTYPES.items()}
+
+
+def _state_ops(state) -> bytes:
+    """The opcodes pushing ``state`` (protocol 2, no PROTO header, no STOP, no memo writes,
+    so that spliced into another pickle they leave its memo indices alone)."""
+    return pickletools.optimize(pickle.dumps(state, protocol=2))[2:-1]
+
+
+def _global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+# What each state-setting opcode sends: dict state, slot state (setattr), and the
+# container opcodes, each aimed at the global right below it on the stack.
+_ATTACKS = {
+    "BUILD dict state": lambda: _state_ops({"safetensors": "I32", "itemsize": 1,
+                                            "kind": "x", "dtype": None}) + pickle.BUILD,
+    "BUILD slot state": lambda: _state_ops((None, {"__defaults__": (1,), "dtype": None,
+                                                   "itemsize": 1})) + pickle.BUILD,
+    "SETITEM": lambda: _state_ops("k") + _state_ops(1) + pickle.SETITEM,
+    "SETITEMS": lambda: pickle.MARK + _state_ops("k") + _state_ops(1) + pickle.SETITEMS,
+    "APPEND": lambda: _state_ops(1) + pickle.APPEND,
+    "APPENDS": lambda: pickle.MARK + _state_ops(1) + pickle.APPENDS,
+    "ADDITEMS": lambda: pickle.MARK + _state_ops(1) + pickle.ADDITEMS,
+}
+
+_CASES = [pytest.param(which, key, id=f"{which}-{key[0]}.{key[1]}")
+          for which, allowed in ALLOWLISTS.items() for key in allowed]
+
+
+@pytest.mark.parametrize("which,key", _CASES)
+def test_state_setting_opcodes_on_an_allowlisted_global_are_refused(which, key):
+    before = _all_snapshots()
+    for attack, ops in _ATTACKS.items():
+        data = b"\x80\x02" + _global(*key) + ops() + pickle.STOP
+        with pytest.raises(UnsafePickleError, match="refusing a pickle that changes") as caught:
+            safe_loads(data, allowed=ALLOWLISTS[which], source="the/file")
+        assert "\n" not in str(caught.value) and "the/file" in str(caught.value), attack
+    assert _all_snapshots() == before
+
+
+def test_build_on_a_value_an_allowlisted_function_returned_is_refused():
+    # torch.Size returns a tuple, the storage rebuild a fresh record: neither is a
+    # stand-in this file may set state on.
+    data = (b"\x80\x02" + _global("torch", "Size") + _state_ops(((1, 2),)) + pickle.REDUCE +
+            _state_ops({"x": 1}) + pickle.BUILD + pickle.STOP)
+    with pytest.raises(UnsafePickleError, match="refusing a pickle that changes a tuple, "
+                                                "which takes no state"):
+        safe_loads(data, allowed=METADATA_GLOBALS, source="x")
+
+
+class _StandIn:
+    """A stand-in like the RNG reader's: built by a call, given state once by BUILD."""
+
+    def __init__(self, *args):
+        self.args, self.state = args, None
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class _Plain:
+    def __init__(self, *args):
+        self.args = args
+
+
+def test_build_goes_through_a_built_stand_in_s_own_setstate():
+    allowed = {("m", "StandIn"): _StandIn}
+    data = (b"\x80\x02" + _global("m", "StandIn") + _state_ops((1,)) + pickle.REDUCE +
+            _state_ops({"k": 2}) + pickle.BUILD + pickle.STOP)
+    got = safe_loads(data, allowed=allowed, source="x")
+    assert isinstance(got, _StandIn) and got.args == (1,) and got.state == {"k": 2}
+
+
+def test_build_never_writes_the_dict_of_a_built_object_without_setstate():
+    allowed = {("m", "Plain"): _Plain}
+    data = (b"\x80\x02" + _global("m", "Plain") + _state_ops((1,)) + pickle.REDUCE +
+            _state_ops({"args": 2}) + pickle.BUILD + pickle.STOP)
+    with pytest.raises(UnsafePickleError, match="a _Plain, which takes no state"):
+        safe_loads(data, allowed=allowed, source="x")
+
+
+def test_build_on_a_stand_in_class_itself_is_refused():
+    before = _all_snapshots()
+    data = (b"\x80\x02" + _global("torch.distributed.checkpoint.metadata", "Metadata") +
+            _state_ops({"kind": "Metadata", "state_dict_metadata": {}}) + pickle.BUILD +
+            pickle.STOP)
+    with pytest.raises(UnsafePickleError, match="torch.distributed.checkpoint.metadata.Metadata"):
+        safe_loads(data, allowed=METADATA_GLOBALS, source="x")
+    assert _all_snapshots() == before
+
+
+def test_state_setting_opcodes_still_fill_what_the_pickle_built():
+    value = {"d": {1: 2}, "l": [1, 2], "s": {3}, "o": pickle.loads(pickle.dumps({"k": [1]}))}
+    for protocol in (2, 4, 5):
+        assert safe_loads(pickle.dumps(value, protocol=protocol), allowed=BUILTIN_GLOBALS,
+                          source="x") == value
+
+
+def test_a_record_keeps_its_kind_whatever_its_state_says():
+    data = (b"\x80\x02" + _global("torch.distributed.checkpoint.metadata",
+                                  "BytesStorageMetadata") + _state_ops(()) + pickle.NEWOBJ +
+            _state_ops({"kind": "TensorStorageMetadata", "args": 1}) + pickle.BUILD + pickle.STOP)
+    record = safe_loads(data, allowed=METADATA_GLOBALS, source="x")
+    assert record.kind == "BytesStorageMetadata" and not hasattr(record, "args")
+
+
+def _poisoned_metadata(folder) -> bytes:
+    """The real ``.metadata`` of ``folder`` preceded by a BUILD onto ``torch.float32``.
+
+    It stays a valid DCP pickle (the BUILD's result is popped), so only the BUILD is wrong.
+    """
+    real = (folder / ".metadata").read_bytes()
+    attack = (_global("torch", "float32") + _state_ops({"safetensors": "I32"}) +
+              pickle.BUILD + pickle.POP)
+    assert real[:2] == b"\x80\x04"  # then the rest parses with any protocol's opcodes
+    return real[:2] + attack + real[2:]
+
+
+def test_inspecting_a_poisoned_folder_leaves_a_later_merge_bit_exact(tmp_path, dtensor_copy):
+    # The issue's reproduction: after inspecting the crafted folder, a merge of a trusted
+    # checkpoint in the same process wrote I32 headers over float32 data.
+    import json
+    import struct
+
+    import fsdpckpt
+    from fsdpckpt.full import load_full_state_dict
+
+    from conftest import DCP_FOLDERS, assert_same_state, reference_state_dict, run_cli
+
+    (dtensor_copy / ".metadata").write_bytes(_poisoned_metadata(dtensor_copy))
+    result = run_cli("inspect", dtensor_copy)
+    assert result.exit_code == 1 and "refusing a pickle that changes" in result.stderr
+    assert "torch.float32" in result.stderr
+    assert DTYPES["float32"].safetensors == "F32" and DTYPES["float32"].itemsize == 4
+    assert "safetensors" not in vars(DTYPES["float32"]) or \
+        vars(DTYPES["float32"])["safetensors"] == "F32"
+
+    trusted = DCP_FOLDERS["dtensor"]
+    (merged,) = fsdpckpt.merge(trusted, tmp_path / "out", format="safetensors", keep_keys=True)
+    raw = merged.path.read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    assert "I32" not in {v.get("dtype") for k, v in header.items() if k != "__metadata__"}
+    reference = reference_state_dict(trusted)
+    expected = next(iter(reference.values())) if len(reference) == 1 else reference
+    assert_same_state(load_full_state_dict(merged.path), expected)
+
+
+def test_bytes_in_a_torch_save_value_still_load():
+    from fsdpckpt.objects import _OBJECT_GLOBALS
+
+    data = _torch_save_pickle({"b": b"\x00\xffabc", "e": b""})
+    assert b"_codecs" in data
+    assert safe_loads(data, allowed=_OBJECT_GLOBALS, source="x") == {"b": b"\x00\xffabc", "e": b""}
+
+
+@pytest.mark.parametrize("codec", ["rot13", "punycode", "idna", "utf-16", "no-such-codec"])
+def test_codecs_encode_accepts_only_latin1(codec):
+    from fsdpckpt.errors import NotACheckpointError
+    from fsdpckpt.objects import _OBJECT_GLOBALS
+
+    data = (b"\x80\x02c_codecs\nencode\n" + _state_ops(("abc", codec)) + pickle.REDUCE +
+            pickle.STOP)
+    with pytest.raises(NotACheckpointError, match="latin1"):
+        safe_loads(data, allowed=_OBJECT_GLOBALS, source="x")
+
+
+@pytest.mark.parametrize("args", [(10**12,), (5,), ("abc", "latin1")])
+def test_bytes_with_arguments_is_refused(args):
+    from fsdpckpt.errors import NotACheckpointError
+    from fsdpckpt.objects import _OBJECT_GLOBALS
+
+    data = b"\x80\x02c__builtin__\nbytes\n" + _state_ops(args) + pickle.REDUCE + pickle.STOP
+    with pytest.raises(NotACheckpointError, match="bytes"):
+        safe_loads(data, allowed=_OBJECT_GLOBALS, source="x")
+
+
+def test_an_unreadable_pickle_error_says_at_which_byte_it_failed():
+    from fsdpckpt.errors import NotACheckpointError
+
+    data = pickle.dumps({"a": [1, 2, 3]}, protocol=2)[:-4]
+    with pytest.raises(NotACheckpointError, match=rf"at byte {len(data)} of {len(data)}"):
+        safe_loads(data, allowed=BUILTIN_GLOBALS, source="x")

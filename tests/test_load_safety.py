@@ -97,12 +97,15 @@ def test_a_stray_rank_local_metadata_file_alone_is_refused(tmp_path):
     assert_same_state(model.state_dict(), before)
 
 
-def test_metadata_torch_itself_would_reject_still_loads_through_our_reader(tmp_path):
+def test_metadata_torch_itself_would_reject_is_refused_by_our_reader_not_handed_on(tmp_path):
+    # Torch would fail on it and fall back to rank-local files; our schema names the field.
     ckpt = _saved(tmp_path)
     _torch_rejects(ckpt / "pytorch_model_fsdp_0")
     model = torch.nn.Sequential(torch.nn.Linear(8, 17), torch.nn.ReLU(), torch.nn.Linear(17, 3))
-    fsdpckpt.load_state(ckpt, model)
-    assert_same_state(model.state_dict(), workers.make_model().state_dict())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(fsdpckpt.NotACheckpointError, match="storage_meta"):
+        fsdpckpt.load_state(ckpt, model)
+    assert_same_state(model.state_dict(), before)
 
 
 def test_the_load_path_never_calls_plain_pickle(tmp_path, monkeypatch):

@@ -337,38 +337,38 @@ class RestrictedUnpickler(_BASE):  # type: ignore[misc,valid-type]
         value = stack.pop()
         key = stack.pop()
         target = stack[-1]
-        if self._built.get(id(target)) is not target or type(target) is not dict:
-            self._refuse(target, "SETITEM")
+        self._require_built(target, dict, "SETITEM")
         target[key] = value
 
     def _load_setitems(self) -> None:
         items = self.pop_mark()
         target = self.stack[-1]
-        if self._built.get(id(target)) is not target or type(target) is not dict:
-            self._refuse(target, "SETITEMS")
+        self._require_built(target, dict, "SETITEMS")
         for i in range(0, len(items), 2):
             target[items[i]] = items[i + 1]
+
+    def _require_built(self, target: Any, kind: type, opcode: str) -> None:
+        """Refuse ``opcode`` unless ``target`` is a ``kind`` this same pickle built."""
+        if self._built.get(id(target)) is not target or type(target) is not kind:
+            self._refuse(target, opcode)
 
     def _load_append(self) -> None:
         stack = self.stack
         value = stack.pop()
         target = stack[-1]
-        if self._built.get(id(target)) is not target or type(target) is not list:
-            self._refuse(target, "APPEND")
+        self._require_built(target, list, "APPEND")
         target.append(value)
 
     def _load_appends(self) -> None:
         items = self.pop_mark()
         target = self.stack[-1]
-        if self._built.get(id(target)) is not target or type(target) is not list:
-            self._refuse(target, "APPENDS")
+        self._require_built(target, list, "APPENDS")
         target.extend(items)
 
     def _load_additems(self) -> None:
         items = self.pop_mark()
         target = self.stack[-1]
-        if self._built.get(id(target)) is not target or type(target) is not set:
-            self._refuse(target, "ADDITEMS")
+        self._require_built(target, set, "ADDITEMS")
         target.update(items)
 
     for _opcode, _handler in {

@@ -19,17 +19,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import re
 from dataclasses import dataclass
 
-from .metadata import Chunk, TensorEntry
+from .metadata import Chunk, TensorEntry, rank_file_parts
 from .reader import DcpFolder
 
 __all__ = ["Problem", "check_folder", "check_tensor_chunks", "known_world_size"]
 
-# Rank and index of at most 9 digits: longer numbers are no rank file DCP writes, and
-# converting them would cost time quadratic in their length.
-_RANK_FILE = re.compile(r"^__(\d{1,9})_(\d{1,9})\.distcp$")
 _SHOWN = 5  # problems of one kind named in full; the rest are counted
 
 
@@ -259,7 +255,7 @@ def known_world_size(folder: DcpFolder) -> tuple[int, bool]:
         ``(world_size, exact)``; ``(0, False)`` for a folder with no rank files.
     """
     names = {f.name for f in folder.files} | set(folder.metadata.referenced_files)
-    found = [(int(m.group(1)), int(m.group(2))) for m in map(_RANK_FILE.match, names) if m]
+    found = [parts for parts in map(rank_file_parts, names) if parts]
     if not found:
         return 0, False
     ranks = {rank for rank, _ in found}

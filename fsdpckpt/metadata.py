@@ -23,18 +23,27 @@ __all__ = [
     "DataFile",
     "KeyPath",
     "rank_of_file",
+    "rank_file_parts",
 ]
 
 #: The nested key path of an entry, e.g. ``("optimizer", "state", "0.weight", "exp_avg")``.
 KeyPath = tuple[Union[str, int], ...]
 
-_RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+# Rank and index of at most 9 digits: longer numbers are no rank file DCP writes, and
+# converting them would cost time quadratic in their length.
+_RANK_FILE = re.compile(r"^__(\d{1,9})_(\d{1,9})\.distcp$")
+
+
+def rank_file_parts(name: str) -> tuple[int, int] | None:
+    """``(rank, n)`` of a DCP data file ``__{rank}_{n}.distcp``, or None for other names."""
+    match = _RANK_FILE.match(name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def rank_of_file(name: str) -> int | None:
     """Return the rank that wrote ``__{rank}_{n}.distcp``, or None for other names."""
-    match = _RANK_FILE.match(name)
-    return int(match.group(1)) if match else None
+    parts = rank_file_parts(name)
+    return parts[0] if parts else None
 
 
 @dataclass(frozen=True)

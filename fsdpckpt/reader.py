@@ -15,7 +15,7 @@ from typing import Any
 
 from .dtypes import DType
 from .errors import CheckpointNotFoundError, NotACheckpointError
-from .metadata import Chunk, DataFile, DcpMetadata, KeyPath, ObjectEntry, TensorEntry, rank_of_file
+from .metadata import Chunk, DataFile, DcpMetadata, KeyPath, ObjectEntry, TensorEntry
 from .safe_pickle import METADATA_GLOBALS, Record, brief, safe_loads
 
 __all__ = ["DcpFolder", "read_dcp_folder", "parse_metadata", "is_dcp_folder", "METADATA_FILE",
@@ -110,16 +110,6 @@ class DcpFolder:
         return {f.name: f.size for f in self.files}
 
     @property
-    def world_size(self) -> int:
-        """Ranks that wrote this folder, as the rank file names (present or referenced) show."""
-        names = {f.name for f in self.files} | set(self.metadata.referenced_files)
-        # Only names DCP could write (__{rank}_{n}.distcp, numbers of at most 9 digits): a
-        # longer one is no rank file, and converting it costs time quadratic in its length.
-        ranks = [r for r in map(rank_of_file, (n for n in names if len(n) <= 28))
-                 if r is not None and r < 10**9]
-        return max(ranks) + 1 if ranks else 0
-
-    @property
     def nbytes(self) -> int:
         """Bytes on disk: the data files plus ``.metadata``."""
         return sum(f.size for f in self.files) + (self.path / METADATA_FILE).stat().st_size
@@ -140,7 +130,8 @@ METADATA_SLACK = 8 << 20
 
 def _read_metadata_bounded(folder: Path, meta_path: Path) -> bytes:
     """The bytes of ``.metadata``, refused unread when larger than the data it could describe."""
-    size = os.stat(path_inside(folder, METADATA_FILE)).st_size
+    path = path_inside(folder, METADATA_FILE)
+    size = os.stat(path).st_size
     if size > METADATA_SLACK:
         data = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(folder)
                    if e.name.endswith(".distcp") and e.is_file(follow_symlinks=False))
@@ -150,7 +141,7 @@ def _read_metadata_bounded(folder: Path, meta_path: Path) -> bytes:
                 f".metadata is a small part of its checkpoint (at most {METADATA_SLACK} bytes "
                 "more than its data files), so this one is damaged, crafted, or its data "
                 "files are missing: use an intact copy")
-    return path_inside(folder, METADATA_FILE).read_bytes()
+    return path.read_bytes()
 
 
 def read_dcp_folder(path: str | os.PathLike[str]) -> DcpFolder:

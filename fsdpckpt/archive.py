@@ -151,14 +151,15 @@ _TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-def _is_int(value: Any) -> bool:
+def is_plain_int(value: Any) -> bool:
+    """An int that is not a bool (pickles give both; sizes and offsets are never bools)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _persistent_storage(pid: Any) -> _Storage:
     if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
             and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)
-            and _is_int(pid[4]) and pid[4] >= 0):
+            and is_plain_int(pid[4]) and pid[4] >= 0):
         raise NotACheckpointError(f"unexpected persistent id {pid!r}")
     dtype = pid[1].dtype
     # torch.save records a typed (legacy) storage's size in elements, an UntypedStorage's
@@ -195,8 +196,8 @@ def check_view(dtype: DType, storage_nbytes: int, offset: Any, shape: Any, strid
     """
     shape = tuple(shape) if isinstance(shape, (tuple, list)) else shape
     stride = tuple(stride) if isinstance(stride, (tuple, list)) else stride
-    if not (_is_int(offset) and isinstance(shape, tuple) and isinstance(stride, tuple)
-            and all(map(_is_int, shape)) and all(map(_is_int, stride))):
+    if not (is_plain_int(offset) and isinstance(shape, tuple) and isinstance(stride, tuple)
+            and all(map(is_plain_int, shape)) and all(map(is_plain_int, stride))):
         raise CorruptCheckpointError(f"{source}: the archive gives a storage offset, shape or "
                                      "strides that are not integers; the file is damaged.")
     if len(shape) != len(stride):

@@ -23,7 +23,7 @@ from .errors import CorruptCheckpointError
 from .metadata import ObjectEntry
 from .safe_pickle import BUILTIN_GLOBALS, brief
 
-__all__ = ["TensorValue", "read_object", "encode_value", "decode_value", "dumps", "loads",
+__all__ = ["TensorValue", "latin1_bytes", "read_object", "encode_value", "decode_value", "dumps", "loads",
            "to_torch"]
 
 
@@ -70,11 +70,7 @@ class TensorValue:
         return f"TensorValue({self.dtype.name}, shape={list(self.shape)})"
 
 
-def _tensor_value(dtype: DType, storage: bytes, offset: int, shape: tuple[int, ...],
-                  stride: tuple[int, ...]) -> TensorValue:
-    return TensorValue(dtype, storage, offset, shape, stride)
-
-def _latin1_bytes(text: Any, encoding: Any = "latin1") -> bytes:
+def latin1_bytes(text: Any, encoding: Any = "latin1") -> bytes:
     """``_codecs.encode`` as pickle protocol 2 uses it for ``bytes``: latin-1 only.
 
     Any other codec is refused: some are slow on long input, some are not text codecs,
@@ -94,7 +90,7 @@ def _empty_bytes(*args: Any) -> bytes:
 
 
 # Python values pickled by torch.save (protocol 2) name at most these globals.
-_OBJECT_GLOBALS = {**BUILTIN_GLOBALS, ("_codecs", "encode"): _latin1_bytes,
+_OBJECT_GLOBALS = {**BUILTIN_GLOBALS, ("_codecs", "encode"): latin1_bytes,
                    ("__builtin__", "bytes"): _empty_bytes, ("builtins", "bytes"): _empty_bytes}
 
 
@@ -111,7 +107,7 @@ def read_object(file: IO[bytes], entry: ObjectEntry, *, source: str) -> Any:
     """
     return read_archive_with_tensors(file, entry.offset, entry.length,
                                      source=f"{source} (object '{entry.name}')",
-                                     allowed=_OBJECT_GLOBALS, make_tensor=_tensor_value)
+                                     allowed=_OBJECT_GLOBALS, make_tensor=TensorValue)
 
 
 def to_torch(value: Any) -> Any:

@@ -23,10 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .archive import read_archive_with_tensors
+from .archive import is_plain_int, read_archive_with_tensors
 from .errors import (CheckpointNotFoundError, FsdpCkptError, NotACheckpointError,
                      UnsafePickleError)
-from .objects import TensorValue
+from .objects import TensorValue, latin1_bytes
 from .safe_pickle import BUILTIN_GLOBALS
 
 __all__ = ["read_rng_archive", "rng_fields", "MAX_RNG_FILE_BYTES"]
@@ -91,14 +91,6 @@ class _Built:
         self.state, self._built = state, True
 
 
-def _latin1(text: Any, encoding: Any = "latin1") -> bytes:
-    # numpy pickles bytes at protocol 2 as codecs.encode(str, "latin1"): decode only that.
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise pickle.UnpicklingError("codecs.encode is called with something other than a "
-                                     "string and 'latin1'")
-    return text.encode("latin1")
-
-
 def _stand_ins() -> dict[tuple[str, str], Any]:
     """The globals an RNG file may name, as fresh stand-ins for this one file."""
     ndarray = _Global("numpy.ndarray")
@@ -106,7 +98,7 @@ def _stand_ins() -> dict[tuple[str, str], Any]:
                           lambda *args: _Built("ndarray", args)
                           if args and args[0] is ndarray else _refuse_reconstruct())
     dtype = _Global("numpy.dtype", lambda *args: _Built("dtype", args))
-    encode = _Global("codecs.encode", _latin1)
+    encode = _Global("codecs.encode", latin1_bytes)
     return {
         **BUILTIN_GLOBALS,
         ("numpy", "ndarray"): ndarray,
@@ -228,18 +220,14 @@ def _show(key: Any) -> str:
     return repr(key)[:80]
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _int_in(value: Any, low: int, high: int, what: str) -> int:
-    if not _is_int(value) or not low <= value <= high:
+    if not is_plain_int(value) or not low <= value <= high:
         raise _Bad(f"{what} must be an integer from {low} to {high}, not {_describe(value)}")
     return value
 
 
 def _describe(value: Any) -> str:
-    if _is_int(value):
+    if is_plain_int(value):
         return repr(value) if abs(value) < 10**30 else f"a {value.bit_length()}-bit integer"
     if isinstance(value, float):
         return repr(value)
@@ -302,8 +290,8 @@ def _key_bytes(record: Any) -> bytes:
             and isinstance(record.state, tuple) and len(record.state) == 5):
         raise wrong
     version, shape, dtype, fortran, raw = record.state
-    if not (_is_int(version) and version == 1 and shape == (_MT_WORDS,)
-            and isinstance(shape, tuple) and _is_int(shape[0]) and fortran is False):
+    if not (is_plain_int(version) and version == 1 and shape == (_MT_WORDS,)
+            and isinstance(shape, tuple) and is_plain_int(shape[0]) and fortran is False):
         raise wrong
     _check_uint32(dtype, wrong)
     if not isinstance(raw, bytes) or len(raw) != _MT_WORDS * 4:
@@ -351,7 +339,7 @@ def _cuda_state(value: Any) -> Any:
 
 def _device_state(value: Any) -> Any:
     # Other accelerators: a seed (torch_xla), a byte tensor, or a list of them per device.
-    if _is_int(value):
+    if is_plain_int(value):
         return _int_in(value, 0, 2**64 - 1, "the seed")
     if isinstance(value, (list, tuple)):
         return [_byte_tensor(v, None, f"device {i}'s state") for i, v in enumerate(value)]

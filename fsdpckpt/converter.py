@@ -31,7 +31,7 @@ from typing import Any
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, \
     UnsafePickleError
 from .formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
-from .objects import loads
+from .objects import loads, torch_load_allowlisted
 from .writer import OutputExistsError
 
 __all__ = ["convert", "ConvertResult", "MODEL_FILES"]
@@ -169,16 +169,10 @@ def _resolve(source: Path) -> Path:
 
 def _torch_load(file: Path, kind: str) -> Any:
     """``torch.load`` through torch's weights-only allowlist; its failures as our errors."""
-    import torch
-
     try:
         # mmap: tensors are paged in as each is written, not loaded all at once (the legacy
         # format cannot be mapped).
-        # As load_full_state_dict: non-tensor entries a .bin merge keeps may hold these
-        # harmless builtins, which torch's weights-only loader refuses by default.
-        with torch.serialization.safe_globals([set, frozenset, complex, slice]):
-            return torch.load(file, map_location="cpu", weights_only=True,
-                              mmap=kind == "torch")
+        return torch_load_allowlisted(file, mmap=kind == "torch")
     except pickle.UnpicklingError as exc:
         asked = re.search(r"GLOBAL (\S+)", str(exc))
         if asked:

@@ -13,8 +13,8 @@ What else the load path reads from a checkpoint, audited in torch 2.13:
 - tensor chunks: ``FileSystemReader.read_data`` calls ``torch.load(..., weights_only=True)``
   (torch's allowlist; explicit, so ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` cannot switch it
   off), on a view bounded by the chunk's offset and length;
-- non-tensor entries: torch's ``DefaultLoadPlanner.load_bytes`` uses
-  ``weights_only=False``; :func:`safe_load_planner` replaces it with ``weights_only=True``.
+- non-tensor entries: torch's ``DefaultLoadPlanner.load_bytes`` unpickles them with the
+  allowlist switched off; :func:`safe_load_planner` loads them with ``weights_only=True``.
 
 Nothing else on that path unpickles file bytes.
 """
@@ -133,7 +133,7 @@ def safe_load_planner() -> Any:
         def load_bytes(self, read_item: Any, value: Any) -> None:
             fqn = read_item.dest_index.fqn
             try:
-                obj = torch.load(value, weights_only=True)
+                obj = torch.load(value, weights_only=True)  # safe: torch's allowlist
             except Exception as exc:  # noqa: BLE001 - one clear error
                 raise refused(Path(f"entry '{fqn}'"), exc, "checkpoint entry") from None
             if self.flatten_state_dict:

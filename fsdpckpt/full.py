@@ -21,7 +21,7 @@ from .dtypes import DType
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from .formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from .nesting import unflatten
-from .objects import loads, read_object, to_torch
+from .objects import loads, read_object, to_torch, torch_load_allowlisted
 from .plan import chunk_runs
 from .rawio import reusing_scratch
 from .reader import is_dcp_folder, open_data_file, read_dcp_folder
@@ -132,12 +132,7 @@ def _from_file(path: Path) -> dict[Any, Any]:
         return merged
     if path.suffix == ".safetensors":
         return _from_safetensors([path])
-    import torch
-
-    # torch's weights-only loader refuses some harmless builtins (frozenset) that
-    # non-tensor entries hold and a .bin merge keeps.
-    with torch.serialization.safe_globals([set, frozenset, complex, slice]):
-        return torch.load(path, map_location="cpu", weights_only=True)
+    return torch_load_allowlisted(path)
 
 
 def load_full_state_dict(path: str | os.PathLike[str]) -> dict[Any, Any]:

@@ -23,8 +23,8 @@ from .errors import CorruptCheckpointError
 from .metadata import ObjectEntry
 from .safe_pickle import BUILTIN_GLOBALS, brief
 
-__all__ = ["TensorValue", "latin1_bytes", "read_object", "encode_value", "decode_value", "dumps", "loads",
-           "to_torch"]
+__all__ = ["TensorValue", "latin1_bytes", "torch_load_allowlisted", "read_object",
+           "encode_value", "decode_value", "dumps", "loads", "to_torch"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,6 +108,21 @@ def read_object(file: IO[bytes], entry: ObjectEntry, *, source: str) -> Any:
     return read_archive_with_tensors(file, entry.offset, entry.length,
                                      source=f"{source} (object '{entry.name}')",
                                      allowed=_OBJECT_GLOBALS, make_tensor=TensorValue)
+
+
+def torch_load_allowlisted(path: Any, *, mmap: bool = False) -> Any:
+    """``torch.load`` of a ``.bin`` through torch's weights-only allowlist.
+
+    Non-tensor entries a ``.bin`` merge keeps may hold set, frozenset, complex or slice
+    values (as :data:`BUILTIN_GLOBALS` admits), which torch's allowlist refuses by
+    default; those four harmless builtins are added, nothing else.
+    """
+    import torch
+
+    with torch.serialization.safe_globals([set, frozenset, complex, slice]):
+        # safe: weights_only=True is torch's restricted unpickler; the globals added are
+        # four builtin types that construct plain values and run no code.
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def to_torch(value: Any) -> Any:

@@ -327,7 +327,7 @@ def _load_trusted(path: Path, what: str = "state") -> Any:
     from .rng import refused
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)  # safe: allowlist
     except Exception as exc:  # noqa: BLE001 - turned into one clear error
         raise refused(path, exc, what) from None
     if what != "state" and not isinstance(state, dict):  # a scheduler's or scaler's state_dict

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from .archive import RawTensor
 from .casts import cast_block, fast_cast
 from .dtypes import DType
 from .errors import CorruptCheckpointError
 from .metadata import Chunk
-from .rawio import copy_range, pread_into, pwrite_all, read_exact, scratch
+from .rawio import copy_range, pread_into, pwrite_all, scratch
 
-__all__ = ["copy_range", "read_exact", "place_chunk", "stored_tensor", "FileSink",
-           "MemorySink", "tiles"]
+__all__ = ["place_chunk", "tiles", "FileSink", "MemorySink"]
 
 # Stored bytes read for one tile, and output bytes made by one tile. With torch
 # imported (about 220 MB here) two such buffers keep a merge under 300 MB.
@@ -72,14 +71,6 @@ class MemorySink:
         pread_into(src, self.view[offset:offset + count], src_offset, source=source)
         if progress:
             progress(count)
-
-
-def stored_tensor(storage: bytearray, raw: RawTensor) -> Any:
-    """The chunk as a torch tensor viewing ``storage`` (the bytes of its whole storage)."""
-    import torch
-
-    flat = torch.frombuffer(storage, dtype=getattr(torch, raw.dtype.name))
-    return torch.as_strided(flat, raw.shape, raw.stride, raw.storage_offset)
 
 
 def _runs(shape: Sequence[int], offsets: Sequence[int],

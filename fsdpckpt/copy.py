@@ -17,14 +17,18 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from .archive import RawTensor
+import os
+from pathlib import Path
+
+from .archive import RawTensor, locate_tensor
 from .casts import cast_block, fast_cast
 from .dtypes import DType
-from .errors import CorruptCheckpointError
-from .metadata import Chunk
+from .errors import CorruptCheckpointError, NotACheckpointError
+from .metadata import Chunk, TensorEntry
 from .rawio import copy_range, pread_into, pwrite_all, scratch
+from .reader import open_data_file
 
-__all__ = ["place_chunk", "tiles", "FileSink", "MemorySink"]
+__all__ = ["place_chunk", "place_stored_chunk", "tiles", "DataFiles", "FileSink", "MemorySink"]
 
 # Stored bytes read for one tile, and output bytes made by one tile. With torch
 # imported (about 220 MB here) two such buffers keep a merge under 300 MB.
@@ -248,3 +252,55 @@ def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: tuple[int, Sequenc
         _place_contiguous(src, raw, run, starts, out, sink, tensor_start, source, progress)
     else:
         _place_tiled(src, raw, chunk, run, starts, out, sink, tensor_start, source, progress)
+
+
+class DataFiles:
+    """The data files of one DCP folder, each opened once and only from inside the folder.
+
+    Use as a context manager; every file opened is closed at its end.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._fds: dict[str, int] = {}
+
+    def fd(self, name: str) -> int:
+        if name not in self._fds:
+            self._fds[name] = open_data_file(self.folder, name)
+        return self._fds[name]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> DataFiles:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, out: DType,
+                       dst: int | Sink, tensor_start: int, *,
+                       progress: Callable[[int], None] | None = None) -> None:
+    """Find ``chunk`` of ``tensor`` in its data file, check it, and place it (:func:`place_chunk`).
+
+    Raises:
+        NotACheckpointError: the metadata gives the chunk no storage entry.
+        CorruptCheckpointError: its archive is damaged or holds another dtype than the metadata.
+    """
+    from .plan import chunk_runs  # deferred, as in _runs
+
+    source = f"{files.folder / str(chunk.file)} (tensor '{tensor.name}' chunk at " \
+             f"{list(chunk.offsets)})"
+    if chunk.file is None:
+        raise NotACheckpointError(f"{source}: the metadata has no storage entry")
+    src = files.fd(chunk.file)
+    with os.fdopen(os.dup(src), "rb") as handle:
+        raw = locate_tensor(handle, chunk.offset, chunk.length, source=source)
+    if raw.dtype.name != tensor.dtype.name:
+        raise CorruptCheckpointError(f"{source}: holds {raw.dtype.name}, the metadata says "
+                                     f"{tensor.dtype.name}")
+    place_chunk(src, raw, chunk, chunk_runs(tensor.shape, chunk), out, dst, tensor_start,
+                source=source, progress=progress)

@@ -14,17 +14,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .archive import locate_tensor
 from .checks import check_folder
-from .copy import MemorySink, place_chunk
+from .copy import DataFiles, MemorySink, place_stored_chunk
 from .dtypes import DType
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from .formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from .nesting import unflatten
 from .objects import loads, read_object, to_torch, torch_load_allowlisted
-from .plan import chunk_runs
 from .rawio import reusing_scratch
-from .reader import is_dcp_folder, open_data_file, read_dcp_folder
+from .reader import is_dcp_folder, read_dcp_folder
 
 __all__ = ["load_full_state_dict", "shard_files"]
 
@@ -53,35 +51,20 @@ def _from_dcp(path: Path) -> dict[Any, Any]:
         raise CorruptCheckpointError(f"{problems[0]}{more}; run `fsdpckpt inspect {path}` "
                                      "for the full list")
     items: list[tuple[tuple, Any]] = []
-    fds: dict[str, int] = {}
-    try:
-        def fd(name: str | None) -> int:
-            if name is None:
-                raise NotACheckpointError(f"{path}: an entry has no storage entry in .metadata")
-            if name not in fds:
-                fds[name] = open_data_file(path, name)  # only from inside the folder
-            return fds[name]
-
+    with DataFiles(path) as files:
         for tensor in folder.metadata.tensors:
             full, sink = _empty(tensor.dtype, tensor.shape)
             for chunk in tensor.chunks:
-                source = f"{path / str(chunk.file)} (tensor '{tensor.name}')"
-                with os.fdopen(os.dup(fd(chunk.file)), "rb") as handle:
-                    raw = locate_tensor(handle, chunk.offset, chunk.length, source=source)
-                if raw.dtype.name != tensor.dtype.name:
-                    raise CorruptCheckpointError(f"{source}: holds {raw.dtype.name}, the "
-                                                 f"metadata says {tensor.dtype.name}")
                 # Straight into the tensor's memory: nothing is held but the tensor itself.
-                place_chunk(fd(chunk.file), raw, chunk, chunk_runs(tensor.shape, chunk),
-                            tensor.dtype, sink, 0, source=source)
+                place_stored_chunk(files, tensor, chunk, tensor.dtype, sink, 0)
             items.append((tensor.key_path, full))
         for obj in folder.metadata.objects:
-            with os.fdopen(os.dup(fd(obj.file)), "rb") as handle:
+            if obj.file is None:
+                raise NotACheckpointError(f"{path}: object '{obj.name}' has no storage entry "
+                                          "in .metadata")
+            with os.fdopen(os.dup(files.fd(obj.file)), "rb") as handle:
                 value = read_object(handle, obj, source=str(path / str(obj.file)))
                 items.append((obj.key_path, to_torch(value)))
-    finally:
-        for descriptor in fds.values():
-            os.close(descriptor)
     return unflatten(items)
 
 

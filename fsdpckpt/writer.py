@@ -25,16 +25,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .archive import locate_tensor
-from .copy import place_chunk
+from .copy import DataFiles, place_stored_chunk
 from .durable import fsync_dir, write_bytes
 from .rawio import pwrite_all, reusing_scratch
 from .manifest import crc32_range
 from .errors import FsdpCkptError, NotACheckpointError
 from .formats import ObjectValue, get_format
 from .objects import read_object
-from .plan import MergePlan, PlannedFile, chunk_runs
-from .reader import open_data_file
+from .plan import MergePlan, PlannedFile
 
 __all__ = ["OutputExistsError", "DiskFullError", "OutputNotWritableError", "Terminated",
            "write_plan", "output_paths", "staging", "commit", "sigterm_interrupts",
@@ -50,19 +48,18 @@ class OutputExistsError(FsdpCkptError, FileExistsError):
     """An output file is already there and ``overwrite`` was not given."""
 
 
-class DiskFullError(FsdpCkptError, OSError):
-    """The output's file system has not enough free space."""
-
+class _MessageOnly(OSError):
     def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28]"
         return str(self.strerror)
 
 
-class OutputNotWritableError(FsdpCkptError, OSError):
+class DiskFullError(FsdpCkptError, _MessageOnly):
+    """The output's file system has not enough free space."""
+
+
+class OutputNotWritableError(FsdpCkptError, _MessageOnly):
     """The output folder cannot be created or written (read-only, no permission, a file
     in the way); ``errno`` says why."""
-
-    def __str__(self) -> str:
-        return str(self.strerror)
 
 
 class Terminated(KeyboardInterrupt):
@@ -232,24 +229,8 @@ def _start_writeback(fd: int, start: int, count: int) -> None:
         os.posix_fadvise(fd, start, count, os.POSIX_FADV_DONTNEED)
 
 
-class _Sources:
-    """Open data files of the merged folder, opened once each, only from inside it."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder, self.fds = folder, {}  # type: ignore[var-annotated]
-
-    def fd(self, name: str) -> int:
-        if name not in self.fds:
-            self.fds[name] = open_data_file(self.folder, name)
-        return self.fds[name]
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-
-
 def _write_file(plan: MergePlan, file: PlannedFile, objects: list[ObjectValue], path: Path,
-                sources: _Sources, progress: Callable[[int], None] | None) -> None:
+                sources: DataFiles, progress: Callable[[int], None] | None) -> None:
     fmt = get_format(plan.format)
     layout = fmt.layout([t.spec for t in file.tensors], objects, nested=plan.nested)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -261,18 +242,8 @@ def _write_file(plan: MergePlan, file: PlannedFile, objects: list[ObjectValue], 
         for planned in file.tensors:
             entry, start = planned.source, layout.starts[planned.spec.name]
             for chunk in entry.chunks:
-                source = f"{plan.folder.path / str(chunk.file)} (tensor '{entry.name}' chunk at " \
-                         f"{list(chunk.offsets)})"
-                if chunk.file is None:
-                    raise NotACheckpointError(f"{source}: the metadata has no storage entry")
-                src = sources.fd(chunk.file)
-                with os.fdopen(os.dup(src), "rb") as handle:
-                    raw = locate_tensor(handle, chunk.offset, chunk.length, source=source)
-                if raw.dtype.name != entry.dtype.name:
-                    raise NotACheckpointError(f"{source}: holds {raw.dtype.name}, the metadata "
-                                              f"says {entry.dtype.name}")
-                place_chunk(src, raw, chunk, chunk_runs(entry.shape, chunk), planned.spec.dtype,
-                            fd, start, source=source, progress=progress)
+                place_stored_chunk(sources, entry, chunk, planned.spec.dtype, fd, start,
+                                   progress=progress)
             if fmt.needs_crc:
                 crcs[planned.spec.name] = crc32_range(fd, start, planned.spec.nbytes)
             _start_writeback(fd, start, planned.spec.nbytes)
@@ -282,7 +253,7 @@ def _write_file(plan: MergePlan, file: PlannedFile, objects: list[ObjectValue], 
         os.close(fd)
 
 
-def _read_objects(plan: MergePlan, sources: _Sources) -> list[ObjectValue]:
+def _read_objects(plan: MergePlan, sources: DataFiles) -> list[ObjectValue]:
     values = []
     for obj in plan.objects:
         source = f"{plan.folder.path / str(obj.source.file)} (object '{obj.source.name}')"
@@ -304,7 +275,7 @@ def write_plan(plan: MergePlan, stage: Path, *,
         CorruptCheckpointError, CheckpointNotFoundError: a data file is damaged or missing.
     """
     free = shutil.disk_usage(stage).free
-    sources = _Sources(plan.folder.path)
+    sources = DataFiles(plan.folder.path)
     try:
         objects = _read_objects(plan, sources)
         needed = plan.tensor_bytes + 2**20 * len(plan.files)

@@ -298,23 +298,33 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--expect-digest", metavar="sha256:HEX",
+              help="The manifest digest kept from the save (printed by verify, logged by "
+                   "save_state): fail unless the checkpoint's manifest has exactly it.")
 @_debug_option
-def verify(path: str, as_json: bool, quiet: bool) -> None:
+def verify(path: str, as_json: bool, quiet: bool, expect_digest: str | None) -> None:
     """Check that every byte of a checkpoint is what was written.
 
     Checks the structure as inspect does. Where the checkpoint has a manifest
-    (fsdpckpt.json, written by fsdpckpt.save_state), every file's size and CRC-32 and
-    every tensor chunk's CRC-32, and flags stray files. Without one (Accelerate or
-    plain DCP wrote it), decodes every chunk's header against the metadata and checks
-    its data against the CRC-32 its zip directory stores. Exit 0 only when whole.
+    (fsdpckpt.json, written by fsdpckpt.save_state), every file's size and CRC-32 (and
+    SHA-256 when saved with digest="sha256") and every tensor chunk's CRC-32, and flags
+    stray files and folders. Without one (Accelerate or plain DCP wrote it), decodes
+    every chunk's header against the metadata and checks its data against the CRC-32
+    its zip directory stores. Exit 0 only when whole.
+
+    CRC-32 catches accidents. To detect deliberate changes too, save with
+    digest="sha256", keep the manifest digest this command prints somewhere safe,
+    and pass it back with --expect-digest.
 
     \b
-    Example:
+    Examples:
       fsdpckpt verify ckpt/checkpoint_100
+      fsdpckpt verify ckpt/checkpoint_100 --expect-digest sha256:3f2a...
     """
     from .verify import verify_checkpoint
 
-    report = verify_checkpoint(path, progress=_progress(quiet, "verifying"))
+    report = verify_checkpoint(path, progress=_progress(quiet, "verifying"),
+                               expect_digest=expect_digest)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -323,6 +333,10 @@ def verify(path: str, as_json: bool, quiet: bool) -> None:
         how = "every byte checked against the manifest" if report["manifest"] else \
             "no manifest: chunk headers and data checked against their own checksums"
         click.echo(f"{path}: {'OK' if report['ok'] else 'DAMAGED'} ({how})")
+        if report["manifest_digest"]:
+            files = f"files carry {report['digest']}" if report["digest"] else \
+                "files carry CRC-32 only: save with digest='sha256' to detect deliberate changes"
+            click.echo(f"manifest digest: {report['manifest_digest']} ({files})")
     if not report["ok"]:
         count = len(report["problems"])
         click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in {path}",

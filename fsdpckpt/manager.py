@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .manifest import MANIFEST
+from .manifest import MANIFEST, manifest_digest
 from .durable import fsync_dir
 from .training import (AsyncSave, LoadResult, ResumeWarning, _rank_world, everywhere,
                        load_state, save_state)
@@ -54,6 +54,8 @@ class CheckpointManager:
         keep_every: also keep every checkpoint whose step is a multiple of this.
         async_save: write in the background; the next :meth:`save` or :meth:`wait`
             completes and commits the previous one.
+        digest: record each file's ``"sha256"`` (or ``"blake2b"``) in the manifest, as
+            :func:`save_state` does; :attr:`last_digest` is then worth keeping elsewhere.
 
     Example:
         >>> mgr = CheckpointManager("run/ckpts", keep_last=3)
@@ -65,11 +67,15 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
-                 keep_every: int | None = None, async_save: bool = False) -> None:
+                 keep_every: int | None = None, async_save: bool = False,
+                 digest: str | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep all)")
         self.root, self.keep_last, self.keep_every = Path(root), keep_last, keep_every
-        self.async_save = async_save
+        self.async_save, self.digest = async_save, digest
+        #: On rank 0, the manifest digest of the last committed checkpoint
+        #: (``fsdpckpt verify --expect-digest`` checks a checkpoint against it), else None.
+        self.last_digest: str | None = None
         self._pending: tuple[int, AsyncSave] | None = None
         #: What the last :meth:`restore` loaded (its ``warnings`` included), or None.
         self.last_restore: LoadResult | None = None
@@ -115,7 +121,7 @@ class CheckpointManager:
         everywhere(lambda: shutil.rmtree(temporary) if rank == 0 and temporary.exists()
                    else None)
         handle = save_state(temporary, step=step, async_save=self.async_save, manifest=True,
-                            **parts)
+                            digest=self.digest, **parts)
         if handle is None:
             self._commit(step)
         else:
@@ -162,6 +168,7 @@ class CheckpointManager:
                 replaced = self._uncommit(final)
             os.rename(self.root / f"{_TEMPORARY}{step}", final)
             fsync_dir(self.root)
+            self.last_digest = manifest_digest(final)
             if replaced is not None:
                 shutil.rmtree(replaced, ignore_errors=True)
             self._apply_retention(just_committed=final)

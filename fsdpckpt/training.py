@@ -10,6 +10,8 @@ anything is changed.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import warnings
 from collections.abc import Mapping
@@ -20,12 +22,15 @@ from typing import Any
 from .errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
 from .statecheck import compare, flatten, mismatch_message
 from .durable import fsync_dir, write_bytes
-from .manifest import build_manifest, checksum_writer, write_manifest
+from .checksums import new_digest
+from .manifest import FileRecord, build_manifest, checksum_writer, write_manifest
 from .dcp_io import safe_load_planner, safe_storage_reader
 from .rng import prepare_rng, rng_state_bytes, torch_save_bytes
 
 __all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError",
            "ResumeWarning"]
+
+log = logging.getLogger("fsdpckpt")
 
 
 class StateMismatchError(FsdpCkptError, KeyError):
@@ -64,6 +69,11 @@ class AsyncSave:
 
     def __init__(self, futures: list[Any], finish: Any) -> None:
         self._futures, self._finish, self._finished = futures, finish, False
+
+    @property
+    def manifest_digest(self) -> str | None:
+        """The digest of the manifest written by :meth:`wait` (rank 0), else None."""
+        return self._finish.digest
 
     def done(self) -> bool:
         """Whether every part has been written (no waiting); the manifest comes with wait()."""
@@ -192,7 +202,8 @@ def _pairs(models: list[Any], optimizers: list[Any]) -> list[tuple[Any, Any]]:
 def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimizer: Any = None,
                scheduler: Any = None, *, step: int | None = None, scaler: Any = None,
                extra: Mapping[str, Any] | None = None,
-               async_save: bool = False, manifest: bool = True) -> AsyncSave | None:
+               async_save: bool = False, manifest: bool = True,
+               digest: str | None = None) -> AsyncSave | None:
     """Save training state in Accelerate's layout; call it on every rank.
 
     Args:
@@ -213,6 +224,13 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
             its own zip CRC. With ``manifest=False`` the small side files (RNG,
             scheduler) are not fsynced either, as Accelerate writes them; the
             CheckpointManager always writes the manifest and fsyncs everything.
+            Rank 0 logs the manifest's own digest (logger ``fsdpckpt``, INFO);
+            :func:`fsdpckpt.manifest.manifest_digest` gives it too.
+        digest: also record each file's ``"sha256"`` or ``"blake2b"`` in the manifest,
+            computed while writing, so that ``fsdpckpt verify --expect-digest`` with the
+            manifest's digest kept elsewhere detects any change, deliberate ones included
+            (CRC-32 catches accidents only). Costs a hash of every byte written (see
+            docs/benchmarks.md); needs ``manifest=True``.
 
     Returns:
         None, or the :class:`AsyncSave` handle.
@@ -226,6 +244,9 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
 
     root = Path(checkpoint_dir)
     rank, _world = _rank_world()
+    new_digest(digest)  # an unknown name fails here, before anything is written
+    if digest is not None and not manifest:
+        raise ValueError("digest= is recorded in the manifest: it needs manifest=True")
     models, optimizers = _as_list(model), _as_list(optimizer)
     def prepare() -> None:
         if rank == 0:
@@ -234,12 +255,13 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
 
     everywhere(prepare)
     futures = []
-    records: dict[str, dict[str, tuple[int, int]]] = {}  # folder -> file -> (size, crc32)
+    records: dict[str, dict[str, FileRecord]] = {}  # folder -> file -> (size, crc32, digest)
 
     def write(state: dict[str, Any], folder: Path) -> None:
         kwargs: dict[str, Any] = {}
         if manifest:
-            kwargs["storage_writer"] = checksum_writer(folder, records.setdefault(folder.name, {}))
+            kwargs["storage_writer"] = checksum_writer(folder, records.setdefault(folder.name, {}),
+                                                       digest)
         else:
             kwargs["checkpoint_id"] = str(folder)
         if not async_save:
@@ -256,17 +278,20 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     for i, (module, opt) in enumerate(_pairs(models, optimizers)):
         write({"optimizer": get_optimizer_state_dict(module, opt)}, _optimizer_folder(root, i))
     side = records.setdefault("", {})
-    side[f"random_states_{rank}.pkl"] = write_bytes(root / f"random_states_{rank}.pkl",
-                                                    rng_state_bytes(step), sync=manifest)
+
+    def write_side(path: Path, data: bytes) -> None:
+        size, crc = write_bytes(path, data, sync=manifest)
+        side[path.name] = (size, crc, hashlib.new(digest, data).hexdigest() if digest else None)
+
+    write_side(root / f"random_states_{rank}.pkl", rng_state_bytes(step))
     if rank == 0:
         shared = [(_scheduler_file(root, i), s) for i, s in enumerate(_as_list(scheduler))]
         shared += [(root / "scaler.pt", scaler)] if scaler is not None else []
         shared += [(root / f"custom_checkpoint_{i}.pkl", obj)
                    for i, obj in enumerate((extra or {}).values())]
         for path, obj in shared:
-            side[path.name] = write_bytes(path, torch_save_bytes(obj.state_dict()),
-                                          sync=manifest)
-    finish = _Finish(root, records, step, manifest=manifest)
+            write_side(path, torch_save_bytes(obj.state_dict()))
+    finish = _Finish(root, records, step, manifest=manifest, digest=digest)
     if async_save:
         return AsyncSave(futures, finish)
     finish()
@@ -276,9 +301,11 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
 class _Finish:
     """Completes a save on every rank: gathers the checksums, rank 0 writes the manifest."""
 
-    def __init__(self, root: Path, records: dict[str, dict[str, tuple[int, int]]],
-                 step: int | None, *, manifest: bool) -> None:
+    def __init__(self, root: Path, records: dict[str, dict[str, FileRecord]],
+                 step: int | None, *, manifest: bool, digest: str | None) -> None:
         self.root, self.records, self.step, self.manifest = root, records, step, manifest
+        self.file_digest = digest
+        self.digest: str | None = None  # the manifest's own, once written (rank 0)
 
     def __call__(self) -> None:
         files = {(f"{folder}/{name}" if folder else name): value
@@ -291,8 +318,12 @@ class _Finish:
             files = {k: v for part in gathered for k, v in part.items()}
         def on_rank_zero() -> None:
             if rank == 0 and self.manifest:
-                write_manifest(self.root, build_manifest(self.root, files, world_size=world,
-                                                         step=self.step))
+                self.digest = write_manifest(self.root, build_manifest(
+                    self.root, files, world_size=world, step=self.step,
+                    digest=self.file_digest))
+                log.info("fsdpckpt: saved %s; manifest digest %s (keep it elsewhere; "
+                         "`fsdpckpt verify --expect-digest` checks the checkpoint against it)",
+                         self.root, self.digest)
                 for folder in [self.root] + [self.root / f for f in self.records if f]:
                     fsync_dir(folder)
 

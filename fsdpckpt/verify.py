@@ -17,10 +17,11 @@ from typing import Any
 
 from .archive import locate_tensor
 from .dcp_io import stray_metadata_files
-from .errors import CorruptCheckpointError, FsdpCkptError
+from .errors import FsdpCkptError
 from .inspection import inspect_checkpoint
 from .layout import find_layout
-from .manifest import MANIFEST, crc32_range, data_entry_crc, file_crc, read_manifest
+from .checksums import crc32_range, file_checksums
+from .manifest import MANIFEST, data_entry_crc, manifest_digest, read_manifest
 from .rawio import reusing_scratch
 from .reader import open_data_file, path_inside, read_dcp_folder
 
@@ -76,18 +77,37 @@ def _chunk_bytes(folders: list[Path]) -> tuple[int, int]:
     return total, len(files)
 
 
-def _walk(root: Path) -> list[str]:
-    found = []
-    for dirpath, _dirs, names in os.walk(root):
+def _walk(root: Path) -> tuple[list[str], list[str]]:
+    """Every file under ``root`` and every symlink to a folder (not followed), relative."""
+    found, linked = [], []
+    for dirpath, dirs, names in os.walk(root):
         for name in names:
             found.append(os.path.relpath(os.path.join(dirpath, name), root))
-    return sorted(found)
+        linked += [os.path.relpath(os.path.join(dirpath, d), root) for d in dirs
+                   if os.path.islink(os.path.join(dirpath, d))]
+    return sorted(found), sorted(linked)
+
+
+def _check_digest(root: Path, expect: str, problems: list[dict[str, str]]) -> str | None:
+    """Compare the manifest's digest with ``expect``; return the digest (None: no manifest)."""
+    want = expect if expect.startswith("sha256:") else "sha256:" + expect
+    try:
+        actual = manifest_digest(root)
+    except FsdpCkptError as exc:
+        problems.append({"path": str(root / MANIFEST), "message": f"{exc}; --expect-digest "
+                         "needs a checkpoint saved with a manifest"})
+        return None
+    if actual != want.lower():
+        problems.append({"path": str(root / MANIFEST), "message": f"manifest digest is "
+                         f"{actual}, not the expected {want}: this is not the checkpoint whose "
+                         "digest you kept (or the manifest was changed)"})
+    return actual
 
 
 @reusing_scratch()  # one read buffer for every chunk and file checked
 def verify_checkpoint(path: str | os.PathLike[str], *,
                       progress: Callable[[int, int], Callable[[int], None]] | None = None,
-                      ) -> dict[str, Any]:
+                      expect_digest: str | None = None) -> dict[str, Any]:
     """Check the structure and every byte of the checkpoint at ``path``.
 
     Args:
@@ -96,9 +116,14 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             once, before any data is read, with the bytes verify will read (from the
             manifest's file sizes, or without one the metadata's chunk sizes) and the number
             of data files; the callback it returns is given byte counts as they are read.
+        expect_digest: the manifest digest kept from the save (``"sha256:<hex>"``, as
+            :func:`fsdpckpt.manifest.manifest_digest` gives it). Any difference is a
+            problem. With a manifest saved with ``digest="sha256"``, this pins every byte
+            of every file the manifest lists, and strays are reported besides.
 
     Returns:
-        ``{"path", "ok", "manifest": bool, "problems": [{"path", "message"}]}``.
+        ``{"path", "ok", "manifest": bool, "manifest_digest": str | None, "digest": the
+        file digest the manifest carries or None, "problems": [{"path", "message"}]}``.
 
     Example:
         >>> report = verify_checkpoint("ckpt/checkpoint_100")
@@ -112,7 +137,14 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         problems += inspect_checkpoint(root)["problems"]
     except FsdpCkptError as exc:
         problems.append({"path": str(root), "message": str(exc)})
-    manifest = read_manifest(root) if layout.style != "dcp" else None
+    digest = _check_digest(root, expect_digest, problems) if expect_digest else None
+    try:
+        manifest = read_manifest(root) if layout.style != "dcp" else None
+    except FsdpCkptError as exc:
+        if not expect_digest:
+            raise
+        problems.append({"path": str(root / MANIFEST), "message": str(exc)})
+        return _report(root, problems, manifest=True, digest=digest, file_digest=None)
     folders = [p.path for p in layout.parts if p.complete]
     for folder in folders:  # never part of a committed checkpoint; load_state refuses them
         for stray in stray_metadata_files(folder):
@@ -123,23 +155,25 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         callback = progress(*_chunk_bytes(folders)) if progress else None
         for folder in folders:
             _check_chunks(folder, problems, only_file=None, expected=None, progress=callback)
-        return {"path": str(root), "ok": not problems, "manifest": False, "problems": problems}
+        return _report(root, problems, manifest=False, digest=digest, file_digest=None)
 
-    listed = manifest.get("files", {})
+    file_digest = manifest.get("digest")  # schema-checked: None, or one of DIGESTS
     named = {p["path"] for p in problems}  # stray metadata files are named above already
-    for name in _walk(root):
-        if name != MANIFEST and name not in listed and str(root / name) not in named:
+    files, linked_folders = _walk(root)
+    for name in files:
+        if name != MANIFEST and name not in manifest["files"] and str(root / name) not in named:
             problems.append({"path": str(root / name), "message": "stray file: not in the "
                              "manifest, so not part of this checkpoint as it was written"})
-    try:
-        expected = {(folder, c["tensor"], tuple(c["offsets"])): int(c["crc32"])
-                    for folder, chunks in manifest.get("chunks", {}).items() for c in chunks}
-        listed = {name: (int(info["size"]), int(info["crc32"])) for name, info in listed.items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"{root / MANIFEST}: malformed ({exc!r}); it cannot be "
-                                     "trusted, delete it to verify without it") from None
-    whole: list[tuple[Path, int]] = []
-    for name, (want_size, want_crc) in listed.items():
+    for name in linked_folders:  # fsdpckpt never writes links: someone added this one
+        problems.append({"path": str(root / name), "message": "stray folder (a symlink to "
+                         f"{os.path.realpath(root / name)}): not in the manifest, so not part "
+                         "of this checkpoint as it was written"})
+    expected = {(folder, c["tensor"], tuple(c["offsets"])): c["crc32"]
+                for folder, chunks in manifest.get("chunks", {}).items() for c in chunks}
+    listed = {name: (info["size"], info["crc32"], info.get(file_digest) if file_digest else None)
+              for name, info in manifest["files"].items()}
+    whole: list[tuple[Path, int, str | None]] = []
+    for name, (want_size, want_crc, want_digest) in listed.items():
         file = root / name
         try:
             path_inside(root, name)  # a manifest may not send us outside the checkpoint
@@ -154,10 +188,17 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             problems.append({"path": str(file), "message": f"size {size}, the manifest says "
                              f"{want_size}: the file is truncated or was changed"})
             continue
-        whole.append((file, want_crc))
-    callback = progress(sum(f.stat().st_size for f, _ in whole), len(whole)) if progress else None
-    for file, want_crc in whole:
-        if file_crc(file, callback) != want_crc:
+        whole.append((file, want_crc, want_digest))
+    callback = progress(sum(f.stat().st_size for f, *_ in whole), len(whole)) if progress \
+        else None
+    for file, want_crc, want_digest in whole:
+        _size, crc, actual_digest = file_checksums(file, callback, file_digest)
+        if crc == want_crc and actual_digest != want_digest:
+            # CRC-32 kept, digest not: a change made to look unchanged.
+            problems.append({"path": str(file), "message": f"contents do not match the "
+                             f"manifest's {file_digest} although the CRC-32 matches: the file "
+                             "was changed deliberately; do not load it"})
+        elif crc != want_crc:
             folder = file.parent
             before = len(problems)
             if (folder / ".metadata").is_file() and file.name.endswith(".distcp"):
@@ -167,5 +208,13 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             if len(problems) == before:
                 problems.append({"path": str(file), "message": "contents do not match the "
                                  "manifest's checksum (a changed byte outside tensor data)"})
+    return _report(root, problems, manifest=True, digest=digest, file_digest=file_digest)
+
+
+def _report(root: Path, problems: list[dict[str, str]], *, manifest: bool, digest: str | None,
+            file_digest: str | None) -> dict[str, Any]:
+    if manifest and digest is None:
+        digest = manifest_digest(root)
     problems = list({(p["path"], p["message"]): p for p in problems}.values())
-    return {"path": str(root), "ok": not problems, "manifest": True, "problems": problems}
+    return {"path": str(root), "ok": not problems, "manifest": manifest,
+            "manifest_digest": digest, "digest": file_digest, "problems": problems}

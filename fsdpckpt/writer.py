@@ -28,7 +28,7 @@ from typing import Any
 from .copy import DataFiles, place_stored_chunk
 from .durable import fsync_dir, write_bytes
 from .rawio import pwrite_all, reusing_scratch
-from .manifest import crc32_range
+from .checksums import crc32_range
 from .errors import FsdpCkptError, NotACheckpointError
 from .formats import ObjectValue, get_format
 from .objects import read_object

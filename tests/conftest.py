@@ -122,3 +122,11 @@ def hostile_pickle(sentinel) -> bytes:
     import pickle
 
     return pickle.dumps(_RunsCommand(f"touch {sentinel}"))
+
+
+def reseal(manifest: dict) -> dict:
+    """``manifest`` with its own checksum recomputed, as anyone who edits it can do: for
+    tests of what verify checks beyond the manifest's self-checksum."""
+    from fsdpckpt.manifest import _content_checksum
+
+    return dict(manifest, checksum=_content_checksum(manifest))

@@ -19,7 +19,7 @@ from safetensors import safe_open
 import fsdpckpt
 from fsdpckpt.plan import MergePlanError
 
-from conftest import DCP_FOLDERS, assert_one_line_error, assert_same_state, run_cli as run
+from conftest import DCP_FOLDERS, assert_one_line_error, assert_same_state, reseal, run_cli as run
 
 
 def _save(folder: Path, state: dict) -> Path:
@@ -216,7 +216,7 @@ def test_a_manifest_cannot_send_verify_outside_the_checkpoint(tmp_path):
     doc = json.loads(manifest.read_text())
     (tmp_path / "secret").write_text("x")
     doc["files"]["../secret"] = {"size": 1, "crc32": 0}
-    manifest.write_text(json.dumps(doc))
+    manifest.write_text(json.dumps(reseal(doc)))  # as a hostile writer would: its own checksum
     report = fsdpckpt.verify_checkpoint(tmp_path / "ckpt")
     assert any("outside the checkpoint folder" in p["message"] for p in report["problems"])
 

@@ -1,0 +1,318 @@
+"""`verify` cannot be fooled: the manifest checks itself, stays inside the checkpoint, and
+with a cryptographic digest (kept elsewhere) pins every byte, even against changes made to
+keep a file's CRC-32."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fsdpckpt
+from fsdpckpt.errors import CorruptCheckpointError
+from fsdpckpt.manifest import MANIFEST, manifest_digest, parse_manifest, read_manifest
+
+from conftest import assert_one_line_error, reseal, run_cli as run
+
+_EXAMPLES = int(os.environ.get("FSDPCKPT_FUZZ_EXAMPLES", "200"))
+_FUZZ = settings(max_examples=_EXAMPLES, deadline=None, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _save(folder: Path, **kwargs) -> Path:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 32)).sum().backward()
+    optimizer.step()
+    fsdpckpt.save_state(folder, model, optimizer, step=7, **kwargs)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> Path:
+    return _save(tmp_path_factory.mktemp("plain") / "ckpt")
+
+
+@pytest.fixture
+def hashed(tmp_path) -> Path:
+    return _save(tmp_path / "ckpt", digest="sha256")
+
+
+def _keep_crc(original: bytes, changed: bytearray, at: int) -> None:
+    """Set ``changed[at:at + 4]`` so that its CRC-32 is ``original``'s again.
+
+    CRC-32 is affine over GF(2): the CRC difference of two equal-length messages depends
+    only on their XOR. The 32 bits at ``at`` give 32 independent differences, so a
+    Gaussian elimination finds the bits that cancel the change: the 4-byte patch an
+    attacker would use.
+    """
+    size, zero = len(changed), zlib.crc32(bytes(len(changed)))
+
+    def effect(bit: int) -> int:
+        delta = bytearray(size)
+        delta[at + bit // 8] = 1 << (bit % 8)
+        return zlib.crc32(delta) ^ zero
+
+    rows = [(effect(bit), 1 << bit) for bit in range(32)]  # (CRC effect, which bits)
+    target = zlib.crc32(changed) ^ zlib.crc32(original)
+    basis: list[tuple[int, int]] = []
+    for value, bits in rows:  # reduce to a basis indexed by leading bit
+        for bvalue, bbits in basis:
+            if value ^ bvalue < value:
+                value, bits = value ^ bvalue, bits ^ bbits
+        if value:
+            basis.append((value, bits))
+            basis.sort(reverse=True)
+    flip = 0
+    for bvalue, bbits in basis:
+        if target ^ bvalue < target:
+            target, flip = target ^ bvalue, flip ^ bbits
+    assert target == 0
+    for bit in range(32):
+        if flip >> bit & 1:
+            changed[at + bit // 8] ^= 1 << (bit % 8)
+    assert zlib.crc32(changed) == zlib.crc32(original)
+
+
+def _patch_weight_keeping_crc(ckpt: Path) -> Path:
+    """Change one weight of the model's data file, then 4 bytes of the same tensor's data so
+    the file's CRC-32 (and so its manifest entry) is unchanged."""
+    from fsdpckpt.archive import locate_tensor
+    from fsdpckpt.reader import read_dcp_folder
+
+    folder = ckpt / "pytorch_model_fsdp_0"
+    tensor = next(t for t in read_dcp_folder(folder).metadata.tensors if t.name.endswith("0.weight"))
+    chunk = tensor.chunks[0]
+    path = folder / chunk.file
+    original = path.read_bytes()
+    with open(path, "rb") as handle:
+        start = locate_tensor(handle, chunk.offset, chunk.length, source="x").storage_start
+    data = bytearray(original)
+    data[start:start + 4] = torch.tensor([1e6]).numpy().tobytes()  # one weight, now huge
+    _keep_crc(original, data, start + 64)
+    path.write_bytes(bytes(data))
+    return path
+
+
+# --- the manifest checks itself ---------------------------------------------------
+
+def test_every_single_bit_flip_in_the_manifest_is_caught(plain):
+    data = (plain / MANIFEST).read_bytes()
+    original = parse_manifest(data, plain / MANIFEST)
+    missed = []
+    for index in range(len(data)):
+        for bit in range(8):
+            flipped = bytearray(data)
+            flipped[index] ^= 1 << bit
+            try:
+                decoded = parse_manifest(bytes(flipped), plain / MANIFEST)
+            except CorruptCheckpointError:
+                continue
+            if decoded != original:  # a flip that decodes to the same content is harmless
+                missed.append((index, bit))
+    assert not missed, f"{len(missed)} flips read as a different, valid manifest: {missed[:5]}"
+
+
+@pytest.mark.parametrize("field, value", [("step", 8), ("world_size", 2)])
+def test_an_edited_field_is_a_damaged_manifest(plain, tmp_path, field, value):
+    doc = json.loads((plain / MANIFEST).read_text())
+    doc[field] = value
+    with pytest.raises(CorruptCheckpointError, match="does not match its own checksum"):
+        parse_manifest(json.dumps(doc).encode(), tmp_path / MANIFEST)
+
+
+def test_a_damaged_manifest_is_one_line_from_verify(plain, tmp_path):
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(plain, copy)
+    text = (copy / MANIFEST).read_text()
+    (copy / MANIFEST).write_text(text.replace('"step": 7', '"step": 9'))
+    assert_one_line_error(run("verify", copy), str(copy / MANIFEST), "own checksum")
+
+
+@pytest.mark.parametrize("document", [
+    {"version": 2, "checksum": "x"},  # missing fields
+    {"version": 3},  # from a newer fsdpckpt
+    {"version": True},
+    {"version": 1, "world_size": "1", "files": {}},
+    {"version": 1, "world_size": 1, "step": -1, "files": {}},
+    {"version": 1, "world_size": 1, "files": {"a": {"size": 1.5, "crc32": 0}}},
+    {"version": 1, "world_size": 1, "files": {"a": {"size": 1, "crc32": 2**32}}},
+    {"version": 1, "world_size": 1, "files": {"a": []}},
+    {"version": 1, "world_size": 1, "files": {}, "chunks": {"m": [{"tensor": 1}]}},
+    {"version": 1, "world_size": 1, "files": {}, "digest": "md5"},
+    {"version": 1, "world_size": 1, "files": {"a": {"size": 1, "crc32": 0}}, "digest": "sha256"},
+])
+def test_a_manifest_off_schema_is_malformed(tmp_path, document):
+    data = json.dumps({"format": "fsdpckpt-manifest", **document}).encode()
+    with pytest.raises(CorruptCheckpointError, match="malformed"):
+        parse_manifest(data, tmp_path / MANIFEST)
+
+
+def test_a_deeply_nested_manifest_is_one_clear_error(tmp_path):
+    data = b'{"format": "fsdpckpt-manifest", "files": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(CorruptCheckpointError, match="nested too deeply"):
+        parse_manifest(data, tmp_path / MANIFEST)
+
+
+def test_a_manifest_from_before_self_checksums_is_still_read(plain, tmp_path):
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(plain, copy)
+    doc = json.loads((copy / MANIFEST).read_text())
+    del doc["checksum"], doc["digest"]
+    doc["version"] = 1
+    (copy / MANIFEST).write_text(json.dumps(doc))
+    assert fsdpckpt.verify_checkpoint(copy)["ok"]
+
+
+@_FUZZ
+@given(data=st.data())
+def test_fuzzed_manifests_raise_only_our_errors(plain, data):
+    raw = bytearray((plain / MANIFEST).read_bytes())
+    for _ in range(data.draw(st.integers(1, 8))):
+        at = data.draw(st.integers(0, len(raw) - 1))
+        how = data.draw(st.sampled_from(["flip", "byte", "cut", "insert"]))
+        if how == "flip":
+            raw[at] ^= 1 << data.draw(st.integers(0, 7))
+        elif how == "byte":
+            raw[at] = data.draw(st.integers(0, 255))
+        elif how == "cut":
+            del raw[at:at + data.draw(st.integers(1, 64))]
+        else:
+            raw[at:at] = data.draw(st.sampled_from([b"[", b"{", b'"', b"\\u0000", b"1e999",
+                                                    b"-", b"null", b"\xff"]))
+        if not raw:
+            raw = bytearray(b"{")
+    try:
+        parse_manifest(bytes(raw), plain / MANIFEST)
+    except CorruptCheckpointError:
+        pass
+
+
+@_FUZZ
+@given(value=st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+                          lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                          max_leaves=10),
+       field=st.sampled_from(["version", "world_size", "step", "digest", "files", "chunks",
+                              "checksum"]))
+def test_any_value_in_any_field_is_read_or_refused(plain, value, field):
+    doc = json.loads((plain / MANIFEST).read_text())
+    doc[field] = value
+    for document in (doc, reseal(doc)):
+        try:
+            parse_manifest(json.dumps(document).encode(), plain / MANIFEST)
+        except CorruptCheckpointError:
+            pass
+
+
+# --- manifest entries and folders stay inside the checkpoint ----------------------
+
+def test_a_symlinked_folder_inside_a_checkpoint_is_a_stray(plain, tmp_path):
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(plain, copy)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (copy / "extra").symlink_to(elsewhere)
+    report = fsdpckpt.verify_checkpoint(copy)
+    assert not report["ok"]
+    assert [p["path"] for p in report["problems"]] == [str(copy / "extra")]
+    assert "stray folder (a symlink to" in report["problems"][0]["message"]
+
+
+# --- a cryptographic digest, kept elsewhere ----------------------------------------
+
+def test_a_patch_that_keeps_the_crc_passes_crc_checks(plain, tmp_path):
+    """The limit of CRC-32, and why the digest exists: this is what it lets through."""
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(plain, copy)
+    _patch_weight_keeping_crc(copy)
+    assert fsdpckpt.verify_checkpoint(copy)["ok"]
+
+
+def test_a_patch_that_keeps_the_crc_is_caught_by_the_digest(hashed):
+    path = _patch_weight_keeping_crc(hashed)
+    report = fsdpckpt.verify_checkpoint(hashed)
+    assert not report["ok"]
+    (problem,) = report["problems"]
+    assert problem["path"] == str(path)
+    assert "sha256" in problem["message"] and "deliberately" in problem["message"]
+
+
+def test_a_resealed_manifest_is_caught_by_the_expected_digest(hashed):
+    kept = manifest_digest(hashed)
+    path = _patch_weight_keeping_crc(hashed)
+    doc = json.loads((hashed / MANIFEST).read_text())  # the attacker rewrites the manifest
+    name = str(path.relative_to(hashed))
+    import hashlib
+
+    doc["files"][name]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (hashed / MANIFEST).write_text(json.dumps(reseal(doc)))
+    assert fsdpckpt.verify_checkpoint(hashed)["ok"]  # consistent in itself...
+    report = fsdpckpt.verify_checkpoint(hashed, expect_digest=kept)
+    assert not report["ok"]  # ...but not the checkpoint whose digest was kept
+    assert "not the expected" in report["problems"][0]["message"]
+
+
+def test_verify_prints_the_manifest_digest_and_checks_it(hashed):
+    digest = manifest_digest(hashed)
+    result = run("verify", hashed, "-q")
+    assert result.exit_code == 0
+    assert f"manifest digest: {digest} (files carry sha256)" in result.stdout
+    assert run("verify", hashed, "-q", "--expect-digest", digest).exit_code == 0
+    assert run("verify", hashed, "-q", "--expect-digest", digest.removeprefix("sha256:")
+               ).exit_code == 0
+    wrong = "sha256:" + "0" * 64
+    result = run("verify", hashed, "-q", "--expect-digest", wrong)
+    assert result.exit_code == 1 and "not the expected" in result.stdout
+    doc = json.loads(run("verify", hashed, "-q", "--json").stdout)
+    assert doc["manifest_digest"] == digest and doc["digest"] == "sha256"
+
+
+def test_expect_digest_needs_a_manifest(tmp_path):
+    from conftest import DCP_FOLDERS
+
+    report = fsdpckpt.verify_checkpoint(DCP_FOLDERS["dtensor"], expect_digest="sha256:00")
+    assert not report["ok"] and "no manifest" in report["problems"][0]["message"]
+
+
+def test_save_logs_the_manifest_digest(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="fsdpckpt"):
+        ckpt = _save(tmp_path / "ckpt")
+    assert manifest_digest(ckpt) in caplog.text
+
+
+def test_the_manager_keeps_the_last_digest(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    manager = fsdpckpt.CheckpointManager(tmp_path / "run", digest="blake2b")
+    manager.save(3, model=model)
+    latest = manager.latest()
+    assert manager.last_digest == manifest_digest(latest)
+    assert read_manifest(latest)["digest"] == "blake2b"
+    assert fsdpckpt.verify_checkpoint(latest, expect_digest=manager.last_digest)["ok"]
+
+
+def test_an_unknown_digest_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="unknown digest 'md5'"):
+        _save(tmp_path / "ckpt", digest="md5")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_digest_needs_the_manifest(tmp_path):
+    with pytest.raises(ValueError, match="needs manifest=True"):
+        _save(tmp_path / "ckpt", digest="sha256", manifest=False)

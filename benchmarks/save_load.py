@@ -1,6 +1,9 @@
 """Save and load time: fsdpckpt against raw DCP and Accelerate, on one 2-rank FSDP2 model.
 
-Run by hand (not in CI):  python benchmarks/save_load.py [--layers 16] [--rounds 3]
+Run by hand (not in CI):  python benchmarks/save_load.py [--layers 16] [--rounds 3] [--dir D]
+
+``--dir /dev/shm`` writes to memory: without the virtual disk's noise, what is left is
+each tool's own CPU cost, which is what a 5% target can be judged on.
 
 A 2-rank FSDP2 run (gloo, CPU) holds N layers of 2048x2048 fp32 (16 MiB each;
 16 layers = 256 MiB of parameters, plus AdamW state after one step). In the same
@@ -8,11 +11,13 @@ processes, alternating tools each round, it times (barrier to barrier):
   - raw DCP: dcp.save / dcp.load of {"model": get_model_state_dict(...)} and
     {"optimizer": get_optimizer_state_dict(...)}, set_*_state_dict after loading
   - fsdpckpt.save_state / fsdpckpt.load_state (same parts, plus RNG files and the
-    manifest of CRC-32s), and save_state(manifest=False)
+    manifest of CRC-32s), save_state(manifest=False), and save_state(digest="sha256")
+    and (digest="blake2b"), which hash every byte written
   - Accelerate's save_state / load_state (FSDP2, SHARDED_STATE_DICT)
   - the blocking time of fsdpckpt.save_state(async_save=True) against a
     synchronous save, and the time until its wait() returns.
-Ratios are against raw DCP in the same run. Target (issue 4): within 5% of raw DCP.
+Ratios are against raw DCP in the same run. Targets: the default save within 5% of raw DCP
+(issues 4 and 9); the digests' cost measured.
 """
 
 from __future__ import annotations
@@ -80,6 +85,10 @@ def _ranks(rank: int, world: int, layers: int, rounds: int, work: str, rendezvou
         "fsdpckpt manifest=False": (
             lambda p: fsdpckpt.save_state(p, model, optimizer, manifest=False),
             lambda p: fsdpckpt.load_state(p, model, optimizer)),
+        "fsdpckpt digest=sha256": (
+            lambda p: fsdpckpt.save_state(p, model, optimizer, digest="sha256"), None),
+        "fsdpckpt digest=blake2b": (
+            lambda p: fsdpckpt.save_state(p, model, optimizer, digest="blake2b"), None),
         "accelerate": (accelerator.save_state, accelerator.load_state),
     }
     times: dict[str, list[float]] = {}
@@ -95,7 +104,8 @@ def _ranks(rank: int, world: int, layers: int, rounds: int, work: str, rendezvou
         for name, (save, load) in tools.items():
             path = f"{work}/{name.replace(' ', '_').replace('=', '_')}_{r}"
             timed(f"{name} save", lambda: save(path))
-            timed(f"{name} load", lambda: load(path))
+            if load is not None:
+                timed(f"{name} load", lambda: load(path))
         path = f"{work}/async_{r}"
         dist.barrier()
         start = time.perf_counter()
@@ -125,6 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="fsdpckpt save/load benchmark")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dir", default=None,
+                        help="where to write (default: the system's temporary folder)")
     args = parser.parse_args()
     import socket
 
@@ -133,7 +145,7 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         os.makedirs(f"{tmp}/work")
         mp.start_processes(_ranks, args=(2, args.layers, args.rounds, f"{tmp}/work",
                                          f"{tmp}/rdzv", port), nprocs=2, start_method="spawn")

@@ -3,8 +3,8 @@
 One error boundary (:class:`_Group`) turns every error into one line on stderr
 (names from the checkpoint escaped, at most :data:`~fsdpckpt.printable.MAX_ERROR_CHARS`
 characters) and exit status 1; ``--debug`` shows the traceback too. Human output escapes
-control and bidi characters in names and paths; ``--json`` keeps the exact strings. ``--json`` puts one
-JSON document on stdout; logs and progress bars go to stderr.
+control and bidi characters in names and paths. ``--json`` puts one JSON document on
+stdout, with the exact strings; logs and progress bars go to stderr.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ file; knowing the strides tells when it cannot.
 
 from __future__ import annotations
 
-import io
 import math
 import struct
 import zipfile
@@ -19,54 +18,17 @@ from typing import IO, Any
 
 from .dtypes import DTYPES, DType
 from .errors import CorruptCheckpointError, NotACheckpointError
+from .printable import printable
 from .safe_pickle import BUILTIN_GLOBALS, safe_loads
+from .ziparchive import CHUNK_ENTRIES, CHUNK_PICKLE_BYTES, SliceFile, entry_info, \
+    open_archive, read_entry, zip_errors
 
 __all__ = ["RawTensor", "SliceFile", "check_view", "locate_tensor", "read_archive_pickle",
            "read_archive_with_tensors"]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
-
-
-class SliceFile(io.RawIOBase):
-    """A read-only, seekable view of ``length`` bytes of ``file`` starting at ``start``."""
-
-    def __init__(self, file: IO[bytes], start: int, length: int) -> None:
-        super().__init__()
-        self._file, self._start, self._length, self._pos = file, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        """Fill ``buffer`` from the window; short only at the window's or the file's real end.
-
-        The underlying ``read`` may return fewer bytes than asked (a pipe, a network file
-        system, a signal); it is called again until the count is reached or it returns
-        nothing, so a short result here always means end of data.
-        """
-        view = memoryview(buffer).cast("B")
-        count = max(0, min(len(view), self._length - self._pos))
-        done = 0
-        self._file.seek(self._start + self._pos)
-        while done < count:
-            data = self._file.read(count - done)
-            if not data:
-                break
-            view[done:done + len(data)] = data
-            done += len(data)
-        self._pos += done
-        return done
+#: The name the manifest's reader still imports.
+_open_archive = open_archive
 
 
 @dataclass(frozen=True)
@@ -236,129 +198,23 @@ def _storage_entry(archive: zipfile.ZipFile, prefix: str, storage: _Storage, dty
     return data
 
 
-def _check_byteorder(archive: zipfile.ZipFile, prefix: str, source: str) -> None:
-    if f"{prefix}byteorder" in archive.namelist() and \
-            archive.read(f"{prefix}byteorder").strip() != b"little":
+def _check_byteorder(archive: zipfile.ZipFile, prefix: str, source: str, start: int) -> None:
+    try:
+        info = archive.getinfo(f"{prefix}byteorder")
+    except KeyError:
+        return
+    if read_entry(archive, info, source=source, start=start).strip() != b"little":
         raise CorruptCheckpointError(f"{source}: saved on a big-endian machine, which "
                                      "fsdpckpt does not convert; merge it there")
-
-
-#: Entries a chunk's archive may hold: torch.save writes about seven (data.pkl, byteorder,
-#: version, .format_version, .storage_alignment, .data/serialization_id, data/0).
-CHUNK_ENTRIES = 32
-#: Bytes a chunk's ``data.pkl`` may have: it names one tensor (a few hundred bytes).
-CHUNK_PICKLE_BYTES = 1 << 16
-_EOCD = struct.Struct("<4s4xHHII")  # signature, ..., entries here, entries, cd size, cd offset
-_MAX_ZIP_VERSION = 63  # the newest zip version Python's zipfile reads
-
-
-def _declared_entries(file: IO[bytes], start: int, length: int) -> int | None:
-    """The entry count the end-of-central-directory record declares, read before any parse.
-
-    None when the record is not the plain 22 bytes at the very end (a comment, zip64):
-    the count is then checked after parsing.
-    """
-    if length < 22:
-        return None
-    file.seek(start + length - 22)
-    record = file.read(22)
-    if len(record) < 22 or record[:4] != b"PK\x05\x06" or record[-2:] != b"\0\0":
-        return None
-    entries = _EOCD.unpack(record[:20])[2]
-    return None if entries == 0xFFFF else entries
-
-
-def _check_entries(archive: zipfile.ZipFile, length: int, source: str, where: str) -> None:
-    """Refuse what torch.save never writes, before any entry is decompressed or read.
-
-    Compressed or encrypted entries (a zip bomb needs compression), zip versions
-    zipfile cannot read, and entries that reach outside the archive's byte range or
-    share bytes with another are all damage or crafting; refusing them here keeps
-    every read bounded by the archive's own bytes.
-    """
-    spans = []
-    for info in archive.infolist():
-        why = None
-        if info.compress_type != zipfile.ZIP_STORED:
-            why = f"is compressed (method {info.compress_type}), which torch.save never does"
-        elif info.flag_bits & 0x1:
-            why = "is encrypted, which torch.save never does"
-        elif info.extract_version > _MAX_ZIP_VERSION:
-            why = f"needs zip version {info.extract_version / 10:.1f}, which nothing here reads"
-        elif info.header_offset < 0 or info.header_offset + 30 + info.file_size > length:
-            why = f"lies outside the archive's {length} bytes"
-        if why:
-            raise CorruptCheckpointError(f"{source}: {where}: the entry '{info.filename}' {why}; "
-                                         "the file is damaged or crafted.")
-        spans.append((info.header_offset, info.header_offset + 30 + len(info.filename)
-                      + info.file_size, info.filename))
-    spans.sort()
-    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
-        if begin < end:
-            raise CorruptCheckpointError(f"{source}: {where}: the entries '{first}' and "
-                                         f"'{second}' share bytes; the file is damaged or "
-                                         "crafted.")
-
-
-def _open_archive(file: IO[bytes], start: int, length: int, source: str,
-                  max_entries: int | None = None) -> zipfile.ZipFile:
-    """Open the ``torch.save`` archive at ``start``, checked as :func:`_check_entries` says.
-
-    Args:
-        max_entries: refuse an archive with more entries (checked from the end record
-            before the central directory is parsed, where it can be).
-    """
-    where = f"the archive at offset {start} (length {length})"
-    try:
-        if max_entries is not None:
-            declared = _declared_entries(file, start, length)
-            if declared is not None and declared > max_entries:
-                raise CorruptCheckpointError(
-                    f"{source}: {where} declares {declared} entries where torch.save writes "
-                    f"a handful (at most {max_entries} accepted); the file is damaged or "
-                    "crafted.")
-        archive = zipfile.ZipFile(SliceFile(file, start, length))
-    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, OverflowError,
-            EOFError, UnicodeDecodeError) as exc:
-        if isinstance(exc, CorruptCheckpointError):
-            raise
-        raise CorruptCheckpointError(
-            f"{source}: the bytes at offset {start} (length {length}) are not a torch.save "
-            f"archive ({exc}); the file is damaged or was overwritten."
-        ) from exc
-    try:
-        if max_entries is not None and len(archive.infolist()) > max_entries:
-            raise CorruptCheckpointError(
-                f"{source}: {where} holds {len(archive.infolist())} entries where torch.save "
-                f"writes a handful (at most {max_entries} accepted); the file is damaged or "
-                "crafted.")
-        _check_entries(archive, length, source, where)
-    except BaseException:
-        archive.close()
-        raise
-    return archive
-
-
-def _entry(archive: zipfile.ZipFile, suffix: str, source: str,
-           max_bytes: int | None = None) -> zipfile.ZipInfo:
-    """The archive's one entry named ``*suffix``, no larger than ``max_bytes`` if given."""
-    for info in archive.infolist():
-        if info.filename.endswith(suffix):
-            if max_bytes is not None and info.file_size > max_bytes:
-                raise CorruptCheckpointError(
-                    f"{source}: the archive's '{info.filename}' has {info.file_size} bytes "
-                    f"where torch.save writes a few hundred (at most {max_bytes} accepted); "
-                    "the file is damaged or crafted.")
-            return info
-    raise CorruptCheckpointError(f"{source}: the archive has no '*{suffix}' entry.")
 
 
 def read_archive_pickle(file: IO[bytes], start: int, length: int, *, source: str,
                         allowed: dict[tuple[str, str], Any], persistent: Any = None) -> Any:
     """Unpickle the ``data.pkl`` of the ``torch.save`` archive at ``start`` through an allowlist."""
-    with _open_archive(file, start, length, source) as archive:
-        info = _entry(archive, "/data.pkl", source)
-        return safe_loads(archive.read(info), allowed=allowed, source=source,
+    with open_archive(file, start, length, source) as archive:
+        info = entry_info(archive, "/data.pkl", source)
+        return safe_loads(read_entry(archive, info, source=source, start=start),
+                          allowed=allowed, source=source,
                           persistent_load=persistent)
 
 
@@ -384,10 +240,10 @@ def read_archive_with_tensors(file: IO[bytes], start: int, length: int, *, sourc
         UnsafePickleError: the pickle names a global outside ``allowed`` and the tensor ones.
         CorruptCheckpointError / NotACheckpointError: the archive is damaged.
     """
-    with _open_archive(file, start, length, source) as archive:
-        pkl = _entry(archive, "/data.pkl", source)
+    with open_archive(file, start, length, source) as archive:
+        pkl = entry_info(archive, "/data.pkl", source)
         prefix = pkl.filename[: -len("data.pkl")]
-        _check_byteorder(archive, prefix, source)
+        _check_byteorder(archive, prefix, source, start)
         storages: dict[str, bytes] = {}
 
         def storage(pid: Any) -> _Storage:
@@ -405,7 +261,8 @@ def read_archive_with_tensors(file: IO[bytes], start: int, length: int, *, sourc
             offset, shape, stride = check_view(dtype, entry.file_size, record.offset,
                                                record.shape, record.stride, source=source)
             if entry.filename not in storages:
-                storages[entry.filename] = archive.read(entry)
+                storages[entry.filename] = read_entry(archive, entry, source=source,
+                                                      start=start)
             return make_tensor(dtype, storages[entry.filename], offset, shape, stride)
 
         globals_ = {
@@ -414,7 +271,8 @@ def read_archive_with_tensors(file: IO[bytes], start: int, length: int, *, sourc
             ("torch._utils", "_rebuild_tensor_v2"): lambda *a: rebuild(_rebuild_v2(*a)),
             ("torch._utils", "_rebuild_tensor_v3"): lambda *a: rebuild(_rebuild_v3(*a)),
         }
-        return safe_loads(archive.read(pkl), allowed=globals_, source=source,
+        return safe_loads(read_entry(archive, pkl, source=source, start=start),
+                          allowed=globals_, source=source,
                           persistent_load=storage)
 
 
@@ -433,24 +291,32 @@ def locate_tensor(file: IO[bytes], start: int, length: int, *, source: str) -> R
     Raises:
         CorruptCheckpointError: the bytes are not such an archive, or disagree with themselves.
     """
-    with _open_archive(file, start, length, source, max_entries=CHUNK_ENTRIES) as archive:
-        pkl = _entry(archive, "/data.pkl", source, max_bytes=CHUNK_PICKLE_BYTES)
-        record = safe_loads(archive.read(pkl), allowed=_TENSOR_GLOBALS, source=source,
+    with open_archive(file, start, length, source, max_entries=CHUNK_ENTRIES) as archive:
+        pkl = entry_info(archive, "/data.pkl", source, max_bytes=CHUNK_PICKLE_BYTES)
+        record = safe_loads(read_entry(archive, pkl, source=source, start=start),
+                            allowed=_TENSOR_GLOBALS, source=source,
                             persistent_load=_persistent_storage)
         if not isinstance(record, _TensorRecord) or not isinstance(record.storage, _Storage):
             raise CorruptCheckpointError(f"{source}: the archive does not hold a single tensor.")
         prefix = pkl.filename[: -len("data.pkl")]
-        _check_byteorder(archive, prefix, source)
+        _check_byteorder(archive, prefix, source, start)
         dtype = _tensor_dtype(record, source)
         data = _storage_entry(archive, prefix, record.storage, dtype, source)
     offset, shape, stride = check_view(dtype, data.file_size, record.offset, record.shape,
                                        record.stride, source=source)
-    file.seek(start + data.header_offset)
-    header = file.read(_LOCAL_HEADER.size)
+    at = start + data.header_offset
+    name = printable(data.filename)
+    with zip_errors(source, f"the header of its entry '{name}' (bytes {at}-{at + 30})"):
+        file.seek(at)
+        header = file.read(_LOCAL_HEADER.size)
     if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-        raise CorruptCheckpointError(f"{source}: a zip entry header is damaged.")
+        raise CorruptCheckpointError(f"{source}: the zip header of '{name}' (bytes {at}-"
+                                     f"{at + 30}) is damaged.")
     name_len, extra_len = _LOCAL_HEADER.unpack(header)[1:]
-    storage_start = start + data.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    storage_start = at + _LOCAL_HEADER.size + name_len + extra_len
     if storage_start + data.file_size > start + length:
-        raise CorruptCheckpointError(f"{source}: the tensor's storage reaches past its archive.")
+        raise CorruptCheckpointError(
+            f"{source}: the tensor's storage (bytes {storage_start}-"
+            f"{storage_start + data.file_size}) reaches past its archive (bytes {start}-"
+            f"{start + length}); the file is damaged.")
     return RawTensor(storage_start, data.file_size, dtype, offset, shape, stride)

@@ -1,8 +1,10 @@
 """The ``fsdpckpt`` command line. It only parses, calls the library and prints.
 
 One error boundary (:class:`_Group`) turns every error into one line on stderr
-and exit status 1; ``--debug`` shows the traceback instead. ``--json`` puts one
-JSON document on stdout; logs and progress bars go to stderr.
+(names from the checkpoint escaped, at most :data:`~fsdpckpt.printable.MAX_ERROR_CHARS`
+characters) and exit status 1; ``--debug`` shows the traceback too. Human output escapes
+control and bidi characters in names and paths. ``--json`` puts one JSON document on
+stdout, with the exact strings; logs and progress bars go to stderr.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import click
 
 from . import __version__
 from .errors import FsdpCkptError
+from .printable import cap_line, printable
 
 __all__ = ["main"]
 
@@ -32,9 +35,10 @@ def _debug_option(func: Any) -> Any:
 
 
 def _fail(ctx: click.Context, message: str, exc: BaseException | None = None) -> None:
+    """Print the one error line: names from a checkpoint escaped, its length capped."""
     if exc is not None and ctx.meta.get("fsdpckpt.debug"):
         traceback.print_exception(exc)
-    click.echo(f"fsdpckpt: error: {message}", err=True)
+    click.echo(f"fsdpckpt: error: {cap_line(printable(message))}", err=True)
     ctx.exit(1)
 
 
@@ -115,8 +119,8 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
         click.echo(render_inspect(doc, chunks=chunks, tensors=not summary, names=names))
     if not doc["ok"]:
         count = len(doc["problems"])
-        click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in {path}; "
-                   "the checkpoint is not whole", err=True)
+        click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in "
+                   f"{printable(path)}; the checkpoint is not whole", err=True)
         sys.exit(1)
 
 
@@ -150,12 +154,13 @@ def _merge_report(results: list[Any], as_json: bool) -> None:
         return
     for r in results:
         rate = human_bytes(r.bytes / r.seconds) if r.seconds > 0 else "-"
-        click.echo(f"merged {r.source} -> {r.path}: {r.tensors} tensors, {human_bytes(r.bytes)} "
-                   f"in {r.seconds:.2f} s ({rate}/s)")
+        click.echo(f"merged {printable(r.source)} -> {printable(r.path)}: {r.tensors} tensors, "
+                   f"{human_bytes(r.bytes)} in {r.seconds:.2f} s ({rate}/s)")
         if r.objects:
             where = ("the safetensors metadata ('fsdpckpt.objects')"
                      if r.path.suffix in (".safetensors", ".json") else "the pickle")
-            shown = ", ".join(r.objects[:5]) + (" ..." if len(r.objects) > 5 else "")
+            shown = ", ".join(map(printable, r.objects[:5])) + \
+                (" ..." if len(r.objects) > 5 else "")
             click.echo(f"  kept {len(r.objects)} non-tensor entries ({shown}) in {where}")
 
 
@@ -255,7 +260,8 @@ def merge_weights(checkpoint_directory: str, output_path: str, unsafe: bool, rem
     if as_json:
         click.echo(json.dumps({"output": str(path), "seconds": round(seconds, 3)}))
     else:
-        click.echo(f"merged {checkpoint_directory} -> {path} in {seconds:.2f} s")
+        click.echo(f"merged {printable(checkpoint_directory)} -> {printable(path)} in "
+                   f"{seconds:.2f} s")
 
 
 @main.command()
@@ -290,7 +296,8 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
                                "tensors": result.tensors, "objects": result.objects,
                                "bytes": result.bytes}))
     else:
-        click.echo(f"converted {result.source} -> {result.path}: {result.tensors} tensors "
+        click.echo(f"converted {printable(result.source)} -> {printable(result.path)}: "
+                   f"{result.tensors} tensors "
                    f"({human_bytes(result.bytes)}), {result.objects} other entries")
 
 
@@ -329,16 +336,16 @@ def verify(path: str, as_json: bool, quiet: bool, expect_digest: str | None) -> 
         click.echo(json.dumps(report, indent=2))
     else:
         for problem in report["problems"]:
-            click.echo(f"{problem['path']}: {problem['message']}")
+            click.echo(f"{printable(problem['path'])}: {printable(problem['message'])}")
         how = "every byte checked against the manifest" if report["manifest"] else \
             "no manifest: chunk headers and data checked against their own checksums"
-        click.echo(f"{path}: {'OK' if report['ok'] else 'DAMAGED'} ({how})")
+        click.echo(f"{printable(path)}: {'OK' if report['ok'] else 'DAMAGED'} ({how})")
         if report["manifest_digest"]:
             files = f"files carry {report['digest']}" if report["digest"] else \
                 "files carry CRC-32 only: save with digest='sha256' to detect deliberate changes"
             click.echo(f"manifest digest: {report['manifest_digest']} ({files})")
     if not report["ok"]:
         count = len(report["problems"])
-        click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in {path}",
-                   err=True)
+        click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in "
+                   f"{printable(path)}", err=True)
         sys.exit(1)

@@ -15,7 +15,6 @@ is one clear error naming the file. Nothing in them is unpickled outside torch's
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import re
@@ -31,6 +30,7 @@ from typing import Any
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, \
     UnsafePickleError
 from .formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
+from .jsonio import parse_json
 from .objects import loads, torch_load_allowlisted
 from .writer import OutputExistsError
 
@@ -115,8 +115,11 @@ def _shards(path: Path) -> list[Path]:
     if not path.name.endswith(".index.json"):
         return [path]
     try:
-        index = json.loads(path.read_text())
-        names = list(dict.fromkeys(index["weight_map"].values()))
+        index = parse_json(path.read_bytes())
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise TypeError("no 'weight_map' object")
+        names = list(dict.fromkeys(weight_map.values()))
         if not all(isinstance(n, str) and n for n in names):
             raise TypeError("a file name is not a string")
         # Shards lie beside their index (symlinks, as in the Hugging Face cache, are fine):
@@ -192,6 +195,21 @@ def _torch_load(file: Path, kind: str) -> Any:
                                      f"({_first_line(exc)}); it is truncated or damaged.") from None
 
 
+def key_paths(text: str) -> dict[str, list[str | int]]:
+    """The ``fsdpckpt.key_paths`` metadata: each name's key path, checked against its schema.
+
+    Raises:
+        ValueError: not JSON, too deep, or not an object of names to non-empty lists of
+            string or integer keys.
+    """
+    paths = parse_json(text)
+    if not (isinstance(paths, dict) and all(
+            isinstance(v, list) and v and all(isinstance(k, str) or type(k) is int for k in v)
+            for v in paths.values())):
+        raise ValueError(f"'{KEY_PATHS_KEY}' is not an object of names to lists of keys")
+    return paths
+
+
 def _safetensors_entries(file: Path, prefix: tuple) -> Iterator[tuple[tuple, Any]]:
     from safetensors import SafetensorError, safe_open
 
@@ -199,7 +217,7 @@ def _safetensors_entries(file: Path, prefix: tuple) -> Iterator[tuple[tuple, Any
         with safe_open(str(file), framework="pt") as handle:
             meta = handle.metadata() or {}
             try:
-                paths = json.loads(meta.get(KEY_PATHS_KEY, "{}"))
+                paths = key_paths(meta.get(KEY_PATHS_KEY, "{}"))
                 objects = loads(meta.get(OBJECTS_KEY, "{}")).items()
             except (ValueError, TypeError, AttributeError) as exc:
                 raise CorruptCheckpointError(f"{file}: its fsdpckpt metadata is garbled "

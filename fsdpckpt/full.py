@@ -8,7 +8,6 @@ Unlike the merge, this holds the whole state dict: it is for models that fit.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -19,6 +18,7 @@ from .copy import DataFiles, MemorySink, place_stored_chunk
 from .dtypes import DType
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from .formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
+from .jsonio import loads_json
 from .nesting import unflatten
 from .objects import loads, read_object, to_torch, torch_load_allowlisted
 from .rawio import reusing_scratch
@@ -69,18 +69,31 @@ def _from_dcp(path: Path) -> dict[Any, Any]:
 
 
 def _from_safetensors(files: list[Path]) -> dict[Any, Any]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
+
+    from .converter import key_paths
 
     flat: dict[str, Any] = {}
     paths: dict[str, list] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            meta = handle.metadata() or {}
-            flat.update({name: handle.get_tensor(name) for name in handle.keys()})
-        if OBJECTS_KEY in meta:
-            flat.update(to_torch(loads(meta[OBJECTS_KEY])))
-        if KEY_PATHS_KEY in meta:
-            paths.update(json.loads(meta[KEY_PATHS_KEY]))
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                meta = handle.metadata() or {}
+                flat.update({name: handle.get_tensor(name) for name in handle.keys()})
+        except SafetensorError as exc:
+            detail = (str(exc).splitlines() or ["?"])[0][:200]
+            raise CorruptCheckpointError(f"{file}: not a readable safetensors file ({detail}); "
+                                         "it is truncated or damaged.") from None
+        try:  # JSON from the file: checked (depth, schema) so it fails as one error
+            if OBJECTS_KEY in meta:
+                flat.update(to_torch(loads(meta[OBJECTS_KEY])))
+            if KEY_PATHS_KEY in meta:
+                paths.update(key_paths(meta[KEY_PATHS_KEY]))
+        except ValueError as exc:
+            if isinstance(exc, CorruptCheckpointError):
+                raise
+            raise CorruptCheckpointError(f"{file}: its fsdpckpt metadata is garbled ({exc}); "
+                                         "merge it again.") from None
     if not paths:
         return flat
     return unflatten((tuple(paths.get(name, [name])), value) for name, value in flat.items())
@@ -89,8 +102,13 @@ def _from_safetensors(files: list[Path]) -> dict[Any, Any]:
 def shard_files(path: Path) -> list[Path]:
     """The files a shard index (``*.index.json``) lists, in order; any other path alone."""
     if path.name.endswith(".index.json"):
-        index = json.loads(path.read_text())
-        return [path.parent / n for n in dict.fromkeys(index["weight_map"].values())]
+        index = loads_json(path.read_bytes(), source=str(path), error=NotACheckpointError)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(n, str) and n for n in weight_map.values()):
+            raise NotACheckpointError(f"{path}: not a shard index (a JSON object with a "
+                                      "'weight_map' of names to file names).")
+        return [path.parent / n for n in dict.fromkeys(weight_map.values())]
     return [path]
 
 

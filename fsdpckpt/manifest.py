@@ -29,6 +29,7 @@ from .archive import _open_archive, locate_tensor
 from .checksums import DIGESTS, ChecksumStream, Pieces, crc32_range, resolve_pieces
 from .durable import write_bytes
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .jsonio import parse_json
 from .reader import is_dcp_folder, read_dcp_folder
 
 __all__ = ["MANIFEST", "FileRecord", "build_manifest", "checksum_writer", "chunk_crcs",
@@ -211,10 +212,9 @@ def parse_manifest(data: bytes, path: Path) -> dict[str, Any]:
         CorruptCheckpointError: as for :func:`read_manifest`.
     """
     try:
-        manifest = json.loads(data.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise CorruptCheckpointError(f"{path}: not a readable manifest ({reason}); it cannot "
+        manifest = parse_json(data)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{path}: not a readable manifest ({exc}); it cannot "
                                      "be trusted: delete it to verify without it") from None
     if not isinstance(manifest, dict) or manifest.get("format") != "fsdpckpt-manifest":
         raise CorruptCheckpointError(f"{path}: not an fsdpckpt manifest")

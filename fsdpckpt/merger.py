@@ -8,7 +8,6 @@ the state dict ever being held in memory.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -20,6 +19,7 @@ from typing import Any
 
 from .checks import check_folder
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from .jsonio import parse_json
 from .layout import DcpPart, find_layout
 from .plan import MergePlan, MergePlanError, parse_dtype, parse_size, plan_merge
 from .reader import read_dcp_folder
@@ -240,9 +240,9 @@ def _index_files(index: Path) -> list[str]:
     try:
         if index.stat().st_size > _INDEX_LIMIT:
             return []
-        weight_map = json.loads(index.read_bytes()).get("weight_map", {})
+        weight_map = parse_json(index.read_bytes()).get("weight_map", {})
         return sorted({n for n in weight_map.values() if isinstance(n, str)})
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError):  # parse_json's every failure is a ValueError
         return []
 
 

@@ -224,5 +224,12 @@ def dumps(value: Any) -> str:
 
 
 def loads(text: str) -> Any:
-    """Invert :func:`dumps`."""
-    return decode_value(json.loads(text))
+    """Invert :func:`dumps`.
+
+    Raises:
+        ValueError: ``text`` is not JSON or is nested too deep to decode (see
+            :func:`fsdpckpt.jsonio.parse_json`); CorruptCheckpointError for a bad value.
+    """
+    from .jsonio import parse_json
+
+    return decode_value(parse_json(text))

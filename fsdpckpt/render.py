@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .printable import printable
+
 __all__ = ["human_bytes", "table", "render_inspect"]
 
 
@@ -77,9 +79,26 @@ def _side_rows(side_files: Sequence[dict[str, Any]], summary: bool) -> list[list
     return rows
 
 
+def _escaped(value: Any) -> Any:
+    """``value`` with every string in it (names, paths, messages) made printable."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {_escaped(k): _escaped(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_escaped(v) for v in value]
+    return value
+
+
 def render_inspect(doc: dict[str, Any], *, chunks: bool = False, tensors: bool = True,
                    names: str | None = None) -> str:
-    """The human form of :func:`fsdpckpt.inspection.inspect_checkpoint`'s document."""
+    """The human form of :func:`fsdpckpt.inspection.inspect_checkpoint`'s document.
+
+    Every string from the checkpoint (tensor and file names, paths, problems) is shown
+    with control and bidi characters escaped (:func:`fsdpckpt.printable.printable`), so a
+    crafted name cannot forge lines or drive the terminal.
+    """
+    doc = _escaped(doc)
     style = {"dcp": "DCP folder", "accelerate": "Accelerate checkpoint",
              "hf-trainer": "HF Trainer checkpoint"}[doc["style"]]
     world = doc["world_size"] if doc.get("world_size_exact", True) else \
@@ -127,7 +146,7 @@ def render_inspect(doc: dict[str, Any], *, chunks: bool = False, tensors: bool =
             out += ["", "  objects: " + ", ".join(o["name"] for o in part["objects"])]
     listed = [p for p in doc["parts"] if p.get("tensors") or p.get("objects")]
     if names and tensors and not listed:
-        out += ["", f"No tensor or object name matches {names!r}."]
+        out += ["", f"No tensor or object name matches {printable(repr(names))}."]
     if doc["problems"]:
         out += ["", f"Problems ({len(doc['problems'])}):"]
         out += [f"  {p['path']}: {p['message']}" for p in doc["problems"]]

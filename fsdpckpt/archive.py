@@ -304,8 +304,22 @@ def locate_tensor(file: IO[bytes], start: int, length: int, *, source: str) -> R
         data = _storage_entry(archive, prefix, record.storage, dtype, source)
     offset, shape, stride = check_view(dtype, data.file_size, record.offset, record.shape,
                                        record.stride, source=source)
-    at = start + data.header_offset
-    name = printable(data.filename)
+    storage_start = entry_data_start(file, start, length, data, source=source)
+    return RawTensor(storage_start, data.file_size, dtype, offset, shape, stride)
+
+
+def entry_data_start(file: IO[bytes], start: int, length: int, info: zipfile.ZipInfo, *,
+                     source: str) -> int:
+    """The absolute offset in ``file`` of the data of the zip entry ``info`` of the archive
+    at ``start``: past its local header, whose name and extra fields may differ in length
+    from the central directory's.
+
+    Raises:
+        CorruptCheckpointError: the local header is damaged, or the data reaches past the
+            archive.
+    """
+    at = start + info.header_offset
+    name = printable(info.filename)
     with zip_errors(source, f"the header of its entry '{name}' (bytes {at}-{at + 30})"):
         file.seek(at)
         header = file.read(_LOCAL_HEADER.size)
@@ -313,10 +327,10 @@ def locate_tensor(file: IO[bytes], start: int, length: int, *, source: str) -> R
         raise CorruptCheckpointError(f"{source}: the zip header of '{name}' (bytes {at}-"
                                      f"{at + 30}) is damaged.")
     name_len, extra_len = _LOCAL_HEADER.unpack(header)[1:]
-    storage_start = at + _LOCAL_HEADER.size + name_len + extra_len
-    if storage_start + data.file_size > start + length:
+    data_start = at + _LOCAL_HEADER.size + name_len + extra_len
+    if data_start + info.file_size > start + length:
         raise CorruptCheckpointError(
-            f"{source}: the tensor's storage (bytes {storage_start}-"
-            f"{storage_start + data.file_size}) reaches past its archive (bytes {start}-"
+            f"{source}: the data of '{name}' (bytes {data_start}-"
+            f"{data_start + info.file_size}) reaches past its archive (bytes {start}-"
             f"{start + length}); the file is damaged.")
-    return RawTensor(storage_start, data.file_size, dtype, offset, shape, stride)
+    return data_start

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from .archive import _open_archive, locate_tensor
+from .archive import _open_archive, entry_data_start
 from .checksums import DIGESTS, ChecksumStream, Pieces, crc32_range, resolve_pieces
 from .durable import write_bytes
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -70,13 +70,22 @@ def checksum_writer(path: str | os.PathLike[str], record: dict[str, FileRecord],
     return writer
 
 
-def data_entry_crc(handle: IO[bytes], start: int, length: int, *, source: str) -> int:
-    """The CRC-32 a chunk's zip directory stores for its data entry (no data is read)."""
+def data_entry(handle: IO[bytes], start: int, length: int, *,
+               source: str) -> tuple[int, int, int]:
+    """``(crc32, data offset, data length)`` of a chunk's data entry, from its zip directory
+    and local header (no data is read)."""
     with _open_archive(handle, start, length, source) as archive:
         data = [i for i in archive.infolist() if "/data/" in i.filename]
-    if len(data) != 1:
-        raise CorruptCheckpointError(f"{source}: expected one data entry, found {len(data)}")
-    return data[0].CRC
+        if len(data) != 1:
+            raise CorruptCheckpointError(f"{source}: expected one data entry, found "
+                                         f"{len(data)}")
+        offset = entry_data_start(handle, start, length, data[0], source=source)
+    return data[0].CRC, offset, data[0].file_size
+
+
+def data_entry_crc(handle: IO[bytes], start: int, length: int, *, source: str) -> int:
+    """The CRC-32 a chunk's zip directory stores for its data entry (no data is read)."""
+    return data_entry(handle, start, length, source=source)[0]
 
 
 def chunk_crcs(folder: Path, records: dict[str, dict[tuple[int, int], int]] | None = None,
@@ -98,13 +107,12 @@ def chunk_crcs(folder: Path, records: dict[str, dict[tuple[int, int], int]] | No
                 handle = handles.get(chunk.file) or handles.setdefault(
                     chunk.file, open(folder / chunk.file, "rb"))  # noqa: SIM115 - closed below
                 source = f"{folder / chunk.file} (tensor '{tensor.name}')"
-                crc = data_entry_crc(handle, chunk.offset, chunk.length, source=source)
+                crc, data_start, size = data_entry(handle, chunk.offset, chunk.length,
+                                                   source=source)
                 out.append({"tensor": tensor.name, "offsets": list(chunk.offsets),
                             "file": chunk.file, "crc32": crc})
                 if records is not None:
-                    raw = locate_tensor(handle, chunk.offset, chunk.length, source=source)
-                    records.setdefault(chunk.file, {})[
-                        (raw.storage_start, raw.storage_nbytes)] = crc
+                    records.setdefault(chunk.file, {})[(data_start, size)] = crc
     finally:
         for handle in handles.values():
             handle.close()

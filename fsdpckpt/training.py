@@ -218,8 +218,9 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
             order (Accelerate's ``register_for_checkpointing`` numbering).
         async_save: write model and optimizer in the background; returns an
             :class:`AsyncSave` whose ``wait()`` every rank must call.
-        manifest: write ``fsdpckpt.json`` with every file's CRC-32 (computed while
-            writing; about 0.1 s per 400 MB per rank here). ``fsdpckpt verify`` checks
+        manifest: write ``fsdpckpt.json`` with every file's CRC-32 (recorded while
+            writing, from the CRCs torch.save already computes: about 3% of a save to
+            memory, see docs/benchmarks.md). ``fsdpckpt verify`` checks
             every byte against it; without it, verify still checks each chunk against
             its own zip CRC. With ``manifest=False`` the small side files (RNG,
             scheduler) are not fsynced either, as Accelerate writes them; the

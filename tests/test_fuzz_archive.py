@@ -10,13 +10,12 @@ versions, zip64 extras, huge counts and offsets). End to end, ``verify_checkpoin
 ``merge`` run on a damaged copy of a fixture, and the CLI prints one ``fsdpckpt: error:``
 line, never "unexpected".
 
-A longer run by hand:  FSDPCKPT_FUZZ_EXAMPLES=20000 python -m pytest tests/test_fuzz_archive.py
+A longer run by hand: see tests/fuzzing.py.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import re
 import shutil
 import struct
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from fsdpckpt import merge, verify_checkpoint
@@ -37,13 +36,10 @@ from fsdpckpt.reader import read_dcp_folder
 from fsdpckpt.safe_pickle import BUILTIN_GLOBALS
 
 from conftest import DCP_FOLDERS, FIXTURES
+from fuzzing import damaged, fuzz_settings
 
-_EXAMPLES = int(os.environ.get("FSDPCKPT_FUZZ_EXAMPLES", "200"))
-_FUZZ = settings(max_examples=_EXAMPLES, deadline=None, derandomize=True, database=None,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                        HealthCheck.function_scoped_fixture])
-# End-to-end examples write files and merge: a tenth of the budget.
-_FUZZ_E2E = settings(_FUZZ, max_examples=max(10, _EXAMPLES // 10))
+_FUZZ = fuzz_settings()
+_FUZZ_E2E = fuzz_settings(0.1)  # end-to-end examples write files and merge
 
 
 def _chunk_archives() -> list[bytes]:
@@ -123,30 +119,10 @@ def _zip64_extra(draw, data: bytearray) -> None:
         struct.pack_into("<I", data, end + 12, (size + len(extra)) % 2**32)
 
 
-@st.composite
-def _damaged(draw, source: bytes, max_steps: int = 4) -> bytes:
-    data = bytearray(source)
-    for _ in range(draw(st.integers(1, max_steps))):
-        if not data:
-            break
-        how = draw(st.sampled_from(["flip", "byte", "cut", "insert", "drop", "field", "field",
-                                    "zip64"]))
-        at = draw(st.integers(0, len(data) - 1))
-        if how == "flip":
-            data[at] ^= 1 << draw(st.integers(0, 7))
-        elif how == "byte":
-            data[at] = draw(st.integers(0, 255))
-        elif how == "cut":
-            del data[at:]
-        elif how == "insert":
-            data[at:at] = draw(st.binary(min_size=1, max_size=16))
-        elif how == "drop":
-            del data[at:at + draw(st.integers(1, 64))]
-        elif how == "field":
-            draw(_crafted_field(data))
-        else:
-            draw(_zip64_extra(data))
-    return bytes(data)
+def _damaged(source: bytes, max_steps: int = 4) -> st.SearchStrategy[bytes]:
+    return damaged(source, steps=max_steps,
+                   kinds=("flip", "byte", "cut", "insert", "drop", "field", "field", "zip64"),
+                   custom={"field": _crafted_field, "zip64": _zip64_extra})
 
 
 def _one_line_naming(exc: FsdpCkptError, name: str) -> None:

@@ -6,32 +6,28 @@ safetensors file, safetensors headers built from odd values (dtypes that are not
 strings, negative or overlapping offsets, bad shapes, fsdpckpt metadata of the wrong
 shape or nested deep), and shard indexes of every JSON shape.
 
-A longer run by hand:  FSDPCKPT_FUZZ_EXAMPLES=20000 python -m pytest tests/test_fuzz_convert.py
+A longer run by hand: see tests/fuzzing.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from fsdpckpt import convert, load_full_state_dict, merge
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 
 from conftest import DCP_FOLDERS
+from fuzzing import damaged, fuzz_settings
 
-_EXAMPLES = int(os.environ.get("FSDPCKPT_FUZZ_EXAMPLES", "200"))
-_FUZZ = settings(max_examples=max(20, _EXAMPLES // 2), deadline=None, derandomize=True,
-                 database=None,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                        HealthCheck.function_scoped_fixture])
+_FUZZ = fuzz_settings(0.5, minimum=20)
 
 
 @pytest.fixture(scope="module")
@@ -71,28 +67,15 @@ def _safetensors(header: object, data: bytes = b"") -> bytes:
 
 # -- damaged real files -------------------------------------------------------------------
 
-@st.composite
-def _damaged(draw) -> bytes:
-    data = bytearray(_REAL)
-    header_end = 8 + struct.unpack_from("<Q", data)[0]
-    for _ in range(draw(st.integers(1, 4))):
-        if not data:
-            break
-        # Mostly in the header, where the parsing is.
-        at = draw(st.one_of(st.integers(0, min(header_end, len(data)) - 1),
-                            st.integers(0, len(data) - 1)))
-        how = draw(st.sampled_from(["flip", "byte", "cut", "insert", "drop"]))
-        if how == "flip":
-            data[at] ^= 1 << draw(st.integers(0, 7))
-        elif how == "byte":
-            data[at] = draw(st.sampled_from(b'{}[]",:0-9e\\\x00\xff'))
-        elif how == "cut":
-            del data[at:]
-        elif how == "insert":
-            data[at:at] = draw(st.binary(min_size=1, max_size=8))
-        else:
-            del data[at:at + draw(st.integers(1, 16))]
-    return bytes(data)
+def _damaged() -> st.SearchStrategy[bytes]:
+    header_end = 8 + struct.unpack_from("<Q", _REAL)[0]
+
+    def mostly_in_the_header(data: bytearray) -> st.SearchStrategy[int]:  # where parsing is
+        return st.one_of(st.integers(0, min(header_end, len(data)) - 1),
+                         st.integers(0, len(data) - 1))
+
+    return damaged(_REAL, steps=4, kinds=("flip", "byte", "cut", "insert", "drop"),
+                   where=mostly_in_the_header, values=st.sampled_from(b'{}[]",:0-9e\\\x00\xff'))
 
 
 @_FUZZ

@@ -7,19 +7,18 @@ global, values of every type, every state-setting and memo opcode). Whatever the
 ``read_dcp_folder`` returns or raises an :class:`FsdpCkptError`, and the module-level
 stand-ins are unchanged afterwards.
 
-A longer run by hand:  FSDPCKPT_FUZZ_EXAMPLES=20000 python -m pytest tests/test_fuzz_metadata.py
+A longer run by hand: see tests/fuzzing.py.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from fsdpckpt.dtypes import DTYPES
@@ -28,10 +27,9 @@ from fsdpckpt.reader import read_dcp_folder
 from fsdpckpt.safe_pickle import METADATA_GLOBALS
 
 from conftest import FIXTURES
+from fuzzing import damaged, fuzz_settings
 
-_EXAMPLES = int(os.environ.get("FSDPCKPT_FUZZ_EXAMPLES", "200"))
-_FUZZ = settings(max_examples=_EXAMPLES, deadline=None, derandomize=True, database=None,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_FUZZ = fuzz_settings()
 
 _REAL = [p.read_bytes() for p in sorted(FIXTURES.glob("**/.metadata"))]
 
@@ -66,26 +64,9 @@ def _read(folder: Path, data: bytes) -> None:
 
 # -- damaged real files -------------------------------------------------------------------
 
-@st.composite
-def _damaged_real(draw) -> bytes:
-    data = bytearray(draw(st.sampled_from(_REAL)))
-    for _ in range(draw(st.integers(1, 8))):
-        how = draw(st.sampled_from(["flip", "byte", "cut", "splice", "drop"]))
-        if not data:
-            break
-        at = draw(st.integers(0, len(data) - 1))
-        if how == "flip":
-            data[at] ^= 1 << draw(st.integers(0, 7))
-        elif how == "byte":
-            data[at] = draw(st.integers(0, 255))
-        elif how == "cut":
-            del data[at:]
-        elif how == "splice":  # a run of bytes copied from elsewhere in the file
-            start = draw(st.integers(0, len(data) - 1))
-            data[at:at] = data[start:start + draw(st.integers(1, 64))]
-        else:
-            del data[at:at + draw(st.integers(1, 64))]
-    return bytes(data)
+def _damaged_real() -> st.SearchStrategy[bytes]:
+    return st.sampled_from(_REAL).flatmap(
+        lambda data: damaged(data, kinds=("flip", "byte", "cut", "splice", "drop")))
 
 
 @_FUZZ

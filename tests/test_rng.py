@@ -19,11 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import fsdpckpt
 from fsdpckpt.rng import load_rng_file, rng_state_bytes
+
+from fuzzing import damaged, fuzz_settings
 
 
 def _save(path: Path, state) -> Path:
@@ -406,24 +408,18 @@ def test_a_missing_file_is_named(tmp_path):
 _REAL_FILE = rng_state_bytes(5)
 
 
-@settings(max_examples=200, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(flips=st.lists(st.tuples(st.integers(0, len(_REAL_FILE) - 1), st.integers(0, 7)),
-                      min_size=1, max_size=4))
-def test_byte_flips_in_a_real_rng_file_raise_only_fsdpckpt_errors(tmp_path, flips):
-    data = bytearray(_REAL_FILE)
-    for index, bit in flips:
-        data[index] ^= 1 << bit
+@fuzz_settings()
+@given(data=damaged(_REAL_FILE, steps=4))
+def test_damage_to_a_real_rng_file_raises_only_fsdpckpt_errors(tmp_path, data):
     path = tmp_path / "random_states_0.pkl"
-    path.write_bytes(bytes(data))
+    path.write_bytes(data)
     try:
         load_rng_file(path)
     except fsdpckpt.FsdpCkptError as exc:
         assert "\n" not in str(exc)
 
 
-@settings(max_examples=100, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@fuzz_settings(0.5)
 @given(cut=st.integers(0, len(_REAL_FILE) - 1))
 def test_every_truncation_of_a_real_rng_file_is_one_line(tmp_path, cut):
     path = tmp_path / "random_states_0.pkl"

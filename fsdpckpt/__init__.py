@@ -13,33 +13,33 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .checks import Problem, check_folder
-from .dtypes import DType
-from .errors import (
+from fsdpckpt.dcp.checks import Problem, check_folder
+from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FsdpCkptError,
     NotACheckpointError,
     UnsafePickleError,
 )
-from .inspection import inspect_checkpoint
-from .layout import CheckpointLayout, find_layout
-from .metadata import Chunk, DcpMetadata, ObjectEntry, TensorEntry
-from .reader import DcpFolder, read_dcp_folder
+from fsdpckpt.inspection.inspect import inspect_checkpoint
+from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
+from fsdpckpt.dcp.metadata import Chunk, DcpMetadata, ObjectEntry, TensorEntry
+from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
 
 
 def __getattr__(name: str):
     # The verbs below pull in more modules (and torch, for some paths) on first use only.
     lazy = {
-        "merge": "merger", "merge_fsdp_weights": "merger", "MergeResult": "merger",
-        "load_full_state_dict": "full", "convert": "converter", "ConvertResult": "converter",
-        "plan_merge": "plan", "MergePlan": "plan", "MergePlanError": "plan",
-        "OutputExistsError": "writer", "DiskFullError": "writer",
-        "OutputNotWritableError": "writer",
-        "save_state": "training", "load_state": "training", "LoadResult": "training",
-        "AsyncSave": "training", "StateMismatchError": "training",
-        "ResumeWarning": "training",
-        "CheckpointManager": "manager", "verify_checkpoint": "verify",
+        "merge": "merging.merger", "merge_fsdp_weights": "merging.merger", "MergeResult": "merging.merger",
+        "load_full_state_dict": "merging.full", "convert": "merging.to_dcp", "ConvertResult": "merging.to_dcp",
+        "plan_merge": "merging.plan", "MergePlan": "merging.plan", "MergePlanError": "merging.plan",
+        "OutputExistsError": "merging.writer", "DiskFullError": "merging.writer",
+        "OutputNotWritableError": "merging.writer",
+        "save_state": "training.state", "load_state": "training.state", "LoadResult": "training.state",
+        "AsyncSave": "training.state", "StateMismatchError": "training.state",
+        "ResumeWarning": "training.state",
+        "CheckpointManager": "training.manager", "verify_checkpoint": "inspection.verify",
     }
     if name in lazy:
         import importlib

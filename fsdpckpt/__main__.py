@@ -1,6 +1,6 @@
 """``python -m fsdpckpt`` runs the command line."""
 
-from .cli import main
+from fsdpckpt.cli import main
 
 if __name__ == "__main__":
     main(prog_name="fsdpckpt")

@@ -1,7 +1,7 @@
 """The ``fsdpckpt`` command line. It only parses, calls the library and prints.
 
 One error boundary (:class:`_Group`) turns every error into one line on stderr
-(names from the checkpoint escaped, at most :data:`~fsdpckpt.printable.MAX_ERROR_CHARS`
+(names from the checkpoint escaped, at most :data:`~fsdpckpt._printable.MAX_ERROR_CHARS`
 characters) and exit status 1; ``--debug`` shows the traceback too. Human output escapes
 control and bidi characters in names and paths. ``--json`` puts one JSON document on
 stdout, with the exact strings; logs and progress bars go to stderr.
@@ -16,9 +16,9 @@ from typing import Any
 
 import click
 
-from . import __version__
-from .errors import FsdpCkptError
-from .printable import cap_line, printable
+from fsdpckpt import __version__
+from fsdpckpt.errors import FsdpCkptError
+from fsdpckpt._printable import cap_line, printable
 
 __all__ = ["main"]
 
@@ -109,8 +109,8 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
       fsdpckpt inspect ckpt/pytorch_model_fsdp_0 --name 'layers.0.*' --chunks
       fsdpckpt inspect ckpt/ --json | jq '.parts[0].tensors[].name'
     """
-    from .inspection import inspect_checkpoint
-    from .render import render_inspect
+    from fsdpckpt.inspection.inspect import inspect_checkpoint
+    from fsdpckpt._render import render_inspect
 
     doc = inspect_checkpoint(path, names=names)
     if as_json:
@@ -144,7 +144,7 @@ def _progress(quiet: bool, desc: str = "merging"):
 
 
 def _merge_report(results: list[Any], as_json: bool) -> None:
-    from .render import human_bytes
+    from fsdpckpt._render import human_bytes
 
     if as_json:
         click.echo(json.dumps({"outputs": [
@@ -211,7 +211,7 @@ def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | 
       fsdpckpt merge ckpt/ merged/ --dtype bf16 --max-shard-size 5GB
       fsdpckpt merge ckpt/ merged/ --optimizer --exclude '*.lora_*'
     """
-    from .merger import merge as merge_checkpoint
+    from fsdpckpt.merging.merger import merge as merge_checkpoint
 
     results = merge_checkpoint(checkpoint, output_dir, optimizer=optimizer,
                                model_index=model_index, format=fmt, dtype=dtype,
@@ -250,7 +250,7 @@ def merge_weights(checkpoint_directory: str, output_path: str, unsafe: bool, rem
     """
     import time
 
-    from .merger import merge_fsdp_weights
+    from fsdpckpt.merging.merger import merge_fsdp_weights
 
     start = time.perf_counter()
     del overwrite  # always on, as in Accelerate
@@ -287,8 +287,8 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
       fsdpckpt convert merged/model.safetensors seed/pytorch_model_fsdp_0
       fsdpckpt convert pytorch_model.bin seed_dcp --key ''
     """
-    from .converter import convert as convert_file
-    from .render import human_bytes
+    from fsdpckpt.merging.to_dcp import convert as convert_file
+    from fsdpckpt._render import human_bytes
 
     result = convert_file(full_file, out_dcp_dir, key=key or None, overwrite=overwrite)
     if as_json:
@@ -328,7 +328,7 @@ def verify(path: str, as_json: bool, quiet: bool, expect_digest: str | None) -> 
       fsdpckpt verify ckpt/checkpoint_100
       fsdpckpt verify ckpt/checkpoint_100 --expect-digest sha256:3f2a...
     """
-    from .verify import verify_checkpoint
+    from fsdpckpt.inspection.verify import verify_checkpoint
 
     report = verify_checkpoint(path, progress=_progress(quiet, "verifying"),
                                expect_digest=expect_digest)

@@ -127,6 +127,6 @@ def hostile_pickle(sentinel) -> bytes:
 def reseal(manifest: dict) -> dict:
     """``manifest`` with its own checksum recomputed, as anyone who edits it can do: for
     tests of what verify checks beyond the manifest's self-checksum."""
-    from fsdpckpt.manifest import _content_checksum
+    from fsdpckpt.training.manifest import _content_checksum
 
     return dict(manifest, checksum=_content_checksum(manifest))

@@ -7,9 +7,9 @@ import io
 import pytest
 import torch
 
-from fsdpckpt.archive import SliceFile, locate_tensor
+from fsdpckpt.dcp._archive import SliceFile, locate_tensor
 from fsdpckpt.errors import CorruptCheckpointError
-from fsdpckpt.reader import read_dcp_folder
+from fsdpckpt.dcp.reader import read_dcp_folder
 
 
 def _chunks(folder):
@@ -184,7 +184,7 @@ def test_verify_and_merge_refuse_a_negative_storage_offset(tmp_path):
     from conftest import run_cli
 
     from fsdpckpt import load_full_state_dict
-    from fsdpckpt.verify import verify_checkpoint
+    from fsdpckpt.inspection.verify import verify_checkpoint
 
     folder = _doctored_folder(tmp_path / "ckpt", offset=-4)
     report = verify_checkpoint(folder)

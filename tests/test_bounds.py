@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdpckpt.archive import locate_tensor
-from fsdpckpt.checks import check_folder, check_tensor_chunks
-from fsdpckpt.dtypes import DTYPES
+from fsdpckpt.dcp._archive import locate_tensor
+from fsdpckpt.dcp.checks import check_folder, check_tensor_chunks
+from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.errors import CorruptCheckpointError
-from fsdpckpt.metadata import Chunk, TensorEntry
-from fsdpckpt.reader import read_dcp_folder
+from fsdpckpt.dcp.metadata import Chunk, TensorEntry
+from fsdpckpt.dcp.reader import read_dcp_folder
 
 
 LIMIT_S = 120
@@ -37,7 +37,7 @@ def _bounded(code: str, tmp_path: Path) -> str:
     """Run ``code`` in a child; fail if it overruns LIMIT_S or EXTRA_MB. Returns its stdout."""
     script = textwrap.dedent("""
         import re, sys
-        import torch, fsdpckpt, fsdpckpt.full, fsdpckpt.merger, fsdpckpt.inspection
+        import torch, fsdpckpt, fsdpckpt.merging.full, fsdpckpt.merging.merger, fsdpckpt.inspection.inspect
         def _mb(field):
             text = open("/proc/self/status").read()
             return int(re.search(field + r":\\s+(\\d+)", text).group(1)) // 1024
@@ -89,7 +89,7 @@ def test_inspect_of_a_huge_rng_rank_is_bounded(accelerate_ckpt, tmp_path):
 
 
 def test_missing_rng_ranks_are_named_then_counted(accelerate_ckpt):
-    from fsdpckpt.inspection import inspect_checkpoint
+    from fsdpckpt.inspection.inspect import inspect_checkpoint
 
     (accelerate_ckpt / "random_states_9.pkl").write_bytes(b"")
     messages = [p["message"] for p in inspect_checkpoint(accelerate_ckpt)["problems"]]
@@ -121,9 +121,9 @@ def test_the_overlap_check_of_many_chunks_is_bounded(tmp_path):
     # 30,000 chunks with gaps between them: the old check compared every pair (about 40 s
     # for 10,000, growing with the square).
     out = _bounded("""
-        from fsdpckpt.checks import check_tensor_chunks
-        from fsdpckpt.dtypes import DTYPES
-        from fsdpckpt.metadata import Chunk, TensorEntry
+        from fsdpckpt.dcp.checks import check_tensor_chunks
+        from fsdpckpt.dcp.dtypes import DTYPES
+        from fsdpckpt.dcp.metadata import Chunk, TensorEntry
         chunks = tuple(Chunk((2 * i, 0), (1, 3), "__0_0.distcp", 0, 1) for i in range(30000))
         print(check_tensor_chunks(TensorEntry("w", DTYPES["float32"], (60000, 3), chunks, ("w",))))
     """, tmp_path)
@@ -153,8 +153,8 @@ def test_identical_chunks_overlap():
 
 def test_runs_of_an_empty_chunk_are_not_enumerated(tmp_path):
     out = _bounded("""
-        from fsdpckpt.metadata import Chunk
-        from fsdpckpt.plan import chunk_runs
+        from fsdpckpt.dcp.metadata import Chunk
+        from fsdpckpt.merging.plan import chunk_runs
         print("RUNS", chunk_runs((200000000, 2, 0), Chunk((0, 0, 0), (200000000, 1, 0), None, 0, 0)))
     """, tmp_path)
     assert "RUNS (0, [])" in out
@@ -162,7 +162,7 @@ def test_runs_of_an_empty_chunk_are_not_enumerated(tmp_path):
 
 def test_a_huge_list_index_is_refused_not_built(tmp_path):
     out = _bounded("""
-        from fsdpckpt.nesting import unflatten
+        from fsdpckpt.dcp._nesting import unflatten
         try:
             unflatten([(("state", 10**12), 1), (("state", 0), 2)])
         except fsdpckpt.NotACheckpointError as exc:
@@ -172,13 +172,13 @@ def test_a_huge_list_index_is_refused_not_built(tmp_path):
 
 
 def test_list_indices_below_the_entry_count_still_make_lists():
-    from fsdpckpt.nesting import unflatten
+    from fsdpckpt.dcp._nesting import unflatten
 
     assert unflatten([(("g", 1, "lr"), 2), (("g", 0, "lr"), 1)]) == {"g": [{"lr": 1}, {"lr": 2}]}
 
 
 def test_merge_planning_refuses_a_huge_list_index(dtensor_copy):
-    from fsdpckpt.plan import MergePlanError, plan_merge
+    from fsdpckpt.merging.plan import MergePlanError, plan_merge
 
     meta = _metadata(dtensor_copy)
     fqn = next(iter(meta.state_dict_metadata))
@@ -208,7 +208,7 @@ def test_a_declared_size_beyond_the_bytes_present_is_refused_before_allocating(d
     _huge_shape(dtensor_copy)
     out = _bounded(f"""
         try:
-            fsdpckpt.full.load_full_state_dict({str(dtensor_copy)!r})
+            fsdpckpt.merging.full.load_full_state_dict({str(dtensor_copy)!r})
         except fsdpckpt.CorruptCheckpointError as exc:
             print("REFUSED", exc)
     """, tmp_path)

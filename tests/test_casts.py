@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import fsdpckpt
-from fsdpckpt import casts
+from fsdpckpt.merging import _casts as casts
 
 from chunked import split, write_dcp
 from conftest import DCP_FOLDERS

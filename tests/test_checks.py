@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from fsdpckpt.checks import check_folder, check_tensor_chunks
-from fsdpckpt.dtypes import DTYPES
-from fsdpckpt.metadata import Chunk, TensorEntry
-from fsdpckpt.reader import read_dcp_folder
+from fsdpckpt.dcp.checks import check_folder, check_tensor_chunks
+from fsdpckpt.dcp.dtypes import DTYPES
+from fsdpckpt.dcp.metadata import Chunk, TensorEntry
+from fsdpckpt.dcp.reader import read_dcp_folder
 
 
 def _tensor(shape, *boxes):

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fsdpckpt
-from fsdpckpt.checksums import ChecksumStream, crc32_combine, resolve_pieces
-from fsdpckpt.manifest import read_manifest
+from fsdpckpt._io.checksums import ChecksumStream, crc32_combine, resolve_pieces
+from fsdpckpt.training.manifest import read_manifest
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)

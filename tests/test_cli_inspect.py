@@ -242,9 +242,9 @@ def test_empty_chunks_do_not_count_in_the_sharding_words(eight_ranks):
 
 
 def test_a_tensor_without_elements_is_called_empty():
-    from fsdpckpt.dtypes import DTYPES
-    from fsdpckpt.inspection import sharding_of
-    from fsdpckpt.metadata import Chunk, TensorEntry
+    from fsdpckpt.dcp.dtypes import DTYPES
+    from fsdpckpt.inspection.inspect import sharding_of
+    from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 
     chunks = tuple(Chunk((0,), (0,), f"__{r}_0.distcp", 0, 100) for r in range(8))
     assert sharding_of(TensorEntry("e", DTYPES["float32"], (0,), chunks, ("e",))) == "empty"

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import fsdpckpt
-from fsdpckpt import copy as engine
-from fsdpckpt.archive import RawTensor
-from fsdpckpt.copy import MemorySink, place_chunk, tiles
-from fsdpckpt.dtypes import DTYPES
-from fsdpckpt.metadata import Chunk
-from fsdpckpt.plan import chunk_runs
+from fsdpckpt.merging import _copy as engine
+from fsdpckpt.dcp._archive import RawTensor
+from fsdpckpt.merging._copy import MemorySink, place_chunk, tiles
+from fsdpckpt.dcp.dtypes import DTYPES
+from fsdpckpt.dcp.metadata import Chunk
+from fsdpckpt.merging.plan import chunk_runs
 
 from chunked import split, write_dcp
 

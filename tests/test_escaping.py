@@ -12,7 +12,7 @@ import json
 import pytest
 
 from fsdpckpt.errors import CorruptCheckpointError
-from fsdpckpt.printable import MAX_ERROR_CHARS, cap_line, printable
+from fsdpckpt._printable import MAX_ERROR_CHARS, cap_line, printable
 
 from conftest import assert_one_line_error, run_cli as run
 
@@ -112,34 +112,34 @@ def test_error_line_escapes_a_path_with_a_newline_and_escape_codes(tmp_path):
 
 
 def test_error_line_from_a_message_with_newlines_stays_one_line(monkeypatch):
-    import fsdpckpt.inspection
+    import fsdpckpt.inspection.inspect
 
     def boom(*_args, **_kwargs):
         raise CorruptCheckpointError("first\nsecond\r\x1b[1mthird")
 
-    monkeypatch.setattr(fsdpckpt.inspection, "inspect_checkpoint", boom)
+    monkeypatch.setattr(fsdpckpt.inspection.inspect, "inspect_checkpoint", boom)
     assert_one_line_error(run("inspect", "x"), "first\\nsecond\\r\\x1b[1mthird")
 
 
 def test_error_line_is_capped_and_says_how_to_see_all(monkeypatch):
-    import fsdpckpt.inspection
+    import fsdpckpt.inspection.inspect
 
     def boom(*_args, **_kwargs):
         raise CorruptCheckpointError("damaged: " + "n" * 50_000)
 
-    monkeypatch.setattr(fsdpckpt.inspection, "inspect_checkpoint", boom)
+    monkeypatch.setattr(fsdpckpt.inspection.inspect, "inspect_checkpoint", boom)
     result = run("inspect", "x")
     assert_one_line_error(result, "--debug shows all")
     assert len(result.stderr.strip()) <= len("fsdpckpt: error: ") + MAX_ERROR_CHARS
 
 
 def test_unexpected_errors_are_escaped_and_capped_too(monkeypatch):
-    import fsdpckpt.inspection
+    import fsdpckpt.inspection.inspect
 
     def boom(*_args, **_kwargs):
         raise RuntimeError("a\nb" * 5000)
 
-    monkeypatch.setattr(fsdpckpt.inspection, "inspect_checkpoint", boom)
+    monkeypatch.setattr(fsdpckpt.inspection.inspect, "inspect_checkpoint", boom)
     result = run("inspect", "x")
     assert_one_line_error(result, "a\\nb")
     assert len(result.stderr.strip()) <= len("fsdpckpt: error: ") + MAX_ERROR_CHARS

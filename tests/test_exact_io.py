@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import fsdpckpt
-from fsdpckpt import rawio
+from fsdpckpt._io import rawio
 from fsdpckpt.errors import CorruptCheckpointError
 
 from chunked import split, whole, write_dcp

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
-from fsdpckpt.layout import find_layout
+from fsdpckpt.dcp.layout import find_layout
 
 from conftest import DCP_FOLDERS, FIXTURES
 

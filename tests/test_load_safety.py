@@ -117,7 +117,7 @@ def test_the_load_path_never_calls_plain_pickle(tmp_path, monkeypatch):
 
 
 def test_the_storage_reader_answers_every_rank_with_dot_metadata_only(tmp_path):
-    from fsdpckpt.dcp_io import safe_storage_reader
+    from fsdpckpt.training._dcp_io import safe_storage_reader
 
     ckpt = _saved(tmp_path)
     folder = ckpt / "pytorch_model_fsdp_0"
@@ -129,7 +129,7 @@ def test_the_storage_reader_answers_every_rank_with_dot_metadata_only(tmp_path):
 
 
 def test_the_storage_reader_refuses_a_hostile_dot_metadata_at_once(tmp_path):
-    from fsdpckpt.dcp_io import safe_storage_reader
+    from fsdpckpt.training._dcp_io import safe_storage_reader
 
     ckpt = _saved(tmp_path)
     sentinel = tmp_path / "pwned"

@@ -52,7 +52,7 @@ def test_keep_every_also_keeps_milestones(tmp_path):
 
 
 def test_old_checkpoints_are_deleted_only_after_the_new_one_commits(tmp_path, monkeypatch):
-    import fsdpckpt.manager as manager_module
+    import fsdpckpt.training.manager as manager_module
 
     manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=1)
     manager.save(0, **_parts())
@@ -190,7 +190,7 @@ def test_saving_an_existing_step_again_replaces_it(tmp_path):
 
 
 def test_a_crash_before_the_rename_of_a_replacing_save_loses_nothing(tmp_path, monkeypatch):
-    import fsdpckpt.manager as manager_module
+    import fsdpckpt.training.manager as manager_module
 
     manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=3)
     manager.save(30, **_parts())

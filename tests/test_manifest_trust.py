@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import fsdpckpt
 from fsdpckpt.errors import CorruptCheckpointError
-from fsdpckpt.manifest import MANIFEST, manifest_digest, parse_manifest, read_manifest
+from fsdpckpt.training.manifest import MANIFEST, manifest_digest, parse_manifest, read_manifest
 
 from conftest import assert_one_line_error, reseal, run_cli as run
 from fuzzing import damaged, fuzz_settings
@@ -83,8 +83,8 @@ def _keep_crc(original: bytes, changed: bytearray, at: int) -> None:
 def _patch_weight_keeping_crc(ckpt: Path) -> Path:
     """Change one weight of the model's data file, then 4 bytes of the same tensor's data so
     the file's CRC-32 (and so its manifest entry) is unchanged."""
-    from fsdpckpt.archive import locate_tensor
-    from fsdpckpt.reader import read_dcp_folder
+    from fsdpckpt.dcp._archive import locate_tensor
+    from fsdpckpt.dcp.reader import read_dcp_folder
 
     folder = ckpt / "pytorch_model_fsdp_0"
     tensor = next(t for t in read_dcp_folder(folder).metadata.tensors if t.name.endswith("0.weight"))

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 
 import fsdpckpt
-from fsdpckpt.full import load_full_state_dict
-from fsdpckpt.plan import MergePlanError
+from fsdpckpt.merging.full import load_full_state_dict
+from fsdpckpt.merging.plan import MergePlanError
 
 from conftest import DCP_FOLDERS, FIXTURES, assert_same_state, reference_state_dict
 
@@ -57,8 +57,8 @@ def test_chunk_runs_match_numpy_slicing_for_every_grid():
 
     import numpy as np
 
-    from fsdpckpt.metadata import Chunk
-    from fsdpckpt.plan import chunk_runs
+    from fsdpckpt.dcp.metadata import Chunk
+    from fsdpckpt.merging.plan import chunk_runs
 
     shape = (4, 6, 5)
     index = np.arange(np.prod(shape)).reshape(shape)
@@ -196,8 +196,8 @@ def test_several_models_need_a_choice(tmp_path):
 
 
 def test_chunk_runs_for_dim0_dim1_and_grids():
-    from fsdpckpt.metadata import Chunk
-    from fsdpckpt.plan import chunk_runs
+    from fsdpckpt.dcp.metadata import Chunk
+    from fsdpckpt.merging.plan import chunk_runs
 
     def chunk(offsets, sizes):
         return Chunk(offsets, sizes, None, 0, 0)
@@ -210,7 +210,7 @@ def test_chunk_runs_for_dim0_dim1_and_grids():
 
 
 def test_plan_is_computed_from_metadata_alone():
-    from fsdpckpt.plan import plan_merge
+    from fsdpckpt.merging.plan import plan_merge
 
     plan = plan_merge(fsdpckpt.read_dcp_folder(DCP_FOLDERS["fsdp2-model"]), max_shard_size=600)
     assert plan.index_name == "model.safetensors.index.json"
@@ -220,7 +220,7 @@ def test_plan_is_computed_from_metadata_alone():
 
 
 def test_plan_merge_takes_what_merge_takes(tmp_path):
-    from fsdpckpt.plan import plan_merge
+    from fsdpckpt.merging.plan import plan_merge
 
     folder = DCP_FOLDERS["dtensor"]
     plan = plan_merge(str(folder), dtype="bf16", max_shard_size="5GB", include="*")
@@ -232,7 +232,7 @@ def test_plan_merge_takes_what_merge_takes(tmp_path):
 
 @pytest.mark.parametrize("dtype, size", [("int8", None), ("bf16", "lots"), ("bf16", 0)])
 def test_plan_merge_names_a_bad_dtype_or_size(dtype, size):
-    from fsdpckpt.plan import plan_merge
+    from fsdpckpt.merging.plan import plan_merge
 
     with pytest.raises(MergePlanError, match=repr(dtype) if size is None else repr(size)):
         plan_merge(DCP_FOLDERS["dtensor"], dtype=dtype, max_shard_size=size)
@@ -248,7 +248,7 @@ def test_a_shard_size_larger_than_the_model_writes_one_file_without_index(tmp_pa
 
 
 def test_the_plan_knows_its_stem(tmp_path):
-    from fsdpckpt.plan import plan_merge
+    from fsdpckpt.merging.plan import plan_merge
 
     assert plan_merge(DCP_FOLDERS["fsdp2-optimizer"], stem="optimizer",
                       max_shard_size=100).stem == "optimizer"

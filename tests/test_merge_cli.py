@@ -210,7 +210,7 @@ def test_disk_without_room_fails_before_writing(tmp_path, monkeypatch):
 
 
 def test_disk_filling_up_mid_merge_leaves_nothing(tmp_path, monkeypatch):
-    import fsdpckpt.writer as writer
+    import fsdpckpt.merging.writer as writer
 
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -223,7 +223,7 @@ def test_disk_filling_up_mid_merge_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_ctrl_c_mid_merge_leaves_nothing(tmp_path, monkeypatch):
-    import fsdpckpt.writer as writer
+    import fsdpckpt.merging.writer as writer
 
     def interrupt(*_a, **_k):
         raise KeyboardInterrupt
@@ -239,7 +239,7 @@ def test_sigint_to_a_real_process_leaves_nothing(tmp_path):
     import signal
     import time
 
-    code = ("import time, fsdpckpt.writer as w, fsdpckpt.cli as c\n"
+    code = ("import time, fsdpckpt.merging.writer as w, fsdpckpt.cli as c\n"
             "real = w.place_stored_chunk\n"
             "def slow(*a, **k):\n    time.sleep(0.5); return real(*a, **k)\n"
             "w.place_stored_chunk = slow\n"
@@ -307,7 +307,7 @@ def test_failed_merge_removes_the_parent_folders_it_created(tmp_path, dtensor_co
 
 def test_truncated_shard_fails_before_writing_with_the_size_check(tmp_path, dtensor_copy,
                                                                   monkeypatch):
-    import fsdpckpt.writer as writer
+    import fsdpckpt.merging.writer as writer
 
     target = dtensor_copy / "__1_0.distcp"
     os.truncate(target, target.stat().st_size - 50)

@@ -68,7 +68,7 @@ def _baseline(imports: str) -> float:
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_merge_peak_memory_is_far_below_the_checkpoint(big_checkpoint, tmp_path, fmt):
-    baseline = _baseline("import fsdpckpt.merger")
+    baseline = _baseline("import fsdpckpt.merging.merger")
     peak = _peak_rss_mib(f"import fsdpckpt\nfsdpckpt.merge({str(big_checkpoint)!r}, "
                          f"{str(tmp_path / 'out')!r}, format={fmt!r})")
     # The checkpoint is 128 MiB; a merge that held it, or one tensor of it
@@ -80,7 +80,7 @@ def test_merge_peak_memory_is_far_below_the_checkpoint(big_checkpoint, tmp_path,
 @pytest.mark.parametrize("dtype", [None, "bf16"])
 @pytest.mark.parametrize("layout", ["dim0", "dim1", "grid", "transposed"])
 def test_merge_memory_is_flat_for_every_layout_and_cast(layouts, tmp_path, layout, dtype):
-    baseline = _baseline("import torch, fsdpckpt.merger")
+    baseline = _baseline("import torch, fsdpckpt.merging.merger")
     peak = _peak_rss_mib(f"import torch, fsdpckpt\nfsdpckpt.merge({str(layouts)!r}, "
                          f"{str(tmp_path / 'out')!r}, include=[{layout!r}], dtype={dtype!r})")
     assert peak - baseline < GROWTH_LIMIT_MIB, (layout, dtype, peak, baseline)
@@ -88,14 +88,14 @@ def test_merge_memory_is_flat_for_every_layout_and_cast(layouts, tmp_path, layou
 
 
 def test_verify_memory_is_flat(layouts):
-    baseline = _baseline("import fsdpckpt.verify")
-    peak = _peak_rss_mib(f"import fsdpckpt.verify\nreport = fsdpckpt.verify.verify_checkpoint("
+    baseline = _baseline("import fsdpckpt.inspection.verify")
+    peak = _peak_rss_mib(f"import fsdpckpt.inspection.verify\nreport = fsdpckpt.inspection.verify.verify_checkpoint("
                          f"{str(layouts)!r})\nassert report['ok'], report")
     assert peak - baseline < GROWTH_LIMIT_MIB, (peak, baseline)
 
 
 def test_load_full_state_dict_holds_the_tensors_and_nothing_more(layouts):
-    baseline = _baseline("import torch, fsdpckpt.merger")
+    baseline = _baseline("import torch, fsdpckpt.merging.merger")
     peak = _peak_rss_mib(f"import torch, fsdpckpt\nstate = fsdpckpt.load_full_state_dict("
                          f"{str(layouts)!r})")
     tensors = 4 * 256  # MiB: what it returns

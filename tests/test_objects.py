@@ -18,11 +18,11 @@ import torch
 from conftest import reference_state_dict, run_cli
 from deep_compare import assert_same_deep
 from fsdpckpt import load_full_state_dict
-from fsdpckpt.archive import read_archive_with_tensors
-from fsdpckpt.dtypes import DTYPES
+from fsdpckpt.dcp._archive import read_archive_with_tensors
+from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.errors import CorruptCheckpointError, UnsafePickleError
-from fsdpckpt.objects import TensorValue, dumps, loads
-from fsdpckpt.safe_pickle import BUILTIN_GLOBALS
+from fsdpckpt.dcp._objects import TensorValue, dumps, loads
+from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 import fsdpckpt
-from fsdpckpt.plan import MergePlanError
+from fsdpckpt.merging.plan import MergePlanError
 
 from conftest import DCP_FOLDERS, assert_one_line_error, assert_same_state, reseal, run_cli as run
 
@@ -182,7 +182,7 @@ def test_a_data_file_swapped_for_an_outside_link_after_reading_is_refused(two_ch
     folder = fsdpckpt.read_dcp_folder(ckpt)
     _symlink(ckpt, other)
     plan = fsdpckpt.plan_merge(folder)
-    from fsdpckpt.writer import write_plan
+    from fsdpckpt.merging.writer import write_plan
 
     (tmp_path / "stage").mkdir()
     with pytest.raises(fsdpckpt.NotACheckpointError, match="outside the checkpoint folder"):
@@ -208,7 +208,7 @@ def test_a_checkpoint_folder_reached_through_a_symlink_is_fine(tmp_path):
 def test_a_manifest_cannot_send_verify_outside_the_checkpoint(tmp_path):
     import json
 
-    from fsdpckpt.training import save_state
+    from fsdpckpt.training.state import save_state
 
     model = torch.nn.Linear(2, 2)
     save_state(tmp_path / "ckpt", model=model)
@@ -259,8 +259,8 @@ def _stages(folder: Path) -> list[str]:
 
 
 def test_sigterm_during_a_merge_cleans_up_and_restores_the_handler(tmp_path, monkeypatch):
-    import fsdpckpt.merger as merger
-    from fsdpckpt.writer import Terminated
+    import fsdpckpt.merging.merger as merger
+    from fsdpckpt.merging.writer import Terminated
 
     real = merger.write_plan
 
@@ -279,7 +279,7 @@ def test_sigterm_during_a_merge_cleans_up_and_restores_the_handler(tmp_path, mon
 
 
 def test_an_applications_own_sigterm_handler_is_left_to_run(tmp_path, monkeypatch):
-    import fsdpckpt.merger as merger
+    import fsdpckpt.merging.merger as merger
 
     calls = []
     real = merger.write_plan
@@ -303,7 +303,7 @@ def test_an_applications_own_sigterm_handler_is_left_to_run(tmp_path, monkeypatc
 
 _SLOW_MERGE = """
 import sys, time
-import fsdpckpt.merger as merger, fsdpckpt.cli as cli
+import fsdpckpt.merging.merger as merger, fsdpckpt.cli as cli
 real = merger.write_plan
 def slow(plan, stage, **kwargs):
     (stage / "partial").write_bytes(b"x" * 10**6)
@@ -336,7 +336,7 @@ def _dead_pid() -> int:
 
 
 def test_a_stale_staging_folder_of_a_dead_merge_is_removed_with_a_log_line(tmp_path):
-    from fsdpckpt.writer import _host
+    from fsdpckpt.merging.writer import _host
 
     stale = tmp_path / "out" / f".fsdpckpt-tmp-{_host()}-{_dead_pid()}-abc_12"
     stale.mkdir(parents=True)
@@ -351,7 +351,7 @@ def test_a_stale_staging_folder_of_a_dead_merge_is_removed_with_a_log_line(tmp_p
 
 
 def test_staging_folders_of_live_or_unknown_merges_are_kept(tmp_path, caplog):
-    from fsdpckpt.writer import _host
+    from fsdpckpt.merging.writer import _host
 
     out = tmp_path / "out"
     kept = [f".fsdpckpt-tmp-{_host()}-{os.getppid()}-live",       # a process that runs
@@ -365,8 +365,8 @@ def test_staging_folders_of_live_or_unknown_merges_are_kept(tmp_path, caplog):
 
 
 def test_the_staging_folder_names_this_host_and_process(tmp_path, monkeypatch):
-    import fsdpckpt.merger as merger
-    from fsdpckpt.writer import _host
+    import fsdpckpt.merging.merger as merger
+    from fsdpckpt.merging.writer import _host
 
     seen = []
     real = merger.write_plan

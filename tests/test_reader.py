@@ -11,7 +11,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from fsdpckpt.cli import main
-from fsdpckpt.reader import parse_metadata, read_dcp_folder
+from fsdpckpt.dcp.reader import parse_metadata, read_dcp_folder
 
 
 def _torch_view(folder):
@@ -81,7 +81,7 @@ def test_reader_does_not_import_torch(tmp_path):
 
     from conftest import DCP_FOLDERS
 
-    code = ("import sys, fsdpckpt.cli, fsdpckpt.reader as r;"
+    code = ("import sys, fsdpckpt.cli, fsdpckpt.dcp.reader as r;"
             f"r.read_dcp_folder({str(DCP_FOLDERS['dtensor'])!r});"
             "from click.testing import CliRunner;"
             f"res = CliRunner().invoke(fsdpckpt.cli.main, ['inspect', {str(DCP_FOLDERS['dtensor'])!r}]);"
@@ -96,7 +96,7 @@ def test_reader_does_not_import_torch(tmp_path):
 _MEMO_PROBE = """
 import json, sys, time
 from fsdpckpt.errors import FsdpCkptError
-from fsdpckpt.reader import read_dcp_folder
+from fsdpckpt.dcp.reader import read_dcp_folder
 
 def peak_kib():
     for line in open("/proc/self/status"):

@@ -7,8 +7,8 @@ import pickle
 import pytest
 
 from fsdpckpt.errors import NotACheckpointError, UnsafePickleError
-from fsdpckpt.reader import parse_metadata, read_dcp_folder
-from fsdpckpt.safe_pickle import BUILTIN_GLOBALS, safe_loads
+from fsdpckpt.dcp.reader import parse_metadata, read_dcp_folder
+from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS, safe_loads
 
 
 from conftest import _RunsCommand, hostile_pickle
@@ -108,9 +108,9 @@ def test_other_protocol_2_builtins_stay_refused(name):
 import dataclasses  # noqa: E402
 import pickletools  # noqa: E402
 
-from fsdpckpt import archive, objects  # noqa: E402
-from fsdpckpt.dtypes import DTYPES  # noqa: E402
-from fsdpckpt.safe_pickle import METADATA_GLOBALS  # noqa: E402
+from fsdpckpt.dcp import _archive as archive, _objects as objects  # noqa: E402
+from fsdpckpt.dcp.dtypes import DTYPES  # noqa: E402
+from fsdpckpt.dcp._safe_pickle import METADATA_GLOBALS  # noqa: E402
 
 ALLOWLISTS = {
     "metadata": METADATA_GLOBALS,
@@ -261,7 +261,7 @@ def test_inspecting_a_poisoned_folder_leaves_a_later_merge_bit_exact(tmp_path, d
     import struct
 
     import fsdpckpt
-    from fsdpckpt.full import load_full_state_dict
+    from fsdpckpt.merging.full import load_full_state_dict
 
     from conftest import DCP_FOLDERS, assert_same_state, reference_state_dict, run_cli
 
@@ -284,7 +284,7 @@ def test_inspecting_a_poisoned_folder_leaves_a_later_merge_bit_exact(tmp_path, d
 
 
 def test_bytes_in_a_torch_save_value_still_load():
-    from fsdpckpt.objects import _OBJECT_GLOBALS
+    from fsdpckpt.dcp._objects import _OBJECT_GLOBALS
 
     data = _torch_save_pickle({"b": b"\x00\xffabc", "e": b""})
     assert b"_codecs" in data
@@ -294,7 +294,7 @@ def test_bytes_in_a_torch_save_value_still_load():
 @pytest.mark.parametrize("codec", ["rot13", "punycode", "idna", "utf-16", "no-such-codec"])
 def test_codecs_encode_accepts_only_latin1(codec):
     from fsdpckpt.errors import NotACheckpointError
-    from fsdpckpt.objects import _OBJECT_GLOBALS
+    from fsdpckpt.dcp._objects import _OBJECT_GLOBALS
 
     data = (b"\x80\x02c_codecs\nencode\n" + _state_ops(("abc", codec)) + pickle.REDUCE +
             pickle.STOP)
@@ -305,7 +305,7 @@ def test_codecs_encode_accepts_only_latin1(codec):
 @pytest.mark.parametrize("args", [(10**12,), (5,), ("abc", "latin1")])
 def test_bytes_with_arguments_is_refused(args):
     from fsdpckpt.errors import NotACheckpointError
-    from fsdpckpt.objects import _OBJECT_GLOBALS
+    from fsdpckpt.dcp._objects import _OBJECT_GLOBALS
 
     data = b"\x80\x02c__builtin__\nbytes\n" + _state_ops(args) + pickle.REDUCE + pickle.STOP
     with pytest.raises(NotACheckpointError, match="bytes"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fsdpckpt
-from fsdpckpt.training import StateMismatchError
+from fsdpckpt.training.state import StateMismatchError
 
 import workers
 from conftest import FIXTURES, assert_same_state
@@ -214,7 +214,7 @@ def test_step_comes_back(tmp_path):
 
 def test_rng_file_is_accelerates_format(tmp_path):
     ckpt = _saved_plain(tmp_path)
-    state = fsdpckpt.rng.load_rng_file(ckpt / "random_states_0.pkl")
+    state = fsdpckpt.training._rng.load_rng_file(ckpt / "random_states_0.pkl")
     assert {"step", "random_state", "numpy_random_seed", "torch_manual_seed"} <= set(state)
 
 

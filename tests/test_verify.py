@@ -27,8 +27,8 @@ def saved(tmp_path):
 
 
 def _flip_a_data_byte(folder, tensor_name):
-    from fsdpckpt.archive import locate_tensor
-    from fsdpckpt.reader import read_dcp_folder
+    from fsdpckpt.dcp._archive import locate_tensor
+    from fsdpckpt.dcp.reader import read_dcp_folder
 
     tensor = next(t for t in read_dcp_folder(folder).metadata.tensors if t.name == tensor_name)
     chunk = tensor.chunks[0]
@@ -122,7 +122,7 @@ def test_a_malformed_manifest_is_one_clear_error(saved):
 # --- messages and progress ------------------------------------------------------------
 
 def _chunk_of(folder, tensor_name):
-    from fsdpckpt.reader import read_dcp_folder
+    from fsdpckpt.dcp.reader import read_dcp_folder
 
     tensor = next(t for t in read_dcp_folder(folder).metadata.tensors if t.name == tensor_name)
     return tensor.chunks[0]
@@ -159,7 +159,7 @@ class _Recorder:
 
 @pytest.mark.parametrize("name", ["fsdp2_accelerate", "fsdp1", "dtensor"])
 def test_without_manifest_progress_is_told_the_bytes_it_will_read(name):
-    from fsdpckpt.verify import verify_checkpoint
+    from fsdpckpt.inspection.verify import verify_checkpoint
 
     recorder = _Recorder()
     assert verify_checkpoint(FIXTURES / name, progress=recorder)["ok"]
@@ -168,7 +168,7 @@ def test_without_manifest_progress_is_told_the_bytes_it_will_read(name):
 
 
 def test_with_a_manifest_progress_is_told_the_bytes_it_will_read(saved):
-    from fsdpckpt.verify import verify_checkpoint
+    from fsdpckpt.inspection.verify import verify_checkpoint
 
     recorder = _Recorder()
     assert verify_checkpoint(saved, progress=recorder)["ok"]

@@ -69,7 +69,7 @@ def full_state(model, optimizer) -> tuple[dict, dict]:
 
     if isinstance(model, FSDP):
         # torch 2.13 segfaults gathering a full FSDP1 state dict on CPU; summon instead.
-        from fsdpckpt.keys import clean_key
+        from fsdpckpt.merging._keys import clean_key
 
         with FSDP.summon_full_params(model, writeback=False):
             params = {clean_key(n): p.detach().clone() for n, p in model.named_parameters()}

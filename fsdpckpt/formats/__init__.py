@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..dtypes import DType
-from ..metadata import KeyPath
+from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt.dcp.metadata import KeyPath
 
 __all__ = ["TensorSpec", "ObjectValue", "FileLayout", "OutputFormat", "get_format", "FORMATS"]
 
@@ -95,8 +95,8 @@ def get_format(name: str) -> OutputFormat:
 
 
 def _formats() -> dict[str, type[OutputFormat]]:
-    from .safetensors import SafetensorsFormat
-    from .torch_bin import TorchBinFormat
+    from fsdpckpt.formats.safetensors import SafetensorsFormat
+    from fsdpckpt.formats.torch_bin import TorchBinFormat
 
     return {"safetensors": SafetensorsFormat, "bin": TorchBinFormat}
 

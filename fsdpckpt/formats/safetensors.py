@@ -12,8 +12,8 @@ import json
 import struct
 from collections.abc import Sequence
 
-from .. import objects as objects_codec
-from . import FileLayout, ObjectValue, OutputFormat, TensorSpec
+import fsdpckpt.dcp._objects as objects_codec
+from fsdpckpt.formats import FileLayout, ObjectValue, OutputFormat, TensorSpec
 
 __all__ = ["SafetensorsFormat", "OBJECTS_KEY", "KEY_PATHS_KEY"]
 

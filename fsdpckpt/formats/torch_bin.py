@@ -18,11 +18,11 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..dtypes import DType
-from ..nesting import unflatten
-from ..objects import TensorValue
-from ..rawio import pwrite_all
-from . import FileLayout, ObjectValue, OutputFormat, TensorSpec
+from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt.dcp._nesting import unflatten
+from fsdpckpt.dcp._objects import TensorValue
+from fsdpckpt._io.rawio import pwrite_all
+from fsdpckpt.formats import FileLayout, ObjectValue, OutputFormat, TensorSpec
 
 __all__ = ["TorchBinFormat", "pickle_state_dict"]
 

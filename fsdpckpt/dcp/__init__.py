@@ -1,0 +1,12 @@
+"""The read side of DCP checkpoints, without torch: what is in a folder, and is it whole.
+
+- :mod:`~fsdpckpt.dcp.metadata`: the pure data model of a ``.metadata`` file;
+- :mod:`~fsdpckpt.dcp.reader`: ``read_dcp_folder``, the allowlisted parse into that model;
+- :mod:`~fsdpckpt.dcp.layout`: where the parts of a checkpoint are (Accelerate, HF Trainer,
+  plain DCP folders);
+- :mod:`~fsdpckpt.dcp.checks`: structural checks (chunks tile each tensor, files present);
+- :mod:`~fsdpckpt.dcp.dtypes`: the dtypes DCP can hold, by name.
+
+Internal (``_``): the restricted unpickler, the ``torch.save`` chunk-archive and zip readers,
+the codec of non-tensor entries, nested key paths and the RNG-file decoder.
+"""

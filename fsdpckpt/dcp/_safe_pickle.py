@@ -1,0 +1,444 @@
+"""Unpickling with an allowlist, resolving torch's globals to light stand-ins.
+
+Checkpoints come from elsewhere, and ``pickle.load`` on a file from elsewhere
+runs whatever the file asks for. The unpickler here admits only the globals a
+legitimate file of each kind contains, and maps each one to a harmless value of
+fsdpckpt's own, so reading metadata never imports torch and never executes code
+from the file. Anything else stops the load with :class:`UnsafePickleError`
+naming the file and the global.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fsdpckpt.dcp.dtypes import DTYPES, DType
+from fsdpckpt.errors import FsdpCkptError, NotACheckpointError, UnsafePickleError
+
+__all__ = [
+    "Record",
+    "RestrictedUnpickler",
+    "safe_loads",
+    "METADATA_GLOBALS",
+    "BUILTIN_GLOBALS",
+    "brief",
+]
+
+
+class Record:
+    """A stand-in for an instance of an allowed class: it only stores what the pickle gives it.
+
+    ``kind`` (a class attribute, which no pickle can change) names the class it stands
+    for; positional constructor arguments land in ``args`` and the pickled state (a
+    dataclass's field dict, or whatever ``__getstate__`` gave) in ``state``, untouched:
+    the reader checks it against its schema.
+    """
+
+    kind = "Record"
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+        self.state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} {brief(getattr(self, 'state', None), 200)}>"
+
+
+def _record_class(kind: str) -> type[Record]:
+    return type(kind, (Record,), {"kind": kind})
+
+
+def _size(dims: Any = ()) -> tuple[int, ...]:
+    dims = tuple(dims)
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        raise pickle.UnpicklingError(f"torch.Size holds non-integers: {dims!r}")
+    return dims
+
+
+def _path(*parts: Any) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise pickle.UnpicklingError("a pickled path holds non-strings")
+    return "/".join(parts).replace("//", "/")
+
+
+def _identity_str(value: Any) -> str:
+    return str(value)
+
+
+def _torch_constants(names: list[str]) -> dict[tuple[str, str], Any]:
+    return {("torch", n): n for n in names}
+
+
+_HARMLESS_BUILTINS: dict[str, Any] = {
+    "set": set,
+    "frozenset": frozenset,
+    "slice": slice,
+    "complex": complex,
+}
+
+#: Harmless builtins any of our pickles may name. Pickle protocol 2 (torch.save's) names
+#: them as Python 2 did, ``__builtin__.set``; later protocols say ``builtins.set``.
+BUILTIN_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): dict,
+    **{(module, name): value for module in ("builtins", "__builtin__")
+       for name, value in _HARMLESS_BUILTINS.items()},
+}
+
+_DTYPE_GLOBALS: dict[tuple[str, str], DType] = {("torch", name): d for name, d in DTYPES.items()}
+
+_DCP_CLASSES = [
+    "Metadata",
+    "TensorStorageMetadata",
+    "TensorProperties",
+    "ChunkStorageMetadata",
+    "BytesStorageMetadata",
+    "MetadataIndex",
+    "StorageMeta",
+]
+
+#: What a DCP ``.metadata`` pickle written by torch 2.x may legitimately name.
+METADATA_GLOBALS: dict[tuple[str, str], Any] = {
+    **BUILTIN_GLOBALS,
+    **_DTYPE_GLOBALS,
+    **{("torch.distributed.checkpoint.metadata", c): _record_class(c) for c in _DCP_CLASSES},
+    # Older torch kept TensorProperties beside ShardedTensor.
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"): _record_class(
+        "TensorProperties"
+    ),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): int,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _record_class("_StorageInfo"),
+    ("torch", "Size"): _size,
+    ("torch.serialization", "_get_layout"): _identity_str,
+    **_torch_constants(
+        ["strided", "sparse_coo", "sparse_csr", "_mkldnn", "contiguous_format", "channels_last",
+         "preserve_format", "channels_last_3d"]
+    ),
+    **{
+        (module, cls): _path
+        for module in ("pathlib", "pathlib._local")
+        for cls in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
+                    "PureWindowsPath")
+    },
+}
+
+
+_BASE = pickle._Unpickler  # type: ignore[attr-defined]
+
+
+class RestrictedUnpickler(_BASE):  # type: ignore[misc,valid-type]
+    """An unpickler that resolves globals only through ``allowed`` and changes nothing else.
+
+    It is pickle's pure-Python unpickler (reading from memory, without its framing
+    layer) with these changes, each closing a way a file could reach beyond itself:
+
+    - globals resolve only through ``allowed`` (:meth:`find_class`);
+    - the opcodes that change an existing object (BUILD, SETITEM(S), APPEND(S),
+      ADDITEMS) apply only to objects this same load built (an empty dict, list or set,
+      or what a call of an allowlisted class returned), and BUILD only through the
+      object's own ``__setstate__`` (fsdpckpt's stand-ins such as :class:`Record` define
+      one); aimed at anything else, above all at an allowlisted
+      global, they stop the load with :class:`UnsafePickleError`. Without this a BUILD
+      writes into the ``__dict__`` of a module-level stand-in (a frozen dataclass does not
+      stop it), changing how every later file is read in the process;
+    - the memo is a dict, and BYTEARRAY8 is checked against the bytes left (pickle's C
+      unpickler grows its memo array to the largest index a file names: 9 bytes could
+      ask for gigabytes).
+
+    Args:
+        file: a binary, seekable file object holding the pickle (a ``BytesIO``).
+        allowed: ``(module, name) -> object`` for every global the pickle may name.
+        source: what to call the file in error messages (usually its path).
+        persistent_load: handler for persistent ids, or None to refuse them.
+    """
+
+    dispatch = dict(_BASE.dispatch)
+
+    def __init__(
+        self,
+        file: Any,
+        *,
+        allowed: Mapping[tuple[str, str], Any],
+        source: str,
+        persistent_load: Callable[[Any], Any] | None = None,
+    ) -> None:
+        super().__init__(file)
+        self._file = file
+        self._allowed = allowed
+        self._source = source
+        self._persistent = persistent_load
+        # id -> name of every allowlisted value: never counted as built by this load,
+        # and named when a pickle aims a state-setting opcode at it.
+        self._globals = {id(v): f"{m}.{n}" for (m, n), v in allowed.items()}
+        # id -> object for what this load built; holding the objects keeps their ids
+        # from being reused by others while the load runs.
+        self._built: dict[int, Any] = {}
+        self.memo: dict[int, Any] = {}
+
+    def load(self) -> Any:
+        """Read the pickle; as pickle's own loop, minus the framing layer.
+
+        FRAME only announces how many bytes follow; reading straight from memory needs
+        no buffering, and every read is short at the end of the data instead of failing,
+        so a truncated pickle ends in EOFError or a short value, never in a large read.
+        """
+        self.read = self._file.read
+        self.readline = self._file.readline
+        self.readinto = self._file.readinto
+        self.metastack: list[list[Any]] = []
+        self.stack: list[Any] = []
+        self.append = self.stack.append
+        self.proto = 0
+        read, dispatch = self.read, self.dispatch
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError("the pickle ends before its STOP opcode")
+                dispatch[key[0]](self)
+        except pickle._Stop as stop:  # type: ignore[attr-defined]
+            return stop.value
+
+    @property
+    def position(self) -> int:
+        """How many bytes of the pickle were read: the failing opcode ends here."""
+        return self._file.tell()
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allowed[(module, name)]
+        except (KeyError, TypeError):
+            named = _cap(f"{module}.{name}", 120)
+            raise UnsafePickleError(
+                f"{self._source}: refusing to load the global {named!r}, "
+                "which a file of this kind never contains; the file may be hostile. Nothing "
+                "was executed. Only load it with plain pickle if you trust where it came from."
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise pickle.UnpicklingError("persistent ids are not allowed here")
+        return self._persistent(pid)
+
+    # -- objects this load builds -------------------------------------------------------
+    #
+    # These handlers run for most opcodes of a large .metadata, hence written out flat.
+
+    def _push_built(self, value: Any) -> None:
+        """Push what a call returned; count it as built unless it is an allowlisted value."""
+        if id(value) not in self._globals:
+            self._built[id(value)] = value
+        self.append(value)
+
+    def _load_empty_dict(self) -> None:
+        value: dict[Any, Any] = {}
+        self._built[id(value)] = value
+        self.append(value)
+
+    def _load_empty_list(self) -> None:
+        value: list[Any] = []
+        self._built[id(value)] = value
+        self.append(value)
+
+    def _load_empty_set(self) -> None:
+        value: set[Any] = set()
+        self._built[id(value)] = value
+        self.append(value)
+
+    def _load_dict(self) -> None:
+        items = self.pop_mark()
+        value = {items[i]: items[i + 1] for i in range(0, len(items), 2)}
+        self._built[id(value)] = value
+        self.append(value)
+
+    def _load_list(self) -> None:
+        value = self.pop_mark()
+        self._built[id(value)] = value
+        self.append(value)
+
+    def _load_bytearray8(self) -> None:
+        (size,) = struct.unpack("<Q", self.read(8))
+        data = self.read(size)  # at most the bytes present, however large the size
+        if len(data) != size:
+            raise pickle.UnpicklingError(f"BYTEARRAY8 of {size} bytes, {len(data)} present")
+        self._push_built(bytearray(data))
+
+    def _load_reduce(self) -> None:
+        stack = self.stack
+        args = stack.pop()
+        func = stack.pop()
+        self._push_built(func(*args))
+
+    def _load_newobj(self) -> None:
+        stack = self.stack
+        args = stack.pop()
+        cls = stack.pop()
+        self._push_built(cls.__new__(cls, *args))
+
+    def _load_newobj_ex(self) -> None:
+        stack = self.stack
+        kwargs = stack.pop()
+        args = stack.pop()
+        cls = stack.pop()
+        self._push_built(cls.__new__(cls, *args, **kwargs))
+
+    def _load_obj(self) -> None:
+        args = self.pop_mark()
+        cls = args.pop(0)
+        self._instantiate(cls, args)
+        self._push_built(self.stack.pop())
+
+    def _load_inst(self) -> None:
+        module = self.readline()[:-1].decode("ascii")
+        name = self.readline()[:-1].decode("ascii")
+        self._instantiate(self.find_class(module, name), self.pop_mark())
+        self._push_built(self.stack.pop())
+
+    def _load_frame(self) -> None:
+        if len(self.read(8)) != 8:
+            raise EOFError("the pickle ends inside a FRAME opcode")
+
+    # -- opcodes that change an object --------------------------------------------------
+    #
+    # Each checks its target in line: built by this load (the very object, by identity)
+    # and of the one type the opcode may change; anything else goes to _refuse.
+
+    def _refuse(self, value: Any, opcode: str) -> None:
+        name = self._globals.get(id(value))
+        what = f"the allowlisted global '{name}'" if name else \
+            f"a {type(value).__name__} it did not build" \
+            if self._built.get(id(value)) is not value else \
+            f"a {type(value).__name__}, which takes no state"
+        raise UnsafePickleError(
+            f"{self._source}: refusing a pickle that changes {what} ({opcode}); no file of "
+            "this kind does that, and it could change how later files are read. The file "
+            "may be hostile; nothing was changed. Use an intact copy of the checkpoint."
+        )
+
+    def _load_build(self) -> None:
+        # Only through the object's own __setstate__ (a stand-in's, which checks what it
+        # gets): never pickle's fallback that writes __dict__ or calls setattr.
+        stack = self.stack
+        state = stack.pop()
+        target = stack[-1]
+        setstate = getattr(type(target), "__setstate__", None)
+        if self._built.get(id(target)) is not target or setstate is None:
+            self._refuse(target, "BUILD")
+        setstate(target, state)
+
+    def _load_setitem(self) -> None:
+        stack = self.stack
+        value = stack.pop()
+        key = stack.pop()
+        target = stack[-1]
+        self._require_built(target, dict, "SETITEM")
+        target[key] = value
+
+    def _load_setitems(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        self._require_built(target, dict, "SETITEMS")
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
+    def _require_built(self, target: Any, kind: type, opcode: str) -> None:
+        """Refuse ``opcode`` unless ``target`` is a ``kind`` this same pickle built."""
+        if self._built.get(id(target)) is not target or type(target) is not kind:
+            self._refuse(target, opcode)
+
+    def _load_append(self) -> None:
+        stack = self.stack
+        value = stack.pop()
+        target = stack[-1]
+        self._require_built(target, list, "APPEND")
+        target.append(value)
+
+    def _load_appends(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        self._require_built(target, list, "APPENDS")
+        target.extend(items)
+
+    def _load_additems(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        self._require_built(target, set, "ADDITEMS")
+        target.update(items)
+
+    for _opcode, _handler in {
+        pickle.EMPTY_DICT: _load_empty_dict, pickle.EMPTY_LIST: _load_empty_list,
+        pickle.EMPTY_SET: _load_empty_set, pickle.DICT: _load_dict, pickle.LIST: _load_list,
+        pickle.BYTEARRAY8: _load_bytearray8, pickle.REDUCE: _load_reduce,
+        pickle.NEWOBJ: _load_newobj, pickle.NEWOBJ_EX: _load_newobj_ex, pickle.OBJ: _load_obj,
+        pickle.INST: _load_inst, pickle.FRAME: _load_frame, pickle.BUILD: _load_build,
+        pickle.SETITEM: _load_setitem, pickle.SETITEMS: _load_setitems,
+        pickle.APPEND: _load_append, pickle.APPENDS: _load_appends,
+        pickle.ADDITEMS: _load_additems,
+    }.items():
+        dispatch[_opcode[0]] = _handler
+    del _opcode, _handler
+
+
+def _cap(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def brief(value: Any, limit: int = 80) -> str:
+    """A bounded ``repr`` of an untrusted value, for messages (never raises)."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a huge int's repr raises; the type is enough then
+        text = f"<{type(value).__name__}>"
+    return _cap(text, limit)
+
+
+def safe_loads(
+    data: bytes,
+    *,
+    allowed: Mapping[tuple[str, str], Any],
+    source: str,
+    persistent_load: Callable[[Any], Any] | None = None,
+) -> Any:
+    """Unpickle ``data`` through :class:`RestrictedUnpickler`.
+
+    Args:
+        data: the pickle bytes.
+        allowed: the allowlist, ``(module, name) -> stand-in``.
+        source: the file's name for error messages.
+        persistent_load: handler for persistent ids, if the format has them.
+
+    Returns:
+        The unpickled object, built from stand-ins.
+
+    Raises:
+        UnsafePickleError: the pickle names a global outside ``allowed``.
+        NotACheckpointError: the bytes are not a valid pickle of this kind.
+
+    Example:
+        >>> safe_loads(pickle.dumps({"a": 1}), allowed=BUILTIN_GLOBALS, source="x")
+        {'a': 1}
+    """
+    unpickler = RestrictedUnpickler(
+        io.BytesIO(data), allowed=allowed, source=source, persistent_load=persistent_load
+    )
+    try:
+        return unpickler.load()
+    except FsdpCkptError:
+        # Our own refusals, and stand-ins that found the file damaged (a tensor outside
+        # its storage): their messages say more than "not a readable pickle" would.
+        raise
+    except Exception as exc:  # noqa: BLE001 - every way a malformed pickle fails is one error
+        # The parser and the allowlisted callables fail in many ways on malformed bytes
+        # (UnpicklingError, EOFError, struct.error, IndexError, TypeError, ValueError,
+        # OverflowError, RecursionError, UnicodeDecodeError, LookupError, MemoryError...).
+        where = unpickler.position
+        raise NotACheckpointError(
+            f"{source}: not a readable pickle of the expected kind (at byte {where} of "
+            f"{len(data)}: {type(exc).__name__}: {_cap(str(exc), 200)})"
+        ) from exc

@@ -1,0 +1,233 @@
+"""Opening the zip archive ``torch.save`` writes, refusing what it never writes.
+
+``zipfile`` reports damage with a dozen builtin exceptions (BadZipFile, EOFError,
+NotImplementedError, UnicodeDecodeError, OverflowError and OSError from seeks, ...).
+Every zip operation on checkpoint bytes goes through this module, which turns each of
+them into one :class:`CorruptCheckpointError` naming the file (``source``) and the byte
+range of the archive or entry, so damage is always one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import io
+import lzma
+import struct
+import zipfile
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+from fsdpckpt.errors import CorruptCheckpointError, FsdpCkptError
+from fsdpckpt._printable import printable
+
+__all__ = ["CHUNK_ENTRIES", "CHUNK_PICKLE_BYTES", "SliceFile", "entry_info", "open_archive",
+           "read_entry", "zip_errors"]
+
+class SliceFile(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes of ``file`` starting at ``start``."""
+
+    def __init__(self, file: IO[bytes], start: int, length: int) -> None:
+        super().__init__()
+        self._file, self._start, self._length, self._pos = file, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        if whence not in (io.SEEK_SET, io.SEEK_CUR, io.SEEK_END):
+            raise ValueError(f"invalid whence {whence}")
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        """Fill ``buffer`` from the window; short only at the window's or the file's real end.
+
+        The underlying ``read`` may return fewer bytes than asked (a pipe, a network file
+        system, a signal); it is called again until the count is reached or it returns
+        nothing, so a short result here always means end of data.
+        """
+        view = memoryview(buffer).cast("B")
+        count = max(0, min(len(view), self._length - self._pos))
+        done = 0
+        if count == 0:  # nothing to read: no seek either (the offset may be past any file)
+            return 0
+        self._file.seek(self._start + self._pos)
+        while done < count:
+            data = self._file.read(count - done)
+            if not data:
+                break
+            view[done:done + len(data)] = data
+            done += len(data)
+        self._pos += done
+        return done
+
+
+# What zipfile (and the file under it) raises on damaged or crafted bytes. zlib/LZMA
+# errors cannot happen while compressed entries are refused, but are listed in case.
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, NotImplementedError,
+               RuntimeError, UnicodeDecodeError, OverflowError, OSError, ValueError,
+               struct.error, zlib.error, lzma.LZMAError, KeyError, IndexError, RecursionError)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return printable(lines[0][:200] if lines else "") or type(exc).__name__
+
+
+@contextmanager
+def zip_errors(source: str, where: str) -> Iterator[None]:
+    """Turn zipfile's and the file's failures inside the block into one error.
+
+    Args:
+        source: how to name the file (and tensor) in the message.
+        where: the byte range read, e.g. "the archive at offset 0 (length 2665)".
+
+    Raises:
+        CorruptCheckpointError: naming ``source`` and ``where``; fsdpckpt's own errors
+            pass through unchanged.
+    """
+    try:
+        yield
+    except FsdpCkptError:
+        raise
+    except _ZIP_ERRORS as exc:
+        raise CorruptCheckpointError(
+            f"{source}: {where} is not a torch.save archive that can be read "
+            f"({type(exc).__name__}: {_first_line(exc)}); the file is damaged or was "
+            "overwritten.") from exc
+
+
+#: Entries a chunk's archive may hold: torch.save writes about seven (data.pkl, byteorder,
+#: version, .format_version, .storage_alignment, .data/serialization_id, data/0).
+CHUNK_ENTRIES = 32
+#: Bytes a chunk's ``data.pkl`` may have: it names one tensor (a few hundred bytes).
+CHUNK_PICKLE_BYTES = 1 << 16
+_EOCD = struct.Struct("<4s4xHHII")  # signature, ..., entries here, entries, cd size, cd offset
+_MAX_ZIP_VERSION = 63  # the newest zip version Python's zipfile reads
+
+
+def _declared_entries(file: IO[bytes], start: int, length: int) -> int | None:
+    """The entry count the end-of-central-directory record declares, read before any parse.
+
+    None when the record is not the plain 22 bytes at the very end (a comment, zip64):
+    the count is then checked after parsing.
+    """
+    if length < 22:
+        return None
+    file.seek(start + length - 22)
+    record = file.read(22)
+    if len(record) < 22 or record[:4] != b"PK\x05\x06" or record[-2:] != b"\0\0":
+        return None
+    entries = _EOCD.unpack(record[:20])[2]
+    return None if entries == 0xFFFF else entries
+
+
+def _check_entries(archive: zipfile.ZipFile, length: int, source: str, where: str) -> None:
+    """Refuse what torch.save never writes, before any entry is decompressed or read.
+
+    Compressed or encrypted entries (a zip bomb needs compression), zip versions
+    zipfile cannot read, and entries that reach outside the archive's byte range or
+    share bytes with another are all damage or crafting; refusing them here keeps
+    every read bounded by the archive's own bytes.
+    """
+    spans = []
+    for info in archive.infolist():
+        why = None
+        if info.compress_type != zipfile.ZIP_STORED:
+            why = f"is compressed (method {info.compress_type}), which torch.save never does"
+        elif info.flag_bits & 0x1:
+            why = "is encrypted, which torch.save never does"
+        elif info.extract_version > _MAX_ZIP_VERSION:
+            why = f"needs zip version {info.extract_version / 10:.1f}, which nothing here reads"
+        elif info.header_offset < 0 or info.header_offset + 30 + info.file_size > length:
+            why = f"lies outside the archive's {length} bytes"
+        if why:
+            raise CorruptCheckpointError(f"{source}: {where}: the entry "
+                                         f"'{printable(info.filename)}' {why}; the file is "
+                                         "damaged or crafted.")
+        spans.append((info.header_offset, info.header_offset + 30 + len(info.filename)
+                      + info.file_size, info.filename))
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CorruptCheckpointError(f"{source}: {where}: the entries '{printable(first)}' and "
+                                         f"'{printable(second)}' share bytes; the file is damaged or "
+                                         "crafted.")
+
+
+def open_archive(file: IO[bytes], start: int, length: int, source: str,
+                 max_entries: int | None = None) -> zipfile.ZipFile:
+    """Open the ``torch.save`` archive at ``start``, checked as :func:`_check_entries` says.
+
+    Args:
+        file, start, length: where the archive lies.
+        source: how to name the file (and tensor) in messages.
+        max_entries: refuse an archive with more entries (checked from the end record
+            before the central directory is parsed, where it can be).
+
+    Raises:
+        CorruptCheckpointError: naming ``source`` and the byte range, for any bytes that
+            are not such an archive.
+    """
+    where = f"the archive at offset {start} (length {length})"
+    if not (start >= 0 and length >= 0):
+        raise CorruptCheckpointError(f"{source}: {where} is not a byte range of a file; the "
+                                     "metadata is damaged.")
+    with zip_errors(source, where):
+        if max_entries is not None:
+            declared = _declared_entries(file, start, length)
+            if declared is not None and declared > max_entries:
+                raise CorruptCheckpointError(
+                    f"{source}: {where} declares {declared} entries where torch.save writes "
+                    f"a handful (at most {max_entries} accepted); the file is damaged or "
+                    "crafted.")
+        archive = zipfile.ZipFile(SliceFile(file, start, length))
+    try:
+        if max_entries is not None and len(archive.infolist()) > max_entries:
+            raise CorruptCheckpointError(
+                f"{source}: {where} holds {len(archive.infolist())} entries where torch.save "
+                f"writes a handful (at most {max_entries} accepted); the file is damaged or "
+                "crafted.")
+        _check_entries(archive, length, source, where)
+    except BaseException:
+        archive.close()
+        raise
+    return archive
+
+
+def entry_info(archive: zipfile.ZipFile, suffix: str, source: str,
+           max_bytes: int | None = None) -> zipfile.ZipInfo:
+    """The archive's one entry named ``*suffix``, no larger than ``max_bytes`` if given."""
+    for info in archive.infolist():
+        if info.filename.endswith(suffix):
+            if max_bytes is not None and info.file_size > max_bytes:
+                raise CorruptCheckpointError(
+                    f"{source}: the archive's '{printable(info.filename)}' has {info.file_size} "
+                    "bytes "
+                    f"where torch.save writes a few hundred (at most {max_bytes} accepted); "
+                    "the file is damaged or crafted.")
+            return info
+    raise CorruptCheckpointError(f"{source}: the archive has no '*{suffix}' entry.")
+
+
+def read_entry(archive: zipfile.ZipFile, info: zipfile.ZipInfo, *, source: str,
+               start: int) -> bytes:
+    """The bytes of one (stored, bounded) entry of the archive at ``start``, CRC checked.
+
+    Raises:
+        CorruptCheckpointError: naming the entry and its byte range, when its local header
+            disagrees with the directory, its bytes are cut short, or its CRC-32 fails.
+    """
+    begin = start + info.header_offset
+    where = (f"its entry '{printable(info.filename)}' (bytes {begin}-"
+             f"{begin + 30 + len(info.filename) + info.file_size})")
+    with zip_errors(source, where):
+        return archive.read(info)

@@ -1,0 +1,226 @@
+"""Finding the parts of a checkpoint folder (Accelerate's or HF Trainer's layout).
+
+Accelerate's ``save_state`` writes ``pytorch_model_fsdp_{i}/`` and
+``optimizer_{i}/`` (DCP folders) beside per-rank ``random_states_{rank}.pkl``
+and shared ``scheduler.bin``, ``sampler.bin``, ``scaler.pt``... HF Trainer
+writes ``rng_state_{rank}.pth``, ``scheduler.pt`` and ``trainer_state.json``.
+This module only names what is there; it opens no file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
+from fsdpckpt.dcp.reader import METADATA_FILE
+
+__all__ = ["CheckpointLayout", "DcpPart", "SideFile", "find_layout"]
+
+# (pattern, kind) for the files saved beside the DCP folders; the first match wins.
+_SIDE_FILES = [
+    # Ranks of at most 9 digits: a larger number is no rank a run had (and would make
+    # every per-rank report as long as the number).
+    (re.compile(r"^random_states_(\d{1,9})\.pkl$"), "rng"),
+    (re.compile(r"^rng_state(_(\d{1,9}))?\.pth$"), "rng"),
+    (re.compile(r"^scheduler(_\d+)?\.(bin|pt)$"), "scheduler"),
+    (re.compile(r"^sampler(_\d+)?\.bin$"), "sampler"),
+    (re.compile(r"^dl_state_dict(_\d+)?\.bin$"), "dataloader"),
+    (re.compile(r"^scaler\.pt$"), "scaler"),
+    (re.compile(r"^custom_checkpoint_(\d+)\.pkl$"), "custom"),
+    (re.compile(r"^trainer_state\.json$"), "trainer_state"),
+    (re.compile(r"^training_args\.bin$"), "training_args"),
+    (re.compile(r"^fsdpckpt\.json$"), "manifest"),
+]
+_MODEL_DIR = re.compile(r"^pytorch_model(_fsdp)?_(\d+)$")
+_OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
+_CHECKPOINT_DIR = re.compile(r"^(checkpoint|ckpt|step|global_step)[-_]?\d+$")
+
+
+@dataclass(frozen=True)
+class DcpPart:
+    """A DCP folder inside a checkpoint.
+
+    Attributes:
+        name: folder name, e.g. ``"pytorch_model_fsdp_0"``.
+        kind: ``"model"``, ``"optimizer"`` or ``"dcp"`` (any other DCP folder).
+        index: the number Accelerate gives it (``optimizer_1`` is 1), or None.
+        path: the folder.
+        complete: whether it holds ``.metadata`` (DCP writes it last).
+    """
+
+    name: str
+    kind: str
+    index: int | None
+    path: Path
+    complete: bool
+
+
+@dataclass(frozen=True)
+class SideFile:
+    """A file saved beside the DCP folders (RNG state, scheduler, sampler...).
+
+    Attributes:
+        name: file name. kind: what it holds (``"rng"``, ``"scheduler"``...).
+        rank: the rank it belongs to, for per-rank files. size: bytes.
+    """
+
+    name: str
+    kind: str
+    rank: int | None
+    size: int
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """What a checkpoint path holds.
+
+    Attributes:
+        path: the path given.
+        style: ``"dcp"`` (a single DCP folder), ``"accelerate"`` or ``"hf-trainer"``.
+        parts: the DCP folders, models first, then optimizers, then others.
+        side_files: the recognized files beside them.
+        other_files: names of anything else in the folder.
+    """
+
+    path: Path
+    style: str
+    parts: tuple[DcpPart, ...]
+    side_files: tuple[SideFile, ...]
+    other_files: tuple[str, ...]
+
+    def files_of(self, kind: str) -> list[SideFile]:
+        return [f for f in self.side_files if f.kind == kind]
+
+
+def _classify_dir(path: Path) -> DcpPart | None:
+    name = path.name
+    complete = (path / METADATA_FILE).is_file()
+    if match := _MODEL_DIR.match(name):
+        return DcpPart(name, "model", int(match.group(2)), path, complete)
+    if match := _OPTIMIZER_DIR.match(name):
+        return DcpPart(name, "optimizer", int(match.group(1)), path, complete)
+    if complete or any(e.name.endswith(".distcp") for e in os.scandir(path)):
+        return DcpPart(name, "dcp", None, path, complete)
+    return None
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    try:
+        return any(e.is_dir() and (_MODEL_DIR.match(e.name) or _OPTIMIZER_DIR.match(e.name))
+                   for e in os.scandir(path))
+    except OSError:
+        return False
+
+
+def _natural_key(name: str) -> list[tuple[int, int | str]]:
+    """Sort key that orders numbers by value: ``checkpoint-500`` before ``checkpoint-1000``."""
+    return [(0, int(part)) if part.isdigit() else (1, part)
+            for part in re.split(r"(\d+)", name) if part]
+
+
+def _is_finished(path: Path) -> bool:
+    """Whether a checkpoint folder's save finished: every DCP folder in it has ``.metadata``."""
+    if (path / METADATA_FILE).is_file():
+        return True
+    try:
+        dirs = [e for e in os.scandir(path) if e.is_dir() and
+                (_MODEL_DIR.match(e.name) or _OPTIMIZER_DIR.match(e.name))]
+    except OSError:
+        return False
+    return bool(dirs) and all((Path(e.path) / METADATA_FILE).is_file() for e in dirs)
+
+
+def _several_checkpoints(root: Path, names: list[str]) -> NotACheckpointError:
+    """The error for a folder of checkpoints: list them, newest last, and suggest the newest
+    one whose save finished (names sort by their numbers, so ``checkpoint-1000`` is newer
+    than ``checkpoint-500``)."""
+    names = sorted(names, key=_natural_key)
+    if len(names) == 1:
+        return NotACheckpointError(f"{root}: holds one checkpoint ({names[0]}); pass it: "
+                                   f"{root / names[0]}")
+    shown = names if len(names) <= 5 else names[:2] + ["..."] + names[-2:]
+    finished = [n for n in names if _is_finished(root / n)]
+    pick = finished[-1] if finished else names[-1]
+    why = "the newest" if pick == names[-1] else f"the newest finished save ({names[-1]} is not)"
+    return NotACheckpointError(
+        f"{root}: holds {len(names)} checkpoints ({', '.join(shown)}); pass one of them, "
+        f"e.g. {why}: {root / pick}")
+
+
+def _side_file(entry: os.DirEntry[str]) -> SideFile | None:
+    for pattern, kind in _SIDE_FILES:
+        if match := pattern.match(entry.name):
+            digits = [g for g in match.groups() if g and g.isdigit()]
+            rank = int(digits[0]) if digits and kind == "rng" else None
+            return SideFile(entry.name, kind, rank, entry.stat().st_size)
+    return None
+
+
+def find_layout(path: str | os.PathLike[str]) -> CheckpointLayout:
+    """Name the parts of the checkpoint at ``path``.
+
+    Args:
+        path: a single DCP folder, or a checkpoint folder in Accelerate's or HF Trainer's layout.
+
+    Returns:
+        The :class:`CheckpointLayout`.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist.
+        NotACheckpointError: ``path`` is a file, an empty folder, or holds no checkpoint;
+            for a folder of checkpoints the message lists them.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise CheckpointNotFoundError(f"{root}: no such file or folder; check the path.")
+    if not root.is_dir():
+        raise NotACheckpointError(
+            f"{root}: is a file, not a checkpoint folder; pass the folder that holds "
+            ".metadata or pytorch_model_fsdp_0/.")
+    if (root / METADATA_FILE).is_file():
+        return CheckpointLayout(root, "dcp", (DcpPart(root.name, "dcp", None, root, True),), (), ())
+
+    entries = sorted(os.scandir(root), key=lambda e: e.name)
+    if not entries:
+        raise NotACheckpointError(f"{root}: the folder is empty; pass a checkpoint folder.")
+    parts, side, other, nested = [], [], [], []
+    for entry in entries:
+        if entry.is_dir():
+            part = _classify_dir(Path(entry.path))
+            if part:
+                parts.append(part)
+            elif _CHECKPOINT_DIR.match(entry.name) or (Path(entry.path) / METADATA_FILE).exists():
+                nested.append(entry.name)
+            else:
+                other.append(entry.name + "/")
+        elif entry.name.endswith(".distcp"):
+            other.append(entry.name)
+        elif found := _side_file(entry):
+            side.append(found)
+        else:
+            other.append(entry.name)
+    # A sub-folder that is itself a whole checkpoint makes this a folder of checkpoints,
+    # whatever the names: list them all rather than treat one DCP folder as the checkpoint.
+    nested += [e.name for e in entries if e.is_dir() and _holds_checkpoint(Path(e.path))]
+    if nested:
+        nested = list(set(nested) | {p.name for p in parts if p.kind == "dcp"})
+        parts = []
+    if not parts:
+        if nested:
+            raise _several_checkpoints(root, nested)
+        if any(name.endswith(".distcp") for name in other):
+            raise NotACheckpointError(
+                f"{root}: has .distcp data files but no .metadata, so the save never finished "
+                "(DCP writes .metadata last); use an earlier checkpoint.")
+        raise NotACheckpointError(
+            f"{root}: no checkpoint here (no .metadata, no pytorch_model_fsdp_0/ or "
+            "optimizer_0/); pass a DCP folder or an Accelerate checkpoint folder.")
+    order = {"model": 0, "optimizer": 1, "dcp": 2}
+    parts.sort(key=lambda p: (order[p.kind], p.index if p.index is not None else -1, p.name))
+    hf = any(f.name in ("trainer_state.json", "scheduler.pt") or f.name.startswith("rng_state")
+             for f in side)
+    return CheckpointLayout(root, "hf-trainer" if hf else "accelerate", tuple(parts),
+                            tuple(side), tuple(other))

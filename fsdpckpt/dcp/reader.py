@@ -1,0 +1,386 @@
+"""Reading a DCP folder: its ``.metadata`` (safely) and the data files beside it.
+
+Torch reads ``.metadata`` with a plain ``pickle.load``; here it goes through
+:mod:`fsdpckpt.dcp._safe_pickle`, so a hostile file is refused and torch is never
+imported. The result is the plain data model of :mod:`fsdpckpt.dcp.metadata`.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
+from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, ObjectEntry, TensorEntry
+from fsdpckpt.dcp._safe_pickle import METADATA_GLOBALS, Record, brief, safe_loads
+
+__all__ = ["DcpFolder", "read_dcp_folder", "parse_metadata", "is_dcp_folder", "METADATA_FILE",
+           "data_file_path", "open_data_file", "path_inside"]
+
+METADATA_FILE = ".metadata"
+
+_ONLY_INSIDE = "fsdpckpt reads a checkpoint's data files only from inside its folder"
+
+
+def path_inside(folder: Path, relative: str) -> Path:
+    """``folder / relative``, checked to stay inside ``folder`` once symlinks are followed.
+
+    This is the one rule every reader applies before it opens or sizes a data file:
+    the file must lie inside the checkpoint folder. A symlink is followed only when
+    it leads to a place inside the folder; an absolute path, a ``..`` that climbs
+    out, or a symlink to a file elsewhere is refused, so a checkpoint can never make
+    fsdpckpt read (or merge, or load) a file that is not part of it.
+
+    Raises:
+        NotACheckpointError: the path leads outside ``folder``; the message says where.
+    """
+    path = folder / relative
+    root = os.path.realpath(folder)
+    real = os.path.realpath(path)
+    if os.path.isabs(relative) or os.path.commonpath([root, real]) != root or real == root:
+        how = f"a symlink to {real}" if os.path.islink(path) else f"resolves to {real}"
+        fix = (f"; replace the link by the file itself (cp --remove-destination {real} {path})"
+               if os.path.islink(path) else "; use an intact copy of the checkpoint")
+        raise NotACheckpointError(f"{path}: {how}, outside the checkpoint folder {folder}; "
+                                  f"{_ONLY_INSIDE}{fix}")
+    return path
+
+
+def data_file_path(folder: Path, name: str) -> Path:
+    """The path of the data file ``name`` of the DCP folder ``folder``, checked.
+
+    DCP's ``FileSystemWriter`` names data files by plain file names (``__0_0.distcp``);
+    a ``.metadata`` naming a path (``/elsewhere/x``, ``../x``, ``sub/x``) is damaged or
+    crafted and refused. The file itself must then pass :func:`path_inside`.
+
+    Raises:
+        NotACheckpointError: ``name`` is not a plain file name, or leads outside.
+    """
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or \
+            "\\" in name or "\0" in name:
+        raise NotACheckpointError(f"{folder / METADATA_FILE}: names the data file {name!r}, a "
+                                  "path that may lead outside the checkpoint folder where DCP "
+                                  f"writes plain names (__0_0.distcp); {_ONLY_INSIDE}, so this "
+                                  ".metadata is damaged or crafted: use an intact copy")
+    return path_inside(folder, name)
+
+
+def open_data_file(folder: Path, name: str) -> int:
+    """Open the data file ``name`` of ``folder`` for reading (by :func:`data_file_path`'s rule).
+
+    Returns:
+        A file descriptor; the caller closes it.
+
+    Raises:
+        NotACheckpointError: the name or the file leads outside the folder, or it is
+            not a regular file.
+        CheckpointNotFoundError: the file is missing.
+    """
+    path = data_file_path(folder, name)
+    real = os.path.realpath(path)  # opened as resolved, so no link is followed after the check
+    try:
+        if not stat.S_ISREG(os.stat(real).st_mode):
+            raise NotACheckpointError(f"{path}: not a regular file; a data file must be one")
+        return os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: missing data file; copy it from the machine that "
+                                      "wrote the checkpoint") from None
+
+
+@dataclass(frozen=True)
+class DcpFolder:
+    """A DCP folder on disk: its metadata and the data files present.
+
+    Attributes:
+        path: the folder.
+        metadata: what ``.metadata`` says.
+        files: the ``*.distcp`` files present, sorted by name, with their sizes.
+    """
+
+    path: Path
+    metadata: DcpMetadata
+    files: tuple[DataFile, ...]
+
+    @property
+    def file_sizes(self) -> dict[str, int]:
+        return {f.name: f.size for f in self.files}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on disk: the data files plus ``.metadata``."""
+        return sum(f.size for f in self.files) + (self.path / METADATA_FILE).stat().st_size
+
+
+def is_dcp_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder holding a ``.metadata`` file."""
+    return (path / METADATA_FILE).is_file()
+
+
+#: A ``.metadata`` may exceed the data files beside it by this much. It describes them, at
+#: a few hundred bytes per chunk where each chunk's archive takes at least one or two
+#: kilobytes (a 4,000-tensor one is 1.6 MB; fixtures run at 1/7 of their data), so a
+#: larger one describes bytes that are not there: it is refused before it is read, which
+#: bounds the reader's memory by the checkpoint's real size, not by what a file declares.
+METADATA_SLACK = 8 << 20
+
+
+def _read_metadata_bounded(folder: Path, meta_path: Path) -> bytes:
+    """The bytes of ``.metadata``, refused unread when larger than the data it could describe."""
+    path = path_inside(folder, METADATA_FILE)
+    size = os.stat(path).st_size
+    if size > METADATA_SLACK:
+        data = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(folder)
+                   if e.name.endswith(".distcp") and e.is_file(follow_symlinks=False))
+        if size > METADATA_SLACK + data:
+            raise NotACheckpointError(
+                f"{meta_path}: {size} bytes of metadata for {data} bytes of data files; a "
+                f".metadata is a small part of its checkpoint (at most {METADATA_SLACK} bytes "
+                "more than its data files), so this one is damaged, crafted, or its data "
+                "files are missing: use an intact copy")
+    return path.read_bytes()
+
+
+def read_dcp_folder(path: str | os.PathLike[str]) -> DcpFolder:
+    """Read a DCP folder's metadata and list its data files, without unpickling anything unsafe.
+
+    Args:
+        path: the DCP folder (the one holding ``.metadata``).
+
+    Returns:
+        A :class:`DcpFolder`.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` or its ``.metadata`` does not exist.
+        NotACheckpointError: ``.metadata`` is not a DCP metadata pickle, or a data file
+            (named in it, or present) leads outside the folder (see :func:`path_inside`).
+        UnsafePickleError: ``.metadata`` names a global a DCP pickle never holds.
+
+    Example:
+        >>> folder = read_dcp_folder("ckpt/pytorch_model_fsdp_0")
+        >>> [t.name for t in folder.metadata.tensors][:2]
+        ['model.0.weight', 'model.0.bias']
+    """
+    folder = Path(path)
+    if not folder.exists():
+        raise CheckpointNotFoundError(f"{folder}: no such file or folder; check the path.")
+    if not folder.is_dir():
+        raise NotACheckpointError(f"{folder}: is a file; pass the DCP folder that holds .metadata.")
+    meta_path = folder / METADATA_FILE
+    if not meta_path.is_file():
+        raise CheckpointNotFoundError(
+            f"{folder}: no .metadata file, so this is not a complete DCP checkpoint folder "
+            "(DCP writes .metadata last; a save that did not finish leaves none). "
+            "Pass the folder that holds .metadata."
+        )
+    metadata = parse_metadata(_read_metadata_bounded(folder, meta_path), source=str(meta_path))
+    for name in sorted(metadata.referenced_files):  # before any of them is sized or opened
+        data_file_path(folder, name)
+    files = tuple(
+        DataFile(entry.name, os.stat(data_file_path(folder, entry.name)).st_size)
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name)
+        if entry.name.endswith(".distcp") and entry.is_file()
+    )
+    return DcpFolder(folder, metadata, files)
+
+
+# -- the schema of a DCP .metadata -------------------------------------------------------
+#
+# Every field is checked for type and range before it is used: a damaged or crafted file
+# then fails with one NotACheckpointError naming the file and the entry, never with a
+# TypeError or AttributeError from deep inside. Integers are bounded by int64, as torch's
+# own sizes and offsets are.
+
+_INT64 = 2**63
+
+
+class _SchemaError(Exception):
+    """What is wrong with one field; :func:`parse_metadata` adds the file and the advice."""
+
+
+def _fields(record: Any, kind: str, where: str) -> dict[str, Any]:
+    """The pickled fields of a ``kind`` record (its state dict, or dict and slots merged)."""
+    if not (isinstance(record, Record) and type(record).kind == kind):
+        raise _SchemaError(f"{where} is a {_kind(record)}, not a {kind}")
+    state = getattr(record, "state", None)
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) and \
+            (state[0] is None or isinstance(state[0], dict)):
+        state = {**(state[0] or {}), **state[1]}
+    if state is None:
+        state = {}
+    if not isinstance(state, dict):
+        raise _SchemaError(f"{where} ({kind}) holds a {_kind(state)} where its fields belong")
+    return state
+
+
+def _kind(value: Any) -> str:
+    return type(value).kind if isinstance(value, Record) else type(value).__name__
+
+
+def _int(value: Any, where: str) -> int:
+    if not (type(value) is int and 0 <= value < _INT64):
+        raise _SchemaError(f"{where} is {brief(value)}, not an integer in 0..2**63-1")
+    return value
+
+
+def _ints(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)):
+        raise _SchemaError(f"{where} is {brief(value)}, not a tuple of integers")
+    ints = tuple(value)
+    # The common case in one pass of C-level checks; the slow path names the culprit.
+    if all(type(v) is int for v in ints) and (not ints or (min(ints) >= 0 and max(ints) < _INT64)):
+        return ints
+    return tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(ints))
+
+
+def _str(value: Any, where: str) -> str:
+    if type(value) is not str:
+        raise _SchemaError(f"{where} is {brief(value)}, not a string")
+    return value
+
+
+def _dict(value: Any, where: str, optional: bool = False) -> dict[Any, Any]:
+    if value is None and optional:
+        return {}
+    if type(value) is not dict:
+        raise _SchemaError(f"{where} is {brief(value)}, not a dict")
+    return value
+
+
+def _list(value: Any, where: str) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise _SchemaError(f"{where} is {brief(value)}, not a list")
+    return value
+
+
+def _key_path(value: Any, where: str) -> KeyPath:
+    path = tuple(_list(value, where))
+    for i, key in enumerate(path):
+        if type(key) is not str:
+            _int(key, f"{where}[{i}]")
+    return path
+
+
+def _dtype(props: Any, where: str) -> DType:
+    # TensorProperties pickles its fields as a tuple (dtype first) since torch 2.0.
+    if not (isinstance(props, Record) and type(props).kind == "TensorProperties"):
+        raise _SchemaError(f"{where} is a {_kind(props)}, not a TensorProperties")
+    state = getattr(props, "state", None)
+    dtype = state[0] if isinstance(state, tuple) and state else \
+        state.get("dtype") if isinstance(state, dict) else None
+    if not isinstance(dtype, DType):
+        raise _SchemaError(f"{where} has no recognizable dtype ({brief(dtype)})")
+    return dtype
+
+
+def _locations(storage: dict[Any, Any]) -> dict[tuple[str, tuple[int, ...] | None],
+                                               tuple[str, int, int]]:
+    """``(fqn, chunk offsets or None) -> (file, offset, length)`` from ``storage_data``."""
+    locations: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
+    for index, info in storage.items():
+        if not (isinstance(index, Record) and type(index).kind == "MetadataIndex" and
+                isinstance(info, Record) and type(info).kind == "_StorageInfo"):
+            raise _SchemaError(
+                "storage entries are not file locations; this folder was not written by "
+                "FileSystemWriter (e.g. HuggingFaceStorageWriter), which is not supported")
+        key = _fields(index, "MetadataIndex", "a storage index")
+        fqn = _str(key.get("fqn"), "a storage index's fqn")
+        where = f"the storage entry of {brief(fqn)}"
+        offsets = key.get("offset")
+        fields = _fields(info, "_StorageInfo", where)
+        transforms = fields.get("transform_descriptors")
+        if transforms:
+            raise _SchemaError(f"entry {brief(fqn)} is stored with transforms "
+                               f"{brief(transforms)}, which fsdpckpt does not read yet")
+        locations[(fqn, None if offsets is None else _ints(offsets, f"{where}: offset"))] = (
+            _str(fields.get("relative_path"), f"{where}: relative_path"),
+            _int(fields.get("offset"), f"{where}: offset"),
+            _int(fields.get("length"), f"{where}: length"),
+        )
+    return locations
+
+
+def _tensor(fqn: str, entry: Any, locations: dict[Any, tuple[str, int, int]],
+            key_path: KeyPath) -> TensorEntry:
+    where = f"tensor {brief(fqn)}"
+    fields = _fields(entry, "TensorStorageMetadata", where)
+    shape = _ints(fields.get("size"), f"{where}: size")
+    chunks = []
+    for i, chunk in enumerate(_list(fields.get("chunks"), f"{where}: chunks")):
+        at = f"{where}: chunk {i}"
+        chunk_fields = _fields(chunk, "ChunkStorageMetadata", at)
+        offsets = _ints(chunk_fields.get("offsets"), f"{at}: offsets")
+        sizes = _ints(chunk_fields.get("sizes"), f"{at}: sizes")
+        if len(offsets) != len(sizes):
+            raise _SchemaError(f"{at} has {len(offsets)} offsets but {len(sizes)} sizes")
+        file, offset, length = locations.get((fqn, offsets), (None, 0, 0))
+        chunks.append(Chunk(offsets, sizes, file, offset, length))
+    dtype = _dtype(fields.get("properties"), f"{where}: properties")
+    return TensorEntry(fqn, dtype, shape, tuple(chunks), key_path)
+
+
+def _parse(root: Any) -> DcpMetadata:
+    """Check ``root`` (the unpickled stand-ins) against the schema and convert it."""
+    fields = _fields(root, "Metadata", "the root")
+    entries = _dict(fields.get("state_dict_metadata"), "state_dict_metadata")
+    storage = _dict(fields.get("storage_data"), "storage_data", optional=True)
+    planner = _dict(fields.get("planner_data"), "planner_data", optional=True)
+    meta = fields.get("storage_meta")
+    if meta is not None:
+        _fields(meta, "StorageMeta", "storage_meta")
+    version = fields.get("version")
+    if version is not None:
+        _str(version, "version")
+    locations = _locations(storage)
+    tensors: list[TensorEntry] = []
+    objects: list[ObjectEntry] = []
+    for fqn, entry in entries.items():
+        _str(fqn, "a state_dict_metadata key")
+        planned = planner.get(fqn)
+        key_path = _key_path(planned, f"planner_data[{brief(fqn)}]") if planned else \
+            tuple(fqn.split("."))
+        if isinstance(entry, Record) and type(entry).kind == "BytesStorageMetadata":
+            file, offset, length = locations.get((fqn, None), (None, 0, 0))
+            objects.append(ObjectEntry(fqn, file, offset, length, key_path))
+        elif isinstance(entry, Record) and type(entry).kind == "TensorStorageMetadata":
+            tensors.append(_tensor(fqn, entry, locations, key_path))
+        else:
+            raise _SchemaError(f"entry {brief(fqn)} has an unknown storage kind "
+                               f"({_kind(entry)})")
+    return DcpMetadata(tuple(tensors), tuple(objects), version)
+
+
+def parse_metadata(data: bytes, *, source: str) -> DcpMetadata:
+    """Turn the bytes of a ``.metadata`` file into a :class:`DcpMetadata`.
+
+    Args:
+        data: the file's bytes.
+        source: the file's path, for messages.
+
+    Returns:
+        The metadata as plain values.
+
+    Raises:
+        NotACheckpointError: the bytes are not a DCP metadata pickle.
+        UnsafePickleError: the pickle names a global outside the allowlist.
+    """
+    if not data:
+        raise NotACheckpointError(f"{source}: the file is empty; the save did not finish.")
+    root = safe_loads(data, allowed=METADATA_GLOBALS, source=source)
+    if not (isinstance(root, Record) and type(root).kind == "Metadata"):
+        raise NotACheckpointError(
+            f"{source}: holds a {_kind(root)}, not DCP checkpoint metadata."
+        )
+    try:
+        return _parse(root)
+    except _SchemaError as exc:
+        raise NotACheckpointError(
+            f"{source}: {exc}; the file is damaged, crafted, or from an unsupported torch "
+            "version: use an intact copy of the checkpoint."
+        ) from None
+    except (RecursionError, MemoryError) as exc:  # a key too deeply nested to hash, say
+        raise NotACheckpointError(f"{source}: not readable DCP metadata "
+                                  f"({type(exc).__name__})") from None

@@ -1,0 +1,220 @@
+"""``verify``: is every byte of a checkpoint what was written?
+
+Structure first (as ``inspect`` checks it). Then, with a manifest, every file's size and
+CRC-32, and for a file that fails, each chunk in it, to name the tensor; files the
+manifest does not list are strays. Without a manifest (Accelerate or plain DCP wrote the
+checkpoint), each chunk's archive header is decoded and checked against the metadata
+(dtype, shape) and its data against the CRC-32 its zip directory stores. Data is read in
+blocks; no tensor is ever held whole.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fsdpckpt.dcp._archive import locate_tensor
+from fsdpckpt.training._dcp_io import stray_metadata_files
+from fsdpckpt.errors import FsdpCkptError
+from fsdpckpt.inspection.inspect import inspect_checkpoint
+from fsdpckpt.dcp.layout import find_layout
+from fsdpckpt._io.checksums import crc32_range, file_checksums
+from fsdpckpt.training.manifest import MANIFEST, data_entry_crc, manifest_digest, read_manifest
+from fsdpckpt._io.rawio import reusing_scratch
+from fsdpckpt.dcp.reader import open_data_file, path_inside, read_dcp_folder
+
+__all__ = ["verify_checkpoint"]
+
+def _check_chunks(folder: Path, problems: list[dict[str, str]], *, only_file: str | None,
+                  expected: dict[tuple[str, tuple], int] | None,
+                  progress: Callable[[int], None] | None) -> None:
+    """Check each chunk's data against ``expected`` CRCs, or its zip's own CRC when None."""
+    meta = read_dcp_folder(folder).metadata
+    for tensor in meta.tensors:
+        for chunk in tensor.chunks:
+            if chunk.file is None or (only_file and chunk.file != only_file) or \
+                    not (folder / chunk.file).is_file():
+                continue
+            where = f"tensor '{tensor.name}' chunk at {list(chunk.offsets)}"
+            path = folder / chunk.file
+            try:
+                with os.fdopen(open_data_file(folder, chunk.file), "rb") as handle:
+                    raw = locate_tensor(handle, chunk.offset, chunk.length, source=where)
+                    stored = data_entry_crc(handle, chunk.offset, chunk.length, source=where)
+                    actual = crc32_range(handle.fileno(), raw.storage_start, raw.storage_nbytes,
+                                         progress)
+            except FsdpCkptError as exc:
+                # The archive reader already names the chunk (``source=where``): say it once.
+                message = str(exc)
+                if not message.startswith(where):
+                    message = f"{where}: {message}"
+                problems.append({"path": str(path), "message": message})
+                continue
+            if raw.dtype.name != tensor.dtype.name or raw.shape != chunk.sizes:
+                problems.append({"path": str(path), "message":
+                                 f"{where}: holds {raw.dtype.name} {list(raw.shape)}, the "
+                                 f"metadata says {tensor.dtype.name} {list(chunk.sizes)}"})
+            key = (folder.name, tensor.name, chunk.offsets)
+            want = expected.get(key, stored) if expected else stored
+            if actual != want:
+                problems.append({"path": str(path), "message":
+                                 f"{where}: data does not match its checksum (a changed byte)"})
+
+
+def _chunk_bytes(folders: list[Path]) -> tuple[int, int]:
+    """Bytes and data files that checking every chunk of ``folders`` reads, from the metadata:
+    each chunk's data (DCP saves a chunk's own elements, no more)."""
+    total, files = 0, set()
+    for folder in folders:
+        meta = read_dcp_folder(folder).metadata
+        for tensor in meta.tensors:
+            for chunk in tensor.chunks:
+                if chunk.file is not None and (folder / chunk.file).is_file():
+                    total += chunk.numel * tensor.dtype.itemsize
+                    files.add(folder / chunk.file)
+    return total, len(files)
+
+
+def _walk(root: Path) -> tuple[list[str], list[str]]:
+    """Every file under ``root`` and every symlink to a folder (not followed), relative."""
+    found, linked = [], []
+    for dirpath, dirs, names in os.walk(root):
+        for name in names:
+            found.append(os.path.relpath(os.path.join(dirpath, name), root))
+        linked += [os.path.relpath(os.path.join(dirpath, d), root) for d in dirs
+                   if os.path.islink(os.path.join(dirpath, d))]
+    return sorted(found), sorted(linked)
+
+
+def _check_digest(root: Path, expect: str, problems: list[dict[str, str]]) -> str | None:
+    """Compare the manifest's digest with ``expect``; return the digest (None: no manifest)."""
+    want = expect if expect.startswith("sha256:") else "sha256:" + expect
+    try:
+        actual = manifest_digest(root)
+    except FsdpCkptError as exc:
+        problems.append({"path": str(root / MANIFEST), "message": f"{exc}; --expect-digest "
+                         "needs a checkpoint saved with a manifest"})
+        return None
+    if actual != want.lower():
+        problems.append({"path": str(root / MANIFEST), "message": f"manifest digest is "
+                         f"{actual}, not the expected {want}: this is not the checkpoint whose "
+                         "digest you kept (or the manifest was changed)"})
+    return actual
+
+
+@reusing_scratch()  # one read buffer for every chunk and file checked
+def verify_checkpoint(path: str | os.PathLike[str], *,
+                      progress: Callable[[int, int], Callable[[int], None]] | None = None,
+                      expect_digest: str | None = None) -> dict[str, Any]:
+    """Check the structure and every byte of the checkpoint at ``path``.
+
+    Args:
+        path: a DCP folder, or a checkpoint folder in Accelerate's or HF Trainer's layout.
+        progress: as for :func:`fsdpckpt.merge`: ``progress(total_bytes, files)`` is called
+            once, before any data is read, with the bytes verify will read (from the
+            manifest's file sizes, or without one the metadata's chunk sizes) and the number
+            of data files; the callback it returns is given byte counts as they are read.
+        expect_digest: the manifest digest kept from the save (``"sha256:<hex>"``, as
+            :func:`fsdpckpt.training.manifest.manifest_digest` gives it). Any difference is a
+            problem. With a manifest saved with ``digest="sha256"``, this pins every byte
+            of every file the manifest lists, and strays are reported besides.
+
+    Returns:
+        ``{"path", "ok", "manifest": bool, "manifest_digest": str | None, "digest": the
+        file digest the manifest carries or None, "problems": [{"path", "message"}]}``.
+
+    Example:
+        >>> report = verify_checkpoint("ckpt/checkpoint_100")
+        >>> report["ok"]
+        True
+    """
+    root = Path(path)
+    layout = find_layout(root)
+    problems: list[dict[str, str]] = []
+    try:
+        problems += inspect_checkpoint(root)["problems"]
+    except FsdpCkptError as exc:
+        problems.append({"path": str(root), "message": str(exc)})
+    digest = _check_digest(root, expect_digest, problems) if expect_digest else None
+    try:
+        manifest = read_manifest(root) if layout.style != "dcp" else None
+    except FsdpCkptError as exc:
+        if not expect_digest:
+            raise
+        problems.append({"path": str(root / MANIFEST), "message": str(exc)})
+        return _report(root, problems, manifest=True, digest=digest, file_digest=None)
+    folders = [p.path for p in layout.parts if p.complete]
+    for folder in folders:  # never part of a committed checkpoint; load_state refuses them
+        for stray in stray_metadata_files(folder):
+            problems.append({"path": str(stray), "message": "stray rank-local DCP metadata "
+                             "file: not part of a committed checkpoint, and torch's loader "
+                             "would unpickle it without an allowlist; delete it"})
+    if manifest is None:
+        callback = progress(*_chunk_bytes(folders)) if progress else None
+        for folder in folders:
+            _check_chunks(folder, problems, only_file=None, expected=None, progress=callback)
+        return _report(root, problems, manifest=False, digest=digest, file_digest=None)
+
+    file_digest = manifest.get("digest")  # schema-checked: None, or one of DIGESTS
+    named = {p["path"] for p in problems}  # stray metadata files are named above already
+    files, linked_folders = _walk(root)
+    for name in files:
+        if name != MANIFEST and name not in manifest["files"] and str(root / name) not in named:
+            problems.append({"path": str(root / name), "message": "stray file: not in the "
+                             "manifest, so not part of this checkpoint as it was written"})
+    for name in linked_folders:  # fsdpckpt never writes links: someone added this one
+        problems.append({"path": str(root / name), "message": "stray folder (a symlink to "
+                         f"{os.path.realpath(root / name)}): not in the manifest, so not part "
+                         "of this checkpoint as it was written"})
+    expected = {(folder, c["tensor"], tuple(c["offsets"])): c["crc32"]
+                for folder, chunks in manifest.get("chunks", {}).items() for c in chunks}
+    listed = {name: (info["size"], info["crc32"], info.get(file_digest) if file_digest else None)
+              for name, info in manifest["files"].items()}
+    whole: list[tuple[Path, int, str | None]] = []
+    for name, (want_size, want_crc, want_digest) in listed.items():
+        file = root / name
+        try:
+            path_inside(root, name)  # a manifest may not send us outside the checkpoint
+        except FsdpCkptError as exc:
+            problems.append({"path": str(file), "message": str(exc)})
+            continue
+        if not file.is_file():
+            problems.append({"path": str(file), "message": "missing file listed in the manifest"})
+            continue
+        size = file.stat().st_size
+        if size != want_size:
+            problems.append({"path": str(file), "message": f"size {size}, the manifest says "
+                             f"{want_size}: the file is truncated or was changed"})
+            continue
+        whole.append((file, want_crc, want_digest))
+    callback = progress(sum(f.stat().st_size for f, *_ in whole), len(whole)) if progress \
+        else None
+    for file, want_crc, want_digest in whole:
+        _size, crc, actual_digest = file_checksums(file, callback, file_digest)
+        if crc == want_crc and actual_digest != want_digest:
+            # CRC-32 kept, digest not: a change made to look unchanged.
+            problems.append({"path": str(file), "message": f"contents do not match the "
+                             f"manifest's {file_digest} although the CRC-32 matches: the file "
+                             "was changed deliberately; do not load it"})
+        elif crc != want_crc:
+            folder = file.parent
+            before = len(problems)
+            if (folder / ".metadata").is_file() and file.name.endswith(".distcp"):
+                # Naming the damaged tensor re-reads this file: not in the bar's total.
+                _check_chunks(folder, problems, only_file=file.name, expected=expected,
+                              progress=None)
+            if len(problems) == before:
+                problems.append({"path": str(file), "message": "contents do not match the "
+                                 "manifest's checksum (a changed byte outside tensor data)"})
+    return _report(root, problems, manifest=True, digest=digest, file_digest=file_digest)
+
+
+def _report(root: Path, problems: list[dict[str, str]], *, manifest: bool, digest: str | None,
+            file_digest: str | None) -> dict[str, Any]:
+    if manifest and digest is None:
+        digest = manifest_digest(root)
+    problems = list({(p["path"], p["message"]): p for p in problems}.values())
+    return {"path": str(root), "ok": not problems, "manifest": manifest,
+            "manifest_digest": digest, "digest": file_digest, "problems": problems}

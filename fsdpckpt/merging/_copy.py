@@ -1,0 +1,306 @@
+"""Moving one chunk's bytes to their place in an output, in bounded blocks.
+
+The fast path never decodes a tensor: a chunk that is one contiguous run of
+its output tensor (FSDP's dim-0 shards) is copied file to file with
+``os.copy_file_range``; a chunk that is many runs (dim-1 shards) is read in
+16 MiB blocks and written run by run, cast on the way by :mod:`fsdpckpt.merging._casts`
+for the common exports (fp32 to bf16 or fp16), without torch. Any other cast,
+or a non-contiguous stored chunk, imports torch, and then works tile by tile: each
+tile is a box of the chunk whose stored bytes span at most ``_SPAN`` bytes and
+whose output is at most ``_TILE`` bytes, so memory stays flat however large
+the tensor (a transposed 2.4 GB chunk used to be held whole, three times).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+import os
+from pathlib import Path
+
+from fsdpckpt.dcp._archive import RawTensor, locate_tensor
+from fsdpckpt.merging._casts import cast_block, fast_cast
+from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.dcp.metadata import Chunk, TensorEntry
+from fsdpckpt._io.rawio import copy_range, pread_into, pwrite_all, scratch
+from fsdpckpt.dcp.reader import open_data_file
+
+__all__ = ["place_chunk", "place_stored_chunk", "tiles", "DataFiles", "FileSink", "MemorySink"]
+
+# Stored bytes read for one tile, and output bytes made by one tile. With torch
+# imported (about 220 MB here) two such buffers keep a merge under 300 MB.
+_SPAN = 16 * 2**20
+_TILE = 16 * 2**20
+
+
+class Sink(Protocol):
+    """Where placed bytes go: an output file, or memory (``load_full_state_dict``)."""
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """Put all of ``data`` at byte ``offset``."""
+
+    def copy_from(self, src: int, src_offset: int, offset: int, count: int, *, source: str,
+                  progress: Callable[[int], None] | None) -> None:
+        """Put ``count`` bytes of the file ``src`` from ``src_offset`` at byte ``offset``."""
+
+
+class FileSink:
+    """An open output file, written with looping ``pwrite`` and ``copy_file_range``."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, data: memoryview, offset: int) -> None:
+        pwrite_all(self.fd, data, offset)
+
+    def copy_from(self, src: int, src_offset: int, offset: int, count: int, *, source: str,
+                  progress: Callable[[int], None] | None) -> None:
+        copy_range(src, src_offset, self.fd, offset, count, source=source, progress=progress)
+
+
+class MemorySink:
+    """A writable buffer (the memory of a tensor being filled): reads land in it directly."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view.cast("B")
+
+    def write(self, data: memoryview, offset: int) -> None:
+        self.view[offset:offset + len(data)] = data
+
+    def copy_from(self, src: int, src_offset: int, offset: int, count: int, *, source: str,
+                  progress: Callable[[int], None] | None) -> None:
+        pread_into(src, self.view[offset:offset + count], src_offset, source=source)
+        if progress:
+            progress(count)
+
+
+def _runs(shape: Sequence[int], offsets: Sequence[int],
+          sizes: Sequence[int]) -> tuple[int, Sequence[int]]:
+    # Deferred import: plan imports formats, which must not need this module first.
+    from fsdpckpt.merging.plan import chunk_runs
+
+    return chunk_runs(shape, Chunk(tuple(offsets), tuple(sizes), None, 0, 0))
+
+
+def tiles(shape: Sequence[int], stride: Sequence[int], span_max: int,
+          numel_max: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Cut a strided tensor into boxes that each span and hold few enough elements.
+
+    A box's span is the distance, in elements of the storage, from its first
+    stored element to its last (plus one). Boxes come in row-major order of
+    their corners where the layout allows, and together cover every element once.
+
+    Args:
+        shape, stride: the tensor's shape and strides, in elements.
+        span_max: the most storage elements one box may span (at least 1).
+        numel_max: the most elements one box may hold (at least 1).
+
+    Yields:
+        ``(offsets, sizes)`` of each non-empty box.
+    """
+    ndim = len(shape)
+    stack = [((0,) * ndim, tuple(shape))]
+    while stack:
+        offsets, sizes = stack.pop()
+        numel = math.prod(sizes)
+        if numel == 0:
+            continue
+        reach = [(s - 1) * abs(st) for s, st in zip(sizes, stride)]
+        span = 1 + sum(reach)
+        if span <= span_max and numel <= numel_max:
+            yield offsets, sizes
+            continue
+        cuttable = [d for d in range(ndim) if sizes[d] > 1]
+        if span > span_max:
+            # Cutting the dim with the widest step shrinks the span most; a transposed
+            # chunk is cut across its stored rows, not along them.
+            d = max(cuttable, key=lambda k: abs(stride[k]))
+            rest = span - reach[d]
+            piece = (span_max - rest) // abs(stride[d]) + 1 if rest < span_max else 1
+        else:
+            d = cuttable[0]  # the outermost: boxes stay whole rows, written in one piece
+            piece = max(1, numel_max // (numel // sizes[d]))
+        parts = []
+        for start in range(0, sizes[d], piece):
+            part = list(sizes)
+            part[d] = min(piece, sizes[d] - start)
+            corner = list(offsets)
+            corner[d] += start
+            parts.append((tuple(corner), tuple(part)))
+        stack.extend(reversed(parts))
+
+
+def _pieces(chunk_sizes: Sequence[int], box_offsets: Sequence[int], box_sizes: Sequence[int],
+            run: int, starts: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """``(position in the box's row-major output, element of the tensor, count)``, coalesced."""
+    box_run, box_starts = _runs(chunk_sizes, box_offsets, box_sizes)
+    pending: list[int] | None = None
+    for k, first in enumerate(box_starts):  # ``first``: element index within the chunk
+        at, left = k * box_run, box_run
+        while left:
+            index, within = divmod(first, run)
+            count = min(left, run - within)
+            target = starts[index] + within
+            if pending is not None and pending[1] + pending[2] == target:
+                pending[2] += count
+            else:
+                if pending is not None:
+                    yield pending[0], pending[1], pending[2]
+                pending = [at, target, count]
+            at, first, left = at + count, first + count, left - count
+    if pending is not None:
+        yield pending[0], pending[1], pending[2]
+
+
+def _place_contiguous(src: int, raw: RawTensor, run: int, starts: Sequence[int], out: DType,
+                      sink: Sink, tensor_start: int, source: str,
+                      progress: Callable[[int], None] | None) -> None:
+    """A row-major chunk: read blocks of elements, cast them if asked, write each run's part."""
+    in_size, out_size = raw.dtype.itemsize, out.itemsize
+    total = run * len(starts)  # elements
+    per_block = max(1, _SPAN // max(in_size, out_size))
+    stored = scratch(min(total, per_block) * in_size, "stored")
+    made = scratch(min(total, per_block) * out_size, "made") if raw.dtype != out else stored
+    done = 0  # elements of the chunk placed so far
+    while done < total:
+        count = min(total - done, per_block)
+        block = stored[:count * in_size]
+        pread_into(src, block, raw.data_start + done * in_size, source=source)
+        if made is not stored:
+            cast_block(raw.dtype.name, out.name, block, made[:count * out_size])
+        at = 0
+        while at < count:
+            index, within = divmod(done + at, run)
+            piece = min(count - at, run - within)
+            sink.write(made[at * out_size:(at + piece) * out_size],
+                       tensor_start + (starts[index] + within) * out_size)
+            at += piece
+        done += count
+        if progress:
+            progress(count * out_size)
+
+
+def _place_tiled(src: int, raw: RawTensor, chunk: Chunk, run: int, starts: Sequence[int],
+                 out: DType, sink: Sink, tensor_start: int, source: str,
+                 progress: Callable[[int], None] | None) -> None:
+    """Reorder and/or convert with torch, one bounded tile at a time."""
+    import torch
+
+    in_size, out_size = raw.dtype.itemsize, out.itemsize
+    in_dtype, out_dtype = getattr(torch, raw.dtype.name), getattr(torch, out.name)
+    span_max = max(1, _SPAN // in_size)
+    numel_max = max(1, _TILE // max(in_size, out_size))
+    numel_cap = min(math.prod(raw.shape), numel_max)
+    stored = scratch(min(raw.storage_nbytes, span_max * in_size), "stored")
+    made = scratch(numel_cap * out_size, "made")
+    staged: memoryview | None = None  # a strided tile to cast is reordered here first
+    for offsets, sizes in tiles(raw.shape, raw.stride, span_max, numel_max):
+        base = raw.storage_offset + sum(o * st for o, st in zip(offsets, raw.stride))
+        low = base + sum(min(0, (s - 1) * st) for s, st in zip(sizes, raw.stride))
+        high = base + sum(max(0, (s - 1) * st) for s, st in zip(sizes, raw.stride)) + 1
+        numel = math.prod(sizes)
+        pread_into(src, stored[:(high - low) * in_size], raw.storage_start + low * in_size,
+                   source=source)
+        view = torch.frombuffer(stored, dtype=in_dtype, count=high - low).as_strided(
+            sizes, raw.stride, base - low)
+        if in_dtype != out_dtype and not view.is_contiguous():
+            # torch casts a strided source on its scalar path and a contiguous one on its
+            # vector path, and the two disagree on NaN bits (0x7FC0 against 0xFFFF for
+            # bf16). The reference is .to() of the contiguous tensor torch loads: reorder
+            # first (exact), then cast contiguous to contiguous as .to() does.
+            staged = staged if staged is not None else scratch(numel_cap * in_size, "staged")
+            view = torch.frombuffer(staged, dtype=in_dtype, count=numel).view(sizes).copy_(view)
+        torch.frombuffer(made, dtype=out_dtype, count=numel).view(sizes).copy_(view)
+        for at, element, count in _pieces(chunk.sizes, offsets, sizes, run, starts):
+            sink.write(made[at * out_size:(at + count) * out_size],
+                       tensor_start + element * out_size)
+        if progress:
+            progress(numel * out_size)
+
+
+def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: tuple[int, Sequence[int]],
+                out: DType, dst: int | Sink, tensor_start: int, *, source: str,
+                progress: Callable[[int], None] | None = None) -> None:
+    """Write one chunk's elements at their place in the output tensor.
+
+    Args:
+        src: the open data file holding the chunk.
+        raw: where the chunk's storage is, and its dtype, shape and strides.
+        chunk: the chunk, as the metadata places it.
+        runs: :func:`fsdpckpt.merging.plan.chunk_runs` of the chunk in its tensor.
+        out: the output dtype.
+        dst: the open output file, or a :class:`MemorySink`.
+        tensor_start: byte offset of the output tensor's first element.
+        source: how to name the chunk in messages.
+        progress: called with the number of bytes written, as they are.
+    """
+    run, starts = runs
+    if not starts:
+        return
+    if raw.shape != chunk.sizes:
+        raise CorruptCheckpointError(f"{source}: holds shape {list(raw.shape)}, the metadata "
+                                     f"says {list(chunk.sizes)}")
+    sink = FileSink(dst) if isinstance(dst, int) else dst
+    same = raw.dtype.name == out.name
+    if same and raw.is_contiguous and len(starts) == 1:
+        sink.copy_from(src, raw.data_start, tensor_start + starts[0] * out.itemsize,
+                       raw.nbytes, source=source, progress=progress)
+    elif raw.is_contiguous and (same or fast_cast(raw.dtype.name, out.name) is not None):
+        _place_contiguous(src, raw, run, starts, out, sink, tensor_start, source, progress)
+    else:
+        _place_tiled(src, raw, chunk, run, starts, out, sink, tensor_start, source, progress)
+
+
+class DataFiles:
+    """The data files of one DCP folder, each opened once and only from inside the folder.
+
+    Use as a context manager; every file opened is closed at its end.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._fds: dict[str, int] = {}
+
+    def fd(self, name: str) -> int:
+        if name not in self._fds:
+            self._fds[name] = open_data_file(self.folder, name)
+        return self._fds[name]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> DataFiles:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, out: DType,
+                       dst: int | Sink, tensor_start: int, *,
+                       progress: Callable[[int], None] | None = None) -> None:
+    """Find ``chunk`` of ``tensor`` in its data file, check it, and place it (:func:`place_chunk`).
+
+    Raises:
+        NotACheckpointError: the metadata gives the chunk no storage entry.
+        CorruptCheckpointError: its archive is damaged or holds another dtype than the metadata.
+    """
+    from fsdpckpt.merging.plan import chunk_runs  # deferred, as in _runs
+
+    source = f"{files.folder / str(chunk.file)} (tensor '{tensor.name}' chunk at " \
+             f"{list(chunk.offsets)})"
+    if chunk.file is None:
+        raise NotACheckpointError(f"{source}: the metadata has no storage entry")
+    src = files.fd(chunk.file)
+    with os.fdopen(os.dup(src), "rb") as handle:
+        raw = locate_tensor(handle, chunk.offset, chunk.length, source=source)
+    if raw.dtype.name != tensor.dtype.name:
+        raise CorruptCheckpointError(f"{source}: holds {raw.dtype.name}, the metadata says "
+                                     f"{tensor.dtype.name}")
+    place_chunk(src, raw, chunk, chunk_runs(tensor.shape, chunk), out, dst, tensor_start,
+                source=source, progress=progress)

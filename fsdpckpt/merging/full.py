@@ -1,0 +1,168 @@
+"""``load_full_state_dict``: a whole (unsharded) state dict in memory, for those who want one.
+
+From a DCP folder it gives exactly what torch's ``dcp_to_torch_save`` saves
+(nested by the stored key paths, top-level key included); from a merged file
+it gives the merged state dict, nested again where the merge kept key paths.
+Unlike the merge, this holds the whole state dict: it is for models that fit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from fsdpckpt.dcp.checks import check_folder
+from fsdpckpt.merging._copy import DataFiles, MemorySink, place_stored_chunk
+from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
+from fsdpckpt._io.jsonio import loads_json
+from fsdpckpt.dcp._nesting import unflatten
+from fsdpckpt.dcp._objects import loads, read_object, to_torch, torch_load_allowlisted
+from fsdpckpt._io.rawio import reusing_scratch
+from fsdpckpt.dcp.reader import is_dcp_folder, read_dcp_folder
+
+__all__ = ["load_full_state_dict", "shard_files"]
+
+_MERGED_NAMES = ["model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                 "pytorch_model.bin", "optimizer.safetensors.index.json", "optimizer.safetensors",
+                 "optimizer.bin.index.json", "optimizer.bin"]
+
+
+def _empty(dtype: DType, shape: tuple[int, ...]) -> tuple[Any, MemorySink]:
+    """A tensor to fill, and a sink writing into its memory."""
+    import torch
+
+    memory = bytearray(math.prod(shape) * dtype.itemsize)
+    if not memory:
+        return torch.empty(shape, dtype=getattr(torch, dtype.name)), MemorySink(memoryview(memory))
+    flat = torch.frombuffer(memory, dtype=getattr(torch, dtype.name))  # keeps ``memory`` alive
+    return flat.view(shape), MemorySink(memoryview(memory))
+
+
+@reusing_scratch()
+def _from_dcp(path: Path) -> dict[Any, Any]:
+    folder = read_dcp_folder(path)
+    problems = check_folder(folder)
+    if problems:  # before anything is allocated: declared sizes are checked against the bytes
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CorruptCheckpointError(f"{problems[0]}{more}; run `fsdpckpt inspect {path}` "
+                                     "for the full list")
+    items: list[tuple[tuple, Any]] = []
+    with DataFiles(path) as files:
+        for tensor in folder.metadata.tensors:
+            full, sink = _empty(tensor.dtype, tensor.shape)
+            for chunk in tensor.chunks:
+                # Straight into the tensor's memory: nothing is held but the tensor itself.
+                place_stored_chunk(files, tensor, chunk, tensor.dtype, sink, 0)
+            items.append((tensor.key_path, full))
+        for obj in folder.metadata.objects:
+            if obj.file is None:
+                raise NotACheckpointError(f"{path}: object '{obj.name}' has no storage entry "
+                                          "in .metadata")
+            with os.fdopen(os.dup(files.fd(obj.file)), "rb") as handle:
+                value = read_object(handle, obj, source=str(path / str(obj.file)))
+                items.append((obj.key_path, to_torch(value)))
+    return unflatten(items)
+
+
+def _from_safetensors(files: list[Path]) -> dict[Any, Any]:
+    from safetensors import SafetensorError, safe_open
+
+    from fsdpckpt.merging.to_dcp import key_paths
+
+    flat: dict[str, Any] = {}
+    paths: dict[str, list] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                meta = handle.metadata() or {}
+                flat.update({name: handle.get_tensor(name) for name in handle.keys()})
+        except SafetensorError as exc:
+            detail = (str(exc).splitlines() or ["?"])[0][:200]
+            raise CorruptCheckpointError(f"{file}: not a readable safetensors file ({detail}); "
+                                         "it is truncated or damaged.") from None
+        try:  # JSON from the file: checked (depth, schema) so it fails as one error
+            if OBJECTS_KEY in meta:
+                flat.update(to_torch(loads(meta[OBJECTS_KEY])))
+            if KEY_PATHS_KEY in meta:
+                paths.update(key_paths(meta[KEY_PATHS_KEY]))
+        except ValueError as exc:
+            if isinstance(exc, CorruptCheckpointError):
+                raise
+            raise CorruptCheckpointError(f"{file}: its fsdpckpt metadata is garbled ({exc}); "
+                                         "merge it again.") from None
+    if not paths:
+        return flat
+    return unflatten((tuple(paths.get(name, [name])), value) for name, value in flat.items())
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The files a shard index (``*.index.json``) lists, in order; any other path alone."""
+    if path.name.endswith(".index.json"):
+        index = loads_json(path.read_bytes(), source=str(path), error=NotACheckpointError)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(n, str) and n for n in weight_map.values()):
+            raise NotACheckpointError(f"{path}: not a shard index (a JSON object with a "
+                                      "'weight_map' of names to file names).")
+        return [path.parent / n for n in dict.fromkeys(weight_map.values())]
+    return [path]
+
+
+def _deep_update(target: dict[Any, Any], extra: dict[Any, Any]) -> None:
+    # Shards of a nested state dict (optimizer state) each hold part of the same subtrees.
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _deep_update(target[key], value)
+        else:
+            target[key] = value
+
+
+def _from_file(path: Path) -> dict[Any, Any]:
+    if path.name.endswith(".index.json"):
+        shards = shard_files(path)
+        if path.name.startswith(("model.safetensors", "optimizer.safetensors")) or \
+                shards and shards[0].suffix == ".safetensors":
+            return _from_safetensors(shards)
+        merged: dict[Any, Any] = {}
+        for shard in shards:
+            _deep_update(merged, _from_file(shard))
+        return merged
+    if path.suffix == ".safetensors":
+        return _from_safetensors([path])
+    return torch_load_allowlisted(path)
+
+
+def load_full_state_dict(path: str | os.PathLike[str]) -> dict[Any, Any]:
+    """Load the full, unsharded state dict of a DCP folder or of a merged output.
+
+    Args:
+        path: a DCP folder; a merged ``.safetensors`` / ``.bin`` file or shard index;
+            or a folder holding one merged output (``model.safetensors``...).
+
+    Returns:
+        For a DCP folder, the nested dict ``dcp_to_torch_save`` would save. For a merged
+        output, the merged state dict, nested again by the key paths the merge kept
+        (optimizer state), with non-tensor entries restored.
+
+    Example:
+        >>> sd = load_full_state_dict("ckpt/pytorch_model_fsdp_0")
+        >>> sd["model"]["layers.0.weight"].shape
+        torch.Size([4096, 4096])
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointNotFoundError(f"{p}: no such file or folder; check the path.")
+    if p.is_file():
+        return _from_file(p)
+    if is_dcp_folder(p):
+        return _from_dcp(p)
+    found = [p / name for name in _MERGED_NAMES if (p / name).is_file()]
+    if not found:
+        raise NotACheckpointError(f"{p}: neither a DCP folder nor a merged output "
+                                  "(model.safetensors, pytorch_model.bin...); pass a file or a "
+                                  "DCP folder")
+    return _from_file(found[0])

@@ -1,0 +1,394 @@
+"""Planning a merge from metadata alone: what goes in which output file, and where.
+
+:func:`plan_merge` names every output tensor, picks its dtype, assigns it to a
+file (HF-style shards when a size limit is given) and validates everything a
+user could get wrong, raising once with every problem, before a byte is
+written. :func:`chunk_runs` says where a chunk's elements land in its tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fsdpckpt.dcp.dtypes import DType, dtype_from_name
+from fsdpckpt.errors import FsdpCkptError
+from fsdpckpt.formats import TensorSpec, get_format
+from fsdpckpt.merging._keys import clean_key, output_name, select, shares_top_key
+from fsdpckpt.dcp.metadata import Chunk, KeyPath, ObjectEntry, TensorEntry
+from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
+
+__all__ = ["MergePlanError", "PlannedTensor", "PlannedObject", "PlannedFile", "MergePlan",
+           "plan_merge", "chunk_runs", "parse_size", "parse_dtype", "RESERVED_NAME"]
+
+#: The safetensors header key that holds the file's metadata; no tensor may take it.
+RESERVED_NAME = "__metadata__"
+
+
+class MergePlanError(FsdpCkptError, ValueError):
+    """The merge as asked cannot be done; the message lists every reason."""
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """An output tensor and the stored tensor it comes from."""
+
+    spec: TensorSpec
+    source: TensorEntry
+
+
+@dataclass(frozen=True)
+class PlannedObject:
+    """A non-tensor entry kept in the output, with its output name and key path."""
+
+    name: str
+    source: ObjectEntry
+    key_path: tuple
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    """One output file: its name and its tensors, in state-dict order."""
+
+    name: str
+    tensors: tuple[PlannedTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.spec.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    """Everything a merge will write, computed from metadata alone.
+
+    Attributes:
+        folder: the DCP folder merged.
+        format: the output format name.
+        files: the output files; objects are written into the first.
+        objects: the non-tensor entries kept.
+        nested: whether key paths must be kept to rebuild the nesting (optimizer state).
+        index_name: the HF index file (``model.safetensors.index.json``) when sharded.
+        stem: the base of the file names (``model``, ``pytorch_model``, ``optimizer``):
+            the single file is ``{stem}.{suffix}``, shards ``{stem}-00001-of-00002.{suffix}``.
+    """
+
+    folder: DcpFolder
+    format: str
+    files: tuple[PlannedFile, ...]
+    objects: tuple[PlannedObject, ...]
+    nested: bool
+    index_name: str | None
+    stem: str = "model"
+
+    @property
+    def suffix(self) -> str:
+        """The file name suffix of the format (``safetensors`` or ``bin``)."""
+        return _SUFFIXES[self.format]
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(f.tensors) for f in self.files)
+
+    def index(self) -> dict:
+        """The HF index document (``metadata.total_size`` and ``weight_map``)."""
+        return {"metadata": {"total_size": self.tensor_bytes},
+                "weight_map": {t.spec.name: f.name for f in self.files for t in f.tensors}}
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+_SUFFIXES = {"safetensors": "safetensors", "bin": "bin"}
+_DTYPE_WORDS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000 (decimal units, as transformers reads them; ``GiB`` binary).
+
+    Raises:
+        MergePlanError: the size is unreadable, or not positive.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise MergePlanError(f"the size {text!r} must be positive")
+        return text
+    if not isinstance(text, str):
+        raise MergePlanError(f"cannot read the size {text!r}; write it like 5GB, 500MB or 2GiB")
+    value = text.strip().upper().replace(" ", "")
+    number = value.rstrip("KMGTIB")
+    unit = value[len(number):]
+    try:
+        size = int(float(number) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise MergePlanError(f"cannot read the size {text!r}; write it like 5GB, 500MB or 2GiB") \
+            from None
+    if size <= 0:
+        raise MergePlanError(f"the size {text!r} must be positive")
+    return size
+
+
+def parse_dtype(value: DType | str | Any | None) -> DType | None:
+    """The export dtype meant by ``value``; None stays None.
+
+    Args:
+        value: a :class:`DType`, a word (``"bf16"``, ``"bfloat16"``, ``"torch.bfloat16"``)
+            or a ``torch.dtype``.
+
+    Raises:
+        MergePlanError: ``value`` names no floating-point dtype.
+    """
+    if value is None:
+        return None
+    dtype = value if isinstance(value, DType) else None
+    if dtype is None:
+        text = str(value).lower()  # str(torch.bfloat16) is "torch.bfloat16"
+        dtype = dtype_from_name(_DTYPE_WORDS.get(text, text))
+    if dtype is None or not dtype.is_floating:
+        raise MergePlanError(f"unknown export dtype {value!r}; choose bf16, fp16 or fp32")
+    return dtype
+
+
+class RunStarts(Sequence[int]):
+    """The first tensor element of each run of a chunk, computed on demand.
+
+    A chunk of many short runs (a width-1 column of a 10^8-row tensor) would otherwise
+    need a list of 10^8 Python ints, gigabytes, before one byte is copied. Run ``i``
+    starts at ``base + sum(digit_d(i) * stride_d)``, the digits being ``i`` written in
+    the mixed radix of the chunk's outer sizes; runs ascend with ``i``.
+    """
+
+    def __init__(self, base: int, sizes: Sequence[int], strides: Sequence[int]) -> None:
+        self._base, self._sizes, self._strides = base, tuple(sizes), tuple(strides)
+        self._count = math.prod(self._sizes)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        start = self._base
+        for size, stride in zip(reversed(self._sizes), reversed(self._strides)):
+            index, digit = divmod(index, size)
+            start += digit * stride
+        return start
+
+    def __iter__(self) -> Iterator[int]:
+        return (self[i] for i in range(self._count))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+
+def chunk_runs(shape: Sequence[int], chunk: Chunk) -> tuple[int, Sequence[int]]:
+    """Where a chunk's elements land in its row-major tensor.
+
+    Returns:
+        ``(run, starts)``: the chunk, read in row-major order, is ``len(starts)``
+        runs of ``run`` consecutive elements; run ``i`` starts at element
+        ``starts[i]`` of the tensor (a :class:`RunStarts`, computed on demand, ascending).
+        One run means a single contiguous copy.
+    """
+    ndim = len(shape)
+    if ndim == 0:
+        return 1, [0]
+    if not math.prod(chunk.sizes) or not math.prod(shape):
+        # No element, no run: a shape like (200000000, 2, 0) must not enumerate its rows.
+        return 0, []
+    stride = [math.prod(shape[d + 1:]) for d in range(ndim)]
+    k = ndim - 1  # the outermost dim of the contiguous run: all dims after it are whole
+    while k > 0 and chunk.sizes[k] == shape[k]:
+        k -= 1
+    run = math.prod(chunk.sizes[k:])
+    base = sum(o * s for o, s in zip(chunk.offsets, stride))
+    return run, RunStarts(base, chunk.sizes[:k], stride[:k])
+
+
+def _shard(tensors: list[PlannedTensor], limit: int | None) -> list[list[PlannedTensor]]:
+    # transformers' rule: fill shards in order; a tensor that would overflow starts a new one.
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if limit is not None and shards[-1] and size + tensor.spec.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += tensor.spec.nbytes
+    return shards
+
+
+def _iter_duplicates(names: Sequence[str]) -> Iterator[str]:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            yield name
+        seen.add(name)
+
+
+def _output_key_path(key_path: KeyPath, *, strip: bool, clean: bool) -> KeyPath:
+    # The nesting the output keeps (a .bin's dicts, the safetensors key paths): wrapper
+    # segments go from it exactly as they go from the flat name, or the two would disagree.
+    path = tuple(key_path[1:] if strip else key_path)
+    if not clean:
+        return path
+    cleaned = tuple(clean_key(k) if isinstance(k, str) else k for k in path)
+    return tuple(k for k in cleaned if k != "") or path
+
+
+_SHOWN = 5  # conflicts named in full; the rest are counted
+
+
+def _nesting_conflicts(entries: Sequence[tuple[str, KeyPath]]) -> list[str]:
+    """Why the key paths cannot all be nested into one state dict (empty when they can).
+
+    A path that is a leaf and also the parent of another (``a`` and ``a.b``) would lose
+    one of the two, as would two entries with one path; a parent whose children mix list
+    indices and keys cannot be built at all (DCP's own ``set_element`` fails on it).
+    """
+    leaves: dict[KeyPath, str] = {}
+    parents: dict[KeyPath, str] = {}
+    child_kind: dict[KeyPath, tuple[type, str]] = {}
+    found: list[str] = []
+    for name, path in entries:
+        bad = [k for k in path[1:] if type(k) is int and not 0 <= k < len(entries)]
+        if bad:
+            # An index is a list position: past the number of entries, the list would be
+            # mostly holes (and a huge index would fill memory with them).
+            found.append(f"'{name}' has the list index {bad[0]} in its key path "
+                         f"{list(path)}, but there are only {len(entries)} entries; the "
+                         "metadata is damaged or crafted")
+            continue
+        if path in leaves:
+            found.append(f"'{leaves[path]}' and '{name}' both have the key path {list(path)}")
+        leaves.setdefault(path, name)
+        for depth in range(1, len(path)):  # the root is a dict whatever its keys
+            parents.setdefault(path[:depth], name)
+            kind = int if type(path[depth]) is int else str
+            first_kind, first = child_kind.setdefault(path[:depth], (kind, name))
+            if first_kind is not kind:
+                found.append(f"'{first}' and '{name}' put both a list index and a key under "
+                             f"{list(path[:depth])}")
+    for path, name in leaves.items():
+        if path in parents:
+            found.append(f"'{name}' and '{parents[path]}' conflict: '{name}' is a value and "
+                         f"also the parent of '{parents[path]}', so the output could keep only "
+                         "one of them")
+    found = list(dict.fromkeys(found))
+    if len(found) > _SHOWN:
+        found = found[:_SHOWN] + [f"{len(found) - _SHOWN} more such conflicts"]
+    return found
+
+
+def plan_merge(folder: DcpFolder | str | os.PathLike[str], *, format: str = "safetensors",
+               dtype: DType | str | None = None, clean_keys: bool = True,
+               include: Sequence[str] | str = (), exclude: Sequence[str] | str = (),
+               max_shard_size: int | str | None = None, stem: str = "model",
+               file_name: str | None = None) -> MergePlan:
+    """Plan the merge of ``folder`` into one file, or HF-style shards.
+
+    Everything a user could get wrong is checked here, from metadata alone, so a
+    merge that cannot produce a correct file fails before a byte is written.
+
+    Args:
+        folder: the DCP folder to merge: a :class:`DcpFolder`, or its path (str or
+            PathLike), which is read with :func:`fsdpckpt.dcp.reader.read_dcp_folder`.
+        format: ``"safetensors"`` or ``"bin"``.
+        dtype: convert floating-point tensors to this dtype; others keep theirs. A
+            :class:`DType`, a ``torch.dtype`` or a word: ``"bf16"``, ``"fp16"``,
+            ``"fp32"``, ``"bfloat16"``, ``"torch.float16"``...
+        clean_keys: drop wrapper segments (``_fsdp_wrapped_module.``...) from names
+            and from the nesting kept in the output.
+        include, exclude: glob filters on output names (one string or several).
+        max_shard_size: split into files of at most this many bytes of tensor data:
+            an int, or a string such as ``"5GB"`` (decimal) or ``"2GiB"`` (binary).
+            When everything fits in one file, that file is ``{stem}.{suffix}`` with no
+            index, as Hugging Face writes it.
+        stem: base of the file names (``model`` gives ``model.safetensors``,
+            ``model-00001-of-00002.safetensors``; ``pytorch_model.bin`` for ``bin``).
+        file_name: the single file's name, overriding the stem's.
+
+    Returns:
+        The :class:`MergePlan`.
+
+    Raises:
+        MergePlanError: listing every problem (colliding names, names that would nest
+            into each other, a tensor named ``__metadata__`` in safetensors, nothing
+            selected, dtypes the format cannot hold, an unknown format, dtype or size).
+        CheckpointNotFoundError, NotACheckpointError, UnsafePickleError: ``folder`` is a
+            path that is not a readable DCP folder.
+    """
+    try:
+        fmt = get_format(format)
+    except ValueError as exc:
+        raise MergePlanError(str(exc)) from None
+    if not isinstance(folder, DcpFolder):
+        folder = read_dcp_folder(folder)
+    dtype = parse_dtype(dtype)
+    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    include = [include] if isinstance(include, str) else list(include)
+    exclude = [exclude] if isinstance(exclude, str) else list(exclude)
+    meta = folder.metadata
+    entries = list(meta.tensors) + list(meta.objects)
+    strip = shares_top_key([e.key_path for e in entries])
+    names = [output_name(e.key_path, strip_top=strip, clean=clean_keys) for e in entries]
+    problems = [f"two entries would both be named '{n}'; pass --keep-keys to keep the stored "
+                "names" for n in dict.fromkeys(_iter_duplicates(names))]
+    tensors, objects = [], []
+    uncoded: dict[str, list[str]] = {}  # dtype -> tensors safetensors has no code for
+    for entry, name in zip(entries, names):
+        if not select(name, include=include, exclude=exclude):
+            continue
+        key_path = _output_key_path(entry.key_path, strip=strip, clean=clean_keys)
+        if isinstance(entry, ObjectEntry):
+            objects.append(PlannedObject(name, entry, key_path))
+            continue
+        out = dtype if dtype is not None and entry.dtype.is_floating else entry.dtype
+        if fmt.name == "safetensors" and out.safetensors is None:
+            uncoded.setdefault(out.name, []).append(entry.name)
+        if fmt.name == "safetensors" and name == RESERVED_NAME:
+            # safetensors reads this header key as the file's metadata: the file would
+            # be unreadable. (Objects live inside the metadata, so their names are free.)
+            problems.append(f"tensor '{entry.name}' would be named '{RESERVED_NAME}', which "
+                            "safetensors reserves for its header; leave it out with --exclude "
+                            f"'{RESERVED_NAME}', or use --format bin")
+        tensors.append(PlannedTensor(TensorSpec(name, key_path, out, entry.shape), entry))
+    if uncoded:  # one clause for them all: a dtype matrix would repeat it per tensor
+        kinds = ", ".join(f"{dtype} ('{found[0]}'" + (f" and {len(found) - 1} more" if
+                          len(found) > 1 else "") + ")" for dtype, found in uncoded.items())
+        problems.append(f"safetensors has no code for {kinds}; use --format bin, or leave "
+                        "them out with --exclude")
+    if not problems:  # names collide already: their nesting would only say it again
+        problems += _nesting_conflicts([(t.spec.name, t.spec.key_path) for t in tensors] +
+                                       [(o.name, o.key_path) for o in objects])
+    if not tensors and not problems:
+        problems.append(f"no tensor left to merge in {folder.path}"
+                        + (" after --include/--exclude" if include or exclude else ""))
+    if problems:
+        raise MergePlanError(f"cannot merge {folder.path}: " + "; ".join(problems))
+    nested = any(len(t.spec.key_path) > 1 for t in tensors) or \
+        any(len(o.key_path) > 1 for o in objects)
+    shards = _shard(tensors, limit)
+    suffix = _SUFFIXES[fmt.name]
+    if fmt.name == "bin" and stem == "model":
+        stem = "pytorch_model"  # HF's name for torch.save weights
+    if len(shards) == 1:  # as huggingface_hub: what fits in one shard is one unindexed file
+        files = (PlannedFile(file_name or f"{stem}.{suffix}", tuple(shards[0])),)
+        index_name = None
+    else:
+        files = tuple(PlannedFile(f"{stem}-{i:05d}-of-{len(shards):05d}.{suffix}", tuple(s))
+                      for i, s in enumerate(shards, 1))
+        index_name = f"{stem}.{suffix}.index.json"
+    return MergePlan(folder, fmt.name, files, tuple(objects), nested, index_name, stem)

@@ -1,0 +1,309 @@
+"""Executing a merge plan: every output file written under a temporary name, then renamed.
+
+Files are staged in a hidden folder inside the output folder (same file system,
+so the final renames are atomic), space is reserved up front so a full disk
+fails before the copy rather than in the middle, and on any error, Ctrl-C or
+SIGTERM the staging folder is removed, leaving the output folder as it was. A
+staging folder that survived anyway (SIGKILL, a power cut) names its host and
+process, and the next merge into that folder removes it once that process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from fsdpckpt.merging._copy import DataFiles, place_stored_chunk
+from fsdpckpt._io.durable import fsync_dir, write_bytes
+from fsdpckpt._io.rawio import pwrite_all, reusing_scratch
+from fsdpckpt._io.checksums import crc32_range
+from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
+from fsdpckpt.formats import ObjectValue, get_format
+from fsdpckpt.dcp._objects import read_object
+from fsdpckpt.merging.plan import MergePlan, PlannedFile
+
+__all__ = ["OutputExistsError", "DiskFullError", "OutputNotWritableError", "Terminated",
+           "write_plan", "output_paths", "staging", "commit", "sigterm_interrupts",
+           "STAGING_PREFIX"]
+
+log = logging.getLogger("fsdpckpt")
+
+#: Staging folders are ``{STAGING_PREFIX}{host}-{pid}-{random}`` inside the output folder.
+STAGING_PREFIX = ".fsdpckpt-tmp-"
+
+
+class OutputExistsError(FsdpCkptError, FileExistsError):
+    """An output file is already there and ``overwrite`` was not given."""
+
+
+class _MessageOnly(OSError):
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28]"
+        return str(self.strerror)
+
+
+class DiskFullError(FsdpCkptError, _MessageOnly):
+    """The output's file system has not enough free space."""
+
+
+class OutputNotWritableError(FsdpCkptError, _MessageOnly):
+    """The output folder cannot be created or written (read-only, no permission, a file
+    in the way); ``errno`` says why."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived during a merge. A :class:`KeyboardInterrupt`, so it unwinds (and
+    cleans up) exactly as Ctrl-C does, and ``except Exception`` cannot swallow it."""
+
+    def __str__(self) -> str:
+        return "interrupted by SIGTERM"
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` instead of killing the process.
+
+    The default action would end the process on the spot and leave the staging folder
+    (the partial output) behind. The previous handler is restored on exit. A handler the
+    application set itself (or SIG_IGN) is its choice and is left alone; so is every
+    thread but the main one, which alone may set handlers.
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    raised = False
+
+    def handler(_signum: int, _frame: Any) -> None:
+        nonlocal raised
+        if not raised:  # once: a second SIGTERM must not break the cleanup it started
+            raised = True
+            raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def output_paths(plan: MergePlan, output_dir: Path) -> list[Path]:
+    """Every file the plan writes into ``output_dir``."""
+    names = [f.name for f in plan.files] + ([plan.index_name] if plan.index_name else [])
+    return [output_dir / n for n in names]
+
+
+def _host() -> str:
+    # '-' separates the fields of the name, so it may not appear in the host part.
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+_STAGE_NAME = re.compile(re.escape(STAGING_PREFIX) + r"(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-[^-]*$")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, it is someone else's
+        return True
+    return True
+
+
+def clear_stale_stages(output_dir: Path) -> list[Path]:
+    """Remove the staging folders in ``output_dir`` that a merge on this host left behind
+    when it died; return them.
+
+    A folder is removed only when its name carries this host and a process id that no
+    longer exists. A running merge's folder (its process is alive), another host's
+    (shared file systems), and any folder named otherwise are kept.
+    """
+    removed = []
+    host = _host()
+    try:
+        candidates = [e for e in os.scandir(output_dir)
+                      if e.name.startswith(STAGING_PREFIX) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return removed
+    for entry in candidates:
+        match = _STAGE_NAME.match(entry.name)
+        if not match or match["host"] != host:
+            continue
+        pid = int(match["pid"])
+        if pid <= 0 or pid == os.getpid() or _process_alive(pid):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        log.warning("fsdpckpt: removed %s, left by an interrupted merge (process %d, no longer "
+                    "running)", entry.path, pid)
+        removed.append(Path(entry.path))
+    return removed
+
+
+def _not_writable(output_dir: Path, exc: OSError) -> OutputNotWritableError:
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        blocker = next((p for p in [output_dir, *output_dir.parents] if p.exists()
+                        and not p.is_dir()), output_dir)
+        why = f"{blocker} is a file, not a folder; choose another output folder"
+    elif exc.errno == errno.EROFS:
+        why = "the file system is read-only; choose an output folder on a writable one"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        why = ("not allowed to write there; choose a folder you can write to, or change its "
+               "permissions")
+    else:
+        why = f"{exc.strerror or exc}; choose another output folder"
+    return OutputNotWritableError(exc.errno, f"{output_dir}: cannot write the output there: "
+                                  f"{why}")
+
+
+@contextlib.contextmanager
+def staging(output_dir: Path) -> Iterator[Path]:
+    """A hidden folder inside ``output_dir`` that is removed on exit, whatever happens.
+
+    ``output_dir`` (and missing parents) is created if needed, and removed again on
+    failure if it was. Stale staging folders of dead merges are cleared first.
+
+    Raises:
+        NotACheckpointError: ``output_dir`` is a file.
+        OutputNotWritableError: ``output_dir`` cannot be created or written; the message
+            names ``output_dir`` (never the hidden folder) and says what to do.
+        DiskFullError: no space even for the staging folder.
+    """
+    if output_dir.exists() and not output_dir.is_dir():
+        raise NotACheckpointError(f"{output_dir}: is a file; pass a folder for the output.")
+    created = output_dir  # the outermost folder this merge creates, removed on failure
+    while not created.parent.exists():
+        created = created.parent
+    if created.exists():
+        created = None  # type: ignore[assignment]
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_stages(output_dir)
+        stage = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{_host()}-{os.getpid()}-",
+                                      dir=output_dir))
+    except OSError as exc:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        if exc.errno == errno.ENOSPC:
+            raise DiskFullError(errno.ENOSPC, f"{output_dir}: no space left on the device; "
+                                "free some space or choose another output folder") from None
+        raise _not_writable(output_dir, exc) from None
+    ok = False
+    try:
+        yield stage
+        ok = True
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created is not None and not ok:
+            shutil.rmtree(created, ignore_errors=True)
+
+
+def _reserve(fd: int, size: int, path: Path) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise DiskFullError(errno.ENOSPC, f"{path.parent}: no space left for {size} bytes; "
+                                "free some space or choose another output folder") from None
+        os.ftruncate(fd, size)  # the file system cannot reserve; writes will tell
+    else:
+        os.ftruncate(fd, size)
+
+
+def _start_writeback(fd: int, start: int, count: int) -> None:
+    # Ask the kernel to start writing this tensor's pages now, while the next ones are
+    # copied, so the final fsync has little left to wait for (and the page cache does
+    # not fill up with the output). Linux starts writeback of dirty pages on DONTNEED.
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, start, count, os.POSIX_FADV_DONTNEED)
+
+
+def _write_file(plan: MergePlan, file: PlannedFile, objects: list[ObjectValue], path: Path,
+                sources: DataFiles, progress: Callable[[int], None] | None) -> None:
+    fmt = get_format(plan.format)
+    layout = fmt.layout([t.spec for t in file.tensors], objects, nested=plan.nested)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _reserve(fd, layout.size, path)
+        for offset, data in layout.fixed:
+            pwrite_all(fd, data, offset)
+        crcs = {}
+        for planned in file.tensors:
+            entry, start = planned.source, layout.starts[planned.spec.name]
+            for chunk in entry.chunks:
+                place_stored_chunk(sources, entry, chunk, planned.spec.dtype, fd, start,
+                                   progress=progress)
+            if fmt.needs_crc:
+                crcs[planned.spec.name] = crc32_range(fd, start, planned.spec.nbytes)
+            _start_writeback(fd, start, planned.spec.nbytes)
+        fmt.finish(fd, layout, crcs)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_objects(plan: MergePlan, sources: DataFiles) -> list[ObjectValue]:
+    values = []
+    for obj in plan.objects:
+        source = f"{plan.folder.path / str(obj.source.file)} (object '{obj.source.name}')"
+        if obj.source.file is None:
+            raise NotACheckpointError(f"{source}: the metadata has no storage entry")
+        with os.fdopen(os.dup(sources.fd(obj.source.file)), "rb") as handle:
+            values.append(ObjectValue(obj.name, obj.key_path,
+                                      read_object(handle, obj.source, source=source)))
+    return values
+
+
+@reusing_scratch()  # one set of block buffers for the whole merge
+def write_plan(plan: MergePlan, stage: Path, *,
+               progress: Callable[[int], None] | None = None) -> list[Path]:
+    """Write every file of ``plan`` into the folder ``stage``; return their paths.
+
+    Raises:
+        DiskFullError: the file system cannot hold the output.
+        CorruptCheckpointError, CheckpointNotFoundError: a data file is damaged or missing.
+    """
+    free = shutil.disk_usage(stage).free
+    sources = DataFiles(plan.folder.path)
+    try:
+        objects = _read_objects(plan, sources)
+        needed = plan.tensor_bytes + 2**20 * len(plan.files)
+        if needed > free:
+            raise DiskFullError(errno.ENOSPC, f"{stage.parent}: the merge needs about {needed} "
+                                f"bytes, only {free} are free; free some space or choose "
+                                "another output folder")
+        written = []
+        for i, file in enumerate(plan.files):
+            path = stage / file.name
+            _write_file(plan, file, objects if i == 0 else [], path, sources, progress)
+            written.append(path)
+        if plan.index_name:
+            path = stage / plan.index_name
+            write_bytes(path, (json.dumps(plan.index(), indent=2) + "\n").encode())
+            written.append(path)
+        return written
+    finally:
+        sources.close()
+
+
+def commit(written: list[Path], output_dir: Path) -> list[Path]:
+    """Rename staged files into ``output_dir`` (the index last) and make the renames durable."""
+    final = []
+    for path in written:
+        target = output_dir / path.name
+        os.replace(path, target)
+        final.append(target)
+    fsync_dir(output_dir)
+    return final
+

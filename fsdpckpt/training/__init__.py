@@ -1,0 +1,8 @@
+"""Training-side checkpoints: what training code calls.
+
+- :mod:`~fsdpckpt.training.state`: ``save_state`` / ``load_state`` in Accelerate's layout;
+- :mod:`~fsdpckpt.training.manager`: ``CheckpointManager``, commit, latest, retention;
+- :mod:`~fsdpckpt.training.manifest`: ``fsdpckpt.json``, written on save, read by verify.
+
+Internal (``_``): the safe DCP storage reader, RNG state, the model-against-checkpoint check.
+"""

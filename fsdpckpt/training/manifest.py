@@ -1,0 +1,292 @@
+"""The manifest (``fsdpckpt.json``): every file of a checkpoint with its size and CRC-32
+(and, on request, a cryptographic digest), the CRC-32 of every tensor chunk's data, and a
+checksum of the manifest's own content.
+
+File checksums are recorded while DCP writes (:mod:`fsdpckpt._io.checksums`: the CRC-32 of small
+writes, and for tensor data the CRC-32 that ``torch.save`` already computed and stored in
+each chunk's zip directory), so writing a manifest costs neither a second read of the data
+nor a second CRC of it. Chunk checksums are those same stored CRCs. Tools that do not know
+the file (Accelerate, DCP) ignore it.
+
+What each check is for: CRC-32 catches accidents (a flipped bit, a truncated copy), and the
+manifest's own ``checksum`` catches accidents in the manifest. Neither stops intent: anyone
+who can change a file can recompute its CRC and the manifest's checksum. Against that, save
+with ``digest="sha256"`` (each file's SHA-256 goes into the manifest), keep the manifest's
+own digest (:func:`manifest_digest`, printed on save) somewhere the checkpoint's writers
+cannot reach, and check it with ``fsdpckpt verify --expect-digest``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from fsdpckpt.dcp._archive import _open_archive, entry_data_start
+from fsdpckpt._io.checksums import DIGESTS, ChecksumStream, Pieces, crc32_range, resolve_pieces
+from fsdpckpt._io.durable import write_bytes
+from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from fsdpckpt._io.jsonio import parse_json
+from fsdpckpt.dcp.reader import is_dcp_folder, read_dcp_folder
+
+__all__ = ["MANIFEST", "FileRecord", "build_manifest", "checksum_writer", "chunk_crcs",
+           "data_entry_crc", "manifest_digest", "parse_manifest", "read_manifest",
+           "write_manifest"]
+
+MANIFEST = "fsdpckpt.json"
+_VERSION = 2  # 2: the manifest checksums itself; 1 (the first fsdpckpt releases) did not
+
+#: What is recorded of each file while it is written: ``(size, crc32, hex digest or None)``;
+#: for a DCP data file the CRC-32 is still in :data:`~fsdpckpt._io.checksums.Pieces`.
+FileRecord = tuple[int, "int | Pieces", "str | None"]
+
+
+def checksum_writer(path: str | os.PathLike[str], record: dict[str, FileRecord],
+                    digest: str | None = None) -> Any:
+    """A DCP ``FileSystemWriter`` for ``path`` that records ``{file name: FileRecord}``."""
+    from contextlib import contextmanager
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class _ChecksumFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path: Any, mode: str):  # type: ignore[override]
+            with super().create_stream(path, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                proxy = ChecksumStream(stream, digest)
+                yield proxy
+            # DCP writes .metadata as .metadata.tmp, then renames it.
+            hexdigest = proxy.hasher.hexdigest() if proxy.hasher is not None else None
+            record[Path(path).name.removesuffix(".tmp")] = (proxy.size, proxy.pieces, hexdigest)
+
+    writer = FileSystemWriter(path)
+    writer.fs = _ChecksumFileSystem()
+    return writer
+
+
+def data_entry(handle: IO[bytes], start: int, length: int, *,
+               source: str) -> tuple[int, int, int]:
+    """``(crc32, data offset, data length)`` of a chunk's data entry, from its zip directory
+    and local header (no data is read)."""
+    with _open_archive(handle, start, length, source) as archive:
+        data = [i for i in archive.infolist() if "/data/" in i.filename]
+        if len(data) != 1:
+            raise CorruptCheckpointError(f"{source}: expected one data entry, found "
+                                         f"{len(data)}")
+        offset = entry_data_start(handle, start, length, data[0], source=source)
+    return data[0].CRC, offset, data[0].file_size
+
+
+def data_entry_crc(handle: IO[bytes], start: int, length: int, *, source: str) -> int:
+    """The CRC-32 a chunk's zip directory stores for its data entry (no data is read)."""
+    return data_entry(handle, start, length, source=source)[0]
+
+
+def chunk_crcs(folder: Path, records: dict[str, dict[tuple[int, int], int]] | None = None,
+               ) -> list[dict[str, Any]]:
+    """Each tensor chunk of a DCP folder with the CRC-32 its zip directory stores for its data.
+
+    Args:
+        records: when given, filled with ``{file: {(data offset, data length): crc32}}``
+            for each chunk's data record, so a file's CRC can be assembled from them.
+    """
+    meta = read_dcp_folder(folder).metadata
+    out: list[dict[str, Any]] = []
+    handles: dict[str, IO[bytes]] = {}
+    try:
+        for tensor in meta.tensors:
+            for chunk in tensor.chunks:
+                if chunk.file is None:
+                    continue
+                handle = handles.get(chunk.file) or handles.setdefault(
+                    chunk.file, open(folder / chunk.file, "rb"))  # noqa: SIM115 - closed below
+                source = f"{folder / chunk.file} (tensor '{tensor.name}')"
+                crc, data_start, size = data_entry(handle, chunk.offset, chunk.length,
+                                                   source=source)
+                out.append({"tensor": tensor.name, "offsets": list(chunk.offsets),
+                            "file": chunk.file, "crc32": crc})
+                if records is not None:
+                    records.setdefault(chunk.file, {})[(data_start, size)] = crc
+    finally:
+        for handle in handles.values():
+            handle.close()
+    return out
+
+
+def _file_crc(root: Path, name: str, crc: int | Pieces,
+              records: dict[str, dict[str, dict[tuple[int, int], int]]]) -> int:
+    """A file's CRC-32 from what was recorded while writing it."""
+    if isinstance(crc, int):
+        return crc
+    folder, _, file = name.rpartition("/")
+
+    def read_back(offset: int, length: int) -> int:
+        fd = os.open(root / name, os.O_RDONLY)
+        try:
+            return crc32_range(fd, offset, length, source=str(root / name))
+        finally:
+            os.close(fd)
+
+    return resolve_pieces(crc, records.get(folder, {}).get(file, {}), read_back)
+
+
+def build_manifest(root: Path, files: dict[str, FileRecord], *, world_size: int,
+                   step: int | None, digest: str | None = None) -> dict[str, Any]:
+    """The manifest document for the checkpoint at ``root``; ``files`` maps relative paths
+    to what was recorded while writing them. ``digest`` names the digest each record
+    carries (None: CRC-32 only)."""
+    import torch
+
+    from fsdpckpt import __version__
+
+    records: dict[str, dict[str, dict[tuple[int, int], int]]] = {}
+    chunks = {p.name: chunk_crcs(p, records.setdefault(p.name, {}))
+              for p in sorted(root.iterdir()) if p.is_dir() and is_dcp_folder(p)}
+    entries: dict[str, dict[str, Any]] = {}
+    for name, (size, crc, hexdigest) in sorted(files.items()):
+        entries[name] = {"size": size, "crc32": _file_crc(root, name, crc, records)}
+        if digest is not None:
+            if hexdigest is None:  # every writer hashes when asked to; a bug if not
+                raise RuntimeError(f"no {digest} was recorded for {name}")
+            entries[name][digest] = hexdigest
+    return {
+        "format": "fsdpckpt-manifest", "version": _VERSION, "fsdpckpt": __version__,
+        "torch": torch.__version__.split("+")[0], "world_size": world_size, "step": step,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "digest": digest, "files": entries, "chunks": chunks,
+    }
+
+
+def _content_checksum(document: dict[str, Any]) -> str:
+    # The content, not the bytes: canonical JSON of every field but the checksum itself, so
+    # any change to a name, size, CRC, step or world size changes it.
+    content = {k: v for k, v in document.items() if k != "checksum"}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def write_manifest(root: Path, manifest: dict[str, Any]) -> str:
+    """Write ``fsdpckpt.json`` atomically and durably, with its own checksum.
+
+    Returns:
+        the manifest's digest (``"sha256:<hex>"`` of the file), as :func:`manifest_digest`
+        gives it: keep it elsewhere to check the checkpoint against it later.
+    """
+    document = dict(manifest, checksum=_content_checksum(manifest))
+    data = (json.dumps(document, indent=1) + "\n").encode()
+    tmp = root / (MANIFEST + ".tmp")
+    write_bytes(tmp, data)
+    os.replace(tmp, root / MANIFEST)
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def manifest_digest(root: str | os.PathLike[str]) -> str:
+    """The digest of the checkpoint's ``fsdpckpt.json`` as it is on disk: ``"sha256:<hex>"``.
+
+    With a manifest saved with ``digest="sha256"``, this one string pins every byte of the
+    checkpoint: ``fsdpckpt verify --expect-digest`` checks a checkpoint against it.
+
+    Raises:
+        CheckpointNotFoundError: the checkpoint has no manifest.
+    """
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"{path}: no manifest; only checkpoints saved by "
+                                      "fsdpckpt (save_state, CheckpointManager) have one")
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def read_manifest(root: Path) -> dict[str, Any] | None:
+    """The manifest at ``root``, validated, or None when there is none.
+
+    Raises:
+        CorruptCheckpointError: the manifest is unreadable, does not follow the schema, or
+            its content does not match its own checksum.
+    """
+    path = root / MANIFEST
+    return parse_manifest(path.read_bytes(), path) if path.is_file() else None
+
+
+def parse_manifest(data: bytes, path: Path) -> dict[str, Any]:
+    """The manifest encoded in ``data`` (the bytes of ``path``), validated.
+
+    Raises:
+        CorruptCheckpointError: as for :func:`read_manifest`.
+    """
+    try:
+        manifest = parse_json(data)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{path}: not a readable manifest ({exc}); it cannot "
+                                     "be trusted: delete it to verify without it") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "fsdpckpt-manifest":
+        raise CorruptCheckpointError(f"{path}: not an fsdpckpt manifest")
+    problem = _schema_problem(manifest)
+    if problem is not None:
+        problem = f"malformed: {problem}"
+    elif manifest["version"] >= 2 and manifest["checksum"] != _content_checksum(manifest):
+        problem = "damaged: its content does not match its own checksum (a changed byte)"
+    if problem is not None:
+        raise CorruptCheckpointError(f"{path}: {problem}; the manifest cannot be trusted: "
+                                     "restore it from a copy, or delete it to verify the "
+                                     "checkpoint without it")
+    return manifest
+
+
+def _is_int(value: Any, low: int = 0, high: int = 2**63 - 1) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def _is_hex(value: Any, digits: int) -> bool:
+    return isinstance(value, str) and len(value) == digits and \
+        all(c in "0123456789abcdef" for c in value)
+
+
+_DIGEST_HEX = {"sha256": 64, "blake2b": 128}
+
+
+def _schema_problem(doc: dict[str, Any]) -> str | None:
+    """What is wrong with the decoded manifest ``doc``, or None: every field's type and range."""
+    version = doc.get("version")
+    if version is None:
+        return "it has no version"
+    if type(version) is not int or version not in (1, _VERSION):
+        return (f"version {version!r} is not one this fsdpckpt reads (1 to {_VERSION}); a "
+                "newer fsdpckpt may have written it: upgrade fsdpckpt")
+    if version >= 2 and not (isinstance(doc.get("checksum"), str)):
+        return "it has no checksum of its own"
+    if not _is_int(doc.get("world_size"), 1, 2**31):
+        return f"world_size {doc.get('world_size')!r} is not a positive integer"
+    if doc.get("step") is not None and not _is_int(doc.get("step")):
+        return f"step {doc.get('step')!r} is not a non-negative integer"
+    digest = doc.get("digest")
+    if digest is not None and (not isinstance(digest, str) or digest not in _DIGEST_HEX):
+        return f"digest {digest!r} is not one of {', '.join(DIGESTS)}"
+    files = doc.get("files")
+    if not isinstance(files, dict):
+        return "'files' is not a mapping"
+    for name, info in files.items():
+        if not isinstance(name, str) or not isinstance(info, dict) or \
+                not _is_int(info.get("size")) or \
+                not _is_int(info.get("crc32"), 0, 2**32 - 1) or \
+                (digest is not None and not _is_hex(info.get(digest), _DIGEST_HEX[digest])):
+            return f"the entry for file {name!r} is malformed"
+    chunks = doc.get("chunks", {})
+    if not isinstance(chunks, dict):
+        return "'chunks' is not a mapping"
+    for folder, entries in chunks.items():
+        if not isinstance(entries, list):
+            return f"the chunks of {folder!r} are not a list"
+        for entry in entries:
+            if not isinstance(entry, dict) or not isinstance(entry.get("tensor"), str) or \
+                    not isinstance(entry.get("file"), str) or \
+                    not _is_int(entry.get("crc32"), 0, 2**32 - 1) or \
+                    not isinstance(entry.get("offsets"), list) or \
+                    not all(_is_int(o) for o in entry["offsets"]):
+                return f"a chunk entry of {folder!r} is malformed"
+    return None

@@ -1,0 +1,472 @@
+"""``save_state`` / ``load_state``: what training code calls, in Accelerate's layout.
+
+Mechanism only: torch's ``get_state_dict`` / ``set_state_dict`` family turns
+FSDP2, FSDP1, DDP and plain modules into sharded state dicts, and ``dcp.save`` /
+``dcp.load`` move them (resharding on load). This module decides which file
+holds what (Accelerate's names, so ``accelerator.load_state`` reads ours and we
+read its), which rank writes it, and checks a model against a checkpoint before
+anything is changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdpckpt.errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
+from fsdpckpt.training._statecheck import compare, flatten, mismatch_message
+from fsdpckpt._io.durable import fsync_dir, write_bytes
+from fsdpckpt._io.checksums import new_digest
+from fsdpckpt.training.manifest import FileRecord, build_manifest, checksum_writer, write_manifest
+from fsdpckpt.training._dcp_io import safe_load_planner, safe_storage_reader
+from fsdpckpt.training._rng import prepare_rng, rng_state_bytes, torch_save_bytes
+
+__all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError",
+           "ResumeWarning"]
+
+log = logging.getLogger("fsdpckpt")
+
+
+class StateMismatchError(FsdpCkptError, KeyError):
+    """A model does not match the checkpoint (missing, unexpected or differently shaped keys)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class ResumeWarning(UserWarning):
+    """Something a resume did that the caller should know, e.g. the RNG policy applied
+    because the world size changed. :meth:`CheckpointManager.restore` warns with it; the
+    same messages are in :attr:`LoadResult.warnings`."""
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What :func:`load_state` restored.
+
+    Attributes:
+        step: the step saved with the checkpoint, or None.
+        restored: the parts restored, e.g. ``("model", "optimizer", "scheduler", "rng")``.
+        warnings: things the caller should know (RNG policy on a new world size...).
+    """
+
+    step: int | None
+    restored: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+
+class AsyncSave:
+    """The handle :func:`save_state` returns with ``async_save=True``.
+
+    The checkpoint is complete only once :meth:`wait` has returned on every rank.
+    """
+
+    def __init__(self, futures: list[Any], finish: Any) -> None:
+        self._futures, self._finish, self._finished = futures, finish, False
+
+    @property
+    def manifest_digest(self) -> str | None:
+        """The digest of the manifest written by :meth:`wait` (rank 0), else None."""
+        return self._finish.digest
+
+    def done(self) -> bool:
+        """Whether every part has been written (no waiting); the manifest comes with wait()."""
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> None:
+        """Block until every part is written; call it on every rank."""
+        everywhere(lambda: [future.result() for future in self._futures])
+        if not self._finished:
+            self._finish()
+            self._finished = True
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank_world() -> tuple[int, int]:
+    dist = _dist()
+    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+
+
+_ASYNC_GROUPS: dict[str, Any] = {}
+
+
+def _async_group(part: str) -> Any:
+    # One group per folder: the background saves of model and optimizer run at the same
+    # time, and their collectives must not interleave on a shared group. Groups are made
+    # on the first async save, which every rank makes in the same order (new_group is
+    # collective), and kept for the next ones.
+    if part not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS[part] = _dist().new_group(backend="gloo")
+    return _ASYNC_GROUPS[part]
+
+
+def everywhere(fn: Any) -> Any:
+    """Run ``fn`` on this rank and agree: if it failed on any rank, raise on every rank.
+
+    Replaces a bare barrier after rank-local work (rank 0 writing a file, each rank
+    reading its own): without it, the other ranks would wait at the barrier until the
+    process group times out.
+    """
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        error = exc
+    dist = _dist()
+    if dist is not None:
+        rank, world = _rank_world()
+        reports: list[Any] = [None] * world
+        dist.all_gather_object(reports, None if error is None else f"rank {rank}: {error}")
+        failed = [r for r in reports if r]
+        if error is None and failed:
+            raise FsdpCkptError(f"another rank failed, so this one stops too: {failed[0]}")
+    if error is not None:
+        raise error
+    return result
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _model_folder(root: Path, i: int) -> Path:
+    return root / f"pytorch_model_fsdp_{i}"
+
+
+def _optimizer_folder(root: Path, i: int) -> Path:
+    return root / f"optimizer_{i}"
+
+
+def _scheduler_file(root: Path, i: int, *, reading: bool = False) -> Path:
+    name = "scheduler.bin" if i == 0 else f"scheduler_{i}.bin"
+    if reading and i == 0 and not (root / name).exists() and (root / "scheduler.pt").exists():
+        return root / "scheduler.pt"  # HF Trainer's name
+    return root / name
+
+
+_PART_PATTERNS = ("pytorch_model_fsdp_*", "optimizer_*", "random_states_*.pkl", "scheduler*.bin",
+                  "scaler.pt", "custom_checkpoint_*.pkl", "fsdpckpt.json")
+
+
+def _remove_stale_parts(root: Path) -> None:
+    # Saving into a folder that holds an older checkpoint must not leave parts of the old
+    # one beside the new (an optimizer saved then, and not now, would be loaded later).
+    import shutil
+
+    for pattern in _PART_PATTERNS:
+        for path in root.glob(pattern):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+# torch 2.13 warns on every single-process DCP call, even with no_dist=True, which is how
+# we say that we mean it. Exactly that notice is silenced, and only around our own calls.
+_SINGLE_PROCESS_NOTICE = (r"torch\.distributed is (disabled, )?unavailable or uninitialized, "
+                          r"assuming the intent is to (save|load) in a single process")
+
+
+def _dcp_call(fn: Any, state: dict[str, Any], **kwargs: Any) -> Any:
+    """Call ``dcp.save``, ``dcp.load`` or ``dcp.async_save``; without a process group, in
+    a single process (``no_dist=True``) and without torch's notice that it assumes so.
+
+    An async save warns again from torch's writer thread, outside this call: that one
+    is left alone, since filtering it would mean changing the filters for every thread.
+    """
+    if _dist() is not None:
+        return fn(state, **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE, category=UserWarning)
+        return fn(state, no_dist=True, **kwargs)
+
+
+def _pairs(models: list[Any], optimizers: list[Any]) -> list[tuple[Any, Any]]:
+    # Accelerate pairs optimizer i with model i; a single model serves every optimizer.
+    if optimizers and not models:
+        raise ValueError("an optimizer needs its model: pass model=...")
+    return [(models[i] if i < len(models) else models[0], opt) for i, opt in enumerate(optimizers)]
+
+
+def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimizer: Any = None,
+               scheduler: Any = None, *, step: int | None = None, scaler: Any = None,
+               extra: Mapping[str, Any] | None = None,
+               async_save: bool = False, manifest: bool = True,
+               digest: str | None = None) -> AsyncSave | None:
+    """Save training state in Accelerate's layout; call it on every rank.
+
+    Args:
+        checkpoint_dir: the folder to write (created).
+        model: a module (FSDP2, FSDP1, DDP or plain) or a list of them:
+            ``pytorch_model_fsdp_{i}/``.
+        optimizer: an optimizer or a list (``optimizer_{i}/``, paired with model i).
+        scheduler: an LR scheduler or a list (``scheduler.bin``, ``scheduler_{i}.bin``).
+        step: saved in every ``random_states_{rank}.pkl`` and returned by load_state.
+        scaler: a GradScaler (``scaler.pt``).
+        extra: objects with ``state_dict()``, saved as ``custom_checkpoint_{i}.pkl`` in
+            order (Accelerate's ``register_for_checkpointing`` numbering).
+        async_save: write model and optimizer in the background; returns an
+            :class:`AsyncSave` whose ``wait()`` every rank must call.
+        manifest: write ``fsdpckpt.json`` with every file's CRC-32 (recorded while
+            writing, from the CRCs torch.save already computes: about 3% of a save to
+            memory, see docs/benchmarks.md). ``fsdpckpt verify`` checks
+            every byte against it; without it, verify still checks each chunk against
+            its own zip CRC. With ``manifest=False`` the small side files (RNG,
+            scheduler) are not fsynced either, as Accelerate writes them; the
+            CheckpointManager always writes the manifest and fsyncs everything.
+            Rank 0 logs the manifest's own digest (logger ``fsdpckpt``, INFO);
+            :func:`fsdpckpt.training.manifest.manifest_digest` gives it too.
+        digest: also record each file's ``"sha256"`` or ``"blake2b"`` in the manifest,
+            computed while writing, so that ``fsdpckpt verify --expect-digest`` with the
+            manifest's digest kept elsewhere detects any change, deliberate ones included
+            (CRC-32 catches accidents only). Costs a hash of every byte written (see
+            docs/benchmarks.md); needs ``manifest=True``.
+
+    Returns:
+        None, or the :class:`AsyncSave` handle.
+
+    Example:
+        >>> fsdpckpt.save_state("ckpt/step_100", model, optimizer, scheduler, step=100)
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    root = Path(checkpoint_dir)
+    rank, _world = _rank_world()
+    new_digest(digest)  # an unknown name fails here, before anything is written
+    if digest is not None and not manifest:
+        raise ValueError("digest= is recorded in the manifest: it needs manifest=True")
+    models, optimizers = _as_list(model), _as_list(optimizer)
+    def prepare() -> None:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_stale_parts(root)
+
+    everywhere(prepare)
+    futures = []
+    records: dict[str, dict[str, FileRecord]] = {}  # folder -> file -> (size, crc32, digest)
+
+    def write(state: dict[str, Any], folder: Path) -> None:
+        kwargs: dict[str, Any] = {}
+        if manifest:
+            kwargs["storage_writer"] = checksum_writer(folder, records.setdefault(folder.name, {}),
+                                                       digest)
+        else:
+            kwargs["checkpoint_id"] = str(folder)
+        if not async_save:
+            _dcp_call(dcp.save, state, **kwargs)
+            return
+        if _dist():
+            # The background writer runs collectives while training runs its own; on
+            # one process group they would interleave and hang.
+            kwargs["process_group"] = _async_group(folder.name)
+        futures.append(_dcp_call(dcp.async_save, state, **kwargs))
+
+    for i, module in enumerate(models):
+        write({"model": get_model_state_dict(module)}, _model_folder(root, i))
+    for i, (module, opt) in enumerate(_pairs(models, optimizers)):
+        write({"optimizer": get_optimizer_state_dict(module, opt)}, _optimizer_folder(root, i))
+    side = records.setdefault("", {})
+
+    def write_side(path: Path, data: bytes) -> None:
+        size, crc = write_bytes(path, data, sync=manifest)
+        side[path.name] = (size, crc, hashlib.new(digest, data).hexdigest() if digest else None)
+
+    write_side(root / f"random_states_{rank}.pkl", rng_state_bytes(step))
+    if rank == 0:
+        shared = [(_scheduler_file(root, i), s) for i, s in enumerate(_as_list(scheduler))]
+        shared += [(root / "scaler.pt", scaler)] if scaler is not None else []
+        shared += [(root / f"custom_checkpoint_{i}.pkl", obj)
+                   for i, obj in enumerate((extra or {}).values())]
+        for path, obj in shared:
+            write_side(path, torch_save_bytes(obj.state_dict()))
+    finish = _Finish(root, records, step, manifest=manifest, digest=digest)
+    if async_save:
+        return AsyncSave(futures, finish)
+    finish()
+    return None
+
+
+class _Finish:
+    """Completes a save on every rank: gathers the checksums, rank 0 writes the manifest."""
+
+    def __init__(self, root: Path, records: dict[str, dict[str, FileRecord]],
+                 step: int | None, *, manifest: bool, digest: str | None) -> None:
+        self.root, self.records, self.step, self.manifest = root, records, step, manifest
+        self.file_digest = digest
+        self.digest: str | None = None  # the manifest's own, once written (rank 0)
+
+    def __call__(self) -> None:
+        files = {(f"{folder}/{name}" if folder else name): value
+                 for folder, entries in self.records.items() for name, value in entries.items()}
+        dist = _dist()
+        rank, world = _rank_world()
+        if dist and self.manifest:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, files)
+            files = {k: v for part in gathered for k, v in part.items()}
+        def on_rank_zero() -> None:
+            if rank == 0 and self.manifest:
+                self.digest = write_manifest(self.root, build_manifest(
+                    self.root, files, world_size=world, step=self.step,
+                    digest=self.file_digest))
+                log.info("fsdpckpt: saved %s; manifest digest %s (keep it elsewhere; "
+                         "`fsdpckpt verify --expect-digest` checks the checkpoint against it)",
+                         self.root, self.digest)
+                for folder in [self.root] + [self.root / f for f in self.records if f]:
+                    fsync_dir(folder)
+
+        everywhere(on_rank_zero)
+
+
+def _check_parts(root: Path, models: list, optimizers: list, schedulers: list) -> None:
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root}: no such checkpoint folder; check the path.")
+    problems = []
+    for i in range(len(models)):
+        if not (_model_folder(root, i) / ".metadata").is_file():
+            problems.append(f"{_model_folder(root, i).name}/ (model {i})")
+    for i in range(len(optimizers)):
+        if not (_optimizer_folder(root, i) / ".metadata").is_file():
+            problems.append(f"{_optimizer_folder(root, i).name}/ (optimizer {i})")
+    for i in range(len(schedulers)):
+        if not _scheduler_file(root, i, reading=True).is_file():
+            problems.append(f"{_scheduler_file(root, i).name} (scheduler {i})")
+    if problems:
+        kind = "is not a checkpoint" if not any(root.iterdir()) or not any(
+            (root / n).exists() for n in ("pytorch_model_fsdp_0", "optimizer_0")) else "lacks"
+        message = (f"{root}: {kind}: missing " + ", ".join(problems) +
+                   "; pass only the parts it was saved with, or the right folder")
+        raise (NotACheckpointError if kind.startswith("is not") else CheckpointNotFoundError)(
+            message)
+
+
+def _load_trusted(path: Path, what: str = "state") -> Any:
+    import torch
+
+    from fsdpckpt.training._rng import refused
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)  # safe: allowlist
+    except Exception as exc:  # noqa: BLE001 - turned into one clear error
+        raise refused(path, exc, what) from None
+    if what != "state" and not isinstance(state, dict):  # a scheduler's or scaler's state_dict
+        raise NotACheckpointError(f"{path}: holds a {type(state).__name__}, not a {what}; the "
+                                  "file is damaged or not the one saved with this checkpoint")
+    return state
+
+
+def _read_everything(root: Path, models: list, optimizers: list, schedulers: list,
+                     scaler: Any, extra: Mapping[str, Any], rank: int, world: int) -> Any:
+    """Read and check every part of a checkpoint before any training state changes.
+
+    Returns the storage readers of the model and optimizer folders (their metadata
+    parsed through the allowlist), the decoded scheduler, scaler and extra states,
+    and the prepared RNG state.
+    """
+    model_readers = [safe_storage_reader(_model_folder(root, i)) for i in range(len(models))]
+    optimizer_readers = [safe_storage_reader(_optimizer_folder(root, i))
+                         for i in range(len(optimizers))]
+    scheduler_states = [_load_trusted(_scheduler_file(root, i, reading=True), "scheduler state")
+                        for i in range(len(schedulers))]
+    scaler_state = _load_trusted(root / "scaler.pt", "scaler state") if scaler is not None \
+        else None
+    extra_states = [_load_trusted(root / f"custom_checkpoint_{i}.pkl")
+                    for i in range(len(extra))]
+    rng = prepare_rng(root, rank, world)
+    return model_readers, optimizer_readers, scheduler_states, scaler_state, extra_states, rng
+
+
+def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimizer: Any = None,
+               scheduler: Any = None, *, scaler: Any = None,
+               extra: Mapping[str, Any] | None = None, strict: bool = True) -> LoadResult:
+    """Load what :func:`save_state` (or ``accelerator.save_state``) wrote; call it on every rank.
+
+    Model and optimizer reshard to the current world size. With ``strict``, a model
+    whose keys or shapes differ from the checkpoint raises :class:`StateMismatchError`
+    before any state is changed. RNG state follows the policy in :mod:`fsdpckpt.training._rng`.
+
+    Returns:
+        A :class:`LoadResult` with the saved step, the parts restored and warnings.
+
+    Example:
+        >>> result = fsdpckpt.load_state("ckpt/step_100", model, optimizer, scheduler)
+        >>> start = result.step + 1
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    root = Path(checkpoint_dir)
+    rank, world = _rank_world()
+    models, optimizers, schedulers = _as_list(model), _as_list(optimizer), _as_list(scheduler)
+    _check_parts(root, models, optimizers, schedulers)
+    # All or nothing: every part is read and checked (on every rank, which agree) before
+    # the first one is loaded, so a damaged file changes no training state.
+    model_readers, optimizer_readers, scheduler_states, scaler_state, extra_states, rng = \
+        everywhere(lambda: _read_everything(root, models, optimizers, schedulers, scaler,
+                                            extra or {}, rank, world))
+    templates = [get_model_state_dict(m) for m in models]
+    for i, state in enumerate(templates):
+        missing, unexpected, mismatched = compare(_model_folder(root, i), state, "model")
+        if strict and (missing or unexpected or mismatched):
+            raise StateMismatchError(mismatch_message(_model_folder(root, i), missing,
+                                                       unexpected, mismatched))
+        for key in missing + [m.split(" (")[0] for m in mismatched]:
+            state.pop(key, None)
+    optimizer_templates = [get_optimizer_state_dict(m, o) for m, o in _pairs(models, optimizers)]
+    for i, state in enumerate(optimizer_templates):
+        folder = _optimizer_folder(root, i)
+        missing, unexpected, mismatched = compare(folder, flatten(state), "optimizer")
+        if missing or mismatched:  # a different optimizer (SGD for AdamW) or model
+            raise StateMismatchError(mismatch_message(folder, missing, unexpected, mismatched)
+                                     .replace("the model does not", "the optimizer does not"))
+    restored: list[str] = []
+    try:
+        # Our storage reader, never a checkpoint_id: torch's own reader would unpickle
+        # .metadata (and rank-local metadata files) with plain pickle.
+        for module, state, reader in zip(models, templates, model_readers):
+            wrapped = {"model": state}
+            _dcp_call(dcp.load, wrapped, storage_reader=reader, planner=safe_load_planner())
+            set_model_state_dict(module, wrapped["model"], options=StateDictOptions(strict=strict))
+        restored += ["model"] * bool(models)
+        for (module, opt), state, reader in zip(_pairs(models, optimizers), optimizer_templates,
+                                                optimizer_readers):
+            wrapped = {"optimizer": state}
+            _dcp_call(dcp.load, wrapped, storage_reader=reader, planner=safe_load_planner())
+            set_optimizer_state_dict(module, opt, wrapped["optimizer"])
+        restored += ["optimizer"] * bool(optimizers)
+    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+        for failure in getattr(exc, "failures", {}).values():
+            cause = failure[0] if isinstance(failure, tuple) else failure  # (exc, traceback)
+            if isinstance(cause, FsdpCkptError):  # ours, e.g. a refused pickle: say it as is
+                raise cause from None
+        first = str(exc).strip().splitlines()[0][:300]
+        raise NotACheckpointError(f"{root}: DCP could not load it ({first})") from None
+    for sched, state in zip(schedulers, scheduler_states):
+        sched.load_state_dict(state)
+    restored += ["scheduler"] * bool(schedulers)
+    if scaler is not None:
+        scaler.load_state_dict(scaler_state)
+        restored.append("scaler")
+    for (name, obj), state in zip((extra or {}).items(), extra_states):
+        obj.load_state_dict(state)
+        restored.append(f"extra:{name}")
+    rng.apply()
+    restored += ["rng"] * (rng.step is not None or not rng.warnings)
+    return LoadResult(rng.step, tuple(restored), tuple(rng.warnings))

@@ -28,7 +28,12 @@ def build(path: Path, n: int) -> None:
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     entries, storage, planner, ends = {}, {}, {}, [0, 0]
     for i in range(n):
@@ -79,7 +84,8 @@ def main() -> None:
             "python -c 'import torch'": timed([sys.executable, "-c", "import torch"], args.runs),
             "torch read_metadata": timed([sys.executable, "-c",
                                           "from torch.distributed.checkpoint import "
-                                          f"FileSystemReader as R; R({str(path)!r}).read_metadata()"],
+                                          "FileSystemReader as R; "
+                                          f"R({str(path)!r}).read_metadata()"],
                                          args.runs),
             "python -c pass": timed([sys.executable, "-c", "pass"], args.runs),
         }

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge import build, run  # noqa: E402 - the sibling benchmark's FSDP2 builder and timer
+from merge import build, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,7 +99,8 @@ def report(results: dict[str, dict[str, float]], size_gb: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="fsdpckpt merge paths benchmark")
-    parser.add_argument("--layers", type=int, default=24, help="4096x4096 fp32 layers (64 MiB each)")
+    parser.add_argument("--layers", type=int, default=24,
+                        help="4096x4096 fp32 layers (64 MiB each)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, help="write the figures as JSON here")

@@ -44,10 +44,12 @@ def _ranks(rank: int, world: int, layers: int, rounds: int, work: str, rendezvou
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     import fsdpckpt
 
@@ -103,9 +105,9 @@ def _ranks(rank: int, world: int, layers: int, rounds: int, work: str, rendezvou
     for r in range(rounds):
         for name, (save, load) in tools.items():
             path = f"{work}/{name.replace(' ', '_').replace('=', '_')}_{r}"
-            timed(f"{name} save", lambda: save(path))
+            timed(f"{name} save", lambda save=save, path=path: save(path))
             if load is not None:
-                timed(f"{name} load", lambda: load(path))
+                timed(f"{name} load", lambda load=load, path=path: load(path))
         path = f"{work}/async_{r}"
         dist.barrier()
         start = time.perf_counter()

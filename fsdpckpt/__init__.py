@@ -15,6 +15,9 @@ __version__ = "0.1.0"
 
 from fsdpckpt.dcp.checks import Problem, check_folder
 from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
+from fsdpckpt.dcp.metadata import Chunk, DcpMetadata, ObjectEntry, TensorEntry
+from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -23,20 +26,19 @@ from fsdpckpt.errors import (
     UnsafePickleError,
 )
 from fsdpckpt.inspection.inspect import inspect_checkpoint
-from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
-from fsdpckpt.dcp.metadata import Chunk, DcpMetadata, ObjectEntry, TensorEntry
-from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
 
 
 def __getattr__(name: str):
     # The verbs below pull in more modules (and torch, for some paths) on first use only.
     lazy = {
-        "merge": "merging.merger", "merge_fsdp_weights": "merging.merger", "MergeResult": "merging.merger",
-        "load_full_state_dict": "merging.full", "convert": "merging.to_dcp", "ConvertResult": "merging.to_dcp",
+        "merge": "merging.merger", "merge_fsdp_weights": "merging.merger",
+        "MergeResult": "merging.merger", "load_full_state_dict": "merging.full",
+        "convert": "merging.to_dcp", "ConvertResult": "merging.to_dcp",
         "plan_merge": "merging.plan", "MergePlan": "merging.plan", "MergePlanError": "merging.plan",
         "OutputExistsError": "merging.writer", "DiskFullError": "merging.writer",
         "OutputNotWritableError": "merging.writer",
-        "save_state": "training.state", "load_state": "training.state", "LoadResult": "training.state",
+        "save_state": "training.state", "load_state": "training.state",
+        "LoadResult": "training.state",
         "AsyncSave": "training.state", "StateMismatchError": "training.state",
         "ResumeWarning": "training.state",
         "CheckpointManager": "training.manager", "verify_checkpoint": "inspection.verify",

@@ -63,7 +63,8 @@ def _files_summary(files: Sequence[dict[str, Any]]) -> str:
 
 def _side_rows(side_files: Sequence[dict[str, Any]], summary: bool) -> list[list[str]]:
     """Rows for the side files; in a summary, the per-rank files of a kind become one row."""
-    rows, grouped = [], {}
+    rows: list[list[str]] = []
+    grouped: dict[Any, list[dict[str, Any]]] = {}
     for f in side_files:
         if summary and f["rank"] is not None:
             grouped.setdefault(f["kind"], []).append(f)

@@ -17,8 +17,8 @@ from typing import Any
 import click
 
 from fsdpckpt import __version__
-from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt._printable import cap_line, printable
+from fsdpckpt.errors import FsdpCkptError
 
 __all__ = ["main"]
 
@@ -87,7 +87,8 @@ def main() -> None:
 @click.option("--name", "-n", "names", metavar="PATTERN",
               help="Only list tensors and objects whose name matches: a glob "
                    "('*.weight') or a substring ('layers.0.').")
-@click.option("--chunks", is_flag=True, help="Also list every chunk: offsets, sizes, file, byte range.")
+@click.option("--chunks", is_flag=True,
+              help="Also list every chunk: offsets, sizes, file, byte range.")
 @click.option("--summary", is_flag=True,
               help="Only the summary: no table of tensors, and each part's rank files on one line.")
 @_debug_option
@@ -109,8 +110,8 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
       fsdpckpt inspect ckpt/pytorch_model_fsdp_0 --name 'layers.0.*' --chunks
       fsdpckpt inspect ckpt/ --json | jq '.parts[0].tensors[].name'
     """
-    from fsdpckpt.inspection.inspect import inspect_checkpoint
     from fsdpckpt._render import render_inspect
+    from fsdpckpt.inspection.inspect import inspect_checkpoint
 
     doc = inspect_checkpoint(path, names=names)
     if as_json:
@@ -287,8 +288,8 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
       fsdpckpt convert merged/model.safetensors seed/pytorch_model_fsdp_0
       fsdpckpt convert pytorch_model.bin seed_dcp --key ''
     """
-    from fsdpckpt.merging.to_dcp import convert as convert_file
     from fsdpckpt._render import human_bytes
+    from fsdpckpt.merging.to_dcp import convert as convert_file
 
     result = convert_file(full_file, out_dcp_dir, key=key or None, overwrite=overwrite)
     if as_json:

@@ -55,7 +55,12 @@ def write_dcp(path: Path, tensors: dict[str, tuple[torch.Tensor, Layout]], *,
     """Write ``{name: (tensor, layout)}`` as a DCP folder at ``path``, nested under ``key``."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     path.mkdir(parents=True)
     entries, storage, planner = {}, {}, {}

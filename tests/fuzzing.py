@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 EXAMPLES = int(os.environ.get("FSDPCKPT_FUZZ_EXAMPLES", "200"))
 
+_ANY_BYTE = st.integers(0, 255)
+
 #: The byte-level changes :func:`damaged` makes, one per step.
 BYTE_DAMAGE = ("flip", "byte", "cut", "insert", "drop", "splice")
 
@@ -31,7 +33,7 @@ def fuzz_settings(fraction: float = 1.0, minimum: int = 10) -> settings:
 def damaged(draw: st.DrawFn, source: bytes, *, steps: int = 8,
             kinds: tuple[str, ...] = BYTE_DAMAGE,
             where: Callable[[bytearray], st.SearchStrategy[int]] | None = None,
-            values: st.SearchStrategy[int] = st.integers(0, 255),
+            values: st.SearchStrategy[int] = _ANY_BYTE,
             custom: dict[str, Callable[[bytearray], st.SearchStrategy[None]]] | None = None,
             ) -> bytes:
     """``source`` after 1 to ``steps`` changes drawn from ``kinds``: a flipped bit, an

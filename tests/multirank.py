@@ -14,8 +14,9 @@ import os
 import pickle
 import tempfile
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 _CONTEXT = None
 
@@ -71,10 +72,10 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2,
             for _ in procs:
                 rank, ok, value = queue.get(timeout=timeout)
                 if ok:
-                    results[rank] = pickle.loads(value)  # noqa: S301 - our own ranks' bytes
+                    results[rank] = pickle.loads(value)
                 else:
                     errors.append(f"rank {rank}:\n{value}")
-        except Exception as exc:  # queue.Empty: a rank hung or died
+        except Exception as exc:  # noqa: BLE001 - queue.Empty: a rank hung or died
             errors.append(f"ranks did not finish in {timeout} s ({exc!r})")
         finally:
             for proc in procs:

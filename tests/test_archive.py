@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fsdpckpt.dcp._archive import SliceFile, locate_tensor
-from fsdpckpt.errors import CorruptCheckpointError
 from fsdpckpt.dcp.reader import read_dcp_folder
+from fsdpckpt.errors import CorruptCheckpointError
 
 
 def _chunks(folder):
@@ -181,10 +181,10 @@ def test_torch_refuses_a_negative_storage_offset_too(tmp_path):
 
 
 def test_verify_and_merge_refuse_a_negative_storage_offset(tmp_path):
-    from conftest import run_cli
-
     from fsdpckpt import load_full_state_dict
     from fsdpckpt.inspection.verify import verify_checkpoint
+
+    from conftest import run_cli
 
     folder = _doctored_folder(tmp_path / "ckpt", offset=-4)
     report = verify_checkpoint(folder)

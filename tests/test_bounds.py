@@ -24,10 +24,9 @@ import torch
 from fsdpckpt.dcp._archive import locate_tensor
 from fsdpckpt.dcp.checks import check_folder, check_tensor_chunks
 from fsdpckpt.dcp.dtypes import DTYPES
-from fsdpckpt.errors import CorruptCheckpointError
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.dcp.reader import read_dcp_folder
-
+from fsdpckpt.errors import CorruptCheckpointError
 
 LIMIT_S = 120
 EXTRA_MB = 300
@@ -37,7 +36,8 @@ def _bounded(code: str, tmp_path: Path) -> str:
     """Run ``code`` in a child; fail if it overruns LIMIT_S or EXTRA_MB. Returns its stdout."""
     script = textwrap.dedent("""
         import re, sys
-        import torch, fsdpckpt, fsdpckpt.merging.full, fsdpckpt.merging.merger, fsdpckpt.inspection.inspect
+        import torch, fsdpckpt, fsdpckpt.merging.full, fsdpckpt.merging.merger
+        import fsdpckpt.inspection.inspect
         def _mb(field):
             text = open("/proc/self/status").read()
             return int(re.search(field + r":\\s+(\\d+)", text).group(1)) // 1024
@@ -155,7 +155,8 @@ def test_runs_of_an_empty_chunk_are_not_enumerated(tmp_path):
     out = _bounded("""
         from fsdpckpt.dcp.metadata import Chunk
         from fsdpckpt.merging.plan import chunk_runs
-        print("RUNS", chunk_runs((200000000, 2, 0), Chunk((0, 0, 0), (200000000, 1, 0), None, 0, 0)))
+        chunk = Chunk((0, 0, 0), (200000000, 1, 0), None, 0, 0)
+        print("RUNS", chunk_runs((200000000, 2, 0), chunk))
     """, tmp_path)
     assert "RUNS (0, [])" in out
 

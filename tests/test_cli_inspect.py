@@ -9,10 +9,8 @@ import sys
 
 import pytest
 
-
-from conftest import assert_one_line_error, hostile_pickle, run_cli as run, DCP_FOLDERS, FIXTURES
-
-
+from conftest import DCP_FOLDERS, FIXTURES, assert_one_line_error, hostile_pickle
+from conftest import run_cli as run
 
 # --- what a user sees -------------------------------------------------------
 
@@ -168,10 +166,16 @@ def write_sharded(folder, tensors, world):
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     folder.mkdir(parents=True)
-    handles = [open(folder / f"__{rank}_0.distcp", "wb") for rank in range(world)]
+    handles = [open(folder / f"__{rank}_0.distcp", "wb")  # noqa: SIM115 - closed below
+               for rank in range(world)]
     entries, storage, planner = {}, {}, {}
     for name, tensor in tensors.items():
         step, chunks = -(-tensor.shape[0] // world), []
@@ -243,8 +247,8 @@ def test_empty_chunks_do_not_count_in_the_sharding_words(eight_ranks):
 
 def test_a_tensor_without_elements_is_called_empty():
     from fsdpckpt.dcp.dtypes import DTYPES
-    from fsdpckpt.inspection.inspect import sharding_of
     from fsdpckpt.dcp.metadata import Chunk, TensorEntry
+    from fsdpckpt.inspection.inspect import sharding_of
 
     chunks = tuple(Chunk((0,), (0,), f"__{r}_0.distcp", 0, 100) for r in range(8))
     assert sharding_of(TensorEntry("e", DTYPES["float32"], (0,), chunks, ("e",))) == "empty"

@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 import fsdpckpt
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError, UnsafePickleError
 
-from conftest import DCP_FOLDERS, FIXTURES, assert_one_line_error, hostile_pickle, run_cli as run
+from conftest import DCP_FOLDERS, FIXTURES, assert_one_line_error, hostile_pickle
+from conftest import run_cli as run
 
 ACCEPTS = "convert reads a .safetensors file, a .bin/.pt file written by torch.save"
 
@@ -236,9 +237,9 @@ def test_json_report_names_the_file_read(tmp_path, weights):
 
 
 def test_a_bin_merge_holding_sets_and_complex_values_converts_back(tmp_path):
-    from conftest import FIXTURES
-
     import fsdpckpt
+
+    from conftest import FIXTURES
 
     (merged,) = fsdpckpt.merge(FIXTURES / "dtypes", tmp_path / "out", format="bin")
     result = fsdpckpt.convert(merged.path, tmp_path / "back", key=None)

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import fsdpckpt
-from fsdpckpt.merging import _copy as engine
 from fsdpckpt.dcp._archive import RawTensor
-from fsdpckpt.merging._copy import MemorySink, place_chunk, tiles
 from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.dcp.metadata import Chunk
+from fsdpckpt.merging import _copy as engine
+from fsdpckpt.merging._copy import MemorySink, place_chunk, tiles
 from fsdpckpt.merging.plan import chunk_runs
 
 from chunked import split, write_dcp
@@ -56,7 +56,8 @@ def _product(ranges):
     return out
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_place_chunk_matches_torch_for_any_layout_chunk_and_cast(tmp_path, monkeypatch, data):
     """A chunk stored with any strides lands exactly where torch puts it, cast as .to() casts."""

@@ -22,8 +22,8 @@ The rule, for whoever writes the docs (every ``.md`` in ``docs/`` is picked up o
 Each document runs in a scratch copy of the repository, from its root, as a reader in a
 fresh checkout would run it: blocks share files (and Python names) within a document, in
 document order. Then all of them run one after another in one checkout (README first, then
-docs/ by name), as a reader who follows them all would: name outputs so they do not clash. ``fsdpckpt`` is the one installed beside
-the interpreter running the tests.
+docs/ by name), as a reader who follows them all would: name outputs so they do not clash.
+``fsdpckpt`` is the one installed beside the interpreter running the tests.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def _run_shell(block: Block, cwd: Path) -> None:
 
 def _run_python(block: Block, namespace: dict) -> None:
     try:
-        exec(compile(block.code, block.where, "exec"), namespace)  # noqa: S102 - our own docs
+        exec(compile(block.code, block.where, "exec"), namespace)
     except BaseException as exc:  # noqa: BLE001 - reported with the block's place
         pytest.fail(f"{block.where}: the python block raises {type(exc).__name__}: {exc}\n"
                     f"{block.code}", pytrace=False)

@@ -14,14 +14,15 @@ import io
 import pytest
 import torch
 
-from conftest import FIXTURES, assert_one_line_error, reference_state_dict, run_cli
-from deep_compare import assert_same_deep as assert_same_state
-from deep_compare import tensor_bytes as _bytes
 from fsdpckpt import inspect_checkpoint, load_full_state_dict
 from fsdpckpt.dcp._archive import locate_tensor
 from fsdpckpt.dcp.dtypes import DTYPES, dtype_from_name
 from fsdpckpt.dcp.reader import read_dcp_folder
 from fsdpckpt.inspection.verify import verify_checkpoint
+
+from conftest import FIXTURES, assert_one_line_error, reference_state_dict, run_cli
+from deep_compare import assert_same_deep as assert_same_state
+from deep_compare import tensor_bytes as _bytes
 
 MATRIX = FIXTURES / "dtypes"
 #: What the matrix holds, as fixtures/generate.py writes it.

@@ -11,10 +11,11 @@ import json
 
 import pytest
 
-from fsdpckpt.errors import CorruptCheckpointError
 from fsdpckpt._printable import MAX_ERROR_CHARS, cap_line, printable
+from fsdpckpt.errors import CorruptCheckpointError
 
-from conftest import assert_one_line_error, run_cli as run
+from conftest import assert_one_line_error
+from conftest import run_cli as run
 
 _EVIL = "w\n\r\t\x1b[2J\x9b31m\x7f\u202egpj.exe"
 _SHOWN = "w\\n\\r\\t\\x1b[2J\\x9b31m\\x7f\\u202egpj.exe"

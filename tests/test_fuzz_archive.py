@@ -28,12 +28,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fsdpckpt import merge, verify_checkpoint
-from fsdpckpt.dcp._archive import locate_tensor, read_archive_pickle, read_archive_with_tensors
 from fsdpckpt.cli import main
+from fsdpckpt.dcp._archive import locate_tensor, read_archive_pickle, read_archive_with_tensors
+from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS
+from fsdpckpt.dcp.reader import read_dcp_folder
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.training.manifest import data_entry_crc
-from fsdpckpt.dcp.reader import read_dcp_folder
-from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS
 
 from conftest import DCP_FOLDERS, FIXTURES
 from fuzzing import damaged, fuzz_settings

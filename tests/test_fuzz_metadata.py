@@ -21,10 +21,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fsdpckpt.dcp.dtypes import DTYPES
-from fsdpckpt.errors import FsdpCkptError
-from fsdpckpt.dcp.reader import read_dcp_folder
 from fsdpckpt.dcp._safe_pickle import METADATA_GLOBALS
+from fsdpckpt.dcp.dtypes import DTYPES
+from fsdpckpt.dcp.reader import read_dcp_folder
+from fsdpckpt.errors import FsdpCkptError
 
 from conftest import FIXTURES
 from fuzzing import damaged, fuzz_settings

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 from fsdpckpt.dcp.layout import find_layout
+from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
 from conftest import DCP_FOLDERS, FIXTURES
 

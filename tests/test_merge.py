@@ -23,7 +23,8 @@ def _stripped(reference: dict) -> dict:
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_merged_output_equals_dcp_loader(dcp_folder, tmp_path, fmt):
     (result,) = fsdpckpt.merge(dcp_folder, tmp_path / "out", format=fmt, keep_keys=True)
-    assert_same_state(load_full_state_dict(result.path), _stripped(reference_state_dict(dcp_folder)))
+    assert_same_state(load_full_state_dict(result.path),
+                      _stripped(reference_state_dict(dcp_folder)))
 
 
 def test_bin_output_is_a_plain_torch_save_file(dcp_folder, tmp_path):
@@ -39,7 +40,8 @@ def test_sharded_output_equals_dcp_loader(dcp_folder, tmp_path, fmt):
     (result,) = fsdpckpt.merge(dcp_folder, tmp_path, format=fmt, max_shard_size=100,
                                keep_keys=True)
     assert result.path.name.endswith(".index.json") and len(result.files) > 2
-    assert_same_state(load_full_state_dict(result.path), _stripped(reference_state_dict(dcp_folder)))
+    assert_same_state(load_full_state_dict(result.path),
+                      _stripped(reference_state_dict(dcp_folder)))
 
 
 def test_non_contiguous_stored_chunks_merge_exactly(tmp_path):

@@ -13,8 +13,15 @@ import pytest
 
 import fsdpckpt
 
-from conftest import assert_one_line_error, hostile_pickle, run_cli as run, DCP_FOLDERS, FIXTURES, assert_same_state, reference_state_dict
-
+from conftest import (
+    DCP_FOLDERS,
+    FIXTURES,
+    assert_one_line_error,
+    assert_same_state,
+    hostile_pickle,
+    reference_state_dict,
+)
+from conftest import run_cli as run
 
 
 def assert_untouched(output_dir, before=()):
@@ -28,7 +35,8 @@ def assert_untouched(output_dir, before=()):
 def test_merge_prints_a_summary_line(tmp_path):
     result = run("merge", FIXTURES / "fsdp2_accelerate", tmp_path / "out", "--quiet")
     assert result.exit_code == 0, result.output
-    assert "tensors" in result.stdout and str(tmp_path / "out" / "model.safetensors") in result.stdout
+    assert "tensors" in result.stdout
+    assert str(tmp_path / "out" / "model.safetensors") in result.stdout
 
 
 def test_merge_json_report(tmp_path):

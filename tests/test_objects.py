@@ -15,14 +15,15 @@ import zipfile
 import pytest
 import torch
 
-from conftest import reference_state_dict, run_cli
-from deep_compare import assert_same_deep
 from fsdpckpt import load_full_state_dict
 from fsdpckpt.dcp._archive import read_archive_with_tensors
-from fsdpckpt.dcp.dtypes import DTYPES
-from fsdpckpt.errors import CorruptCheckpointError, UnsafePickleError
 from fsdpckpt.dcp._objects import TensorValue, dumps, loads
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS
+from fsdpckpt.dcp.dtypes import DTYPES
+from fsdpckpt.errors import CorruptCheckpointError, UnsafePickleError
+
+from conftest import reference_state_dict, run_cli
+from deep_compare import assert_same_deep
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +192,22 @@ def test_a_hostile_global_beside_a_tensor_is_still_refused(tmp_path):
 def test_a_damaged_json_tensor_is_corrupt(doc):
     with pytest.raises(CorruptCheckpointError):
         loads(json.dumps({"x": {"__tensor__": doc}}))
+
+
+@pytest.mark.parametrize("paths", [
+    [("a", 0), ("a", "b")],  # a name used on a list
+    [("a",), ("a", "b")],  # a path through another entry's value
+    [("a", "b", 0), ("a", "b", "c", "d")],
+])
+def test_key_paths_that_cannot_both_hold_are_one_error(paths):
+    from fsdpckpt import NotACheckpointError
+    from fsdpckpt.dcp._nesting import unflatten
+
+    with pytest.raises(NotACheckpointError, match="cannot both hold"):
+        unflatten([(p, f"v{i}") for i, p in enumerate(paths)])
+
+
+def test_an_int_key_on_a_dict_is_a_dict_key_as_in_dcp():
+    from fsdpckpt.dcp._nesting import unflatten
+
+    assert unflatten([(("a", "b"), 1), (("a", 0), 2)]) == {"a": {"b": 1, 0: 2}}

@@ -19,7 +19,8 @@ from safetensors import safe_open
 import fsdpckpt
 from fsdpckpt.merging.plan import MergePlanError
 
-from conftest import DCP_FOLDERS, assert_one_line_error, assert_same_state, reseal, run_cli as run
+from conftest import DCP_FOLDERS, assert_one_line_error, assert_same_state, reseal
+from conftest import run_cli as run
 
 
 def _save(folder: Path, state: dict) -> Path:

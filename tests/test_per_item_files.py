@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_same_state, reference_state_dict, run_cli
 from fsdpckpt import inspect_checkpoint, load_full_state_dict
 from fsdpckpt.dcp.checks import check_folder, known_world_size
 from fsdpckpt.dcp.reader import read_dcp_folder
 from fsdpckpt.inspection.verify import verify_checkpoint
+
+from conftest import assert_same_state, reference_state_dict, run_cli
 
 
 def _state(owner: bool) -> dict:

@@ -84,7 +84,8 @@ def test_reader_does_not_import_torch(tmp_path):
     code = ("import sys, fsdpckpt.cli, fsdpckpt.dcp.reader as r;"
             f"r.read_dcp_folder({str(DCP_FOLDERS['dtensor'])!r});"
             "from click.testing import CliRunner;"
-            f"res = CliRunner().invoke(fsdpckpt.cli.main, ['inspect', {str(DCP_FOLDERS['dtensor'])!r}]);"
+            "res = CliRunner().invoke(fsdpckpt.cli.main, "
+            f"['inspect', {str(DCP_FOLDERS['dtensor'])!r}]);"
             "assert res.exit_code == 0, res.output;"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -169,8 +170,8 @@ def _damaged(field):
         "file offset a string": lambda md: setattr(first_info(md), "offset", "12"),
         "file length negative": lambda md: setattr(first_info(md), "length", -5),
         "relative_path an int": lambda md: setattr(first_info(md), "relative_path", 5),
-        "storage index fqn an int": lambda md: object.__setattr__(next(iter(md.storage_data)), "fqn",
-                                                                     5),
+        "storage index fqn an int":
+            lambda md: object.__setattr__(next(iter(md.storage_data)), "fqn", 5),
         "planner key path with a float": lambda md: md.planner_data.__setitem__(
             next(iter(md.state_dict_metadata)), ("model", 1.5)),
         "planner key path an int": lambda md: md.planner_data.__setitem__(
@@ -198,9 +199,9 @@ _FIELDS = ["offsets a string", "offsets a function", "offsets a float", "offsets
 
 @pytest.mark.parametrize("field", _FIELDS)
 def test_a_mistyped_or_out_of_range_field_is_not_a_checkpoint(field):
-    from conftest import DCP_FOLDERS
-
     from fsdpckpt.errors import NotACheckpointError
+
+    from conftest import DCP_FOLDERS
 
     md = FileSystemReader(str(DCP_FOLDERS["fsdp2-optimizer"])).read_metadata()
     _damaged(field)(md)
@@ -212,9 +213,9 @@ def test_a_mistyped_or_out_of_range_field_is_not_a_checkpoint(field):
 
 
 def test_a_field_error_names_the_entry_and_the_field():
-    from conftest import DCP_FOLDERS
-
     from fsdpckpt.errors import NotACheckpointError
+
+    from conftest import DCP_FOLDERS
 
     md = FileSystemReader(str(DCP_FOLDERS["dtensor"])).read_metadata()
     name, entry = next((k, v) for k, v in md.state_dict_metadata.items()
@@ -226,9 +227,9 @@ def test_a_field_error_names_the_entry_and_the_field():
 
 
 def test_an_error_message_quotes_a_huge_value_briefly():
-    from conftest import DCP_FOLDERS
-
     from fsdpckpt.errors import NotACheckpointError
+
+    from conftest import DCP_FOLDERS
 
     md = FileSystemReader(str(DCP_FOLDERS["dtensor"])).read_metadata()
     next(iter(md.storage_data.values())).relative_path = 10 ** 5000  # its repr raises

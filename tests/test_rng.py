@@ -185,7 +185,8 @@ def test_the_crafted_object_dtype_file_is_refused_in_one_line_and_does_not_crash
     path = tmp_path / "random_states_0.pkl"
     path.write_bytes(_object_dtype_file())
     # A child process: should numpy ever get to the bytes, the crash must not take pytest.
-    script = ("import sys; from pathlib import Path; from fsdpckpt.training._rng import load_rng_file\n"
+    script = ("import sys; from pathlib import Path\n"
+              "from fsdpckpt.training._rng import load_rng_file\n"
               "state = load_rng_file(Path(sys.argv[1])); print(repr(state))\n")
     result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
                             text=True, timeout=120,

@@ -6,10 +6,9 @@ import pickle
 
 import pytest
 
-from fsdpckpt.errors import NotACheckpointError, UnsafePickleError
-from fsdpckpt.dcp.reader import parse_metadata, read_dcp_folder
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS, safe_loads
-
+from fsdpckpt.dcp.reader import parse_metadata, read_dcp_folder
+from fsdpckpt.errors import NotACheckpointError, UnsafePickleError
 
 from conftest import _RunsCommand, hostile_pickle
 
@@ -28,7 +27,7 @@ def test_hostile_metadata_never_runs(tmp_path, dtensor_copy):
 def test_the_sentinel_pickle_really_is_hostile(tmp_path):
     # Guards the test above: plain pickle does run it.
     sentinel = tmp_path / "pwned"
-    pickle.loads(hostile_pickle(sentinel))  # noqa: S301 - the point of the test
+    pickle.loads(hostile_pickle(sentinel))
     assert sentinel.exists()
 
 
@@ -108,9 +107,10 @@ def test_other_protocol_2_builtins_stay_refused(name):
 import dataclasses  # noqa: E402
 import pickletools  # noqa: E402
 
-from fsdpckpt.dcp import _archive as archive, _objects as objects  # noqa: E402
-from fsdpckpt.dcp.dtypes import DTYPES  # noqa: E402
+from fsdpckpt.dcp import _archive as archive  # noqa: E402
+from fsdpckpt.dcp import _objects as objects  # noqa: E402
 from fsdpckpt.dcp._safe_pickle import METADATA_GLOBALS  # noqa: E402
+from fsdpckpt.dcp.dtypes import DTYPES  # noqa: E402
 
 ALLOWLISTS = {
     "metadata": METADATA_GLOBALS,
@@ -293,8 +293,8 @@ def test_bytes_in_a_torch_save_value_still_load():
 
 @pytest.mark.parametrize("codec", ["rot13", "punycode", "idna", "utf-16", "no-such-codec"])
 def test_codecs_encode_accepts_only_latin1(codec):
-    from fsdpckpt.errors import NotACheckpointError
     from fsdpckpt.dcp._objects import _OBJECT_GLOBALS
+    from fsdpckpt.errors import NotACheckpointError
 
     data = (b"\x80\x02c_codecs\nencode\n" + _state_ops(("abc", codec)) + pickle.REDUCE +
             pickle.STOP)
@@ -304,8 +304,8 @@ def test_codecs_encode_accepts_only_latin1(codec):
 
 @pytest.mark.parametrize("args", [(10**12,), (5,), ("abc", "latin1")])
 def test_bytes_with_arguments_is_refused(args):
-    from fsdpckpt.errors import NotACheckpointError
     from fsdpckpt.dcp._objects import _OBJECT_GLOBALS
+    from fsdpckpt.errors import NotACheckpointError
 
     data = b"\x80\x02c__builtin__\nbytes\n" + _state_ops(args) + pickle.REDUCE + pickle.STOP
     with pytest.raises(NotACheckpointError, match="bytes"):

@@ -383,7 +383,7 @@ def test_other_warnings_during_a_single_process_save_still_show(tmp_path, monkey
     real_save = dcp.save
 
     def save_with_a_warning(*args, **kwargs):
-        warnings.warn("a warning of another kind", UserWarning)
+        warnings.warn("a warning of another kind", UserWarning, stacklevel=2)
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(dcp, "save", save_with_a_warning)

@@ -11,7 +11,8 @@ import torch
 
 import fsdpckpt
 
-from conftest import FIXTURES, assert_one_line_error, run_cli as run
+from conftest import FIXTURES, assert_one_line_error
+from conftest import run_cli as run
 
 
 @pytest.fixture
@@ -137,7 +138,7 @@ def test_a_damaged_chunk_archive_names_the_chunk_once(tmp_path):
         handle.write(b"\0" * 30)
     result = run("verify", ckpt)
     assert result.exit_code == 1
-    (line,) = [l for l in result.stdout.splitlines() if "model.0.weight" in l]
+    (line,) = [text for text in result.stdout.splitlines() if "model.0.weight" in text]
     assert line.startswith(f"{folder / chunk.file}: tensor 'model.0.weight' chunk at [0, 0]: ")
     assert line.count("chunk at") == 1 and "not a torch.save archive" in line
 

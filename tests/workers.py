@@ -63,8 +63,11 @@ def _local(tree):
 
 def full_state(model, optimizer) -> tuple[dict, dict]:
     """Full parameters and this rank's shard of the optimizer state, as plain values."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     if isinstance(model, FSDP):
@@ -82,7 +85,8 @@ def full_state(model, optimizer) -> tuple[dict, dict]:
 
 def train(rank: int, world: int, kind: str, ckpt: str, steps: int, save_at: int | None,
           resume: bool) -> dict:
-    """Train ``steps`` steps; save after step ``save_at`` and stop there, or resume from ``ckpt``."""
+    """Train ``steps`` steps; save after step ``save_at`` and stop there, or resume from
+    ``ckpt``."""
     random.seed(100 + rank)
     np.random.seed(200 + rank)
     torch.manual_seed(300 + rank)

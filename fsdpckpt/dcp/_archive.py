@@ -12,16 +12,23 @@ from __future__ import annotations
 import math
 import struct
 import zipfile
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any
 
-from fsdpckpt.dcp.dtypes import DTYPES, DType
-from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
 from fsdpckpt._printable import printable
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS, safe_loads
-from fsdpckpt.dcp._ziparchive import CHUNK_ENTRIES, CHUNK_PICKLE_BYTES, SliceFile, entry_info, \
-    open_archive, read_entry, zip_errors
+from fsdpckpt.dcp._ziparchive import (
+    CHUNK_ENTRIES,
+    CHUNK_PICKLE_BYTES,
+    SliceFile,
+    entry_info,
+    open_archive,
+    read_entry,
+    zip_errors,
+)
+from fsdpckpt.dcp.dtypes import DTYPES, DType
+from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
 
 __all__ = ["RawTensor", "SliceFile", "check_view", "locate_tensor", "read_archive_pickle",
            "read_archive_with_tensors"]
@@ -96,7 +103,8 @@ def _rebuild_v2(storage: Any, offset: Any, shape: Any, stride: Any, *_: Any) -> 
 
 def _rebuild_v3(storage: Any, offset: Any, shape: Any, stride: Any, _grad: Any, _hooks: Any,
                 dtype: Any, *_: Any) -> _TensorRecord:
-    return _TensorRecord(storage, offset, shape, stride, dtype if isinstance(dtype, DType) else None)
+    return _TensorRecord(storage, offset, shape, stride,
+                         dtype if isinstance(dtype, DType) else None)
 
 
 _STORAGE_GLOBALS: dict[tuple[str, str], Any] = {

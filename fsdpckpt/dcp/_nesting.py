@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
-from fsdpckpt.errors import NotACheckpointError
 from fsdpckpt.dcp.metadata import KeyPath
+from fsdpckpt.errors import NotACheckpointError
 
 __all__ = ["set_element", "unflatten"]
 
@@ -34,20 +34,29 @@ def set_element(root: dict[Any, Any], path: KeyPath, value: Any, *,
     _check_index(path, limit)
     container: Any = root
     for prev_key, key in zip(path, path[1:]):
-        default: Any = {} if type(key) is str else []
-        if isinstance(container, Mapping):
-            container = container.setdefault(prev_key, default)
-        else:
-            while len(container) <= prev_key:
-                container.append(None)
-            if container[prev_key] is None:
-                container[prev_key] = default
-            container = container[prev_key]
-    key = path[-1]
-    if type(key) is int:
+        slot = _slot(container, prev_key, path)
+        if slot not in container if isinstance(container, dict) else container[slot] is None:
+            container[slot] = {} if type(key) is str else []
+        container = container[slot]
+    container[_slot(container, path[-1], path)] = value
+
+
+def _slot(container: Any, key: str | int, path: KeyPath) -> str | int:
+    """``key``, checked to address ``container`` (a list grows to hold an int index).
+
+    Raises:
+        NotACheckpointError: a name used on a list, or anything used on a value: two key
+            paths that cannot both hold (one runs through the other's value).
+    """
+    if isinstance(container, dict):
+        return key
+    if isinstance(container, list) and type(key) is int:
         while len(container) <= key:
             container.append(None)
-    container[key] = value
+        return key
+    raise NotACheckpointError(
+        f"the key path {list(path)} runs through another entry's value, or uses a name on a "
+        "list: two key paths that cannot both hold, so they are damaged or crafted")
 
 
 def unflatten(items: Iterable[tuple[KeyPath, Any]]) -> dict[Any, Any]:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from fsdpckpt.dcp._archive import check_view, read_archive_with_tensors
-from fsdpckpt.dcp.dtypes import DType, dtype_from_name
-from fsdpckpt.errors import CorruptCheckpointError
-from fsdpckpt.dcp.metadata import ObjectEntry
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS, brief
+from fsdpckpt.dcp.dtypes import DType, dtype_from_name
+from fsdpckpt.dcp.metadata import ObjectEntry
+from fsdpckpt.errors import CorruptCheckpointError
 
 __all__ = ["TensorValue", "latin1_bytes", "torch_load_allowlisted", "read_object",
            "encode_value", "decode_value", "dumps", "loads", "to_torch"]

@@ -24,10 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt.dcp._archive import is_plain_int, read_archive_with_tensors
-from fsdpckpt.errors import (CheckpointNotFoundError, FsdpCkptError, NotACheckpointError,
-                     UnsafePickleError)
 from fsdpckpt.dcp._objects import TensorValue, latin1_bytes
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS
+from fsdpckpt.errors import (
+    CheckpointNotFoundError,
+    FsdpCkptError,
+    NotACheckpointError,
+    UnsafePickleError,
+)
 
 __all__ = ["read_rng_archive", "rng_fields", "MAX_RNG_FILE_BYTES"]
 

@@ -14,7 +14,7 @@ import io
 import pickle
 import struct
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from fsdpckpt.dcp.dtypes import DTYPES, DType
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError, UnsafePickleError
@@ -129,10 +129,12 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-_BASE = pickle._Unpickler  # type: ignore[attr-defined]
+# pickle's pure-Python unpickler: its opcode methods are what this class reuses, and typeshed
+# describes only the public Unpickler, so the base is typed as Any.
+_BASE: Any = pickle._Unpickler
 
 
-class RestrictedUnpickler(_BASE):  # type: ignore[misc,valid-type]
+class RestrictedUnpickler(_BASE):
     """An unpickler that resolves globals only through ``allowed`` and changes nothing else.
 
     It is pickle's pure-Python unpickler (reading from memory, without its framing
@@ -309,7 +311,7 @@ class RestrictedUnpickler(_BASE):  # type: ignore[misc,valid-type]
     # Each checks its target in line: built by this load (the very object, by identity)
     # and of the one type the opcode may change; anything else goes to _refuse.
 
-    def _refuse(self, value: Any, opcode: str) -> None:
+    def _refuse(self, value: Any, opcode: str) -> NoReturn:
         name = self._globals.get(id(value))
         what = f"the allowlisted global '{name}'" if name else \
             f"a {type(value).__name__} it did not build" \
@@ -433,7 +435,7 @@ def safe_loads(
         # Our own refusals, and stand-ins that found the file damaged (a tensor outside
         # its storage): their messages say more than "not a readable pickle" would.
         raise
-    except Exception as exc:  # noqa: BLE001 - every way a malformed pickle fails is one error
+    except Exception as exc:
         # The parser and the allowlisted callables fail in many ways on malformed bytes
         # (UnpicklingError, EOFError, struct.error, IndexError, TypeError, ValueError,
         # OverflowError, RecursionError, UnicodeDecodeError, LookupError, MemoryError...).

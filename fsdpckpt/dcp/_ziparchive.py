@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-from fsdpckpt.errors import CorruptCheckpointError, FsdpCkptError
 from fsdpckpt._printable import printable
+from fsdpckpt.errors import CorruptCheckpointError, FsdpCkptError
 
 __all__ = ["CHUNK_ENTRIES", "CHUNK_PICKLE_BYTES", "SliceFile", "entry_info", "open_archive",
            "read_entry", "zip_errors"]
@@ -158,9 +158,9 @@ def _check_entries(archive: zipfile.ZipFile, length: int, source: str, where: st
     spans.sort()
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:
-            raise CorruptCheckpointError(f"{source}: {where}: the entries '{printable(first)}' and "
-                                         f"'{printable(second)}' share bytes; the file is damaged or "
-                                         "crafted.")
+            raise CorruptCheckpointError(
+                f"{source}: {where}: the entries '{printable(first)}' and "
+                f"'{printable(second)}' share bytes; the file is damaged or crafted.")
 
 
 def open_archive(file: IO[bytes], start: int, length: int, source: str,

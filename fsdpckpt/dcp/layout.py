@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 from fsdpckpt.dcp.reader import METADATA_FILE
+from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
 __all__ = ["CheckpointLayout", "DcpPart", "SideFile", "find_layout"]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Union
 
 from fsdpckpt.dcp.dtypes import DType
 
@@ -27,7 +26,7 @@ __all__ = [
 ]
 
 #: The nested key path of an entry, e.g. ``("optimizer", "state", "0.weight", "exp_avg")``.
-KeyPath = tuple[Union[str, int], ...]
+KeyPath = tuple[str | int, ...]
 
 # Rank and index of at most 9 digits: longer numbers are no rank file DCP writes, and
 # converting them would cost time quadratic in their length.

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt.dcp.dtypes import DType
-from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
-from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.dcp._safe_pickle import METADATA_GLOBALS, Record, brief, safe_loads
+from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, ObjectEntry, TensorEntry
+from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
 __all__ = ["DcpFolder", "read_dcp_folder", "parse_metadata", "is_dcp_folder", "METADATA_FILE",
            "data_file_path", "open_data_file", "path_inside"]

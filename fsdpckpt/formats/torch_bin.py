@@ -18,10 +18,10 @@ import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt._io.rawio import pwrite_all
 from fsdpckpt.dcp._nesting import unflatten
 from fsdpckpt.dcp._objects import TensorValue
-from fsdpckpt._io.rawio import pwrite_all
+from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.formats import FileLayout, ObjectValue, OutputFormat, TensorSpec
 
 __all__ = ["TorchBinFormat", "pickle_state_dict"]
@@ -61,10 +61,16 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-class _Pickler(pickle._Pickler):  # type: ignore[misc, name-defined]
-    """torch.save's pickle (protocol 2): tensors as ``_rebuild_tensor_v2/v3`` of a persistent storage."""
+# pickle's pure-Python pickler, whose dispatch table this subclass extends; typeshed describes
+# only the public Pickler, so the base is typed as Any.
+_BASE: Any = pickle._Pickler
 
-    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+
+class _Pickler(_BASE):
+    """torch.save's pickle (protocol 2): tensors as ``_rebuild_tensor_v2/v3`` of a persistent
+    storage."""
+
+    dispatch = dict(_BASE.dispatch)
 
     def save_global_ref(self, obj: _Global) -> None:
         self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
@@ -109,13 +115,15 @@ class _Pickler(pickle._Pickler):  # type: ignore[misc, name-defined]
 
 
 def pickle_state_dict(tensors: Sequence[TensorSpec], objects: Sequence[ObjectValue]) -> bytes:
-    """The ``data.pkl`` of a torch.save archive holding ``tensors`` (storage keys 0..n-1) and ``objects``."""
+    """The ``data.pkl`` of a torch.save archive holding ``tensors`` (storage keys 0..n-1) and
+    ``objects``."""
     return _pickle_with_storages(tensors, objects)[0]
 
 
 def _pickle_with_storages(tensors: Sequence[TensorSpec], objects: Sequence[ObjectValue]
                           ) -> tuple[bytes, list[tuple[str, bytes]]]:
-    """``data.pkl``, and the storages of tensors inside ``objects`` (keys n, n+1...) with their bytes."""
+    """``data.pkl``, and the storages of tensors inside ``objects`` (keys n, n+1...) with their
+    bytes."""
     items: list[tuple[Any, Any]] = []
     for index, spec in enumerate(tensors):
         numel = spec.nbytes // spec.dtype.itemsize

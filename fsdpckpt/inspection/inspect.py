@@ -21,7 +21,8 @@ __all__ = ["inspect_checkpoint", "sharding_of", "name_matcher"]
 
 
 def sharding_of(tensor: TensorEntry) -> str:
-    """Describe how ``tensor`` is split, in words: ``"dim0 x2"``, ``"dim1 x2 uneven"``, ``"replicated"``.
+    """Describe how ``tensor`` is split, in words: ``"dim0 x2"``, ``"dim1 x2 uneven"``,
+    ``"replicated"``.
 
     Chunks without elements do not count: a ``[2]`` tensor sharded over 8 ranks is stored
     as 2 chunks of one element and 6 empty ones, and is ``"dim0 x2"``. A tensor without
@@ -42,7 +43,8 @@ def sharding_of(tensor: TensorEntry) -> str:
 
 
 def name_matcher(pattern: str | None):
-    """A predicate for names: glob when ``pattern`` has ``*?[``, else substring; None matches all."""
+    """A predicate for names: glob when ``pattern`` has ``*?[``, else substring; None matches
+    all."""
     if not pattern:
         return lambda name: True
     if any(ch in pattern for ch in "*?["):

@@ -15,20 +15,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.checksums import crc32_range, file_checksums
+from fsdpckpt._io.rawio import reusing_scratch
 from fsdpckpt.dcp._archive import locate_tensor
-from fsdpckpt.training._dcp_io import stray_metadata_files
+from fsdpckpt.dcp.layout import find_layout
+from fsdpckpt.dcp.reader import open_data_file, path_inside, read_dcp_folder
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.inspection.inspect import inspect_checkpoint
-from fsdpckpt.dcp.layout import find_layout
-from fsdpckpt._io.checksums import crc32_range, file_checksums
+from fsdpckpt.training._dcp_io import stray_metadata_files
 from fsdpckpt.training.manifest import MANIFEST, data_entry_crc, manifest_digest, read_manifest
-from fsdpckpt._io.rawio import reusing_scratch
-from fsdpckpt.dcp.reader import open_data_file, path_inside, read_dcp_folder
 
 __all__ = ["verify_checkpoint"]
 
 def _check_chunks(folder: Path, problems: list[dict[str, str]], *, only_file: str | None,
-                  expected: dict[tuple[str, tuple], int] | None,
+                  expected: dict[tuple[str, str, tuple[int, ...]], int] | None,
                   progress: Callable[[int], None] | None) -> None:
     """Check each chunk's data against ``expected`` CRCs, or its zip's own CRC when None."""
     meta = read_dcp_folder(folder).metadata

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt._io.rawio import scratch
+from fsdpckpt.dcp.dtypes import DTYPES
 
 __all__ = ["fast_cast", "cast_block"]
 

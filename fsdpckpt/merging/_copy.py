@@ -14,19 +14,18 @@ the tensor (a transposed 2.4 GB chunk used to be held whole, three times).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Protocol
 
-import os
-from pathlib import Path
-
-from fsdpckpt.dcp._archive import RawTensor, locate_tensor
-from fsdpckpt.merging._casts import cast_block, fast_cast
-from fsdpckpt.dcp.dtypes import DType
-from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
-from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt._io.rawio import copy_range, pread_into, pwrite_all, scratch
+from fsdpckpt.dcp._archive import RawTensor, locate_tensor
+from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.dcp.reader import open_data_file
+from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.merging._casts import cast_block, fast_cast
 
 __all__ = ["place_chunk", "place_stored_chunk", "tiles", "DataFiles", "FileSink", "MemorySink"]
 

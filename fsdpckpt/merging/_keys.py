@@ -40,7 +40,8 @@ def output_name(key_path: KeyPath, *, strip_top: bool, clean: bool = True) -> st
 
 
 def select(name: str, *, include: Iterable[str] = (), exclude: Iterable[str] = ()) -> bool:
-    """Whether ``name`` passes the ``--include`` globs (any; all pass when none) and no ``--exclude`` glob."""
+    """Whether ``name`` passes the ``--include`` globs (any; all pass when none) and no
+    ``--exclude`` glob."""
     include, exclude = list(include), list(exclude)
     if include and not any(fnmatch.fnmatchcase(name, p) for p in include):
         return False

@@ -13,20 +13,21 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt.dcp.checks import check_folder
-from fsdpckpt.merging._copy import DataFiles, MemorySink, place_stored_chunk
-from fsdpckpt.dcp.dtypes import DType
-from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
-from fsdpckpt.formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from fsdpckpt._io.jsonio import loads_json
+from fsdpckpt._io.rawio import reusing_scratch
 from fsdpckpt.dcp._nesting import unflatten
 from fsdpckpt.dcp._objects import loads, read_object, to_torch, torch_load_allowlisted
-from fsdpckpt._io.rawio import reusing_scratch
+from fsdpckpt.dcp.checks import check_folder
+from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.reader import is_dcp_folder, read_dcp_folder
+from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
+from fsdpckpt.merging._copy import DataFiles, MemorySink, place_stored_chunk
 
 __all__ = ["load_full_state_dict", "shard_files"]
 
-_MERGED_NAMES = ["model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+_MERGED_NAMES = ["model.safetensors.index.json", "model.safetensors",
+                 "pytorch_model.bin.index.json",
                  "pytorch_model.bin", "optimizer.safetensors.index.json", "optimizer.safetensors",
                  "optimizer.bin.index.json", "optimizer.bin"]
 
@@ -79,7 +80,7 @@ def _from_safetensors(files: list[Path]) -> dict[Any, Any]:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 meta = handle.metadata() or {}
-                flat.update({name: handle.get_tensor(name) for name in handle.keys()})
+                flat.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118 - not a dict
         except SafetensorError as exc:
             detail = (str(exc).splitlines() or ["?"])[0][:200]
             raise CorruptCheckpointError(f"{file}: not a readable safetensors file ({detail}); "

@@ -17,14 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt.dcp.checks import check_folder
-from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from fsdpckpt._io.jsonio import parse_json
+from fsdpckpt.dcp.checks import check_folder
 from fsdpckpt.dcp.layout import DcpPart, find_layout
-from fsdpckpt.merging.plan import MergePlan, MergePlanError, parse_dtype, parse_size, plan_merge
 from fsdpckpt.dcp.reader import read_dcp_folder
-from fsdpckpt.merging.writer import (OutputExistsError, commit, output_paths, sigterm_interrupts, staging,
-                     write_plan)
+from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.merging.plan import MergePlan, MergePlanError, parse_dtype, parse_size, plan_merge
+from fsdpckpt.merging.writer import (
+    OutputExistsError,
+    commit,
+    output_paths,
+    sigterm_interrupts,
+    staging,
+    write_plan,
+)
 
 __all__ = ["merge", "merge_fsdp_weights", "MergeResult", "resolve_folders", "parse_dtype"]
 

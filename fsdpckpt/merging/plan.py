@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdpckpt.dcp.dtypes import DType, dtype_from_name
+from fsdpckpt.dcp.metadata import Chunk, KeyPath, ObjectEntry, TensorEntry
+from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.formats import TensorSpec, get_format
 from fsdpckpt.merging._keys import clean_key, output_name, select, shares_top_key
-from fsdpckpt.dcp.metadata import Chunk, KeyPath, ObjectEntry, TensorEntry
-from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
 
 __all__ = ["MergePlanError", "PlannedTensor", "PlannedObject", "PlannedFile", "MergePlan",
            "plan_merge", "chunk_runs", "parse_size", "parse_dtype", "RESERVED_NAME"]
@@ -173,7 +173,7 @@ class RunStarts(Sequence[int]):
     def __len__(self) -> int:
         return self._count
 
-    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
+    def __getitem__(self, index):  # an int or a slice, as a Sequence
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(self._count))]
         if index < 0:
@@ -384,6 +384,7 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *, format: str = "saf
     suffix = _SUFFIXES[fmt.name]
     if fmt.name == "bin" and stem == "model":
         stem = "pytorch_model"  # HF's name for torch.save weights
+    files: tuple[PlannedFile, ...]
     if len(shards) == 1:  # as huggingface_hub: what fits in one shard is one unindexed file
         files = (PlannedFile(file_name or f"{stem}.{suffix}", tuple(shards[0])),)
         index_name = None

@@ -27,11 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError, \
-    UnsafePickleError
-from fsdpckpt.formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt.dcp._objects import loads, torch_load_allowlisted
+from fsdpckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    UnsafePickleError,
+)
+from fsdpckpt.formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from fsdpckpt.merging.writer import OutputExistsError
 
 __all__ = ["convert", "ConvertResult", "MODEL_FILES"]
@@ -222,7 +226,7 @@ def _safetensors_entries(file: Path, prefix: tuple) -> Iterator[tuple[tuple, Any
             except (ValueError, TypeError, AttributeError) as exc:
                 raise CorruptCheckpointError(f"{file}: its fsdpckpt metadata is garbled "
                                              f"({_first_line(exc)})") from None
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - a safe_open handle, not a dict
                 yield prefix + tuple(paths.get(name, [name])), handle.get_tensor(name)
     except SafetensorError as exc:
         raise CorruptCheckpointError(f"{file}: not a readable safetensors file "
@@ -282,8 +286,13 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
-        TensorStorageMetadata)
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     source, out = _resolve(Path(full_file)), Path(out_dir)
     files = [(file, _sniff(file)) for file in _shards(source)]  # all checked before writing

@@ -25,13 +25,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt.merging._copy import DataFiles, place_stored_chunk
+from fsdpckpt._io.checksums import crc32_range
 from fsdpckpt._io.durable import fsync_dir, write_bytes
 from fsdpckpt._io.rawio import pwrite_all, reusing_scratch
-from fsdpckpt._io.checksums import crc32_range
+from fsdpckpt.dcp._objects import read_object
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 from fsdpckpt.formats import ObjectValue, get_format
-from fsdpckpt.dcp._objects import read_object
+from fsdpckpt.merging._copy import DataFiles, place_stored_chunk
 from fsdpckpt.merging.plan import MergePlan, PlannedFile
 
 __all__ = ["OutputExistsError", "DiskFullError", "OutputNotWritableError", "Terminated",
@@ -109,7 +109,8 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
 
 
-_STAGE_NAME = re.compile(re.escape(STAGING_PREFIX) + r"(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-[^-]*$")
+_STAGE_NAME = re.compile(re.escape(STAGING_PREFIX)
+                         + r"(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-[^-]*$")
 
 
 def _process_alive(pid: int) -> bool:
@@ -130,7 +131,7 @@ def clear_stale_stages(output_dir: Path) -> list[Path]:
     longer exists. A running merge's folder (its process is alive), another host's
     (shared file systems), and any folder named otherwise are kept.
     """
-    removed = []
+    removed: list[Path] = []
     host = _host()
     try:
         candidates = [e for e in os.scandir(output_dir)

@@ -24,8 +24,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt.errors import NotACheckpointError
 from fsdpckpt.dcp.reader import METADATA_FILE, read_dcp_folder
+from fsdpckpt.errors import NotACheckpointError
 
 __all__ = ["safe_storage_reader", "safe_load_planner", "stray_metadata_files"]
 
@@ -55,10 +55,14 @@ def _torch_metadata(folder: Path) -> Any:
     """``folder``'s metadata as torch's ``Metadata``, built from fsdpckpt's safe parse."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata,
-                                                       ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     meta = read_dcp_folder(folder).metadata
     entries: dict[str, Any] = {}

@@ -21,15 +21,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt.errors import NotACheckpointError, UnsafePickleError
 from fsdpckpt.dcp._rngfile import read_rng_archive, rng_fields
+from fsdpckpt.errors import NotACheckpointError, UnsafePickleError
 
 __all__ = ["capture_rng_state", "rng_state_bytes", "load_rng_file", "restore_rng", "rng_file",
            "prepare_rng", "PreparedRng"]
 
 
 def rng_file(checkpoint_dir: Path, rank: int) -> Path:
-    """Accelerate's name for ``rank``'s RNG file (HF Trainer's ``rng_state_{rank}.pth`` if only that exists)."""
+    """Accelerate's name for ``rank``'s RNG file (HF Trainer's ``rng_state_{rank}.pth`` if only
+    that exists)."""
     accelerate = checkpoint_dir / f"random_states_{rank}.pkl"
     trainer = checkpoint_dir / f"rng_state_{rank}.pth"
     return trainer if trainer.exists() and not accelerate.exists() else accelerate

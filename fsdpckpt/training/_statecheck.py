@@ -32,8 +32,8 @@ def compare(folder: Path, state: Mapping[str, Any], prefix: str) -> tuple[list, 
         shape = _global_shape(value)
         if name not in stored:
             missing.append(key)
-        elif shape is not None and stored[name] is not None and tuple(stored[name]) != shape:
-            mismatched.append(f"{key} (checkpoint {list(stored[name])}, model {list(shape)})")
+        elif shape is not None and (have := stored[name]) is not None and tuple(have) != shape:
+            mismatched.append(f"{key} (checkpoint {list(have)}, model {list(shape)})")
     unexpected = [n[len(prefix) + 1:] for n in stored if n not in wanted and
                   n.startswith(prefix + ".")]
     return missing, unexpected, mismatched

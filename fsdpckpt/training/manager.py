@@ -22,10 +22,17 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt.training.manifest import MANIFEST, manifest_digest
 from fsdpckpt._io.durable import fsync_dir
-from fsdpckpt.training.state import (AsyncSave, LoadResult, ResumeWarning, _rank_world, everywhere,
-                       load_state, save_state)
+from fsdpckpt.training.manifest import MANIFEST, manifest_digest
+from fsdpckpt.training.state import (
+    AsyncSave,
+    LoadResult,
+    ResumeWarning,
+    _rank_world,
+    everywhere,
+    load_state,
+    save_state,
+)
 
 __all__ = ["CheckpointManager"]
 

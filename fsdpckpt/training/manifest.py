@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from fsdpckpt.dcp._archive import _open_archive, entry_data_start
 from fsdpckpt._io.checksums import DIGESTS, ChecksumStream, Pieces, crc32_range, resolve_pieces
 from fsdpckpt._io.durable import write_bytes
-from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from fsdpckpt._io.jsonio import parse_json
+from fsdpckpt.dcp._archive import _open_archive, entry_data_start
 from fsdpckpt.dcp.reader import is_dcp_folder, read_dcp_folder
+from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["MANIFEST", "FileRecord", "build_manifest", "checksum_writer", "chunk_crcs",
            "data_entry_crc", "manifest_digest", "parse_manifest", "read_manifest",
@@ -54,12 +54,12 @@ def checksum_writer(path: str | os.PathLike[str], record: dict[str, FileRecord],
 
     class _ChecksumFileSystem(FileSystem):
         @contextmanager
-        def create_stream(self, path: Any, mode: str):  # type: ignore[override]
+        def create_stream(self, path: Any, mode: str):  # as FileSystem's
             with super().create_stream(path, mode) as stream:
                 if "w" not in mode:
                     yield stream
                     return
-                proxy = ChecksumStream(stream, digest)
+                proxy = ChecksumStream(stream, digest)  # type: ignore[arg-type]
                 yield proxy
             # DCP writes .metadata as .metadata.tmp, then renames it.
             hexdigest = proxy.hasher.hexdigest() if proxy.hasher is not None else None

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt.errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
-from fsdpckpt.training._statecheck import compare, flatten, mismatch_message
-from fsdpckpt._io.durable import fsync_dir, write_bytes
 from fsdpckpt._io.checksums import new_digest
-from fsdpckpt.training.manifest import FileRecord, build_manifest, checksum_writer, write_manifest
+from fsdpckpt._io.durable import fsync_dir, write_bytes
+from fsdpckpt.errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
 from fsdpckpt.training._dcp_io import safe_load_planner, safe_storage_reader
 from fsdpckpt.training._rng import prepare_rng, rng_state_bytes, torch_save_bytes
+from fsdpckpt.training._statecheck import compare, flatten, mismatch_message
+from fsdpckpt.training.manifest import FileRecord, build_manifest, checksum_writer, write_manifest
 
 __all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError",
            "ResumeWarning"]
@@ -240,8 +240,10 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
         >>> fsdpckpt.save_state("ckpt/step_100", model, optimizer, scheduler, step=100)
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     root = Path(checkpoint_dir)
     rank, _world = _rank_world()
@@ -407,10 +409,13 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     root = Path(checkpoint_dir)
     rank, world = _rank_world()
@@ -430,9 +435,9 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
         for key in missing + [m.split(" (")[0] for m in mismatched]:
             state.pop(key, None)
     optimizer_templates = [get_optimizer_state_dict(m, o) for m, o in _pairs(models, optimizers)]
-    for i, state in enumerate(optimizer_templates):
+    for i, optimizer_state in enumerate(optimizer_templates):
         folder = _optimizer_folder(root, i)
-        missing, unexpected, mismatched = compare(folder, flatten(state), "optimizer")
+        missing, unexpected, mismatched = compare(folder, flatten(optimizer_state), "optimizer")
         if missing or mismatched:  # a different optimizer (SGD for AdamW) or model
             raise StateMismatchError(mismatch_message(folder, missing, unexpected, mismatched)
                                      .replace("the model does not", "the optimizer does not"))
@@ -445,11 +450,12 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
             _dcp_call(dcp.load, wrapped, storage_reader=reader, planner=safe_load_planner())
             set_model_state_dict(module, wrapped["model"], options=StateDictOptions(strict=strict))
         restored += ["model"] * bool(models)
-        for (module, opt), state, reader in zip(_pairs(models, optimizers), optimizer_templates,
-                                                optimizer_readers):
-            wrapped = {"optimizer": state}
-            _dcp_call(dcp.load, wrapped, storage_reader=reader, planner=safe_load_planner())
-            set_optimizer_state_dict(module, opt, wrapped["optimizer"])
+        for (module, opt), optimizer_state, reader in zip(
+                _pairs(models, optimizers), optimizer_templates, optimizer_readers):
+            wrapped_optimizer: dict[str, Any] = {"optimizer": optimizer_state}
+            _dcp_call(dcp.load, wrapped_optimizer, storage_reader=reader,
+                      planner=safe_load_planner())
+            set_optimizer_state_dict(module, opt, wrapped_optimizer["optimizer"])
         restored += ["optimizer"] * bool(optimizers)
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
         for failure in getattr(exc, "failures", {}).values():

@@ -4,8 +4,8 @@ The read-only API never imports torch, so it starts instantly.
 
 Example:
     >>> import fsdpckpt
-    >>> doc = fsdpckpt.inspect_checkpoint("fixtures/fsdp2_accelerate")
-    >>> doc["world_size"]
+    >>> report = fsdpckpt.inspect_checkpoint("fixtures/fsdp2_accelerate")
+    >>> report.world_size
     2
 """
 
@@ -26,6 +26,7 @@ from fsdpckpt.errors import (
     UnsafePickleError,
 )
 from fsdpckpt.inspection.inspect import inspect_checkpoint
+from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport, VerifyReport
 
 
 def __getattr__(name: str):
@@ -71,6 +72,10 @@ __all__ = [
     "check_folder",
     "find_layout",
     "inspect_checkpoint",
+    "InspectReport",
+    "PartReport",
+    "TensorReport",
+    "VerifyReport",
     "read_dcp_folder",
     "merge",
     "merge_fsdp_weights",

@@ -1,4 +1,6 @@
-"""Drawing reports for people: byte sizes and aligned text tables."""
+"""Drawing reports for people: byte sizes, aligned text tables, and the human form of
+:class:`~fsdpckpt.inspection.report.InspectReport` and
+:class:`~fsdpckpt.inspection.report.VerifyReport`."""
 
 from __future__ import annotations
 
@@ -6,8 +8,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from fsdpckpt._printable import printable
+from fsdpckpt.dcp.checks import Problem
+from fsdpckpt.dcp.layout import SideFile
+from fsdpckpt.dcp.metadata import DataFile
+from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport, VerifyReport
 
-__all__ = ["human_bytes", "table", "render_inspect"]
+__all__ = ["human_bytes", "table", "render_inspect", "render_verify"]
 
 
 def human_bytes(n: int | float) -> str:
@@ -52,105 +58,134 @@ def _size_range(sizes: Sequence[int]) -> str:
     return f"{low_value}-{high}" if low_unit == high_unit else f"{low}-{high}"
 
 
-def _files_summary(files: Sequence[dict[str, Any]]) -> str:
+def _files_summary(files: Sequence[DataFile]) -> str:
     """One line for a part's data files: ``"8 rank files, 1.2 GiB, 150.0-160.0 MiB each"``."""
     if not files:
         return "  no data files"
-    sizes = [f["size"] for f in files]
+    sizes = [f.size for f in files]
     line = f"  {_plural(len(files), 'rank file')}, {human_bytes(sum(sizes))}"
     return line + (f", {_size_range(sizes)} each" if len(files) > 1 else "")
 
 
-def _side_rows(side_files: Sequence[dict[str, Any]], summary: bool) -> list[list[str]]:
+def _side_rows(side_files: Sequence[SideFile], summary: bool) -> list[list[str]]:
     """Rows for the side files; in a summary, the per-rank files of a kind become one row."""
     rows: list[list[str]] = []
-    grouped: dict[Any, list[dict[str, Any]]] = {}
+    grouped: dict[str, list[SideFile]] = {}
     for f in side_files:
-        if summary and f["rank"] is not None:
-            grouped.setdefault(f["kind"], []).append(f)
+        if summary and f.rank is not None:
+            grouped.setdefault(f.kind, []).append(f)
             continue
-        rows.append([f["kind"], f["name"], f"rank {f['rank']}" if f["rank"] is not None else "",
-                     human_bytes(f["size"])])
+        rows.append([_p(f.kind), _p(f.name), f"rank {f.rank}" if f.rank is not None else "",
+                     human_bytes(f.size)])
     for kind, files in grouped.items():
-        files.sort(key=lambda f: f["rank"])
-        names = files[0]["name"] if len(files) == 1 else \
-            f"{files[0]['name']} .. {files[-1]['name']}"
-        rows.insert(0, [kind, names, _plural(len(files), "rank"),
-                        human_bytes(sum(f["size"] for f in files))])
+        files.sort(key=lambda f: f.rank or 0)
+        names = _p(files[0].name) if len(files) == 1 else \
+            f"{_p(files[0].name)} .. {_p(files[-1].name)}"
+        rows.insert(0, [_p(kind), names, _plural(len(files), "rank"),
+                        human_bytes(sum(f.size for f in files))])
     return rows
 
 
-def _escaped(value: Any) -> Any:
-    """``value`` with every string in it (names, paths, messages) made printable."""
-    if isinstance(value, str):
-        return printable(value)
-    if isinstance(value, dict):
-        return {_escaped(k): _escaped(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_escaped(v) for v in value]
-    return value
+def _p(value: object) -> str:
+    """``value`` as text with control and bidi characters escaped: every string that comes
+    from a checkpoint (names, paths, messages) goes through here before it is shown."""
+    return printable(str(value))
 
 
-def render_inspect(doc: dict[str, Any], *, chunks: bool = False, tensors: bool = True,
+def _tensor_rows(tensor: TensorReport, chunks: bool) -> list[list[Any]]:
+    rows: list[list[Any]] = [[_p(tensor.name), _p(tensor.dtype.name), _shape(tensor.shape),
+                              len(tensor.chunks), tensor.sharding, human_bytes(tensor.bytes)]]
+    if chunks:
+        rows += [[f"  @ {_shape(c.offsets)} size {_shape(c.sizes)}", "", "", "",
+                  f"{_p(c.file)} +{c.offset}", human_bytes(c.length)] for c in tensor.chunks]
+    return rows
+
+
+def _part_lines(part: PartReport, *, chunks: bool, tensors: bool) -> list[str]:
+    """A complete part's section: its dtypes, files, and (unless a summary) its tensors."""
+    out = ["", f"{_p(part.name)}/ ({_p(part.kind)}): {part.num_tensors} tensors, "
+               f"{human_bytes(part.tensor_bytes)} of tensor data; dtypes: "
+           + (", ".join(f"{_p(k)} x{v}" for k, v in part.dtypes.items()) or "none")]
+    if tensors:
+        out += table([[_p(f.name), human_bytes(f.size)] for f in part.files], right=(1,))
+    else:  # --summary: one line however many ranks
+        out.append(_files_summary(part.files))
+    if tensors and part.tensors:
+        out.append("")
+        rows = [row for t in part.tensors for row in _tensor_rows(t, chunks)]
+        out += table(rows, header=["name", "dtype", "shape", "chunks", "sharding", "bytes"],
+                     right=(3, 5))
+    if tensors and part.objects:
+        out += ["", "  objects: " + ", ".join(_p(o.name) for o in part.objects)]
+    return out
+
+
+def _problem_lines(problems: Sequence[Problem]) -> list[str]:
+    return [f"  {_p(p.path)}: {_p(p.message)}" for p in problems]
+
+
+def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool = True,
                    names: str | None = None) -> str:
-    """The human form of :func:`fsdpckpt.inspection.inspect.inspect_checkpoint`'s document.
+    """The human form of what :func:`fsdpckpt.inspection.inspect.inspect_checkpoint` found.
 
     Every string from the checkpoint (tensor and file names, paths, problems) is shown
     with control and bidi characters escaped (:func:`fsdpckpt._printable.printable`), so a
     crafted name cannot forge lines or drive the terminal.
+
+    Args:
+        report: what to draw.
+        chunks: also list every chunk of every tensor listed.
+        tensors: list each part's files and tensors; False gives the summary
+            (``--summary``): each part's rank files on one line, per-rank side files grouped.
+        names: the pattern the report was filtered by, to say so when nothing matched.
     """
-    doc = _escaped(doc)
     style = {"dcp": "DCP folder", "accelerate": "Accelerate checkpoint",
-             "hf-trainer": "HF Trainer checkpoint"}[doc["style"]]
-    world = doc["world_size"] if doc.get("world_size_exact", True) else \
-        f"at least {doc['world_size']}"
-    out = [f"{doc['path']}: {style}, world size {world}, "
-           f"{human_bytes(doc['bytes'])}"]
+             "hf-trainer": "HF Trainer checkpoint"}[report.style]
+    world = report.world_size if report.world_size_exact else f"at least {report.world_size}"
+    out = [f"{_p(report.path)}: {style}, world size {world}, {human_bytes(report.bytes)}"]
     out += ["", "Parts:"]
     rows = []
-    for part in doc["parts"]:
-        if "num_tensors" not in part:
-            rows.append([part["kind"], part["name"] + "/", "INCOMPLETE (no .metadata)", "", ""])
+    for part in report.parts:
+        if not part.complete:
+            rows.append([_p(part.kind), _p(part.name) + "/", "INCOMPLETE (no .metadata)", "",
+                         ""])
             continue
-        rows.append([part["kind"], part["name"] + "/",
-                     f"{part['num_tensors']} tensors, {part['num_objects']} objects",
-                     _plural(len(part["files"]), "rank file"), human_bytes(part["bytes"])])
+        rows.append([_p(part.kind), _p(part.name) + "/",
+                     f"{part.num_tensors} tensors, {part.num_objects} objects",
+                     _plural(len(part.files), "rank file"), human_bytes(part.bytes)])
     out += table(rows, right=(4,))
-    if doc["side_files"]:
+    if report.side_files:
         out += ["", "Other state:"]
-        out += table(_side_rows(doc["side_files"], summary=not tensors), right=(3,))
-    if doc["other_files"]:
-        out += ["", "Not recognized: " + ", ".join(doc["other_files"])]
-    for part in doc["parts"]:
-        if "num_tensors" not in part:
-            continue
-        out += ["", f"{part['name']}/ ({part['kind']}): {part['num_tensors']} tensors, "
-                    f"{human_bytes(part['tensor_bytes'])} of tensor data; dtypes: "
-                + (", ".join(f"{k} x{v}" for k, v in part["dtypes"].items()) or "none")]
-        if tensors:
-            out += table([[f["name"], human_bytes(f["size"])] for f in part["files"]], right=(1,))
-        else:  # --summary: one line however many ranks
-            out.append(_files_summary(part["files"]))
-        if tensors and part["tensors"]:
-            out.append("")
-            rows = []
-            for t in part["tensors"]:
-                rows.append([t["name"], t["dtype"], _shape(t["shape"]), len(t["chunks"]),
-                             t["sharding"], human_bytes(t["bytes"])])
-                if chunks:
-                    rows += [[f"  @ {_shape(c['offsets'])} size {_shape(c['sizes'])}", "", "",
-                              "", f"{c['file']} +{c['offset']}", human_bytes(c["length"])]
-                             for c in t["chunks"]]
-            out += table(rows, header=["name", "dtype", "shape", "chunks", "sharding", "bytes"],
-                         right=(3, 5))
-        if tensors and part["objects"]:
-            out += ["", "  objects: " + ", ".join(o["name"] for o in part["objects"])]
-    listed = [p for p in doc["parts"] if p.get("tensors") or p.get("objects")]
+        out += table(_side_rows(report.side_files, summary=not tensors), right=(3,))
+    if report.other_files:
+        out += ["", "Not recognized: " + ", ".join(map(_p, report.other_files))]
+    for part in report.parts:
+        if part.complete:
+            out += _part_lines(part, chunks=chunks, tensors=tensors)
+    listed = [p for p in report.parts if p.tensors or p.objects]
     if names and tensors and not listed:
         out += ["", f"No tensor or object name matches {printable(repr(names))}."]
-    if doc["problems"]:
-        out += ["", f"Problems ({len(doc['problems'])}):"]
-        out += [f"  {p['path']}: {p['message']}" for p in doc["problems"]]
+    if report.problems:
+        out += ["", f"Problems ({len(report.problems)}):"]
+        out += _problem_lines(report.problems)
     else:
         out += ["", "Structure: OK (every chunk present, every tensor fully covered)"]
+    return "\n".join(out)
+
+
+def render_verify(report: VerifyReport, path: str) -> str:
+    """The human form of what :func:`fsdpckpt.inspection.verify.verify_checkpoint` found:
+    each problem on a line, then the verdict, then the manifest's digest when there is one.
+
+    ``path`` is the checkpoint as the user named it. Strings from the checkpoint are
+    escaped as in :func:`render_inspect`.
+    """
+    out = [f"{_p(p.path)}: {_p(p.message)}" for p in report.problems]
+    how = "every byte checked against the manifest" if report.manifest else \
+        "no manifest: chunk headers and data checked against their own checksums"
+    out.append(f"{_p(path)}: {'OK' if report.ok else 'DAMAGED'} ({how})")
+    if report.manifest_digest:
+        files = f"files carry {report.digest}" if report.digest else \
+            "files carry CRC-32 only: save with digest='sha256' to detect deliberate changes"
+        out.append(f"manifest digest: {report.manifest_digest} ({files})")
     return "\n".join(out)

@@ -18,6 +18,7 @@ import click
 
 from fsdpckpt import __version__
 from fsdpckpt._printable import cap_line, printable
+from fsdpckpt._progress import ProgressCallback, ProgressFactory
 from fsdpckpt.errors import FsdpCkptError
 
 __all__ = ["main"]
@@ -113,20 +114,21 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
     from fsdpckpt._render import render_inspect
     from fsdpckpt.inspection.inspect import inspect_checkpoint
 
-    doc = inspect_checkpoint(path, names=names)
+    report = inspect_checkpoint(path, names=names)
     if as_json:
-        click.echo(json.dumps(doc, indent=2))
+        click.echo(json.dumps(report.to_json(), indent=2))
     else:
-        click.echo(render_inspect(doc, chunks=chunks, tensors=not summary, names=names))
-    if not doc["ok"]:
-        count = len(doc["problems"])
+        click.echo(render_inspect(report, chunks=chunks, tensors=not summary, names=names))
+    if not report.ok:
+        count = len(report.problems)
         click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in "
                    f"{printable(path)}; the checkpoint is not whole", err=True)
         sys.exit(1)
 
 
-def _progress(quiet: bool, desc: str = "merging"):
-    """A factory of tqdm byte bars on stderr; silent with --quiet or when stderr is no terminal.
+def _progress(quiet: bool, desc: str = "merging") -> ProgressFactory | None:
+    """A progress factory (:mod:`fsdpckpt._progress`) of tqdm byte bars on stderr; None
+    (silent) with --quiet or when stderr is no terminal.
 
     The library calls ``factory(total_bytes, files)`` once it knows what it will read (merge
     and verify do) and gives the returned callback byte counts; with a total the bar shows a
@@ -136,10 +138,14 @@ def _progress(quiet: bool, desc: str = "merging"):
         return None
     from tqdm import tqdm
 
-    def factory(total: int, _files: int):
+    def factory(total: int, _files: int) -> ProgressCallback:
         bar = tqdm(total=total or None, unit="B", unit_scale=True, unit_divisor=1024,
                    file=sys.stderr, desc=desc, leave=False)
-        return bar.update
+
+        def advance(nbytes: int) -> None:
+            bar.update(nbytes)
+
+        return advance
 
     return factory
 
@@ -329,24 +335,17 @@ def verify(path: str, as_json: bool, quiet: bool, expect_digest: str | None) -> 
       fsdpckpt verify ckpt/checkpoint_100
       fsdpckpt verify ckpt/checkpoint_100 --expect-digest sha256:3f2a...
     """
+    from fsdpckpt._render import render_verify
     from fsdpckpt.inspection.verify import verify_checkpoint
 
     report = verify_checkpoint(path, progress=_progress(quiet, "verifying"),
                                expect_digest=expect_digest)
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps(report.to_json(), indent=2))
     else:
-        for problem in report["problems"]:
-            click.echo(f"{printable(problem['path'])}: {printable(problem['message'])}")
-        how = "every byte checked against the manifest" if report["manifest"] else \
-            "no manifest: chunk headers and data checked against their own checksums"
-        click.echo(f"{printable(path)}: {'OK' if report['ok'] else 'DAMAGED'} ({how})")
-        if report["manifest_digest"]:
-            files = f"files carry {report['digest']}" if report["digest"] else \
-                "files carry CRC-32 only: save with digest='sha256' to detect deliberate changes"
-            click.echo(f"manifest digest: {report['manifest_digest']} ({files})")
-    if not report["ok"]:
-        count = len(report["problems"])
+        click.echo(render_verify(report, path))
+    if not report.ok:
+        count = len(report.problems)
         click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in "
                    f"{printable(path)}", err=True)
         sys.exit(1)

@@ -31,7 +31,8 @@ _SHOWN = 5  # problems of one kind named in full; the rest are counted
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong with a checkpoint.
+    """One thing wrong with a checkpoint: the one problem type that :func:`check_folder`,
+    :func:`fsdpckpt.inspect_checkpoint` and :func:`fsdpckpt.verify_checkpoint` report.
 
     Attributes:
         path: the file or folder concerned.
@@ -41,8 +42,19 @@ class Problem:
     path: str
     message: str
 
+    #: Not a sequence: without this, ``__getitem__`` would make ``iter(problem)`` "work".
+    __iter__ = None
+
     def __str__(self) -> str:
         return f"{self.path}: {self.message}"
+
+    def to_json(self) -> dict[str, str]:
+        """``{"path": ..., "message": ...}``: the form ``--json`` prints."""
+        return {"path": self.path, "message": self.message}
+
+    def __getitem__(self, key: str) -> str:
+        """``problem["message"]``, as when problems were dicts; prefer ``problem.message``."""
+        return self.to_json()[key]
 
 
 def _overlaps(a: Chunk, b: Chunk) -> bool:

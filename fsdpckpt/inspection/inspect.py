@@ -1,7 +1,8 @@
-"""``inspect``: what a checkpoint holds and whether its structure is whole, as one JSON-able dict.
+"""``inspect``: what a checkpoint holds and whether its structure is whole.
 
 Reads only ``.metadata`` (through the allowlist) and file sizes, so it is fast
-and never imports torch. :func:`inspect_checkpoint` returns the document that
+and never imports torch. :func:`inspect_checkpoint` returns an
+:class:`~fsdpckpt.inspection.report.InspectReport`, whose ``to_json()`` is the document
 ``fsdpckpt inspect --json`` prints; :mod:`fsdpckpt._render` draws it for people.
 """
 
@@ -10,12 +11,13 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
 
 from fsdpckpt.dcp.checks import Problem, check_folder, known_world_size
 from fsdpckpt.dcp.layout import DcpPart, find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
 from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
+from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport
 
 __all__ = ["inspect_checkpoint", "sharding_of", "name_matcher"]
 
@@ -42,7 +44,7 @@ def sharding_of(tensor: TensorEntry) -> str:
     return ", ".join(words) or f"{len(chunks)} chunks"
 
 
-def name_matcher(pattern: str | None):
+def name_matcher(pattern: str | None) -> Callable[[str], bool]:
     """A predicate for names: glob when ``pattern`` has ``*?[``, else substring; None matches
     all."""
     if not pattern:
@@ -52,48 +54,31 @@ def name_matcher(pattern: str | None):
     return lambda name: pattern in name
 
 
-def _tensor_doc(tensor: TensorEntry) -> dict[str, Any]:
-    return {
-        "name": tensor.name,
-        "dtype": tensor.dtype.name,
-        "shape": list(tensor.shape),
-        "bytes": tensor.nbytes,
-        "sharding": sharding_of(tensor),
-        "chunks": [
-            {"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file,
-             "offset": c.offset, "length": c.length}
-            for c in tensor.chunks
-        ],
-    }
+def _tensor_report(tensor: TensorEntry) -> TensorReport:
+    return TensorReport(name=tensor.name, dtype=tensor.dtype, shape=tensor.shape,
+                        bytes=tensor.nbytes, sharding=sharding_of(tensor), chunks=tensor.chunks)
 
 
-def _part_doc(part: DcpPart, folder: DcpFolder | None, keep) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "name": part.name, "kind": part.kind, "index": part.index, "path": str(part.path),
-        "complete": part.complete,
-    }
+def _part_report(part: DcpPart, folder: DcpFolder | None,
+                 keep: Callable[[str], bool]) -> PartReport:
     if folder is None:
-        return doc
+        return PartReport(part.name, part.kind, part.index, part.path, part.complete)
     meta = folder.metadata
     world, exact = known_world_size(folder)
-    doc.update({
-        "version": meta.version,
-        "world_size": world,
-        "world_size_exact": exact,
-        "bytes": folder.nbytes,
-        "tensor_bytes": sum(t.nbytes for t in meta.tensors),
-        "num_tensors": len(meta.tensors),
-        "num_objects": len(meta.objects),
-        "dtypes": dict(Counter(t.dtype.name for t in meta.tensors).most_common()),
-        "files": [{"name": f.name, "size": f.size, "rank": f.rank} for f in folder.files],
-        "tensors": [_tensor_doc(t) for t in meta.tensors if keep(t.name)],
-        "objects": [
-            {"name": o.name, "file": o.file, "offset": o.offset, "length": o.length,
-             "key_path": list(o.key_path)}
-            for o in meta.objects if keep(o.name)
-        ],
-    })
-    return doc
+    return PartReport(
+        part.name, part.kind, part.index, part.path, part.complete,
+        version=meta.version,
+        world_size=world,
+        world_size_exact=exact,
+        bytes=folder.nbytes,
+        tensor_bytes=sum(t.nbytes for t in meta.tensors),
+        num_tensors=len(meta.tensors),
+        num_objects=len(meta.objects),
+        dtypes=dict(Counter(t.dtype.name for t in meta.tensors).most_common()),
+        files=folder.files,
+        tensors=tuple(_tensor_report(t) for t in meta.tensors if keep(t.name)),
+        objects=tuple(o for o in meta.objects if keep(o.name)),
+    )
 
 
 _SHOWN_RANKS = 5  # missing ranks named in full; the rest are counted
@@ -125,7 +110,8 @@ def _missing_rng(path: str, world: int, present: set[int]) -> list[Problem]:
     return problems
 
 
-def inspect_checkpoint(path: str | os.PathLike[str], *, names: str | None = None) -> dict[str, Any]:
+def inspect_checkpoint(path: str | os.PathLike[str], *,
+                       names: str | None = None) -> InspectReport:
     """Describe the checkpoint at ``path`` and check its structure.
 
     Args:
@@ -133,17 +119,18 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, names: str | None = None
         names: keep only tensors and objects whose name matches (glob, or substring).
 
     Returns:
-        The JSON document described in ``docs/cli.md``: ``path``, ``style``, ``ok``,
+        An :class:`~fsdpckpt.inspection.report.InspectReport`: ``path``, ``style``, ``ok``,
         ``world_size``, ``bytes``, ``parts`` (each with ``tensors`` and ``objects``),
-        ``side_files``, ``other_files`` and ``problems``.
+        ``side_files``, ``other_files`` and ``problems``. Its ``to_json()`` is the document
+        ``fsdpckpt inspect --json`` prints (``docs/cli.md``).
 
     Raises:
         CheckpointNotFoundError, NotACheckpointError, UnsafePickleError: the path is
         missing or not a checkpoint, or a ``.metadata`` is garbage or hostile.
 
     Example:
-        >>> doc = inspect_checkpoint("fixtures/fsdp2_accelerate")
-        >>> doc["ok"], [p["name"] for p in doc["parts"]]
+        >>> report = inspect_checkpoint("fixtures/fsdp2_accelerate")
+        >>> report.ok, [p.name for p in report.parts]
         (True, ['pytorch_model_fsdp_0', 'optimizer_0'])
     """
     layout = find_layout(path)
@@ -158,24 +145,20 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, names: str | None = None
         else:
             problems.append(Problem(str(part.path), "no .metadata: this save never finished "
                                     "(DCP writes .metadata last); use an earlier checkpoint"))
-        parts.append(_part_doc(part, folder, keep))
+        parts.append(_part_report(part, folder, keep))
     rng_ranks = [f.rank for f in layout.files_of("rng") if f.rank is not None]
-    world = max([p.get("world_size", 0) for p in parts] + [r + 1 for r in rng_ranks] + [0])
+    world = max([p.world_size for p in parts] + [r + 1 for r in rng_ranks] + [0])
     # Every rank writes its RNG file; without them a DCP folder may only give a lower bound.
-    exact = bool(rng_ranks) or all(p.get("world_size_exact", True) for p in parts)
+    exact = bool(rng_ranks) or all(p.world_size_exact for p in parts)
     problems.extend(_missing_rng(str(layout.path), world if rng_ranks else 0, set(rng_ranks)))
-    return {
-        "path": str(layout.path),
-        "style": layout.style,
-        "ok": not problems,
-        "world_size": world,
-        "world_size_exact": exact,
-        "bytes": sum(p.get("bytes", 0) for p in parts) + sum(f.size for f in layout.side_files),
-        "parts": parts,
-        "side_files": [
-            {"name": f.name, "kind": f.kind, "rank": f.rank, "size": f.size}
-            for f in layout.side_files
-        ],
-        "other_files": list(layout.other_files),
-        "problems": [{"path": p.path, "message": p.message} for p in problems],
-    }
+    return InspectReport(
+        path=layout.path,
+        style=layout.style,
+        world_size=world,
+        world_size_exact=exact,
+        bytes=sum(p.bytes for p in parts) + sum(f.size for f in layout.side_files),
+        parts=tuple(parts),
+        side_files=layout.side_files,
+        other_files=layout.other_files,
+        problems=tuple(problems),
+    )

@@ -11,25 +11,26 @@ blocks; no tensor is ever held whole.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from fsdpckpt._io.checksums import crc32_range, file_checksums
 from fsdpckpt._io.rawio import reusing_scratch
+from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._archive import locate_tensor
+from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.dcp.reader import open_data_file, path_inside, read_dcp_folder
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.inspection.inspect import inspect_checkpoint
+from fsdpckpt.inspection.report import VerifyReport
 from fsdpckpt.training._dcp_io import stray_metadata_files
 from fsdpckpt.training.manifest import MANIFEST, data_entry_crc, manifest_digest, read_manifest
 
 __all__ = ["verify_checkpoint"]
 
-def _check_chunks(folder: Path, problems: list[dict[str, str]], *, only_file: str | None,
+def _check_chunks(folder: Path, problems: list[Problem], *, only_file: str | None,
                   expected: dict[tuple[str, str, tuple[int, ...]], int] | None,
-                  progress: Callable[[int], None] | None) -> None:
+                  progress: ProgressCallback | None) -> None:
     """Check each chunk's data against ``expected`` CRCs, or its zip's own CRC when None."""
     meta = read_dcp_folder(folder).metadata
     for tensor in meta.tensors:
@@ -50,17 +51,17 @@ def _check_chunks(folder: Path, problems: list[dict[str, str]], *, only_file: st
                 message = str(exc)
                 if not message.startswith(where):
                     message = f"{where}: {message}"
-                problems.append({"path": str(path), "message": message})
+                problems.append(Problem(str(path), message))
                 continue
             if raw.dtype.name != tensor.dtype.name or raw.shape != chunk.sizes:
-                problems.append({"path": str(path), "message":
-                                 f"{where}: holds {raw.dtype.name} {list(raw.shape)}, the "
-                                 f"metadata says {tensor.dtype.name} {list(chunk.sizes)}"})
+                problems.append(Problem(str(path), f"{where}: holds {raw.dtype.name} "
+                                        f"{list(raw.shape)}, the metadata says "
+                                        f"{tensor.dtype.name} {list(chunk.sizes)}"))
             key = (folder.name, tensor.name, chunk.offsets)
             want = expected.get(key, stored) if expected else stored
             if actual != want:
-                problems.append({"path": str(path), "message":
-                                 f"{where}: data does not match its checksum (a changed byte)"})
+                problems.append(Problem(str(path), f"{where}: data does not match its "
+                                        "checksum (a changed byte)"))
 
 
 def _chunk_bytes(folders: list[Path]) -> tuple[int, int]:
@@ -88,86 +89,89 @@ def _walk(root: Path) -> tuple[list[str], list[str]]:
     return sorted(found), sorted(linked)
 
 
-def _check_digest(root: Path, expect: str, problems: list[dict[str, str]]) -> str | None:
+def _check_digest(root: Path, expect: str, problems: list[Problem]) -> str | None:
     """Compare the manifest's digest with ``expect``; return the digest (None: no manifest)."""
     want = expect if expect.startswith("sha256:") else "sha256:" + expect
     try:
         actual = manifest_digest(root)
     except FsdpCkptError as exc:
-        problems.append({"path": str(root / MANIFEST), "message": f"{exc}; --expect-digest "
-                         "needs a checkpoint saved with a manifest"})
+        problems.append(Problem(str(root / MANIFEST), f"{exc}; --expect-digest "
+                         "needs a checkpoint saved with a manifest"))
         return None
     if actual != want.lower():
-        problems.append({"path": str(root / MANIFEST), "message": f"manifest digest is "
+        problems.append(Problem(str(root / MANIFEST), f"manifest digest is "
                          f"{actual}, not the expected {want}: this is not the checkpoint whose "
-                         "digest you kept (or the manifest was changed)"})
+                         "digest you kept (or the manifest was changed)"))
     return actual
 
 
 @reusing_scratch()  # one read buffer for every chunk and file checked
 def verify_checkpoint(path: str | os.PathLike[str], *,
-                      progress: Callable[[int, int], Callable[[int], None]] | None = None,
-                      expect_digest: str | None = None) -> dict[str, Any]:
+                      progress: ProgressFactory | None = None,
+                      expect_digest: str | None = None) -> VerifyReport:
     """Check the structure and every byte of the checkpoint at ``path``.
 
     Args:
         path: a DCP folder, or a checkpoint folder in Accelerate's or HF Trainer's layout.
-        progress: as for :func:`fsdpckpt.merge`: ``progress(total_bytes, files)`` is called
-            once, before any data is read, with the bytes verify will read (from the
-            manifest's file sizes, or without one the metadata's chunk sizes) and the number
-            of data files; the callback it returns is given byte counts as they are read.
+        progress: a progress factory, as for :func:`fsdpckpt.merge` (see
+            :mod:`fsdpckpt._progress`): ``progress(total_bytes, files)`` is called once,
+            before any data is read, with the bytes verify will read (from the manifest's
+            file sizes, or without one the metadata's chunk sizes) and the number of data
+            files; the callback it returns is given byte counts as they are read.
         expect_digest: the manifest digest kept from the save (``"sha256:<hex>"``, as
             :func:`fsdpckpt.training.manifest.manifest_digest` gives it). Any difference is a
             problem. With a manifest saved with ``digest="sha256"``, this pins every byte
             of every file the manifest lists, and strays are reported besides.
 
     Returns:
-        ``{"path", "ok", "manifest": bool, "manifest_digest": str | None, "digest": the
-        file digest the manifest carries or None, "problems": [{"path", "message"}]}``.
+        A :class:`~fsdpckpt.inspection.report.VerifyReport`: ``path``, ``ok``, ``manifest``
+        (whether one was checked against), ``manifest_digest``, ``digest`` (the file digest
+        the manifest carries, or None) and ``problems``. Its ``to_json()`` is the document
+        ``fsdpckpt verify --json`` prints.
 
     Example:
         >>> report = verify_checkpoint("ckpt/checkpoint_100")
-        >>> report["ok"]
+        >>> report.ok
         True
     """
     root = Path(path)
     layout = find_layout(root)
-    problems: list[dict[str, str]] = []
+    problems: list[Problem] = []
     try:
-        problems += inspect_checkpoint(root)["problems"]
+        problems += inspect_checkpoint(root).problems
     except FsdpCkptError as exc:
-        problems.append({"path": str(root), "message": str(exc)})
+        problems.append(Problem(str(root), str(exc)))
     digest = _check_digest(root, expect_digest, problems) if expect_digest else None
     try:
         manifest = read_manifest(root) if layout.style != "dcp" else None
     except FsdpCkptError as exc:
         if not expect_digest:
             raise
-        problems.append({"path": str(root / MANIFEST), "message": str(exc)})
+        problems.append(Problem(str(root / MANIFEST), str(exc)))
         return _report(root, problems, manifest=True, digest=digest, file_digest=None)
     folders = [p.path for p in layout.parts if p.complete]
     for folder in folders:  # never part of a committed checkpoint; load_state refuses them
         for stray in stray_metadata_files(folder):
-            problems.append({"path": str(stray), "message": "stray rank-local DCP metadata "
+            problems.append(Problem(str(stray), "stray rank-local DCP metadata "
                              "file: not part of a committed checkpoint, and torch's loader "
-                             "would unpickle it without an allowlist; delete it"})
+                             "would unpickle it without an allowlist; delete it"))
     if manifest is None:
-        callback = progress(*_chunk_bytes(folders)) if progress else None
+        callback = start_progress(progress, *_chunk_bytes(folders)) if progress else None
         for folder in folders:
             _check_chunks(folder, problems, only_file=None, expected=None, progress=callback)
         return _report(root, problems, manifest=False, digest=digest, file_digest=None)
 
     file_digest = manifest.get("digest")  # schema-checked: None, or one of DIGESTS
-    named = {p["path"] for p in problems}  # stray metadata files are named above already
+    named = {p.path for p in problems}  # stray metadata files are named above already
     files, linked_folders = _walk(root)
     for name in files:
         if name != MANIFEST and name not in manifest["files"] and str(root / name) not in named:
-            problems.append({"path": str(root / name), "message": "stray file: not in the "
-                             "manifest, so not part of this checkpoint as it was written"})
+            problems.append(Problem(str(root / name), "stray file: not in the "
+                             "manifest, so not part of this checkpoint as it was written"))
     for name in linked_folders:  # fsdpckpt never writes links: someone added this one
-        problems.append({"path": str(root / name), "message": "stray folder (a symlink to "
+        problems.append(Problem(str(root / name), "stray folder (a symlink to "
                          f"{os.path.realpath(root / name)}): not in the manifest, so not part "
-                         "of this checkpoint as it was written"})
+                         "of this checkpoint as it was written"))
     expected = {(folder, c["tensor"], tuple(c["offsets"])): c["crc32"]
                 for folder, chunks in manifest.get("chunks", {}).items() for c in chunks}
     listed = {name: (info["size"], info["crc32"], info.get(file_digest) if file_digest else None)
@@ -178,26 +182,26 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         try:
             path_inside(root, name)  # a manifest may not send us outside the checkpoint
         except FsdpCkptError as exc:
-            problems.append({"path": str(file), "message": str(exc)})
+            problems.append(Problem(str(file), str(exc)))
             continue
         if not file.is_file():
-            problems.append({"path": str(file), "message": "missing file listed in the manifest"})
+            problems.append(Problem(str(file), "missing file listed in the manifest"))
             continue
         size = file.stat().st_size
         if size != want_size:
-            problems.append({"path": str(file), "message": f"size {size}, the manifest says "
-                             f"{want_size}: the file is truncated or was changed"})
+            problems.append(Problem(str(file), f"size {size}, the manifest says "
+                             f"{want_size}: the file is truncated or was changed"))
             continue
         whole.append((file, want_crc, want_digest))
-    callback = progress(sum(f.stat().st_size for f, *_ in whole), len(whole)) if progress \
-        else None
+    callback = start_progress(progress, sum(f.stat().st_size for f, *_ in whole),
+                              len(whole)) if progress else None
     for file, want_crc, want_digest in whole:
         _size, crc, actual_digest = file_checksums(file, callback, file_digest)
         if crc == want_crc and actual_digest != want_digest:
             # CRC-32 kept, digest not: a change made to look unchanged.
-            problems.append({"path": str(file), "message": f"contents do not match the "
+            problems.append(Problem(str(file), f"contents do not match the "
                              f"manifest's {file_digest} although the CRC-32 matches: the file "
-                             "was changed deliberately; do not load it"})
+                             "was changed deliberately; do not load it"))
         elif crc != want_crc:
             folder = file.parent
             before = len(problems)
@@ -206,15 +210,15 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
                 _check_chunks(folder, problems, only_file=file.name, expected=expected,
                               progress=None)
             if len(problems) == before:
-                problems.append({"path": str(file), "message": "contents do not match the "
-                                 "manifest's checksum (a changed byte outside tensor data)"})
+                problems.append(Problem(str(file), "contents do not match the "
+                                 "manifest's checksum (a changed byte outside tensor data)"))
     return _report(root, problems, manifest=True, digest=digest, file_digest=file_digest)
 
 
-def _report(root: Path, problems: list[dict[str, str]], *, manifest: bool, digest: str | None,
-            file_digest: str | None) -> dict[str, Any]:
+def _report(root: Path, problems: list[Problem], *, manifest: bool, digest: str | None,
+            file_digest: str | None) -> VerifyReport:
     if manifest and digest is None:
         digest = manifest_digest(root)
-    problems = list({(p["path"], p["message"]): p for p in problems}.values())
-    return {"path": str(root), "ok": not problems, "manifest": manifest,
-            "manifest_digest": digest, "digest": file_digest, "problems": problems}
+    # Each problem once (a file may be reached twice), in the order first found.
+    return VerifyReport(path=root, manifest=manifest, manifest_digest=digest,
+                        digest=file_digest, problems=tuple(dict.fromkeys(problems)))

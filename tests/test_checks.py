@@ -70,3 +70,41 @@ def test_missing_rank_file_is_reported_once(dtensor_copy):
     (problem,) = check_folder(read_dcp_folder(dtensor_copy))
     assert problem.path == str(dtensor_copy / "__1_0.distcp")
     assert "missing file" in problem.message and "more" in problem.message
+
+
+# --- Problem: the one problem type -----------------------------------------------------------
+
+def test_a_problem_reads_as_path_colon_message():
+    from fsdpckpt.dcp.checks import Problem
+
+    assert str(Problem("ck/a", "gap")) == "ck/a: gap"
+
+
+def test_a_problem_to_json_is_path_and_message_in_that_order():
+    from fsdpckpt.dcp.checks import Problem
+
+    assert list(Problem("ck/a", "gap").to_json().items()) == [("path", "ck/a"),
+                                                             ("message", "gap")]
+
+
+def test_a_problem_is_still_read_by_key_as_when_it_was_a_dict():
+    import pytest
+
+    from fsdpckpt.dcp.checks import Problem
+
+    problem = Problem("ck/a", "gap")
+    assert (problem["path"], problem["message"]) == ("ck/a", "gap")
+    with pytest.raises(KeyError):
+        problem["detail"]
+    with pytest.raises(TypeError):
+        iter(problem)
+
+
+def test_inspect_and_check_folder_report_the_same_problem_type(dtensor_copy):
+    from fsdpckpt.dcp.checks import Problem
+    from fsdpckpt.inspection.inspect import inspect_checkpoint
+
+    (dtensor_copy / "__1_0.distcp").unlink()
+    found = check_folder(read_dcp_folder(dtensor_copy))
+    report = inspect_checkpoint(dtensor_copy)
+    assert report.problems == tuple(found) and all(type(p) is Problem for p in found)

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+import fsdpckpt
+
 from conftest import DCP_FOLDERS, FIXTURES, assert_one_line_error, hostile_pickle
 from conftest import run_cli as run
 
@@ -63,6 +65,57 @@ def test_json_is_one_document_with_the_documented_fields():
     tensor = model["tensors"][0]
     assert tensor["name"].startswith("model.") and tensor["dtype"] == "float32"
     assert set(tensor["chunks"][0]) == {"offsets", "sizes", "file", "offset", "length"}
+
+
+def test_inspect_checkpoint_returns_a_typed_report():
+    from fsdpckpt import InspectReport, PartReport, TensorReport
+
+    report = fsdpckpt.inspect_checkpoint(FIXTURES / "fsdp2_accelerate")
+    assert isinstance(report, InspectReport) and report.ok and report.world_size == 2
+    model = report.parts[0]
+    assert isinstance(model, PartReport) and model.name == "pytorch_model_fsdp_0"
+    assert model.num_tensors == len(model.tensors) > 0 and model.world_size == 2
+    assert isinstance(model.tensors[0], TensorReport)
+    assert model.tensors[0].dtype.name == "float32" and model.tensors[0].sharding
+
+
+def test_json_prints_the_reports_to_json_byte_for_byte(accelerate_ckpt):
+    (accelerate_ckpt / "optimizer_0" / ".metadata").unlink()  # an incomplete part, a problem
+    result = run("inspect", accelerate_ckpt, "--json")
+    report = fsdpckpt.inspect_checkpoint(accelerate_ckpt)
+    assert result.stdout == json.dumps(report.to_json(), indent=2) + "\n"
+
+
+def test_json_keys_keep_their_order():
+    doc = fsdpckpt.inspect_checkpoint(FIXTURES / "fsdp2_accelerate").to_json()
+    assert list(doc) == ["path", "style", "ok", "world_size", "world_size_exact", "bytes",
+                         "parts", "side_files", "other_files", "problems"]
+    assert list(doc["parts"][0]) == [
+        "name", "kind", "index", "path", "complete", "version", "world_size",
+        "world_size_exact", "bytes", "tensor_bytes", "num_tensors", "num_objects", "dtypes",
+        "files", "tensors", "objects"]
+    assert list(doc["parts"][0]["tensors"][0]) == ["name", "dtype", "shape", "bytes",
+                                                   "sharding", "chunks"]
+    assert list(doc["side_files"][0]) == ["name", "kind", "rank", "size"]
+    assert list(doc["parts"][0]["files"][0]) == ["name", "size", "rank"]
+
+
+def test_an_incomplete_part_has_only_its_identity_in_json(accelerate_ckpt):
+    (accelerate_ckpt / "optimizer_0" / ".metadata").unlink()
+    report = fsdpckpt.inspect_checkpoint(accelerate_ckpt)
+    optimizer = report.parts[1]
+    assert not optimizer.complete and optimizer.num_tensors == 0 and optimizer.tensors == ()
+    assert list(optimizer.to_json()) == ["name", "kind", "index", "path", "complete"]
+
+
+def test_the_report_is_still_read_by_key_as_the_dict_it_was():
+    report = fsdpckpt.inspect_checkpoint(FIXTURES / "fsdp2_accelerate")
+    assert report["ok"] is True and report["world_size"] == 2 and report["problems"] == []
+    assert report["parts"][0]["tensors"][0]["name"] == report.parts[0].tensors[0].name
+    with pytest.raises(KeyError):
+        report["no_such_key"]
+    with pytest.raises(TypeError):
+        iter(report)
 
 
 def test_python_dash_m_and_console_script_agree():

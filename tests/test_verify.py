@@ -97,6 +97,42 @@ def test_json_report_lists_every_problem(saved):
                                                     str(saved / "stray.txt")}
 
 
+def test_verify_checkpoint_returns_a_typed_report_of_problems(saved):
+    from fsdpckpt import Problem, VerifyReport
+
+    (saved / "random_states_0.pkl").unlink()
+    report = fsdpckpt.verify_checkpoint(saved)
+    assert isinstance(report, VerifyReport) and not report.ok and report.manifest
+    assert report.manifest_digest.startswith("sha256:") and report.digest is None
+    assert Problem(str(saved / "random_states_0.pkl"), "missing file listed in the manifest") \
+        in report.problems
+    assert all(type(p) is Problem for p in report.problems)
+
+
+def test_verify_json_prints_the_reports_to_json_byte_for_byte(saved):
+    (saved / "stray.txt").write_text("x")
+    result = run("verify", saved, "--json")
+    report = fsdpckpt.verify_checkpoint(saved)
+    assert result.stdout == json.dumps(report.to_json(), indent=2) + "\n"
+    assert list(report.to_json()) == ["path", "ok", "manifest", "manifest_digest", "digest",
+                                      "problems"]
+
+
+def test_the_verify_report_is_still_read_by_key_as_the_dict_it_was(saved):
+    (saved / "stray.txt").write_text("x")
+    report = fsdpckpt.verify_checkpoint(saved)
+    assert report["ok"] is False and report["manifest"] is True
+    assert report["problems"] == [{"path": str(saved / "stray.txt"), "message": "stray file: "
+                                   "not in the manifest, so not part of this checkpoint as it "
+                                   "was written"}]
+
+
+def test_each_problem_is_reported_once(saved):
+    (saved / "pytorch_model_fsdp_0" / "__0_0.distcp").unlink()  # inspect and verify both see it
+    report = fsdpckpt.verify_checkpoint(saved)
+    assert len(report.problems) == len(set(report.problems)) > 0
+
+
 def test_without_manifest_the_fixtures_pass(tmp_path):
     for name in ("fsdp2_accelerate", "fsdp1", "dtensor"):
         result = run("verify", FIXTURES / name)

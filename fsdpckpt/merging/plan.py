@@ -128,7 +128,7 @@ def parse_size(text: str | int) -> int:
     unit = value[len(number):]
     try:
         size = int(float(number) * _UNITS[unit])
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, OverflowError):  # OverflowError: "inf", "1e400"
         raise MergePlanError(f"cannot read the size {text!r}; write it like 5GB, 500MB or 2GiB") \
             from None
     if size <= 0:

@@ -8,6 +8,7 @@ every chunk's bytes at its final offset. A new format is a new module here.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,14 +65,51 @@ class FileLayout:
 
 
 class OutputFormat(ABC):
-    """One way of writing a merged state dict to a file."""
+    """One way of writing a merged state dict to a file.
+
+    A format answers every question the merge has about it: its file names (from a
+    stem such as ``model`` or ``optimizer``), which dtypes and names it can hold,
+    and where each tensor's bytes go (:meth:`layout`). The planner and the writer
+    never switch on a format's name.
+    """
 
     #: The ``--format`` name.
     name: str
+    #: The file name suffix, without the dot.
+    suffix: str
     #: The file name Accelerate (or HF) gives a single-file output of a model.
     model_file: str
     #: Whether :meth:`finish` needs the CRC-32 of each tensor's bytes.
     needs_crc: bool = False
+
+    def file_stem(self, kind: str) -> str:
+        """The base of the file names for a merge of ``kind`` (``model``, ``optimizer``)."""
+        return kind
+
+    def single_file_name(self, stem: str) -> str:
+        """The one file of an unsharded merge: ``model.safetensors``."""
+        return f"{stem}.{self.suffix}"
+
+    def shard_file_name(self, stem: str, number: int, count: int) -> str:
+        """Shard ``number`` (from 1) of ``count``: ``model-00001-of-00003.safetensors``."""
+        return f"{stem}-{number:05d}-of-{count:05d}.{self.suffix}"
+
+    def index_file_name(self, stem: str) -> str:
+        """The HF index of a sharded merge: ``model.safetensors.index.json``."""
+        return f"{stem}.{self.suffix}.index.json"
+
+    def is_shard_file_name(self, stem: str, name: str) -> bool:
+        """Whether ``name`` is one of our shard names under ``stem`` (any number, any count)."""
+        pattern = rf"{re.escape(stem)}-\d{{5,}}-of-\d{{5,}}\.{re.escape(self.suffix)}"
+        return re.fullmatch(pattern, name) is not None
+
+    def can_hold(self, dtype: DType) -> bool:
+        """Whether a tensor of ``dtype`` can be written. Default: any."""
+        return True
+
+    def name_problem(self, stored: str, name: str) -> str | None:
+        """Why the tensor ``stored`` cannot take the output ``name``, or None. Default: None."""
+        return None
 
     @abstractmethod
     def layout(self, tensors: Sequence[TensorSpec], objects: Sequence[ObjectValue], *,
@@ -84,6 +122,16 @@ class OutputFormat(ABC):
 
     def finish(self, fd: int, layout: FileLayout, crcs: Mapping[str, int]) -> None:  # noqa: B027
         """Write anything that depends on the data (checksums, a trailer). Default: nothing."""
+
+    # Formats hold no state: two instances of one format are the same format.
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+    def __repr__(self) -> str:
+        return f"get_format({self.name!r})"
 
 
 def get_format(name: str) -> OutputFormat:

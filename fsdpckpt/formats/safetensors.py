@@ -13,9 +13,13 @@ import struct
 from collections.abc import Sequence
 
 import fsdpckpt.dcp._objects as objects_codec
+from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.formats import FileLayout, ObjectValue, OutputFormat, TensorSpec
 
-__all__ = ["SafetensorsFormat", "OBJECTS_KEY", "KEY_PATHS_KEY"]
+__all__ = ["SafetensorsFormat", "OBJECTS_KEY", "KEY_PATHS_KEY", "RESERVED_NAME"]
+
+#: The header key that holds the file's metadata; no tensor may take it.
+RESERVED_NAME = "__metadata__"
 
 #: safetensors metadata key holding the non-tensor entries as JSON ``{name: value}``.
 OBJECTS_KEY = "fsdpckpt.objects"
@@ -25,7 +29,20 @@ KEY_PATHS_KEY = "fsdpckpt.key_paths"
 
 class SafetensorsFormat(OutputFormat):
     name = "safetensors"
+    suffix = "safetensors"
     model_file = "model.safetensors"
+
+    def can_hold(self, dtype: DType) -> bool:
+        return dtype.safetensors is not None
+
+    def name_problem(self, stored: str, name: str) -> str | None:
+        if name != RESERVED_NAME:
+            return None
+        # safetensors reads this header key as the file's metadata: the file would be
+        # unreadable. (Objects live inside the metadata, so their names are free.)
+        return (f"tensor '{stored}' would be named '{RESERVED_NAME}', which safetensors "
+                f"reserves for its header; leave it out with --exclude '{RESERVED_NAME}', or "
+                "use --format bin")
 
     def layout(self, tensors: Sequence[TensorSpec], objects: Sequence[ObjectValue], *,
                nested: bool) -> FileLayout:
@@ -37,7 +54,7 @@ class SafetensorsFormat(OutputFormat):
             paths.update({o.name: list(o.key_path) for o in objects})
             metadata[KEY_PATHS_KEY] = json.dumps(paths, separators=(",", ":"))
         ordered = sorted(tensors, key=lambda t: (-t.dtype.itemsize, t.name))
-        header: dict[str, object] = {"__metadata__": metadata}
+        header: dict[str, object] = {RESERVED_NAME: metadata}
         relative, end = {}, 0
         for spec in ordered:
             if spec.dtype.safetensors is None:

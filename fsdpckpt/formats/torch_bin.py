@@ -177,8 +177,12 @@ def _end_records(entries: list[_Entry], cd_offset: int, cd_size: int) -> bytes:
 
 class TorchBinFormat(OutputFormat):
     name = "bin"
+    suffix = "bin"
     model_file = "pytorch_model.bin"
     needs_crc = True
+
+    def file_stem(self, kind: str) -> str:
+        return "pytorch_model" if kind == "model" else kind  # HF's name for torch.save weights
 
     def layout(self, tensors: Sequence[TensorSpec], objects: Sequence[ObjectValue], *,
                nested: bool) -> FileLayout:

@@ -14,20 +14,19 @@ the tensor (a transposed 2.4 GB chunk used to be held whole, three times).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Protocol
 
 from fsdpckpt._io.rawio import copy_range, pread_into, pwrite_all, scratch
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
+from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
-from fsdpckpt.dcp.reader import open_data_file
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
 from fsdpckpt.merging._casts import cast_block, fast_cast
+from fsdpckpt.merging._runs import Runs, chunk_runs
 
-__all__ = ["place_chunk", "place_stored_chunk", "tiles", "DataFiles", "FileSink", "MemorySink"]
+__all__ = ["place_chunk", "place_stored_chunk", "tiles", "FileSink", "MemorySink"]
 
 # Stored bytes read for one tile, and output bytes made by one tile. With torch
 # imported (about 220 MB here) two such buffers keep a merge under 300 MB.
@@ -76,11 +75,7 @@ class MemorySink:
             progress(count)
 
 
-def _runs(shape: Sequence[int], offsets: Sequence[int],
-          sizes: Sequence[int]) -> tuple[int, Sequence[int]]:
-    # Deferred import: plan imports formats, which must not need this module first.
-    from fsdpckpt.merging.plan import chunk_runs
-
+def _runs(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> Runs:
     return chunk_runs(shape, Chunk(tuple(offsets), tuple(sizes), None, 0, 0))
 
 
@@ -220,7 +215,7 @@ def _place_tiled(src: int, raw: RawTensor, chunk: Chunk, run: int, starts: Seque
             progress(numel * out_size)
 
 
-def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: tuple[int, Sequence[int]],
+def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: Runs,
                 out: DType, dst: int | Sink, tensor_start: int, *, source: str,
                 progress: Callable[[int], None] | None = None) -> None:
     """Write one chunk's elements at their place in the output tensor.
@@ -229,7 +224,7 @@ def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: tuple[int, Sequenc
         src: the open data file holding the chunk.
         raw: where the chunk's storage is, and its dtype, shape and strides.
         chunk: the chunk, as the metadata places it.
-        runs: :func:`fsdpckpt.merging.plan.chunk_runs` of the chunk in its tensor.
+        runs: :func:`fsdpckpt.merging._runs.chunk_runs` of the chunk in its tensor.
         out: the output dtype.
         dst: the open output file, or a :class:`MemorySink`.
         tensor_start: byte offset of the output tensor's first element.
@@ -253,53 +248,29 @@ def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: tuple[int, Sequenc
         _place_tiled(src, raw, chunk, run, starts, out, sink, tensor_start, source, progress)
 
 
-class DataFiles:
-    """The data files of one DCP folder, each opened once and only from inside the folder.
-
-    Use as a context manager; every file opened is closed at its end.
-    """
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self._fds: dict[str, int] = {}
-
-    def fd(self, name: str) -> int:
-        if name not in self._fds:
-            self._fds[name] = open_data_file(self.folder, name)
-        return self._fds[name]
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-    def __enter__(self) -> DataFiles:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
-
-
-def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, out: DType,
-                       dst: int | Sink, tensor_start: int, *,
+def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs: Runs,
+                       out: DType, dst: int | Sink, tensor_start: int, *,
                        progress: Callable[[int], None] | None = None) -> None:
     """Find ``chunk`` of ``tensor`` in its data file, check it, and place it (:func:`place_chunk`).
+
+    Args:
+        files: the open data files of the tensor's folder.
+        tensor, chunk: the stored tensor and the chunk of it to place.
+        runs: :func:`fsdpckpt.merging._runs.chunk_runs` of the chunk (a plan carries them).
+        out, dst, tensor_start, progress: as for :func:`place_chunk`.
 
     Raises:
         NotACheckpointError: the metadata gives the chunk no storage entry.
         CorruptCheckpointError: its archive is damaged or holds another dtype than the metadata.
     """
-    from fsdpckpt.merging.plan import chunk_runs  # deferred, as in _runs
-
     source = f"{files.folder / str(chunk.file)} (tensor '{tensor.name}' chunk at " \
              f"{list(chunk.offsets)})"
     if chunk.file is None:
         raise NotACheckpointError(f"{source}: the metadata has no storage entry")
-    src = files.fd(chunk.file)
-    with os.fdopen(os.dup(src), "rb") as handle:
-        raw = locate_tensor(handle, chunk.offset, chunk.length, source=source)
+    data = files.open(chunk.file)
+    raw = locate_tensor(data.file, chunk.offset, chunk.length, source=source)
     if raw.dtype.name != tensor.dtype.name:
         raise CorruptCheckpointError(f"{source}: holds {raw.dtype.name}, the metadata says "
                                      f"{tensor.dtype.name}")
-    place_chunk(src, raw, chunk, chunk_runs(tensor.shape, chunk), out, dst, tensor_start,
-                source=source, progress=progress)
+    place_chunk(data.fd, raw, chunk, runs, out, dst, tensor_start, source=source,
+                progress=progress)

@@ -15,6 +15,7 @@ from typing import Any
 
 from fsdpckpt._io.jsonio import loads_json
 from fsdpckpt._io.rawio import reusing_scratch
+from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._nesting import unflatten
 from fsdpckpt.dcp._objects import loads, read_object, to_torch, torch_load_allowlisted
 from fsdpckpt.dcp.checks import check_folder
@@ -22,7 +23,8 @@ from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.reader import is_dcp_folder, read_dcp_folder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from fsdpckpt.formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
-from fsdpckpt.merging._copy import DataFiles, MemorySink, place_stored_chunk
+from fsdpckpt.merging._copy import MemorySink, place_stored_chunk
+from fsdpckpt.merging._runs import chunk_runs
 
 __all__ = ["load_full_state_dict", "shard_files"]
 
@@ -57,15 +59,15 @@ def _from_dcp(path: Path) -> dict[Any, Any]:
             full, sink = _empty(tensor.dtype, tensor.shape)
             for chunk in tensor.chunks:
                 # Straight into the tensor's memory: nothing is held but the tensor itself.
-                place_stored_chunk(files, tensor, chunk, tensor.dtype, sink, 0)
+                place_stored_chunk(files, tensor, chunk, chunk_runs(tensor.shape, chunk),
+                                   tensor.dtype, sink, 0)
             items.append((tensor.key_path, full))
         for obj in folder.metadata.objects:
             if obj.file is None:
                 raise NotACheckpointError(f"{path}: object '{obj.name}' has no storage entry "
                                           "in .metadata")
-            with os.fdopen(os.dup(files.fd(obj.file)), "rb") as handle:
-                value = read_object(handle, obj, source=str(path / str(obj.file)))
-                items.append((obj.key_path, to_torch(value)))
+            value = read_object(files.open(obj.file).file, obj, source=str(path / str(obj.file)))
+            items.append((obj.key_path, to_torch(value)))
     return unflatten(items)
 
 

@@ -4,35 +4,40 @@
 has Accelerate's exact signature and output names, so switching is one word.
 Both stream: tensor bytes go from the rank files to their final offsets without
 the state dict ever being held in memory.
+
+:func:`merge` is a driver over four one-way stages, each plain data in and out:
+
+1. validate (:func:`~fsdpckpt.merging._validate.validate_merge`): options and sources
+   -> :class:`~fsdpckpt.merging._validate.MergeRequest`;
+2. plan (:func:`plan_job`): request -> :class:`MergeJob` (one
+   :class:`~fsdpckpt.merging.plan.MergePlan` per folder, from metadata alone, and the
+   earlier outputs it replaces);
+3. write (:func:`write_job`): job -> a :class:`StagedPlan` per plan, in a staging folder;
+4. commit (:func:`commit_job`): staged files -> their final names, one
+   :class:`MergeResult` per folder.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from fsdpckpt._io.jsonio import parse_json
-from fsdpckpt.dcp.checks import check_folder
-from fsdpckpt.dcp.layout import DcpPart, find_layout
-from fsdpckpt.dcp.reader import read_dcp_folder
-from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
-from fsdpckpt.merging.plan import MergePlan, MergePlanError, parse_dtype, parse_size, plan_merge
-from fsdpckpt.merging.writer import (
-    OutputExistsError,
-    commit,
-    output_paths,
-    sigterm_interrupts,
-    staging,
-    write_plan,
-)
+from fsdpckpt.dcp.layout import find_layout
+from fsdpckpt.errors import NotACheckpointError
+from fsdpckpt.merging._outputs import claim_outputs
+from fsdpckpt.merging._validate import MergeRequest, resolve_folders, validate_merge
+from fsdpckpt.merging.plan import MergePlan, parse_dtype, plan_merge
+from fsdpckpt.merging.writer import commit, sigterm_interrupts, staging, write_plan
 
-__all__ = ["merge", "merge_fsdp_weights", "MergeResult", "resolve_folders", "parse_dtype"]
+__all__ = ["merge", "merge_fsdp_weights", "MergeResult", "resolve_folders", "parse_dtype",
+           "MergeJob", "StagedPlan", "plan_job", "write_job", "commit_job"]
+
+#: ``progress(total_bytes, files)`` returns a callback given byte counts as they are written.
+ProgressFactory = Callable[[int, int], Callable[[int], None]]
 
 
 @dataclass(frozen=True)
@@ -59,55 +64,78 @@ class MergeResult:
         return self.files[-1]
 
 
-def resolve_folders(checkpoint: str | os.PathLike[str], *, optimizer: bool = False,
-                    model_index: int | None = None) -> list[DcpPart]:
-    """The DCP folders a merge of ``checkpoint`` means.
+@dataclass(frozen=True)
+class MergeJob:
+    """The plan stage's output: everything the write and commit stages do.
 
-    A DCP folder means itself. A whole checkpoint means its model folder (the one
-    numbered ``model_index`` when there are several), plus its optimizer folder
-    with ``optimizer=True``. A folder holding only an optimizer means that.
+    Attributes:
+        plans: one plan per DCP folder merged, in order.
+        output_dir: the output folder (not a file; created by the write stage).
+        replaced: earlier outputs of ours in another layout, removed at commit.
+    """
+
+    plans: tuple[MergePlan, ...]
+    output_dir: Path
+    replaced: tuple[Path, ...]
+
+
+@dataclass(frozen=True)
+class StagedPlan:
+    """The write stage's output for one plan: its files in the staging folder, the index last."""
+
+    plan: MergePlan
+    files: tuple[Path, ...]
+    seconds: float
+
+
+def plan_job(request: MergeRequest) -> MergeJob:
+    """The plan stage: a :class:`MergePlan` per source, from metadata alone, and the
+    output files claimed (:func:`~fsdpckpt.merging._outputs.claim_outputs`).
 
     Raises:
-        NotACheckpointError: the choice is ambiguous or absent; the message lists
-            the folders to pass.
+        MergePlanError: the options cannot apply to a folder, or two plans collide.
+        OutputExistsError: an output exists and ``overwrite`` was not given.
     """
-    layout = find_layout(checkpoint)
-    if layout.style == "dcp":
-        return list(layout.parts)
-    incomplete = [p for p in layout.parts if not p.complete]
-    models = [p for p in layout.parts if p.kind == "model"]
-    optimizers = [p for p in layout.parts if p.kind == "optimizer"]
-    choose = ", ".join(str(p.path) for p in layout.parts)
-    if model_index is not None:
-        models = [p for p in models if p.index == model_index]
-        optimizers = [p for p in optimizers if p.index == model_index]
-        if not models:
-            raise NotACheckpointError(f"{layout.path}: no pytorch_model_fsdp_{model_index}/; "
-                                      f"it holds {choose}")
-    if len(models) > 1:
-        raise NotACheckpointError(f"{layout.path}: holds {len(models)} models; choose one with "
-                                  f"--model-index, or pass one of: {choose}")
-    if not models and len(optimizers) == 1 and not optimizer:
-        chosen = optimizers
-    elif not models:
-        raise NotACheckpointError(f"{layout.path}: has no model folder to merge; pass one of: "
-                                  f"{choose}")
-    else:
-        chosen = models + (optimizers[:1] if optimizer else [])
-        if optimizer and not optimizers:
-            raise NotACheckpointError(f"{layout.path}: has no optimizer folder to merge")
-    for part in chosen:
-        if part in incomplete:
-            raise NotACheckpointError(f"{part.path}: no .metadata, so this save never finished; "
-                                      "use an earlier checkpoint")
-    return chosen
+    opts = request.options
+    plans = tuple(plan_merge(source.folder, format=opts.format, dtype=opts.dtype,
+                             clean_keys=opts.clean_keys, include=opts.include,
+                             exclude=opts.exclude, max_shard_size=opts.max_shard_size,
+                             stem=source.kind, file_name=opts.file_name)
+                  for source in request.sources)
+    replaced = claim_outputs(plans, request.output_dir, overwrite=opts.overwrite)
+    return MergeJob(plans, request.output_dir, replaced)
 
 
-def _stem(part: DcpPart, plan_keys: Sequence[tuple]) -> str:
-    if part.kind == "optimizer" or (plan_keys and all(k and k[0] == "optimizer"
-                                                      for k in plan_keys)):
-        return "optimizer"
-    return "model"
+def write_job(job: MergeJob, stage: Path, progress: ProgressFactory | None = None
+              ) -> list[StagedPlan]:
+    """The write stage: every plan of ``job`` into the staging folder ``stage``.
+
+    Raises:
+        DiskFullError: the file system cannot hold the output.
+        CorruptCheckpointError, CheckpointNotFoundError: a data file is damaged or missing.
+    """
+    staged = []
+    for plan in job.plans:
+        start = time.perf_counter()
+        callback = progress(plan.tensor_bytes, len(plan.files)) if progress else None
+        written = write_plan(plan, stage, progress=callback)
+        staged.append(StagedPlan(plan, tuple(written), time.perf_counter() - start))
+    return staged
+
+
+def commit_job(job: MergeJob, staged: Sequence[StagedPlan]) -> list[MergeResult]:
+    """The commit stage: rename every staged file into place, then remove the earlier
+    outputs the new ones replace (only now that they are in place)."""
+    results = []
+    for item in staged:
+        final = commit(list(item.files), job.output_dir)
+        plan = item.plan
+        results.append(MergeResult(plan.folder.path, tuple(final), plan.num_tensors,
+                                   plan.tensor_bytes, tuple(o.name for o in plan.objects),
+                                   item.seconds))
+    for path in job.replaced:
+        path.unlink(missing_ok=True)
+    return results
 
 
 def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str], *,
@@ -115,7 +143,7 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
           dtype: str | None = None, max_shard_size: str | int | None = None,
           keep_keys: bool = False, include: Sequence[str] = (), exclude: Sequence[str] = (),
           overwrite: bool = False, file_name: str | None = None,
-          progress: Callable[[int, int], Callable[[int], None]] | None = None,
+          progress: ProgressFactory | None = None,
           ) -> list[MergeResult]:
     """Merge a sharded checkpoint into single files in ``output_dir``.
 
@@ -148,113 +176,23 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
     Example:
         >>> fsdpckpt.merge("ckpt", "out", dtype="bf16", max_shard_size="5GB")
     """
-    out = Path(output_dir)
-    include = [include] if isinstance(include, str) else list(include)
-    exclude = [exclude] if isinstance(exclude, str) else list(exclude)
-    errors: list[Exception] = []
+    request = validate_merge(checkpoint, output_dir, optimizer=optimizer,
+                             model_index=model_index, format=format, dtype=dtype,
+                             max_shard_size=max_shard_size, keep_keys=keep_keys,
+                             include=include, exclude=exclude, overwrite=overwrite,
+                             file_name=file_name)
+    return _run(plan_job(request), progress)
 
-    def attempt(step: Callable[[], Any]) -> Any:  # every problem with the options, at once
-        try:
-            return step()
-        except (MergePlanError, NotACheckpointError, CheckpointNotFoundError) as exc:
-            errors.append(exc)
-            return None
 
-    export = attempt(lambda: parse_dtype(dtype))
-    limit = attempt(lambda: parse_size(max_shard_size)) if max_shard_size is not None else None
-    parts = attempt(lambda: resolve_folders(checkpoint, optimizer=optimizer,
-                                            model_index=model_index))
-    if len(errors) == 1:
-        raise errors[0]
-    if errors:
-        raise MergePlanError("; ".join(map(str, errors)))
-    plans: list[MergePlan] = []
-    for part in parts or []:
-        folder = read_dcp_folder(part.path)
-        problems = check_folder(folder)
-        if problems:  # fail before writing, from metadata and file sizes alone
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise CorruptCheckpointError(f"{problems[0]}{more}; run `fsdpckpt inspect "
-                                         f"{folder.path}` for the full list")
-        keys = [t.key_path for t in folder.metadata.tensors]
-        plans.append(plan_merge(folder, format=format, dtype=export, clean_keys=not keep_keys,
-                                include=include, exclude=exclude, max_shard_size=limit,
-                                stem=_stem(part, keys), file_name=file_name))
-    targets = [p for plan in plans for p in output_paths(plan, out)]
-    if len(set(targets)) != len(targets):
-        raise MergePlanError(f"two merged parts would both write {targets[0].name}; "
-                             "drop --file-name")
-    # An earlier merge of ours in another layout (one file against shards, or more shards)
-    # would sit beside the new one, and loaders prefer the single file: it counts as an
-    # existing output, and is replaced with it.
-    stale = sorted({p for plan in plans for p in _earlier_outputs(plan, out)} - set(targets))
-    existing = [str(p) for p in targets if p.exists()] + [str(p) for p in stale]
-    if existing and not overwrite:
-        raise OutputExistsError(f"{existing[0]}: already exists"
-                                + (f" (and {len(existing) - 1} more)" if len(existing) > 1 else "")
-                                + "; pass overwrite=True (--overwrite) to replace it, or "
-                                "choose another folder")
-    if out.exists() and not out.is_dir():
-        raise NotACheckpointError(f"{out}: is a file; pass a folder for the output.")
-    results = []
+def _run(job: MergeJob, progress: ProgressFactory | None) -> list[MergeResult]:
     # SIGTERM (a job scheduler, `kill`) unwinds like Ctrl-C, so the staging folder goes too.
-    with sigterm_interrupts(), staging(out) as stage:
-        staged = []
-        for plan in plans:
-            start = time.perf_counter()
-            callback = progress(plan.tensor_bytes, len(plan.files)) if progress else None
-            written = write_plan(plan, stage, progress=callback)
-            staged.append((plan, written, time.perf_counter() - start))
-        for plan, written, seconds in staged:
-            final = commit(written, out)
-            results.append(MergeResult(plan.folder.path, tuple(final), plan.num_tensors,
-                                       plan.tensor_bytes, tuple(o.name for o in plan.objects),
-                                       seconds))
-        for path in stale:  # only now that the new output is in place
-            path.unlink(missing_ok=True)
-    return results
-
-
-_INDEX_LIMIT = 64 * 2**20  # an index of 64 MiB would list millions of tensors: not one of ours
-
-
-def _earlier_outputs(plan: MergePlan, out: Path) -> list[Path]:
-    """The files in ``out`` that an earlier merge under this plan's stem wrote.
-
-    Those are the single file (``model.safetensors``, or the plan's own file name), the
-    index (``model.safetensors.index.json``), and the shards that index names, when they
-    carry our shard names (``model-00001-of-00003.safetensors``). Files that merely look
-    alike (``model-v2-of-llama.safetensors``) are not ours and never touched.
-    """
-    if not out.is_dir():
-        return []
-    names = {f"{plan.stem}.{plan.suffix}"}
-    if plan.index_name is None:
-        names.add(plan.files[0].name)
-    index = out / f"{plan.stem}.{plan.suffix}.index.json"
-    found = [out / n for n in names if (out / n).is_file()]
-    if index.is_file():
-        found.append(index)
-        shard = re.compile(rf"{re.escape(plan.stem)}-\d{{5,}}-of-\d{{5,}}\.{plan.suffix}")
-        found += [out / n for n in _index_files(index) if shard.fullmatch(n) and
-                  (out / n).is_file()]
-    return found
-
-
-def _index_files(index: Path) -> list[str]:
-    # A damaged or foreign index names nothing we may delete; the index itself is still ours.
-    try:
-        if index.stat().st_size > _INDEX_LIMIT:
-            return []
-        weight_map = parse_json(index.read_bytes()).get("weight_map", {})
-        return sorted({n for n in weight_map.values() if isinstance(n, str)})
-    except (OSError, ValueError, AttributeError):  # parse_json's every failure is a ValueError
-        return []
+    with sigterm_interrupts(), staging(job.output_dir) as stage:
+        return commit_job(job, write_job(job, stage, progress))
 
 
 def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization: bool = True,
                        remove_checkpoint_dir: bool = False, *, overwrite: bool = True,
-                       progress: Callable[[int, int], Callable[[int], None]] | None = None,
+                       progress: ProgressFactory | None = None,
                        ) -> Path:
     """Accelerate's ``merge_fsdp_weights``, streaming and in constant memory.
 
@@ -283,16 +221,17 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
     Example:
         >>> merge_fsdp_weights("ckpt/pytorch_model_fsdp_0", "merged")
     """
-    layout = find_layout(checkpoint_dir)
+    layout = find_layout(checkpoint_dir)  # read once: the validate stage takes it as found
     if len(layout.parts) > 1:
         # Accelerate's command merges one DCP folder; guessing which would surprise.
         choices = " or ".join(str(p.path) for p in layout.parts)
         raise NotACheckpointError(f"{layout.path}: holds {len(layout.parts)} DCP folders; "
                                   f"pass one of them: {choices}")
     fmt = "safetensors" if safe_serialization else "bin"
-    # No file name: the plan names it (model.safetensors, pytorch_model.bin, optimizer.*).
-    (result,) = merge(checkpoint_dir, output_path, format=fmt, keep_keys=True,
-                      overwrite=overwrite, progress=progress)
+    # No file name: the format names it (model.safetensors, pytorch_model.bin, optimizer.*).
+    request = validate_merge(layout, output_path, format=fmt, keep_keys=True,
+                             overwrite=overwrite)
+    (result,) = _run(plan_job(request), progress)
     if remove_checkpoint_dir:
         shutil.rmtree(result.source)
     return result.path

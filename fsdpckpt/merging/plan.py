@@ -1,31 +1,31 @@
-"""Planning a merge from metadata alone: what goes in which output file, and where.
+"""The plan stage of a merge: what goes in which output file, and where, from metadata alone.
 
-:func:`plan_merge` names every output tensor, picks its dtype, assigns it to a
-file (HF-style shards when a size limit is given) and validates everything a
-user could get wrong, raising once with every problem, before a byte is
-written. :func:`chunk_runs` says where a chunk's elements land in its tensor.
+Input: a :class:`DcpFolder` (metadata read, never its data) and the options.
+Output: a :class:`MergePlan`, plain data holding everything the writer needs: the
+resolved :class:`OutputFormat` object, the file-name stem, every output file's name
+and tensors, and for each tensor the chunk runs that say where its stored chunks'
+elements land (:func:`chunk_runs`). :func:`plan_merge` validates everything a user
+could get wrong, raising once with every problem, before a byte is written.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fsdpckpt.dcp.dtypes import DType, dtype_from_name
-from fsdpckpt.dcp.metadata import Chunk, KeyPath, ObjectEntry, TensorEntry
+from fsdpckpt.dcp.metadata import KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
 from fsdpckpt.errors import FsdpCkptError
-from fsdpckpt.formats import TensorSpec, get_format
+from fsdpckpt.formats import FORMATS, OutputFormat, TensorSpec, get_format
+from fsdpckpt.formats.safetensors import RESERVED_NAME
 from fsdpckpt.merging._keys import clean_key, output_name, select, shares_top_key
+from fsdpckpt.merging._runs import Runs, RunStarts, chunk_runs
 
 __all__ = ["MergePlanError", "PlannedTensor", "PlannedObject", "PlannedFile", "MergePlan",
-           "plan_merge", "chunk_runs", "parse_size", "parse_dtype", "RESERVED_NAME"]
-
-#: The safetensors header key that holds the file's metadata; no tensor may take it.
-RESERVED_NAME = "__metadata__"
+           "plan_merge", "chunk_runs", "RunStarts", "parse_size", "parse_dtype", "RESERVED_NAME"]
 
 
 class MergePlanError(FsdpCkptError, ValueError):
@@ -34,10 +34,12 @@ class MergePlanError(FsdpCkptError, ValueError):
 
 @dataclass(frozen=True)
 class PlannedTensor:
-    """An output tensor and the stored tensor it comes from."""
+    """An output tensor, the stored tensor it comes from, and where each of the stored
+    tensor's chunks lands in it (``runs[i]`` is :func:`chunk_runs` of ``source.chunks[i]``)."""
 
     spec: TensorSpec
     source: TensorEntry
+    runs: tuple[Runs, ...] = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class MergePlan:
 
     Attributes:
         folder: the DCP folder merged.
-        format: the output format name.
+        format: the output format, resolved: it lays out and finishes each file.
         files: the output files; objects are written into the first.
         objects: the non-tensor entries kept.
         nested: whether key paths must be kept to rebuild the nesting (optimizer state).
@@ -77,7 +79,7 @@ class MergePlan:
     """
 
     folder: DcpFolder
-    format: str
+    format: OutputFormat
     files: tuple[PlannedFile, ...]
     objects: tuple[PlannedObject, ...]
     nested: bool
@@ -87,7 +89,7 @@ class MergePlan:
     @property
     def suffix(self) -> str:
         """The file name suffix of the format (``safetensors`` or ``bin``)."""
-        return _SUFFIXES[self.format]
+        return self.format.suffix
 
     @property
     def tensor_bytes(self) -> int:
@@ -106,8 +108,6 @@ class MergePlan:
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
-
-_SUFFIXES = {"safetensors": "safetensors", "bin": "bin"}
 _DTYPE_WORDS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 
 
@@ -128,7 +128,7 @@ def parse_size(text: str | int) -> int:
     unit = value[len(number):]
     try:
         size = int(float(number) * _UNITS[unit])
-    except (ValueError, KeyError):
+    except (ValueError, KeyError, OverflowError):  # OverflowError: "inf", "1e400"
         raise MergePlanError(f"cannot read the size {text!r}; write it like 5GB, 500MB or 2GiB") \
             from None
     if size <= 0:
@@ -155,66 +155,6 @@ def parse_dtype(value: DType | str | Any | None) -> DType | None:
     if dtype is None or not dtype.is_floating:
         raise MergePlanError(f"unknown export dtype {value!r}; choose bf16, fp16 or fp32")
     return dtype
-
-
-class RunStarts(Sequence[int]):
-    """The first tensor element of each run of a chunk, computed on demand.
-
-    A chunk of many short runs (a width-1 column of a 10^8-row tensor) would otherwise
-    need a list of 10^8 Python ints, gigabytes, before one byte is copied. Run ``i``
-    starts at ``base + sum(digit_d(i) * stride_d)``, the digits being ``i`` written in
-    the mixed radix of the chunk's outer sizes; runs ascend with ``i``.
-    """
-
-    def __init__(self, base: int, sizes: Sequence[int], strides: Sequence[int]) -> None:
-        self._base, self._sizes, self._strides = base, tuple(sizes), tuple(strides)
-        self._count = math.prod(self._sizes)
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __getitem__(self, index):  # an int or a slice, as a Sequence
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._count))]
-        if index < 0:
-            index += self._count
-        if not 0 <= index < self._count:
-            raise IndexError(index)
-        start = self._base
-        for size, stride in zip(reversed(self._sizes), reversed(self._strides)):
-            index, digit = divmod(index, size)
-            start += digit * stride
-        return start
-
-    def __iter__(self) -> Iterator[int]:
-        return (self[i] for i in range(self._count))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and list(self) == list(other)
-
-
-def chunk_runs(shape: Sequence[int], chunk: Chunk) -> tuple[int, Sequence[int]]:
-    """Where a chunk's elements land in its row-major tensor.
-
-    Returns:
-        ``(run, starts)``: the chunk, read in row-major order, is ``len(starts)``
-        runs of ``run`` consecutive elements; run ``i`` starts at element
-        ``starts[i]`` of the tensor (a :class:`RunStarts`, computed on demand, ascending).
-        One run means a single contiguous copy.
-    """
-    ndim = len(shape)
-    if ndim == 0:
-        return 1, [0]
-    if not math.prod(chunk.sizes) or not math.prod(shape):
-        # No element, no run: a shape like (200000000, 2, 0) must not enumerate its rows.
-        return 0, []
-    stride = [math.prod(shape[d + 1:]) for d in range(ndim)]
-    k = ndim - 1  # the outermost dim of the contiguous run: all dims after it are whole
-    while k > 0 and chunk.sizes[k] == shape[k]:
-        k -= 1
-    run = math.prod(chunk.sizes[k:])
-    base = sum(o * s for o, s in zip(chunk.offsets, stride))
-    return run, RunStarts(base, chunk.sizes[:k], stride[:k])
 
 
 def _shard(tensors: list[PlannedTensor], limit: int | None) -> list[list[PlannedTensor]]:
@@ -292,7 +232,8 @@ def _nesting_conflicts(entries: Sequence[tuple[str, KeyPath]]) -> list[str]:
     return found
 
 
-def plan_merge(folder: DcpFolder | str | os.PathLike[str], *, format: str = "safetensors",
+def plan_merge(folder: DcpFolder | str | os.PathLike[str], *,
+               format: str | OutputFormat = "safetensors",
                dtype: DType | str | None = None, clean_keys: bool = True,
                include: Sequence[str] | str = (), exclude: Sequence[str] | str = (),
                max_shard_size: int | str | None = None, stem: str = "model",
@@ -305,7 +246,7 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *, format: str = "saf
     Args:
         folder: the DCP folder to merge: a :class:`DcpFolder`, or its path (str or
             PathLike), which is read with :func:`fsdpckpt.dcp.reader.read_dcp_folder`.
-        format: ``"safetensors"`` or ``"bin"``.
+        format: ``"safetensors"`` or ``"bin"``, or an :class:`OutputFormat`.
         dtype: convert floating-point tensors to this dtype; others keep theirs. A
             :class:`DType`, a ``torch.dtype`` or a word: ``"bf16"``, ``"fp16"``,
             ``"fp32"``, ``"bfloat16"``, ``"torch.float16"``...
@@ -316,8 +257,9 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *, format: str = "saf
             an int, or a string such as ``"5GB"`` (decimal) or ``"2GiB"`` (binary).
             When everything fits in one file, that file is ``{stem}.{suffix}`` with no
             index, as Hugging Face writes it.
-        stem: base of the file names (``model`` gives ``model.safetensors``,
-            ``model-00001-of-00002.safetensors``; ``pytorch_model.bin`` for ``bin``).
+        stem: what is merged, the base of the file names (``model`` gives
+            ``model.safetensors``, ``model-00001-of-00002.safetensors``); the format
+            may rename it (:meth:`OutputFormat.file_stem`: ``pytorch_model.bin``).
         file_name: the single file's name, overriding the stem's.
 
     Returns:
@@ -331,7 +273,7 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *, format: str = "saf
             path that is not a readable DCP folder.
     """
     try:
-        fmt = get_format(format)
+        fmt = format if isinstance(format, OutputFormat) else get_format(format)
     except ValueError as exc:
         raise MergePlanError(str(exc)) from None
     if not isinstance(folder, DcpFolder):
@@ -347,7 +289,7 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *, format: str = "saf
     problems = [f"two entries would both be named '{n}'; pass --keep-keys to keep the stored "
                 "names" for n in dict.fromkeys(_iter_duplicates(names))]
     tensors, objects = [], []
-    uncoded: dict[str, list[str]] = {}  # dtype -> tensors safetensors has no code for
+    uncoded: dict[DType, list[str]] = {}  # dtype -> tensors the format cannot hold
     for entry, name in zip(entries, names):
         if not select(name, include=include, exclude=exclude):
             continue
@@ -356,20 +298,15 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *, format: str = "saf
             objects.append(PlannedObject(name, entry, key_path))
             continue
         out = dtype if dtype is not None and entry.dtype.is_floating else entry.dtype
-        if fmt.name == "safetensors" and out.safetensors is None:
-            uncoded.setdefault(out.name, []).append(entry.name)
-        if fmt.name == "safetensors" and name == RESERVED_NAME:
-            # safetensors reads this header key as the file's metadata: the file would
-            # be unreadable. (Objects live inside the metadata, so their names are free.)
-            problems.append(f"tensor '{entry.name}' would be named '{RESERVED_NAME}', which "
-                            "safetensors reserves for its header; leave it out with --exclude "
-                            f"'{RESERVED_NAME}', or use --format bin")
-        tensors.append(PlannedTensor(TensorSpec(name, key_path, out, entry.shape), entry))
-    if uncoded:  # one clause for them all: a dtype matrix would repeat it per tensor
-        kinds = ", ".join(f"{dtype} ('{found[0]}'" + (f" and {len(found) - 1} more" if
-                          len(found) > 1 else "") + ")" for dtype, found in uncoded.items())
-        problems.append(f"safetensors has no code for {kinds}; use --format bin, or leave "
-                        "them out with --exclude")
+        if not fmt.can_hold(out):
+            uncoded.setdefault(out, []).append(entry.name)
+        refused = fmt.name_problem(entry.name, name)
+        if refused:
+            problems.append(refused)
+        runs = tuple(chunk_runs(entry.shape, chunk) for chunk in entry.chunks)
+        tensors.append(PlannedTensor(TensorSpec(name, key_path, out, entry.shape), entry, runs))
+    if uncoded:
+        problems.append(_uncoded_problem(fmt, uncoded))
     if not problems:  # names collide already: their nesting would only say it again
         problems += _nesting_conflicts([(t.spec.name, t.spec.key_path) for t in tensors] +
                                        [(o.name, o.key_path) for o in objects])
@@ -381,15 +318,25 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *, format: str = "saf
     nested = any(len(t.spec.key_path) > 1 for t in tensors) or \
         any(len(o.key_path) > 1 for o in objects)
     shards = _shard(tensors, limit)
-    suffix = _SUFFIXES[fmt.name]
-    if fmt.name == "bin" and stem == "model":
-        stem = "pytorch_model"  # HF's name for torch.save weights
+    stem = fmt.file_stem(stem)
     files: tuple[PlannedFile, ...]
     if len(shards) == 1:  # as huggingface_hub: what fits in one shard is one unindexed file
-        files = (PlannedFile(file_name or f"{stem}.{suffix}", tuple(shards[0])),)
+        files = (PlannedFile(file_name or fmt.single_file_name(stem), tuple(shards[0])),)
         index_name = None
     else:
-        files = tuple(PlannedFile(f"{stem}-{i:05d}-of-{len(shards):05d}.{suffix}", tuple(s))
+        files = tuple(PlannedFile(fmt.shard_file_name(stem, i, len(shards)), tuple(s))
                       for i, s in enumerate(shards, 1))
-        index_name = f"{stem}.{suffix}.index.json"
-    return MergePlan(folder, fmt.name, files, tuple(objects), nested, index_name, stem)
+        index_name = fmt.index_file_name(stem)
+    return MergePlan(folder, fmt, files, tuple(objects), nested, index_name, stem)
+
+
+def _uncoded_problem(fmt: OutputFormat, uncoded: dict[DType, list[str]]) -> str:
+    # One clause for them all (a dtype matrix would repeat it per tensor), naming the
+    # formats that can hold every one of them.
+    kinds = ", ".join(f"{dtype.name} ('{found[0]}'" + (f" and {len(found) - 1} more" if
+                      len(found) > 1 else "") + ")" for dtype, found in uncoded.items())
+    others = [f"--format {name}" for name, cls in FORMATS.items()
+              if all(cls().can_hold(dtype) for dtype in uncoded)]
+    return (f"{fmt.name} has no code for {kinds}; "
+            + (f"use {' or '.join(others)}, or " if others else "")
+            + "leave them out with --exclude")

@@ -1,4 +1,6 @@
-"""Executing a merge plan: every output file written under a temporary name, then renamed.
+"""The write and commit stages of a merge: every output file written under a temporary
+name (:func:`write_plan`: a :class:`MergePlan` in, the staged paths out), then renamed
+into place (:func:`commit`: staged paths in, final paths out).
 
 Files are staged in a hidden folder inside the output folder (same file system,
 so the final renames are atomic), space is reserved up front so a full disk
@@ -28,10 +30,11 @@ from typing import Any
 from fsdpckpt._io.checksums import crc32_range
 from fsdpckpt._io.durable import fsync_dir, write_bytes
 from fsdpckpt._io.rawio import pwrite_all, reusing_scratch
+from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._objects import read_object
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
-from fsdpckpt.formats import ObjectValue, get_format
-from fsdpckpt.merging._copy import DataFiles, place_stored_chunk
+from fsdpckpt.formats import ObjectValue
+from fsdpckpt.merging._copy import place_stored_chunk
 from fsdpckpt.merging.plan import MergePlan, PlannedFile
 
 __all__ = ["OutputExistsError", "DiskFullError", "OutputNotWritableError", "Terminated",
@@ -173,16 +176,15 @@ def staging(output_dir: Path) -> Iterator[Path]:
     """A hidden folder inside ``output_dir`` that is removed on exit, whatever happens.
 
     ``output_dir`` (and missing parents) is created if needed, and removed again on
-    failure if it was. Stale staging folders of dead merges are cleared first.
+    failure if it was. Stale staging folders of dead merges are cleared first. That
+    ``output_dir`` is not a file is the caller's check (the merge validates it first).
 
     Raises:
-        NotACheckpointError: ``output_dir`` is a file.
-        OutputNotWritableError: ``output_dir`` cannot be created or written; the message
-            names ``output_dir`` (never the hidden folder) and says what to do.
+        OutputNotWritableError: ``output_dir`` cannot be created or written (a file is in
+            the way); the message names ``output_dir`` (never the hidden folder) and says
+            what to do.
         DiskFullError: no space even for the staging folder.
     """
-    if output_dir.exists() and not output_dir.is_dir():
-        raise NotACheckpointError(f"{output_dir}: is a file; pass a folder for the output.")
     created = output_dir  # the outermost folder this merge creates, removed on failure
     while not created.parent.exists():
         created = created.parent
@@ -232,7 +234,7 @@ def _start_writeback(fd: int, start: int, count: int) -> None:
 
 def _write_file(plan: MergePlan, file: PlannedFile, objects: list[ObjectValue], path: Path,
                 sources: DataFiles, progress: Callable[[int], None] | None) -> None:
-    fmt = get_format(plan.format)
+    fmt = plan.format
     layout = fmt.layout([t.spec for t in file.tensors], objects, nested=plan.nested)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -242,8 +244,8 @@ def _write_file(plan: MergePlan, file: PlannedFile, objects: list[ObjectValue], 
         crcs = {}
         for planned in file.tensors:
             entry, start = planned.source, layout.starts[planned.spec.name]
-            for chunk in entry.chunks:
-                place_stored_chunk(sources, entry, chunk, planned.spec.dtype, fd, start,
+            for chunk, runs in zip(entry.chunks, planned.runs, strict=True):
+                place_stored_chunk(sources, entry, chunk, runs, planned.spec.dtype, fd, start,
                                    progress=progress)
             if fmt.needs_crc:
                 crcs[planned.spec.name] = crc32_range(fd, start, planned.spec.nbytes)
@@ -260,16 +262,21 @@ def _read_objects(plan: MergePlan, sources: DataFiles) -> list[ObjectValue]:
         source = f"{plan.folder.path / str(obj.source.file)} (object '{obj.source.name}')"
         if obj.source.file is None:
             raise NotACheckpointError(f"{source}: the metadata has no storage entry")
-        with os.fdopen(os.dup(sources.fd(obj.source.file)), "rb") as handle:
-            values.append(ObjectValue(obj.name, obj.key_path,
-                                      read_object(handle, obj.source, source=source)))
+        handle = sources.open(obj.source.file).file
+        values.append(ObjectValue(obj.name, obj.key_path,
+                                  read_object(handle, obj.source, source=source)))
     return values
 
 
 @reusing_scratch()  # one set of block buffers for the whole merge
 def write_plan(plan: MergePlan, stage: Path, *,
                progress: Callable[[int], None] | None = None) -> list[Path]:
-    """Write every file of ``plan`` into the folder ``stage``; return their paths.
+    """The write stage: every file of ``plan`` (and its index) into the folder ``stage``.
+
+    Each source data file is opened once for the whole plan.
+
+    Returns:
+        The staged files' paths, the index last.
 
     Raises:
         DiskFullError: the file system cannot hold the output.
@@ -299,7 +306,8 @@ def write_plan(plan: MergePlan, stage: Path, *,
 
 
 def commit(written: list[Path], output_dir: Path) -> list[Path]:
-    """Rename staged files into ``output_dir`` (the index last) and make the renames durable."""
+    """The commit stage: rename staged files into ``output_dir`` in order (the index last)
+    and make the renames durable; return the final paths."""
     final = []
     for path in written:
         target = output_dir / path.name

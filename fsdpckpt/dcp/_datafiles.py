@@ -1,0 +1,81 @@
+"""The data files of one DCP folder, each opened once, read two ways.
+
+Copy code reads with ``pread`` and ``copy_file_range`` at explicit offsets and wants
+a descriptor; the zip reader (:mod:`fsdpckpt.dcp._archive`) seeks and reads a file
+object. :class:`DataFiles` opens each ``.distcp`` file once, from inside its folder
+only (:func:`fsdpckpt.dcp.reader.open_data_file`), and hands out a :class:`DataFile`
+that is both: one buffered file object over one descriptor. Sharing is safe because
+the descriptor users never move the file position (every read names its offset) and
+the file object's users always seek before they read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from fsdpckpt.dcp.reader import open_data_file
+
+__all__ = ["DataFile", "DataFiles"]
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """One open data file.
+
+    Attributes:
+        path: where it is (for messages).
+        file: a buffered, read-only file object, for code that seeks and reads.
+    """
+
+    path: Path
+    file: BinaryIO
+
+    @property
+    def fd(self) -> int:
+        """The descriptor under :attr:`file`, for ``pread``/``copy_file_range`` at offsets."""
+        return self.file.fileno()
+
+
+class DataFiles:
+    """The data files of the DCP folder ``folder``, each opened on first use and kept open.
+
+    Use as a context manager (or call :meth:`close`): every file opened is closed at
+    its end.
+
+    Raises (from :meth:`open`):
+        NotACheckpointError: the name or the file leads outside the folder, or it is not
+            a regular file.
+        CheckpointNotFoundError: the file is missing.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._open: dict[str, DataFile] = {}
+
+    def open(self, name: str) -> DataFile:
+        """The data file ``name`` (as the metadata names it), opened once."""
+        found = self._open.get(name)
+        if found is None:
+            fd = open_data_file(self.folder, name)
+            try:
+                file = os.fdopen(fd, "rb")  # owns fd from here: closing it closes fd
+            except BaseException:
+                os.close(fd)
+                raise
+            found = self._open[name] = DataFile(self.folder / name, file)
+        return found
+
+    def close(self) -> None:
+        """Close every file opened; the object can be used again afterwards."""
+        files, self._open = list(self._open.values()), {}
+        for data_file in files:
+            data_file.file.close()
+
+    def __enter__(self) -> DataFiles:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()

@@ -1,0 +1,80 @@
+"""The output side of the plan stage: which files a merge will write and which it replaces.
+
+Input: the :class:`MergePlan` of every folder merged, the output folder and ``overwrite``.
+Output: the earlier outputs of ours that the commit stage removes once the new files are
+in place (:func:`claim_outputs`). It reads the output folder's listing (and an earlier
+index, bounded), never the sources.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from fsdpckpt._io.jsonio import parse_json
+from fsdpckpt.merging.plan import MergePlan, MergePlanError
+from fsdpckpt.merging.writer import OutputExistsError, output_paths
+
+__all__ = ["claim_outputs", "earlier_outputs"]
+
+_INDEX_LIMIT = 64 * 2**20  # an index of 64 MiB would list millions of tensors: not one of ours
+
+
+def claim_outputs(plans: Sequence[MergePlan], out: Path, *, overwrite: bool) -> tuple[Path, ...]:
+    """Check that the plans may write into ``out``; return the earlier outputs to remove.
+
+    An earlier merge of ours in another layout (one file against shards, or more shards)
+    would sit beside the new one, and loaders prefer the single file: it counts as an
+    existing output, and is replaced with it.
+
+    Raises:
+        MergePlanError: two plans would write one file.
+        OutputExistsError: an output exists (or an earlier one would be replaced) and
+            ``overwrite`` is False.
+    """
+    targets = [p for plan in plans for p in output_paths(plan, out)]
+    if len(set(targets)) != len(targets):
+        raise MergePlanError(f"two merged parts would both write {targets[0].name}; "
+                             "drop --file-name")
+    stale = sorted({p for plan in plans for p in earlier_outputs(plan, out)} - set(targets))
+    existing = [str(p) for p in targets if p.exists()] + [str(p) for p in stale]
+    if existing and not overwrite:
+        raise OutputExistsError(f"{existing[0]}: already exists"
+                                + (f" (and {len(existing) - 1} more)" if len(existing) > 1 else "")
+                                + "; pass overwrite=True (--overwrite) to replace it, or "
+                                "choose another folder")
+    return tuple(stale)
+
+
+def earlier_outputs(plan: MergePlan, out: Path) -> list[Path]:
+    """The files in ``out`` that an earlier merge under this plan's stem wrote.
+
+    Those are the single file (``model.safetensors``, or the plan's own file name), the
+    index (``model.safetensors.index.json``), and the shards that index names, when they
+    carry our shard names (``model-00001-of-00003.safetensors``). Files that merely look
+    alike (``model-v2-of-llama.safetensors``) are not ours and never touched.
+    """
+    if not out.is_dir():
+        return []
+    fmt = plan.format
+    names = {fmt.single_file_name(plan.stem)}
+    if plan.index_name is None:
+        names.add(plan.files[0].name)
+    index = out / fmt.index_file_name(plan.stem)
+    found = [out / n for n in names if (out / n).is_file()]
+    if index.is_file():
+        found.append(index)
+        found += [out / n for n in _index_files(index) if fmt.is_shard_file_name(plan.stem, n)
+                  and (out / n).is_file()]
+    return found
+
+
+def _index_files(index: Path) -> list[str]:
+    # A damaged or foreign index names nothing we may delete; the index itself is still ours.
+    try:
+        if index.stat().st_size > _INDEX_LIMIT:
+            return []
+        weight_map = parse_json(index.read_bytes()).get("weight_map", {})
+        return sorted({n for n in weight_map.values() if isinstance(n, str)})
+    except (OSError, ValueError, AttributeError):  # parse_json's every failure is a ValueError
+        return []

@@ -245,3 +245,22 @@ def test_a_bin_merge_holding_sets_and_complex_values_converts_back(tmp_path):
     result = fsdpckpt.convert(merged.path, tmp_path / "back", key=None)
     assert result.objects > 0
     assert fsdpckpt.load_full_state_dict(tmp_path / "back")
+
+
+def test_progress_is_a_factory_told_the_total_first_and_given_all_of_it(tmp_path):
+    """As for merge and verify: one call with the total before any byte, then byte counts
+    that add up to it."""
+    from safetensors.torch import save_file
+
+    source = tmp_path / "model.safetensors"
+    save_file({"a": torch.zeros(1000), "b": torch.ones(3, 7)}, str(source))
+    calls: list = []
+
+    def factory(total, files):
+        calls.append(("start", total, files))
+        return lambda nbytes: calls.append(("bytes", nbytes))
+
+    fsdpckpt.convert(source, tmp_path / "dcp", progress=factory)
+    assert calls[0] == ("start", source.stat().st_size, 1)
+    assert all(kind == "bytes" for kind, *_ in calls[1:])
+    assert sum(c[1] for c in calls[1:]) == source.stat().st_size

@@ -22,10 +22,11 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.errors import NotACheckpointError
 from fsdpckpt.merging._outputs import claim_outputs
@@ -36,8 +37,6 @@ from fsdpckpt.merging.writer import commit, sigterm_interrupts, staging, write_p
 __all__ = ["merge", "merge_fsdp_weights", "MergeResult", "resolve_folders", "parse_dtype",
            "MergeJob", "StagedPlan", "plan_job", "write_job", "commit_job"]
 
-#: ``progress(total_bytes, files)`` returns a callback given byte counts as they are written.
-ProgressFactory = Callable[[int, int], Callable[[int], None]]
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,13 @@ import shutil
 import struct
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.jsonio import parse_json
+from fsdpckpt._progress import ProgressFactory, start_progress
 from fsdpckpt.dcp._objects import loads, torch_load_allowlisted
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
@@ -256,7 +257,7 @@ def _entries(files: list[tuple[Path, str]], key: str | None) -> Iterator[tuple[t
 
 def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
             key: str | None = "model", overwrite: bool = False,
-            progress: Callable[[int], None] | None = None) -> ConvertResult:
+            progress: ProgressFactory | None = None) -> ConvertResult:
     """Write the state dict in ``full_file`` as a DCP folder ``out_dir``.
 
     Args:
@@ -268,7 +269,9 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
         key: nest every entry under this top-level key (``"model"``, as Accelerate's
             ``pytorch_model_fsdp_0`` holds it); None or ``""`` for none.
         overwrite: replace an existing ``out_dir``.
-        progress: called with the bytes of each tensor written.
+        progress: a progress factory, as for :func:`fsdpckpt.merge`: called once as
+            ``progress(total_bytes, files)`` with the bytes of the source files before any
+            is read; the callback it returns is given each tensor's bytes as it is written.
 
     Returns:
         A :class:`ConvertResult`.
@@ -306,6 +309,8 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
         raise OutputExistsError(f"{out}: exists and is not a DCP folder, so --overwrite will "
                                 "not delete it; choose another output folder")
     out.parent.mkdir(parents=True, exist_ok=True)
+    total = sum(file.stat().st_size for file, _kind in files)
+    callback, reported = start_progress(progress, total, len(files)), 0
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.fsdpckpt-tmp-", dir=out.parent))
     entries: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
@@ -331,8 +336,9 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
                     storage[MetadataIndex(fqn, zeros, 0)] = _StorageInfo(
                         _DATA_FILE, offset, data.tell() - offset)
                     tensors, nbytes = tensors + 1, nbytes + tensor.nbytes
-                    if progress:
-                        progress(tensor.nbytes)
+                    if callback and reported + tensor.nbytes <= total:
+                        callback(tensor.nbytes)
+                        reported += tensor.nbytes
                     del tensor, value
                 else:
                     blob = io.BytesIO()
@@ -344,6 +350,8 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
                     objects += 1
             data.flush()
             os.fsync(data.fileno())
+        if callback and reported < total:  # headers and pickles: the bar ends at 100%
+            callback(total - reported)
         metadata = Metadata(entries, planner_data=planner, storage_data=storage,
                             version="1.0.0")
         with open(stage / ".metadata", "wb") as meta:

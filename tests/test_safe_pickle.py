@@ -1,4 +1,11 @@
-"""A .metadata file is read through an allowlist: hostile or garbage files are refused."""
+"""A pickle from a checkpoint is read through an allowlist: hostile or garbage files are
+refused, whatever reads them, and nothing runs.
+
+Hostile ``.metadata`` at every entry point; garbage, empty and foreign pickles; protocol 2's
+spellings of harmless builtins; state-setting opcodes (BUILD, SETITEM(S), APPEND(S),
+ADDITEMS) on allowlisted globals, which must change nothing a later load sees; and the
+``_codecs.encode``/``bytes`` stand-ins of torch.save's value pickles.
+"""
 
 from __future__ import annotations
 

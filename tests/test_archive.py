@@ -1,4 +1,9 @@
-"""Each chunk's raw bytes are found inside its torch.save archive without torch."""
+"""Each chunk's raw bytes are found inside its torch.save archive without torch.
+
+The located bytes, dtype, shape and strides equal what torch loads (uint16/32/64 included);
+a view the archive's pickle declares outside its storage is corrupt and named, as torch's
+own loader also refuses it; a windowed file reads only its window, despite short reads.
+"""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ A longer run by hand: see tests/fuzzing.py.
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 import tempfile
 from pathlib import Path
@@ -31,10 +30,9 @@ _FUZZ = fuzz_settings(0.5, minimum=20)
 
 
 @pytest.fixture(scope="module")
-def scratch():
-    path = Path(tempfile.mkdtemp(prefix="fsdpckpt-fuzz-convert-"))
-    yield path
-    shutil.rmtree(path)
+def scratch(tmp_path_factory) -> Path:
+    """One scratch folder the examples write into."""
+    return tmp_path_factory.mktemp("fuzz-convert")
 
 
 def _real_safetensors() -> bytes:

@@ -13,8 +13,6 @@ A longer run by hand: see tests/fuzzing.py.
 from __future__ import annotations
 
 import pickle
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,11 +33,9 @@ _REAL = [p.read_bytes() for p in sorted(FIXTURES.glob("**/.metadata"))]
 
 
 @pytest.fixture(scope="module")
-def folder():
+def folder(tmp_path_factory) -> Path:
     """One scratch DCP folder whose ``.metadata`` each example overwrites."""
-    path = Path(tempfile.mkdtemp(prefix="fsdpckpt-fuzz-"))
-    yield path
-    shutil.rmtree(path)
+    return tmp_path_factory.mktemp("fuzz-metadata")
 
 
 def _stand_ins() -> str:

@@ -128,17 +128,6 @@ def test_the_storage_reader_answers_every_rank_with_dot_metadata_only(tmp_path):
                                               "model.2.weight", "model.2.bias"}
 
 
-def test_the_storage_reader_refuses_a_hostile_dot_metadata_at_once(tmp_path):
-    from fsdpckpt.training._dcp_io import safe_storage_reader
-
-    ckpt = _saved(tmp_path)
-    sentinel = tmp_path / "pwned"
-    (ckpt / "pytorch_model_fsdp_0" / ".metadata").write_bytes(hostile_pickle(sentinel))
-    with pytest.raises(fsdpckpt.UnsafePickleError):
-        safe_storage_reader(ckpt / "pytorch_model_fsdp_0")
-    assert not sentinel.exists()
-
-
 def test_verify_names_a_stray_rank_local_metadata_file(tmp_path):
     ckpt = _saved(tmp_path, manifest=False)  # no manifest: nothing else would call it stray
     (ckpt / "optimizer_0" / "__0.metadata").write_bytes(b"anything")

@@ -139,6 +139,7 @@ def _wait_for(log, count, seconds=60):
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_sigkill_during_saves_never_loses_or_damages_a_committed_checkpoint(tmp_path):
     rng = random.Random(1234)

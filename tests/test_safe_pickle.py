@@ -1,4 +1,11 @@
-"""A .metadata file is read through an allowlist: hostile or garbage files are refused."""
+"""A pickle from a checkpoint is read through an allowlist: hostile or garbage files are
+refused, whatever reads them, and nothing runs.
+
+Hostile ``.metadata`` at every entry point; garbage, empty and foreign pickles; protocol 2's
+spellings of harmless builtins; state-setting opcodes (BUILD, SETITEM(S), APPEND(S),
+ADDITEMS) on allowlisted globals, which must change nothing a later load sees; and the
+``_codecs.encode``/``bytes`` stand-ins of torch.save's value pickles.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +13,63 @@ import pickle
 
 import pytest
 
+import fsdpckpt
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS, safe_loads
 from fsdpckpt.dcp.reader import parse_metadata, read_dcp_folder
 from fsdpckpt.errors import NotACheckpointError, UnsafePickleError
 
-from conftest import _RunsCommand, hostile_pickle
+from conftest import _RunsCommand, assert_one_line_error, hostile_pickle, run_cli
 
 
-def test_hostile_metadata_never_runs(tmp_path, dtensor_copy):
+def _api(call):
+    """An entry point of the Python API: the message of the UnsafePickleError it raises."""
+    def refuse(folder, tmp_path):
+        with pytest.raises(UnsafePickleError) as caught:
+            call(folder)
+        return str(caught.value)
+    return refuse
+
+
+def _cli(*args):
+    """A CLI command: its one error line, after checking it is one line and exit 1."""
+    def refuse(folder, tmp_path):
+        result = run_cli(*[a.format(folder=folder, out=tmp_path / "out") for a in args])
+        assert_one_line_error(result, folder / ".metadata")
+        assert not (tmp_path / "out").exists()  # nothing written, not even the folder
+        return result.stderr
+    return refuse
+
+
+def _storage_reader(folder):
+    from fsdpckpt.training._dcp_io import safe_storage_reader
+
+    return safe_storage_reader(folder)
+
+
+# Every way a .metadata reaches the allowlist: the read side, the merge, inspection and
+# verification, and the training load path's storage reader (refused at once, before torch).
+_ENTRY_POINTS = {
+    "read_dcp_folder": _api(read_dcp_folder),
+    "inspect_checkpoint": _api(lambda f: fsdpckpt.inspect_checkpoint(f)),
+    "verify_checkpoint": _api(lambda f: fsdpckpt.verify_checkpoint(f)),
+    "load_full_state_dict": _api(lambda f: fsdpckpt.load_full_state_dict(f)),
+    "training storage reader": _api(_storage_reader),
+    "cli inspect": _cli("inspect", "{folder}"),
+    "cli verify": _cli("verify", "{folder}"),
+    "cli merge": _cli("merge", "{folder}", "{out}"),
+    "cli merge-weights": _cli("merge-weights", "{folder}", "{out}"),
+}
+
+
+@pytest.mark.parametrize("entry_point", sorted(_ENTRY_POINTS))
+def test_a_hostile_dot_metadata_is_refused_naming_it_and_never_runs(tmp_path, dtensor_copy,
+                                                                     entry_point):
     sentinel = tmp_path / "pwned"
     (dtensor_copy / ".metadata").write_bytes(hostile_pickle(sentinel))
-    with pytest.raises(UnsafePickleError) as caught:
-        read_dcp_folder(dtensor_copy)
+    message = _ENTRY_POINTS[entry_point](dtensor_copy, tmp_path)
     assert not sentinel.exists()
-    message = str(caught.value)
     assert str(dtensor_copy / ".metadata") in message
+    assert "refusing to load the global" in message
     assert "posix.system" in message or "os.system" in message
 
 

@@ -181,3 +181,36 @@ def test_an_int_key_on_a_dict_is_a_dict_key_as_in_dcp():
     from fsdpckpt.dcp._nesting import unflatten
 
     assert unflatten([(("a", "b"), 1), (("a", 0), 2)]) == {"a": {"b": 1, 0: 2}}
+
+
+def _dcp_with_object(folder, value):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming a single process"
+        dcp.save({"model": {"w": torch.ones(2), "extra": value}}, checkpoint_id=str(folder))
+    return folder
+
+
+def test_a_slice_entry_merges_to_safetensors_and_back(tmp_path):
+    import fsdpckpt
+
+    folder = _dcp_with_object(tmp_path / "dcp", {"s": slice(1, None, 2), "n": 2**80})
+    (result,) = fsdpckpt.merge(folder, tmp_path / "out")
+    state = load_full_state_dict(result.path)
+    assert state["extra"] == {"s": slice(1, None, 2), "n": 2**80}  # merge drops "model."
+
+
+def test_an_entry_nested_past_any_state_dict_is_one_error_naming_it(tmp_path):
+    import fsdpckpt
+    from fsdpckpt.dcp._objects import MAX_VALUE_DEPTH
+
+    deep: list = []
+    for _ in range(MAX_VALUE_DEPTH + 5):
+        deep = [deep]
+    folder = _dcp_with_object(tmp_path / "dcp", deep)
+    with pytest.raises(fsdpckpt.NotACheckpointError, match="extra.*nested more than"):
+        fsdpckpt.merge(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

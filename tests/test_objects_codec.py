@@ -187,3 +187,52 @@ def test_json_tensor_reaching_past_its_storage_is_refused():
 def test_a_damaged_json_tensor_is_corrupt(doc):
     with pytest.raises(CorruptCheckpointError):
         loads(json.dumps({"x": {"__tensor__": doc}}))
+
+
+@pytest.mark.parametrize("value", [slice(1, 5, 2), slice(None), [slice(0, None, -1)],
+                                   2**70, -(10**5000), {"big": 3**9000}],
+                         ids=["slice", "slice(None)", "in a list", "2**70", "-10**5000",
+                              "3**9000 in a dict"])
+def test_slices_and_ints_of_any_size_round_trip(value):
+    assert loads(dumps(value)) == value
+
+
+@pytest.mark.parametrize("text", ['{"__slice__": [1, 2, 3, 4]}', '{"__slice__": 5}',
+                                  '{"__int__": "zz"}', '{"__int__": 7}',
+                                  '{"__complex__": ["a", 1]}', '{"__tuple__": 3}'])
+def test_a_tagged_value_that_encode_never_writes_is_one_error(text):
+    from fsdpckpt import CorruptCheckpointError
+
+    with pytest.raises(CorruptCheckpointError, match="cannot be decoded"):
+        loads(text)
+
+
+def _nested(depth):
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _cyclic():
+    value: list = []
+    value.append({"x": value})
+    return value
+
+
+@pytest.mark.parametrize("value, why", [(_nested(10_000), "nested more than"),
+                                        (_cyclic(), "contains itself")])
+def test_values_no_state_dict_holds_are_refused(value, why):
+    from fsdpckpt import NotACheckpointError
+    from fsdpckpt.dcp._objects import check_plain_value
+
+    with pytest.raises(NotACheckpointError, match=why):
+        check_plain_value(value, source="entry X")
+
+
+def test_honest_nesting_and_shared_values_pass():
+    from fsdpckpt.dcp._objects import check_plain_value
+
+    shared = [1, 2]
+    check_plain_value({"param_groups": [{"params": shared, "betas": (0.9, 0.99)}],
+                       "again": shared, "deep": _nested(30)}, source="entry X")

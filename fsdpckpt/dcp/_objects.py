@@ -21,7 +21,7 @@ from fsdpckpt.dcp._archive import check_view, read_archive_with_tensors
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS, brief
 from fsdpckpt.dcp.dtypes import DType, dtype_from_name
 from fsdpckpt.dcp.metadata import ObjectEntry
-from fsdpckpt.errors import CorruptCheckpointError
+from fsdpckpt.errors import CorruptCheckpointError, FsdpCkptError, NotACheckpointError
 
 __all__ = ["TensorValue", "latin1_bytes", "torch_load_allowlisted", "read_object",
            "encode_value", "decode_value", "dumps", "loads", "to_torch"]
@@ -105,9 +105,46 @@ def read_object(file: IO[bytes], entry: ObjectEntry, *, source: str) -> Any:
         NotACheckpointError / CorruptCheckpointError: the blob is not a torch.save archive,
             or a tensor in it does not fit its storage.
     """
-    return read_archive_with_tensors(file, entry.offset, entry.length,
-                                     source=f"{source} (object '{entry.name}')",
-                                     allowed=_OBJECT_GLOBALS, make_tensor=TensorValue)
+    where = f"{source} (object '{entry.name}')"
+    value = read_archive_with_tensors(file, entry.offset, entry.length, source=where,
+                                      allowed=_OBJECT_GLOBALS, make_tensor=TensorValue)
+    check_plain_value(value, source=where)
+    return value
+
+
+#: Deepest nesting of containers a non-tensor entry may have. Honest ones (an optimizer's
+#: param_groups, a step count) nest a few levels; encoded to JSON each level may take two,
+#: and JSON read back is capped at :data:`~fsdpckpt._io.jsonio.MAX_JSON_DEPTH`.
+MAX_VALUE_DEPTH = 40
+
+
+def check_plain_value(value: Any, *, source: str) -> None:
+    """Refuse a value no honest state dict holds: one that contains itself, or containers
+    nested deeper than :data:`MAX_VALUE_DEPTH`. A pickle can build both from a few bytes,
+    and every later recursive step (encoding, ``torch.save``, ``to_torch``) would end in a
+    RecursionError. Walked without recursion.
+
+    Raises:
+        NotACheckpointError: naming ``source``.
+    """
+    stack: list[tuple[Any, int, frozenset[int]]] = [(value, 0, frozenset())]
+    while stack:
+        node, depth, path = stack.pop()
+        if isinstance(node, dict):
+            children: Any = [*node.keys(), *node.values()]
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            children = node
+        else:
+            continue
+        if id(node) in path:
+            raise NotACheckpointError(f"{source}: holds a value that contains itself; no state "
+                                      "dict does, so the file is damaged or crafted")
+        if depth >= MAX_VALUE_DEPTH:
+            raise NotACheckpointError(f"{source}: holds values nested more than "
+                                      f"{MAX_VALUE_DEPTH} levels deep; no state dict does, so "
+                                      "the file is damaged or crafted")
+        inner = path | {id(node)}
+        stack.extend((child, depth + 1, inner) for child in children)
 
 
 def torch_load_allowlisted(path: Any, *, mmap: bool = False) -> Any:
@@ -122,7 +159,9 @@ def torch_load_allowlisted(path: Any, *, mmap: bool = False) -> Any:
     with torch.serialization.safe_globals([set, frozenset, complex, slice]):
         # safe: weights_only=True is torch's restricted unpickler; the globals added are
         # four builtin types that construct plain values and run no code.
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        value = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    check_plain_value(value, source=str(path))
+    return value
 
 
 def to_torch(value: Any) -> Any:
@@ -143,7 +182,8 @@ def encode_value(value: Any) -> Any:
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
-        return value
+        # JSON (and Python's int parsing) stops at 4300 decimal digits; hex has no limit.
+        return value if abs(value) < 2**63 else {"__int__": hex(value)}
     if isinstance(value, float):
         return value if math.isfinite(value) else {"__float__": repr(value)}
     if isinstance(value, complex):
@@ -161,6 +201,9 @@ def encode_value(value: Any) -> Any:
         return {"__set__": [encode_value(v) for v in value], "frozen": isinstance(value, frozenset)}
     if isinstance(value, bytes):
         return {"__bytes__": base64.b64encode(value).decode()}
+    if isinstance(value, slice):
+        return {"__slice__": [encode_value(value.start), encode_value(value.stop),
+                              encode_value(value.step)]}
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
             return {k: encode_value(v) for k, v in value.items()}
@@ -188,6 +231,10 @@ def decode_value(data: Any) -> Any:
         return frozenset(items) if data.get("frozen") else set(items)
     if "__bytes__" in data:
         return base64.b64decode(data["__bytes__"])
+    if "__slice__" in data:
+        return slice(*(decode_value(v) for v in data["__slice__"]))
+    if "__int__" in data:
+        return int(data["__int__"], 16)
     if "__dict__" in data:
         return {_hashable(decode_value(k)): decode_value(v) for k, v in data["__dict__"]}
     return {k: decode_value(v) for k, v in data.items()}
@@ -232,4 +279,13 @@ def loads(text: str) -> Any:
     """
     from fsdpckpt._io.jsonio import parse_json
 
-    return decode_value(parse_json(text))
+    data = parse_json(text)
+    try:
+        return decode_value(data)
+    except FsdpCkptError:
+        raise
+    except (TypeError, ValueError, IndexError, KeyError, OverflowError) as exc:
+        # A tagged form whose contents are not what encode_value writes: a damaged file.
+        raise CorruptCheckpointError(f"a value in the fsdpckpt.objects metadata cannot be "
+                                     f"decoded ({type(exc).__name__}: {str(exc)[:200]}); the "
+                                     "file is damaged or was not written by fsdpckpt") from None

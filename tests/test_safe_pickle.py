@@ -367,3 +367,29 @@ def test_an_unreadable_pickle_error_says_at_which_byte_it_failed():
     data = pickle.dumps({"a": [1, 2, 3]}, protocol=2)[:-4]
     with pytest.raises(NotACheckpointError, match=rf"at byte {len(data)} of {len(data)}"):
         safe_loads(data, allowed=BUILTIN_GLOBALS, source="x")
+
+
+# -- a torch name the allowlist does not know: a newer torch, not "hostile" ---------------
+
+
+@pytest.mark.parametrize("module,name", [
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadataV2"),  # a renamed class
+    ("torch", "float3_e1m1fn"),  # a dtype a later torch might add
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfoV2"),
+])
+def test_an_unknown_torch_global_says_a_newer_torch_may_have_written_the_file(module, name):
+    data = b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"q\x00."
+    with pytest.raises(UnsafePickleError) as caught:
+        parse_metadata(data, source="the/.metadata")
+    message = str(caught.value)
+    assert f"{module}.{name}" in message
+    assert "newer torch" in message and "upgrade fsdpckpt" in message
+    assert "may be hostile" not in message
+
+
+@pytest.mark.parametrize("module", ["os", "torchvision.io", "torchy"])
+def test_an_unknown_global_outside_torch_keeps_the_hostile_message(module):
+    data = b"\x80\x02c" + f"{module}\nsystem\n".encode() + b"q\x00."
+    with pytest.raises(UnsafePickleError, match="may be hostile") as caught:
+        parse_metadata(data, source="the/.metadata")
+    assert "newer torch" not in str(caught.value)

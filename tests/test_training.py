@@ -399,3 +399,34 @@ def test_the_single_process_notice_is_silenced_only_inside_our_calls(tmp_path):
     _save_and_load_in_one_process(tmp_path / "ckpt")
     with pytest.warns(UserWarning, match="assuming the intent is to save in a single process"):
         dcp.save({"x": torch.zeros(2)}, checkpoint_id=str(tmp_path / "own"), no_dist=True)
+
+
+class _Odd(torch.nn.Module):
+    """A module whose parameter names hold " (", as a message's "key (checkpoint ...)" does."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.register_parameter("w (x", torch.nn.Parameter(torch.ones(size)))
+        self.register_parameter("b", torch.nn.Parameter(torch.full((2,), 7.0)))
+
+
+def test_non_strict_load_skips_a_mismatched_key_whatever_its_name_holds(tmp_path):
+    fsdpckpt.save_state(tmp_path / "ckpt", _Odd(2))
+    other = _Odd(3)
+    with torch.no_grad():
+        other.b.zero_()
+    fsdpckpt.load_state(tmp_path / "ckpt", other, strict=False)
+    assert torch.equal(other.b, torch.full((2,), 7.0))
+    assert torch.equal(getattr(other, "w (x"), torch.ones(3))
+
+
+def test_compare_reports_each_difference_as_data(tmp_path):
+    from fsdpckpt.training._statecheck import ShapeMismatch, compare
+
+    fsdpckpt.save_state(tmp_path / "ckpt", _Odd(2))
+    state = {"w (x": torch.ones(3), "c": torch.ones(1)}
+    result = compare(tmp_path / "ckpt" / "pytorch_model_fsdp_0", state, "model")
+    assert result.missing == ["c"]
+    assert result.unexpected == ["b"]
+    assert result.mismatched == [ShapeMismatch("w (x", (2,), (3,))]
+    assert result.unloadable == ["c", "w (x"]

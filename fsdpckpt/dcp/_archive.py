@@ -16,8 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from fsdpckpt import _torch
 from fsdpckpt._printable import printable
-from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS, safe_loads
+from fsdpckpt.dcp._allowlist import BUILTIN_GLOBALS
+from fsdpckpt.dcp._safe_pickle import safe_loads
 from fsdpckpt.dcp._ziparchive import (
     CHUNK_ENTRIES,
     CHUNK_PICKLE_BYTES,
@@ -108,16 +110,17 @@ def _rebuild_v3(storage: Any, offset: Any, shape: Any, stride: Any, _grad: Any, 
 
 
 _STORAGE_GLOBALS: dict[tuple[str, str], Any] = {
-    **{("torch", name): d for name, d in DTYPES.items()},
-    ("torch.storage", "UntypedStorage"): _StorageType(None),
-    **{("torch", d.storage_class): _StorageType(d) for d in DTYPES.values() if d.storage_class},
+    **{(_torch.TORCH_MODULE, name): d for name, d in DTYPES.items()},
+    _torch.UNTYPED_STORAGE: _StorageType(None),
+    **{(_torch.TORCH_MODULE, d.storage_class): _StorageType(d) for d in DTYPES.values()
+       if d.storage_class},
 }
 
 _TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     **BUILTIN_GLOBALS,
     **_STORAGE_GLOBALS,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
-    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+    _torch.REBUILD_TENSOR_V2: _rebuild_v2,
+    _torch.REBUILD_TENSOR_V3: _rebuild_v3,
 }
 
 
@@ -276,8 +279,8 @@ def read_archive_with_tensors(file: IO[bytes], start: int, length: int, *, sourc
         globals_ = {
             **allowed,
             **_STORAGE_GLOBALS,
-            ("torch._utils", "_rebuild_tensor_v2"): lambda *a: rebuild(_rebuild_v2(*a)),
-            ("torch._utils", "_rebuild_tensor_v3"): lambda *a: rebuild(_rebuild_v3(*a)),
+            _torch.REBUILD_TENSOR_V2: lambda *a: rebuild(_rebuild_v2(*a)),
+            _torch.REBUILD_TENSOR_V3: lambda *a: rebuild(_rebuild_v3(*a)),
         }
         return safe_loads(read_entry(archive, pkl, source=source, start=start),
                           allowed=globals_, source=source,

@@ -5,7 +5,9 @@ runs whatever the file asks for. The unpickler here admits only the globals a
 legitimate file of each kind contains, and maps each one to a harmless value of
 fsdpckpt's own, so reading metadata never imports torch and never executes code
 from the file. Anything else stops the load with :class:`UnsafePickleError`
-naming the file and the global.
+naming the file and the global (and, for a torch name it does not know, saying that a
+newer torch may have written the file). The tables of what each kind of file may name
+are in :mod:`fsdpckpt.dcp._allowlist`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import struct
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
-from fsdpckpt.dcp.dtypes import DTYPES, DType
+from fsdpckpt import _torch
+from fsdpckpt.dcp._allowlist import BUILTIN_GLOBALS, METADATA_GLOBALS, Record, brief, cap
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError, UnsafePickleError
 
 __all__ = [
@@ -27,106 +30,6 @@ __all__ = [
     "BUILTIN_GLOBALS",
     "brief",
 ]
-
-
-class Record:
-    """A stand-in for an instance of an allowed class: it only stores what the pickle gives it.
-
-    ``kind`` (a class attribute, which no pickle can change) names the class it stands
-    for; positional constructor arguments land in ``args`` and the pickled state (a
-    dataclass's field dict, or whatever ``__getstate__`` gave) in ``state``, untouched:
-    the reader checks it against its schema.
-    """
-
-    kind = "Record"
-
-    def __init__(self, *args: Any) -> None:
-        self.args = args
-        self.state: Any = None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __repr__(self) -> str:
-        return f"<{self.kind} {brief(getattr(self, 'state', None), 200)}>"
-
-
-def _record_class(kind: str) -> type[Record]:
-    return type(kind, (Record,), {"kind": kind})
-
-
-def _size(dims: Any = ()) -> tuple[int, ...]:
-    dims = tuple(dims)
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
-        raise pickle.UnpicklingError(f"torch.Size holds non-integers: {dims!r}")
-    return dims
-
-
-def _path(*parts: Any) -> str:
-    if not all(isinstance(p, str) for p in parts):
-        raise pickle.UnpicklingError("a pickled path holds non-strings")
-    return "/".join(parts).replace("//", "/")
-
-
-def _identity_str(value: Any) -> str:
-    return str(value)
-
-
-def _torch_constants(names: list[str]) -> dict[tuple[str, str], Any]:
-    return {("torch", n): n for n in names}
-
-
-_HARMLESS_BUILTINS: dict[str, Any] = {
-    "set": set,
-    "frozenset": frozenset,
-    "slice": slice,
-    "complex": complex,
-}
-
-#: Harmless builtins any of our pickles may name. Pickle protocol 2 (torch.save's) names
-#: them as Python 2 did, ``__builtin__.set``; later protocols say ``builtins.set``.
-BUILTIN_GLOBALS: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): dict,
-    **{(module, name): value for module in ("builtins", "__builtin__")
-       for name, value in _HARMLESS_BUILTINS.items()},
-}
-
-_DTYPE_GLOBALS: dict[tuple[str, str], DType] = {("torch", name): d for name, d in DTYPES.items()}
-
-_DCP_CLASSES = [
-    "Metadata",
-    "TensorStorageMetadata",
-    "TensorProperties",
-    "ChunkStorageMetadata",
-    "BytesStorageMetadata",
-    "MetadataIndex",
-    "StorageMeta",
-]
-
-#: What a DCP ``.metadata`` pickle written by torch 2.x may legitimately name.
-METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    **BUILTIN_GLOBALS,
-    **_DTYPE_GLOBALS,
-    **{("torch.distributed.checkpoint.metadata", c): _record_class(c) for c in _DCP_CLASSES},
-    # Older torch kept TensorProperties beside ShardedTensor.
-    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"): _record_class(
-        "TensorProperties"
-    ),
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): int,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _record_class("_StorageInfo"),
-    ("torch", "Size"): _size,
-    ("torch.serialization", "_get_layout"): _identity_str,
-    **_torch_constants(
-        ["strided", "sparse_coo", "sparse_csr", "_mkldnn", "contiguous_format", "channels_last",
-         "preserve_format", "channels_last_3d"]
-    ),
-    **{
-        (module, cls): _path
-        for module in ("pathlib", "pathlib._local")
-        for cls in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
-                    "PureWindowsPath")
-    },
-}
 
 
 # pickle's pure-Python unpickler: its opcode methods are what this class reuses, and typeshed
@@ -216,7 +119,17 @@ class RestrictedUnpickler(_BASE):
         try:
             return self._allowed[(module, name)]
         except (KeyError, TypeError):
-            named = _cap(f"{module}.{name}", 120)
+            named = cap(f"{module}.{name}", 120)
+            if isinstance(module, str) and _torch.is_torch_global(module):
+                # A torch name fsdpckpt does not know is most likely a class a newer torch
+                # added or renamed; saying "hostile" would send the user the wrong way.
+                raise UnsafePickleError(
+                    f"{self._source}: refusing to load the global {named!r}, a torch name "
+                    "fsdpckpt does not know. Written by a newer torch? fsdpckpt knows "
+                    f"torch's checkpoint classes up to torch {_torch.KNOWN_TORCH}; upgrade "
+                    "fsdpckpt. Nothing was executed. If the file did not come from a newer "
+                    "torch, do not trust it."
+                ) from None
             raise UnsafePickleError(
                 f"{self._source}: refusing to load the global {named!r}, "
                 "which a file of this kind never contains; the file may be hostile. Nothing "
@@ -387,19 +300,6 @@ class RestrictedUnpickler(_BASE):
     del _opcode, _handler
 
 
-def _cap(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def brief(value: Any, limit: int = 80) -> str:
-    """A bounded ``repr`` of an untrusted value, for messages (never raises)."""
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001 - a huge int's repr raises; the type is enough then
-        text = f"<{type(value).__name__}>"
-    return _cap(text, limit)
-
-
 def safe_loads(
     data: bytes,
     *,
@@ -442,5 +342,5 @@ def safe_loads(
         where = unpickler.position
         raise NotACheckpointError(
             f"{source}: not a readable pickle of the expected kind (at byte {where} of "
-            f"{len(data)}: {type(exc).__name__}: {_cap(str(exc), 200)})"
+            f"{len(data)}: {type(exc).__name__}: {cap(str(exc), 200)})"
         ) from exc

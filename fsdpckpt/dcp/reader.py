@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt.dcp._safe_pickle import METADATA_GLOBALS, Record, brief, safe_loads
+from fsdpckpt.dcp._allowlist import METADATA_GLOBALS, STORAGE_INFO_KIND, Record, brief
+from fsdpckpt.dcp._safe_pickle import safe_loads
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
@@ -282,7 +283,7 @@ def _locations(storage: dict[Any, Any]) -> dict[tuple[str, tuple[int, ...] | Non
     locations: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
     for index, info in storage.items():
         if not (isinstance(index, Record) and type(index).kind == "MetadataIndex" and
-                isinstance(info, Record) and type(info).kind == "_StorageInfo"):
+                isinstance(info, Record) and type(info).kind == STORAGE_INFO_KIND):
             raise _SchemaError(
                 "storage entries are not file locations; this folder was not written by "
                 "FileSystemWriter (e.g. HuggingFaceStorageWriter), which is not supported")
@@ -290,7 +291,7 @@ def _locations(storage: dict[Any, Any]) -> dict[tuple[str, tuple[int, ...] | Non
         fqn = _str(key.get("fqn"), "a storage index's fqn")
         where = f"the storage entry of {brief(fqn)}"
         offsets = key.get("offset")
-        fields = _fields(info, "_StorageInfo", where)
+        fields = _fields(info, STORAGE_INFO_KIND, where)
         transforms = fields.get("transform_descriptors")
         if transforms:
             raise _SchemaError(f"entry {brief(fqn)} is stored with transforms "

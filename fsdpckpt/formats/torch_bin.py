@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdpckpt._io.rawio import pwrite_all
+from fsdpckpt._torch import REBUILD_TENSOR_V2, REBUILD_TENSOR_V3
 from fsdpckpt.dcp._nesting import unflatten
 from fsdpckpt.dcp._objects import TensorValue
 from fsdpckpt.dcp.dtypes import DType
@@ -80,10 +81,10 @@ class _Pickler(_BASE):
         storage, stride = obj.storage, obj.stride
         hooks = collections.OrderedDict()  # type: ignore[var-annotated]
         if storage.dtype.storage_class:
-            func = _Global("torch._utils", "_rebuild_tensor_v2")
+            func = _Global(*REBUILD_TENSOR_V2)
             args: tuple[Any, ...] = (storage, obj.offset, obj.shape, stride, False, hooks)
         else:  # dtypes without a legacy typed storage (float8, uint16...) name their dtype
-            func = _Global("torch._utils", "_rebuild_tensor_v3")
+            func = _Global(*REBUILD_TENSOR_V3)
             args = (storage, obj.offset, obj.shape, stride, False, hooks,
                     _Global("torch", storage.dtype.name))
         self.save_reduce(func, args, obj=obj)

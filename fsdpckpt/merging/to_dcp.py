@@ -29,6 +29,7 @@ from typing import Any
 
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._progress import ProgressFactory, start_progress
+from fsdpckpt._torch import flatten_state_dict, storage_info
 from fsdpckpt.dcp._objects import loads, torch_load_allowlisted
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
@@ -244,8 +245,6 @@ def _entries(files: list[tuple[Path, str]], key: str | None) -> Iterator[tuple[t
         if kind == "safetensors":
             yield from _safetensors_entries(file, prefix)
             continue
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
         state = _torch_load(file, kind)
         if not isinstance(state, dict):
             raise NotACheckpointError(f"{file}: holds a {type(state).__name__}, not a state "
@@ -287,7 +286,6 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
         >>> convert("merged/model.safetensors", "seed/pytorch_model_fsdp_0")
     """
     import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
@@ -333,7 +331,7 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
                     entries[fqn] = TensorStorageMetadata(
                         TensorProperties.create_from_tensor(tensor), tensor.size(),
                         [ChunkStorageMetadata(zeros, tensor.size())])
-                    storage[MetadataIndex(fqn, zeros, 0)] = _StorageInfo(
+                    storage[MetadataIndex(fqn, zeros, 0)] = storage_info(
                         _DATA_FILE, offset, data.tell() - offset)
                     tensors, nbytes = tensors + 1, nbytes + tensor.nbytes
                     if callback and reported + tensor.nbytes <= total:
@@ -345,7 +343,7 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
                     torch.save(value, blob)
                     data.write(blob.getbuffer())
                     entries[fqn] = BytesStorageMetadata()
-                    storage[MetadataIndex(fqn)] = _StorageInfo(_DATA_FILE, offset,
+                    storage[MetadataIndex(fqn)] = storage_info(_DATA_FILE, offset,
                                                                data.tell() - offset)
                     objects += 1
             data.flush()

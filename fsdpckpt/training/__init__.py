@@ -4,5 +4,7 @@
 - :mod:`~fsdpckpt.training.manager`: ``CheckpointManager``, commit, latest, retention;
 - :mod:`~fsdpckpt.training.manifest`: ``fsdpckpt.json``, written on save, read by verify.
 
-Internal (``_``): the safe DCP storage reader, RNG state, the model-against-checkpoint check.
+Internal (``_``): distributed helpers (``_dist``: rank, world, ``everywhere``, async groups),
+Accelerate's file names (``_layout``), the safe DCP storage reader, RNG state, the
+model-against-checkpoint check.
 """

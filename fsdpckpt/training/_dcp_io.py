@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._torch import storage_info, store_loaded_value
 from fsdpckpt.dcp.reader import METADATA_FILE, read_dcp_folder
 from fsdpckpt.errors import NotACheckpointError
 
@@ -54,7 +55,6 @@ def _refuse_strays(folder: Path) -> None:
 def _torch_metadata(folder: Path) -> Any:
     """``folder``'s metadata as torch's ``Metadata``, built from fsdpckpt's safe parse."""
     import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
@@ -78,7 +78,7 @@ def _torch_metadata(folder: Path) -> Any:
         for i, chunk in enumerate(tensor.chunks):
             chunks.append(ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes)))
             if chunk.file is not None:  # without a location, torch says so if it is needed
-                storage[MetadataIndex(tensor.name, chunk.offsets, i)] = _StorageInfo(
+                storage[MetadataIndex(tensor.name, chunk.offsets, i)] = storage_info(
                     chunk.file, chunk.offset, chunk.length)
         # Only the dtype is kept: layout, memory format and the rest are what DCP always
         # writes (strided, contiguous) and the loader does not use them.
@@ -88,7 +88,7 @@ def _torch_metadata(folder: Path) -> Any:
     for obj in meta.objects:
         entries[obj.name] = BytesStorageMetadata()
         if obj.file is not None:
-            storage[MetadataIndex(obj.name)] = _StorageInfo(obj.file, obj.offset, obj.length)
+            storage[MetadataIndex(obj.name)] = storage_info(obj.file, obj.offset, obj.length)
         planner[obj.name] = obj.key_path
     return Metadata(entries, planner_data=planner, storage_data=storage, version=meta.version)
 
@@ -128,7 +128,6 @@ def safe_load_planner() -> Any:
     ``param_groups`` entry hides a ``__reduce__`` would run code on load.
     """
     import torch
-    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     from fsdpckpt.training._rng import refused
@@ -140,9 +139,6 @@ def safe_load_planner() -> Any:
                 obj = torch.load(value, weights_only=True)  # safe: torch's allowlist
             except Exception as exc:  # noqa: BLE001 - one clear error
                 raise refused(Path(f"entry '{fqn}'"), exc, "checkpoint entry") from None
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], obj)
-            else:
-                self.state_dict[fqn] = obj
+            store_loaded_value(self, fqn, obj)
 
     return SafeLoadPlanner()

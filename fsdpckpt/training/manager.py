@@ -23,16 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.durable import fsync_dir
+from fsdpckpt.training._dist import dist_or_none, everywhere, rank_world
 from fsdpckpt.training.manifest import MANIFEST, manifest_digest
-from fsdpckpt.training.state import (
-    AsyncSave,
-    LoadResult,
-    ResumeWarning,
-    _rank_world,
-    everywhere,
-    load_state,
-    save_state,
-)
+from fsdpckpt.training.state import AsyncSave, LoadResult, ResumeWarning, load_state, save_state
 
 __all__ = ["CheckpointManager"]
 
@@ -42,9 +35,7 @@ _TEMPORARY = ".tmp-checkpoint_"
 
 
 def _from_rank_zero(value: Any) -> Any:
-    from fsdpckpt.training.state import _dist
-
-    dist = _dist()
+    dist = dist_or_none()
     if dist is None:
         return value
     box = [value]
@@ -89,7 +80,7 @@ class CheckpointManager:
         everywhere(self._clean_up_on_rank_zero)
 
     def _clean_up_on_rank_zero(self) -> None:
-        rank, _world = _rank_world()
+        rank, _world = rank_world()
         if rank != 0:
             return
         self.root.mkdir(parents=True, exist_ok=True)
@@ -123,7 +114,7 @@ class CheckpointManager:
     def save(self, step: int, **parts: Any) -> None:
         """Save ``parts`` (model=, optimizer=, scheduler=... as for save_state) as step ``step``."""
         self.wait()
-        rank, _world = _rank_world()
+        rank, _world = rank_world()
         temporary = self.root / f"{_TEMPORARY}{step}"
         everywhere(lambda: shutil.rmtree(temporary) if rank == 0 and temporary.exists()
                    else None)
@@ -167,7 +158,7 @@ class CheckpointManager:
         everywhere(lambda: self._commit_on_rank_zero(step))
 
     def _commit_on_rank_zero(self, step: int) -> None:
-        rank, _world = _rank_world()
+        rank, _world = rank_world()
         if rank == 0:
             final = self.root / f"checkpoint_{step}"
             replaced = None

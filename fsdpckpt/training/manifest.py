@@ -28,6 +28,7 @@ from typing import IO, Any
 from fsdpckpt._io.checksums import DIGESTS, ChecksumStream, Pieces, crc32_range, resolve_pieces
 from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._io.jsonio import parse_json
+from fsdpckpt._torch import set_writer_filesystem, written_file_name
 from fsdpckpt.dcp._archive import _open_archive, entry_data_start
 from fsdpckpt.dcp.reader import is_dcp_folder, read_dcp_folder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -61,12 +62,12 @@ def checksum_writer(path: str | os.PathLike[str], record: dict[str, FileRecord],
                     return
                 proxy = ChecksumStream(stream, digest)  # type: ignore[arg-type]
                 yield proxy
-            # DCP writes .metadata as .metadata.tmp, then renames it.
+            # DCP writes .metadata under a temporary name, then renames it.
             hexdigest = proxy.hasher.hexdigest() if proxy.hasher is not None else None
-            record[Path(path).name.removesuffix(".tmp")] = (proxy.size, proxy.pieces, hexdigest)
+            record[written_file_name(path)] = (proxy.size, proxy.pieces, hexdigest)
 
     writer = FileSystemWriter(path)
-    writer.fs = _ChecksumFileSystem()
+    set_writer_filesystem(writer, _ChecksumFileSystem())
     return writer
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +20,16 @@ from typing import Any
 
 from fsdpckpt._io.checksums import new_digest
 from fsdpckpt._io.durable import fsync_dir, write_bytes
-from fsdpckpt.errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
+from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 from fsdpckpt.training._dcp_io import safe_load_planner, safe_storage_reader
+from fsdpckpt.training._dist import async_group, dcp_call, dist_or_none, everywhere, rank_world
+from fsdpckpt.training._layout import (
+    check_parts,
+    model_folder,
+    optimizer_folder,
+    remove_stale_parts,
+    scheduler_file,
+)
 from fsdpckpt.training._rng import prepare_rng, rng_state_bytes, torch_save_bytes
 from fsdpckpt.training._statecheck import compare, flatten, mismatch_message
 from fsdpckpt.training.manifest import FileRecord, build_manifest, checksum_writer, write_manifest
@@ -87,109 +94,10 @@ class AsyncSave:
             self._finished = True
 
 
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _rank_world() -> tuple[int, int]:
-    dist = _dist()
-    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-
-
-_ASYNC_GROUPS: dict[str, Any] = {}
-
-
-def _async_group(part: str) -> Any:
-    # One group per folder: the background saves of model and optimizer run at the same
-    # time, and their collectives must not interleave on a shared group. Groups are made
-    # on the first async save, which every rank makes in the same order (new_group is
-    # collective), and kept for the next ones.
-    if part not in _ASYNC_GROUPS:
-        _ASYNC_GROUPS[part] = _dist().new_group(backend="gloo")
-    return _ASYNC_GROUPS[part]
-
-
-def everywhere(fn: Any) -> Any:
-    """Run ``fn`` on this rank and agree: if it failed on any rank, raise on every rank.
-
-    Replaces a bare barrier after rank-local work (rank 0 writing a file, each rank
-    reading its own): without it, the other ranks would wait at the barrier until the
-    process group times out.
-    """
-    error: BaseException | None = None
-    result = None
-    try:
-        result = fn()
-    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
-        error = exc
-    dist = _dist()
-    if dist is not None:
-        rank, world = _rank_world()
-        reports: list[Any] = [None] * world
-        dist.all_gather_object(reports, None if error is None else f"rank {rank}: {error}")
-        failed = [r for r in reports if r]
-        if error is None and failed:
-            raise FsdpCkptError(f"another rank failed, so this one stops too: {failed[0]}")
-    if error is not None:
-        raise error
-    return result
-
-
 def _as_list(value: Any) -> list[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _model_folder(root: Path, i: int) -> Path:
-    return root / f"pytorch_model_fsdp_{i}"
-
-
-def _optimizer_folder(root: Path, i: int) -> Path:
-    return root / f"optimizer_{i}"
-
-
-def _scheduler_file(root: Path, i: int, *, reading: bool = False) -> Path:
-    name = "scheduler.bin" if i == 0 else f"scheduler_{i}.bin"
-    if reading and i == 0 and not (root / name).exists() and (root / "scheduler.pt").exists():
-        return root / "scheduler.pt"  # HF Trainer's name
-    return root / name
-
-
-_PART_PATTERNS = ("pytorch_model_fsdp_*", "optimizer_*", "random_states_*.pkl", "scheduler*.bin",
-                  "scaler.pt", "custom_checkpoint_*.pkl", "fsdpckpt.json")
-
-
-def _remove_stale_parts(root: Path) -> None:
-    # Saving into a folder that holds an older checkpoint must not leave parts of the old
-    # one beside the new (an optimizer saved then, and not now, would be loaded later).
-    import shutil
-
-    for pattern in _PART_PATTERNS:
-        for path in root.glob(pattern):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
-# torch 2.13 warns on every single-process DCP call, even with no_dist=True, which is how
-# we say that we mean it. Exactly that notice is silenced, and only around our own calls.
-_SINGLE_PROCESS_NOTICE = (r"torch\.distributed is (disabled, )?unavailable or uninitialized, "
-                          r"assuming the intent is to (save|load) in a single process")
-
-
-def _dcp_call(fn: Any, state: dict[str, Any], **kwargs: Any) -> Any:
-    """Call ``dcp.save``, ``dcp.load`` or ``dcp.async_save``; without a process group, in
-    a single process (``no_dist=True``) and without torch's notice that it assumes so.
-
-    An async save warns again from torch's writer thread, outside this call: that one
-    is left alone, since filtering it would mean changing the filters for every thread.
-    """
-    if _dist() is not None:
-        return fn(state, **kwargs)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE, category=UserWarning)
-        return fn(state, no_dist=True, **kwargs)
 
 
 def _pairs(models: list[Any], optimizers: list[Any]) -> list[tuple[Any, Any]]:
@@ -246,7 +154,7 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     )
 
     root = Path(checkpoint_dir)
-    rank, _world = _rank_world()
+    rank, _world = rank_world()
     new_digest(digest)  # an unknown name fails here, before anything is written
     if digest is not None and not manifest:
         raise ValueError("digest= is recorded in the manifest: it needs manifest=True")
@@ -254,7 +162,7 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     def prepare() -> None:
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
-            _remove_stale_parts(root)
+            remove_stale_parts(root)
 
     everywhere(prepare)
     futures = []
@@ -268,18 +176,18 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
         else:
             kwargs["checkpoint_id"] = str(folder)
         if not async_save:
-            _dcp_call(dcp.save, state, **kwargs)
+            dcp_call(dcp.save, state, **kwargs)
             return
-        if _dist():
+        if dist_or_none():
             # The background writer runs collectives while training runs its own; on
             # one process group they would interleave and hang.
-            kwargs["process_group"] = _async_group(folder.name)
-        futures.append(_dcp_call(dcp.async_save, state, **kwargs))
+            kwargs["process_group"] = async_group(folder.name)
+        futures.append(dcp_call(dcp.async_save, state, **kwargs))
 
     for i, module in enumerate(models):
-        write({"model": get_model_state_dict(module)}, _model_folder(root, i))
+        write({"model": get_model_state_dict(module)}, model_folder(root, i))
     for i, (module, opt) in enumerate(_pairs(models, optimizers)):
-        write({"optimizer": get_optimizer_state_dict(module, opt)}, _optimizer_folder(root, i))
+        write({"optimizer": get_optimizer_state_dict(module, opt)}, optimizer_folder(root, i))
     side = records.setdefault("", {})
 
     def write_side(path: Path, data: bytes) -> None:
@@ -288,7 +196,7 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
 
     write_side(root / f"random_states_{rank}.pkl", rng_state_bytes(step))
     if rank == 0:
-        shared = [(_scheduler_file(root, i), s) for i, s in enumerate(_as_list(scheduler))]
+        shared = [(scheduler_file(root, i), s) for i, s in enumerate(_as_list(scheduler))]
         shared += [(root / "scaler.pt", scaler)] if scaler is not None else []
         shared += [(root / f"custom_checkpoint_{i}.pkl", obj)
                    for i, obj in enumerate((extra or {}).values())]
@@ -313,8 +221,8 @@ class _Finish:
     def __call__(self) -> None:
         files = {(f"{folder}/{name}" if folder else name): value
                  for folder, entries in self.records.items() for name, value in entries.items()}
-        dist = _dist()
-        rank, world = _rank_world()
+        dist = dist_or_none()
+        rank, world = rank_world()
         if dist and self.manifest:
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, files)
@@ -331,28 +239,6 @@ class _Finish:
                     fsync_dir(folder)
 
         everywhere(on_rank_zero)
-
-
-def _check_parts(root: Path, models: list, optimizers: list, schedulers: list) -> None:
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"{root}: no such checkpoint folder; check the path.")
-    problems = []
-    for i in range(len(models)):
-        if not (_model_folder(root, i) / ".metadata").is_file():
-            problems.append(f"{_model_folder(root, i).name}/ (model {i})")
-    for i in range(len(optimizers)):
-        if not (_optimizer_folder(root, i) / ".metadata").is_file():
-            problems.append(f"{_optimizer_folder(root, i).name}/ (optimizer {i})")
-    for i in range(len(schedulers)):
-        if not _scheduler_file(root, i, reading=True).is_file():
-            problems.append(f"{_scheduler_file(root, i).name} (scheduler {i})")
-    if problems:
-        kind = "is not a checkpoint" if not any(root.iterdir()) or not any(
-            (root / n).exists() for n in ("pytorch_model_fsdp_0", "optimizer_0")) else "lacks"
-        message = (f"{root}: {kind}: missing " + ", ".join(problems) +
-                   "; pass only the parts it was saved with, or the right folder")
-        raise (NotACheckpointError if kind.startswith("is not") else CheckpointNotFoundError)(
-            message)
 
 
 def _load_trusted(path: Path, what: str = "state") -> Any:
@@ -378,10 +264,10 @@ def _read_everything(root: Path, models: list, optimizers: list, schedulers: lis
     parsed through the allowlist), the decoded scheduler, scaler and extra states,
     and the prepared RNG state.
     """
-    model_readers = [safe_storage_reader(_model_folder(root, i)) for i in range(len(models))]
-    optimizer_readers = [safe_storage_reader(_optimizer_folder(root, i))
+    model_readers = [safe_storage_reader(model_folder(root, i)) for i in range(len(models))]
+    optimizer_readers = [safe_storage_reader(optimizer_folder(root, i))
                          for i in range(len(optimizers))]
-    scheduler_states = [_load_trusted(_scheduler_file(root, i, reading=True), "scheduler state")
+    scheduler_states = [_load_trusted(scheduler_file(root, i, reading=True), "scheduler state")
                         for i in range(len(schedulers))]
     scaler_state = _load_trusted(root / "scaler.pt", "scaler state") if scaler is not None \
         else None
@@ -418,9 +304,9 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     )
 
     root = Path(checkpoint_dir)
-    rank, world = _rank_world()
+    rank, world = rank_world()
     models, optimizers, schedulers = _as_list(model), _as_list(optimizer), _as_list(scheduler)
-    _check_parts(root, models, optimizers, schedulers)
+    check_parts(root, models, optimizers, schedulers)
     # All or nothing: every part is read and checked (on every rank, which agree) before
     # the first one is loaded, so a damaged file changes no training state.
     model_readers, optimizer_readers, scheduler_states, scaler_state, extra_states, rng = \
@@ -428,32 +314,30 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
                                             extra or {}, rank, world))
     templates = [get_model_state_dict(m) for m in models]
     for i, state in enumerate(templates):
-        missing, unexpected, mismatched = compare(_model_folder(root, i), state, "model")
-        if strict and (missing or unexpected or mismatched):
-            raise StateMismatchError(mismatch_message(_model_folder(root, i), missing,
-                                                       unexpected, mismatched))
-        for key in missing + [m.split(" (")[0] for m in mismatched]:
+        comparison = compare(model_folder(root, i), state, "model")
+        if strict and comparison:
+            raise StateMismatchError(mismatch_message(model_folder(root, i), comparison))
+        for key in comparison.unloadable:
             state.pop(key, None)
     optimizer_templates = [get_optimizer_state_dict(m, o) for m, o in _pairs(models, optimizers)]
     for i, optimizer_state in enumerate(optimizer_templates):
-        folder = _optimizer_folder(root, i)
-        missing, unexpected, mismatched = compare(folder, flatten(optimizer_state), "optimizer")
-        if missing or mismatched:  # a different optimizer (SGD for AdamW) or model
-            raise StateMismatchError(mismatch_message(folder, missing, unexpected, mismatched)
-                                     .replace("the model does not", "the optimizer does not"))
+        folder = optimizer_folder(root, i)
+        comparison = compare(folder, flatten(optimizer_state), "optimizer")
+        if comparison.unloadable:  # a different optimizer (SGD for AdamW) or model
+            raise StateMismatchError(mismatch_message(folder, comparison, "optimizer"))
     restored: list[str] = []
     try:
         # Our storage reader, never a checkpoint_id: torch's own reader would unpickle
         # .metadata (and rank-local metadata files) with plain pickle.
         for module, state, reader in zip(models, templates, model_readers):
             wrapped = {"model": state}
-            _dcp_call(dcp.load, wrapped, storage_reader=reader, planner=safe_load_planner())
+            dcp_call(dcp.load, wrapped, storage_reader=reader, planner=safe_load_planner())
             set_model_state_dict(module, wrapped["model"], options=StateDictOptions(strict=strict))
         restored += ["model"] * bool(models)
         for (module, opt), optimizer_state, reader in zip(
                 _pairs(models, optimizers), optimizer_templates, optimizer_readers):
             wrapped_optimizer: dict[str, Any] = {"optimizer": optimizer_state}
-            _dcp_call(dcp.load, wrapped_optimizer, storage_reader=reader,
+            dcp_call(dcp.load, wrapped_optimizer, storage_reader=reader,
                       planner=safe_load_planner())
             set_optimizer_state_dict(module, opt, wrapped_optimizer["optimizer"])
         restored += ["optimizer"] * bool(optimizers)

@@ -1,0 +1,150 @@
+"""Every private torch name fsdpckpt touches, in one place: the seam a torch upgrade goes through.
+
+Two kinds of entry live here:
+
+- **Names torch pickles into checkpoint files** (``module``, ``name`` pairs). fsdpckpt
+  reads those files without importing torch, so it only needs the names; the allowlists
+  (:mod:`fsdpckpt.dcp._allowlist`, :mod:`fsdpckpt.dcp._archive`) map each to a stand-in,
+  and :mod:`fsdpckpt.formats.torch_bin` writes some of them. Old spellings stay: files
+  written by older torch releases name them.
+- **Private torch APIs called at run time** (training save/load, convert). Each is
+  wrapped in a function that imports torch lazily, so no module but this one names them.
+
+``tests/test_torch_compat.py`` checks every entry against the installed torch and fails
+with a message naming the torch change and this file when torch moves one;
+``tests/test_torch_versions.py`` reads metadata shaped as older releases wrote it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "KNOWN_TORCH", "SUPPORTED_TORCH", "TORCH_MODULE", "DCP_METADATA_MODULE",
+    "DCP_METADATA_CLASSES", "MEM_FORMAT_ENCODING", "OLD_TENSOR_PROPERTIES",
+    "OLD_MEM_FORMAT_ENCODING", "STORAGE_INFO", "TORCH_SIZE", "GET_LAYOUT", "TORCH_CONSTANTS",
+    "REBUILD_TENSOR_V2", "REBUILD_TENSOR_V3", "UNTYPED_STORAGE", "METADATA_TMP_SUFFIX",
+    "PICKLED_NAMES", "is_torch_global", "storage_info", "flatten_state_dict",
+    "set_writer_filesystem", "written_file_name", "store_loaded_value",
+]
+
+#: The newest torch release whose checkpoint classes the allowlists were checked against.
+#: A metadata global fsdpckpt does not know, in a torch module, is reported as "written by
+#: a torch newer than this?". Raise it after re-running tests/test_torch_compat.py.
+KNOWN_TORCH = "2.13"
+#: What fsdpckpt runs with (pyproject's floor), and what it reads metadata from.
+SUPPORTED_TORCH = "torch>=2.6 (metadata written by torch 2.4 or later is read)"
+
+TORCH_MODULE = "torch"
+
+# -- names torch pickles into .metadata -------------------------------------------------
+
+DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+#: The dataclasses of a ``.metadata`` pickle (all public, in DCP's metadata module).
+DCP_METADATA_CLASSES = ("Metadata", "TensorStorageMetadata", "TensorProperties",
+                        "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex",
+                        "StorageMeta")
+#: The enum ``TensorProperties.__getstate__`` pickles the memory format as (torch >= 2.3).
+MEM_FORMAT_ENCODING = (DCP_METADATA_MODULE, "_MEM_FORMAT_ENCODING")
+#: Before torch 2.3, DCP pickled ShardedTensor's TensorProperties and its enum.
+OLD_TENSOR_PROPERTIES = ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties")
+OLD_MEM_FORMAT_ENCODING = ("torch.distributed._shard.sharded_tensor.metadata",
+                           "MEM_FORMAT_ENCODING")
+#: Where ``FileSystemWriter`` says each entry lies: ``storage_data``'s values.
+STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+TORCH_SIZE = (TORCH_MODULE, "Size")
+#: How older torch pickled a ``torch.layout``.
+GET_LAYOUT = ("torch.serialization", "_get_layout")
+#: ``torch.<name>`` constants (layouts, memory formats) a ``TensorProperties`` may name.
+TORCH_CONSTANTS = ("strided", "sparse_coo", "sparse_csr", "_mkldnn", "contiguous_format",
+                   "channels_last", "preserve_format", "channels_last_3d")
+
+# -- names torch.save pickles into a tensor's archive -----------------------------------
+
+REBUILD_TENSOR_V2 = ("torch._utils", "_rebuild_tensor_v2")
+#: For dtypes without a legacy typed storage (float8, uint16...): names the dtype too.
+REBUILD_TENSOR_V3 = ("torch._utils", "_rebuild_tensor_v3")
+UNTYPED_STORAGE = ("torch.storage", "UntypedStorage")
+
+#: Every torch global above, with what pickles it: the checklist tests/test_torch_compat.py
+#: resolves against the installed torch (dtypes and legacy storage classes, public
+#: ``torch.<name>`` attributes, are listed in :mod:`fsdpckpt.dcp.dtypes`).
+PICKLED_NAMES: Mapping[tuple[str, str], str] = {
+    **{(DCP_METADATA_MODULE, c): ".metadata (a DCP dataclass)" for c in DCP_METADATA_CLASSES},
+    MEM_FORMAT_ENCODING: ".metadata (TensorProperties' memory format)",
+    OLD_TENSOR_PROPERTIES: ".metadata written by torch < 2.3",
+    OLD_MEM_FORMAT_ENCODING: ".metadata written by torch < 2.3",
+    STORAGE_INFO: ".metadata (storage_data's values)",
+    TORCH_SIZE: ".metadata (shapes and offsets)",
+    GET_LAYOUT: ".metadata written by older torch (a layout)",
+    **{(TORCH_MODULE, c): ".metadata (TensorProperties' layout and memory format)"
+       for c in TORCH_CONSTANTS},
+    REBUILD_TENSOR_V2: "a torch.save archive (a tensor)",
+    REBUILD_TENSOR_V3: "a torch.save archive (a tensor of a newer dtype)",
+    UNTYPED_STORAGE: "a torch.save archive (a storage)",
+}
+
+#: DCP writes ``.metadata`` under this suffix, then renames it (``FileSystemWriter.finish``).
+METADATA_TMP_SUFFIX = ".tmp"
+
+
+def is_torch_global(module: str) -> bool:
+    """Whether a pickled global's module is torch's (``torch`` or ``torch.*``)."""
+    return module == TORCH_MODULE or module.startswith(TORCH_MODULE + ".")
+
+
+# -- private torch APIs called at run time -----------------------------------------------
+
+
+def storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """torch's ``_StorageInfo``: where ``FileSystemReader`` finds an entry's bytes."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)
+
+
+def flatten_state_dict(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DCP's flat names for a nested state dict, and each one's key path.
+
+    torch has no public route to the names ``dcp.save`` gives nested entries
+    (``optimizer.state.0.weight.exp_avg``); they must match it exactly.
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
+
+    flat, mappings = flatten(state)
+    return flat, dict(mappings)
+
+
+def set_writer_filesystem(writer: Any, filesystem: Any) -> None:
+    """Make ``FileSystemWriter`` write through ``filesystem`` (its undocumented ``fs``).
+
+    Raises:
+        TypeError: this torch's writer has no ``fs`` attribute to replace.
+    """
+    if not hasattr(writer, "fs"):
+        raise TypeError(f"{type(writer).__name__} has no 'fs' attribute in this torch; "
+                        "fsdpckpt cannot record checksums while it writes: update "
+                        "fsdpckpt/_torch.py")
+    writer.fs = filesystem
+
+
+def written_file_name(path: str | Path) -> str:
+    """The name a file DCP writes ends up with (``.metadata.tmp`` becomes ``.metadata``)."""
+    return Path(path).name.removesuffix(METADATA_TMP_SUFFIX)
+
+
+def store_loaded_value(planner: Any, fqn: str, value: Any) -> None:
+    """Put a loaded non-tensor ``value`` where ``DefaultLoadPlanner.load_bytes`` would.
+
+    Uses the planner's undocumented attributes (``flatten_state_dict``, ``mappings``,
+    ``original_state_dict``, ``state_dict``); the nesting is fsdpckpt's own
+    :func:`~fsdpckpt.dcp._nesting.set_element`, which does what DCP's does.
+    """
+    from fsdpckpt.dcp._nesting import set_element
+
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, tuple(planner.mappings[fqn]), value)
+    else:
+        planner.state_dict[fqn] = value

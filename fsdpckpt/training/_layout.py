@@ -1,0 +1,69 @@
+"""Accelerate's layout of a training checkpoint: which file or folder holds what.
+
+``pytorch_model_fsdp_{i}/`` and ``optimizer_{i}/`` (DCP folders), ``scheduler.bin``
+(``scheduler_{i}.bin`` from the second on; HF Trainer's ``scheduler.pt`` is read too),
+``scaler.pt``, ``random_states_{rank}.pkl``, ``custom_checkpoint_{i}.pkl``, and fsdpckpt's
+``fsdpckpt.json``. Using Accelerate's names lets ``accelerator.load_state`` read what
+fsdpckpt saves, and fsdpckpt read what Accelerate saves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
+
+__all__ = ["model_folder", "optimizer_folder", "scheduler_file", "remove_stale_parts",
+           "check_parts"]
+
+
+def model_folder(root: Path, i: int) -> Path:
+    return root / f"pytorch_model_fsdp_{i}"
+
+
+def optimizer_folder(root: Path, i: int) -> Path:
+    return root / f"optimizer_{i}"
+
+
+def scheduler_file(root: Path, i: int, *, reading: bool = False) -> Path:
+    name = "scheduler.bin" if i == 0 else f"scheduler_{i}.bin"
+    if reading and i == 0 and not (root / name).exists() and (root / "scheduler.pt").exists():
+        return root / "scheduler.pt"  # HF Trainer's name
+    return root / name
+
+
+_PART_PATTERNS = ("pytorch_model_fsdp_*", "optimizer_*", "random_states_*.pkl", "scheduler*.bin",
+                  "scaler.pt", "custom_checkpoint_*.pkl", "fsdpckpt.json")
+
+
+def remove_stale_parts(root: Path) -> None:
+    # Saving into a folder that holds an older checkpoint must not leave parts of the old
+    # one beside the new (an optimizer saved then, and not now, would be loaded later).
+    import shutil
+
+    for pattern in _PART_PATTERNS:
+        for path in root.glob(pattern):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def check_parts(root: Path, models: list, optimizers: list, schedulers: list) -> None:
+    """Refuse a load before it starts when a part asked for is not in ``root``."""
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root}: no such checkpoint folder; check the path.")
+    problems = []
+    for i in range(len(models)):
+        if not (model_folder(root, i) / ".metadata").is_file():
+            problems.append(f"{model_folder(root, i).name}/ (model {i})")
+    for i in range(len(optimizers)):
+        if not (optimizer_folder(root, i) / ".metadata").is_file():
+            problems.append(f"{optimizer_folder(root, i).name}/ (optimizer {i})")
+    for i in range(len(schedulers)):
+        if not scheduler_file(root, i, reading=True).is_file():
+            problems.append(f"{scheduler_file(root, i).name} (scheduler {i})")
+    if problems:
+        kind = "is not a checkpoint" if not any(root.iterdir()) or not any(
+            (root / n).exists() for n in ("pytorch_model_fsdp_0", "optimizer_0")) else "lacks"
+        message = (f"{root}: {kind}: missing " + ", ".join(problems) +
+                   "; pass only the parts it was saved with, or the right folder")
+        raise (NotACheckpointError if kind.startswith("is not") else CheckpointNotFoundError)(
+            message)

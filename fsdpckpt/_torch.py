@@ -9,6 +9,9 @@ Two kinds of entry live here:
   written by older torch releases name them.
 - **Private torch APIs called at run time** (training save/load, convert). Each is
   wrapped in a function that imports torch lazily, so no module but this one names them.
+- **Python's pure-Python pickle classes** (``pickle._Pickler``, ``_Unpickler``, ``_Stop``):
+  not torch's, but private all the same, and built on the way torch's own loader is. The
+  restricted unpickler and the ``.bin`` writer extend them.
 
 ``tests/test_torch_compat.py`` checks every entry against the installed torch and fails
 with a message naming the torch change and this file when torch moves one;
@@ -17,6 +20,7 @@ with a message naming the torch change and this file when torch moves one;
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,7 @@ __all__ = [
     "REBUILD_TENSOR_V2", "REBUILD_TENSOR_V3", "UNTYPED_STORAGE", "METADATA_TMP_SUFFIX",
     "PICKLED_NAMES", "is_torch_global", "storage_info", "flatten_state_dict",
     "set_writer_filesystem", "written_file_name", "store_loaded_value",
+    "PurePythonPickler", "PurePythonUnpickler", "PickleStop",
 ]
 
 #: The newest torch release whose checkpoint classes the allowlists were checked against.
@@ -88,6 +93,14 @@ PICKLED_NAMES: Mapping[tuple[str, str], str] = {
 
 #: DCP writes ``.metadata`` under this suffix, then renames it (``FileSystemWriter.finish``).
 METADATA_TMP_SUFFIX = ".tmp"
+
+
+# Python's pure-Python pickle machinery: opcode methods and dispatch tables that the
+# restricted unpickler (dcp/_safe_pickle.py) and the .bin writer (formats/torch_bin.py)
+# extend. typeshed describes only the public classes, hence Any.
+PurePythonPickler: Any = pickle._Pickler
+PurePythonUnpickler: Any = pickle._Unpickler
+PickleStop: Any = pickle._Stop  # type: ignore[attr-defined]  # STOP raises it, with the value
 
 
 def is_torch_global(module: str) -> bool:

@@ -246,3 +246,20 @@ def test_the_allowlist_resolves_an_unpickled_storage_info_to_its_own_kind():
 
     assert METADATA_GLOBALS[_torch.STORAGE_INFO].kind == STORAGE_INFO_KIND
     assert pickle.loads(pickle.dumps(_torch.storage_info("f", 0, 1))).relative_path == "f"
+
+
+def test_pythons_pure_python_pickle_classes_are_still_there():
+    """The restricted unpickler and the .bin writer extend them: their opcode methods and
+    dispatch tables must exist as fsdpckpt uses them."""
+    from fsdpckpt import _torch
+
+    for name in ("load_build", "load_global", "load_reduce", "load_setitems", "load_append",
+                 "load_mark", "pop_mark", "dispatch"):
+        assert hasattr(_torch.PurePythonUnpickler, name), (
+            f"Python's pickle._Unpickler lost {name}: update fsdpckpt/_torch.py and "
+            "fsdpckpt/dcp/_safe_pickle.py")
+    for name in ("save_reduce", "memoize", "dispatch", "save"):
+        assert hasattr(_torch.PurePythonPickler, name), (
+            f"Python's pickle._Pickler lost {name}: update fsdpckpt/_torch.py and "
+            "fsdpckpt/formats/torch_bin.py")
+    assert issubclass(_torch.PickleStop, Exception)

@@ -7,6 +7,9 @@
 - :mod:`~fsdpckpt.dcp.checks`: structural checks (chunks tile each tensor, files present);
 - :mod:`~fsdpckpt.dcp.dtypes`: the dtypes DCP can hold, by name.
 
-Internal (``_``): the restricted unpickler, the ``torch.save`` chunk-archive and zip readers,
-the codec of non-tensor entries, nested key paths and the RNG-file decoder.
+Internal (``_``): the restricted unpickler (``_safe_pickle``) and what it may build
+(``_allowlist``), the ``torch.save`` chunk-archive and zip readers (``_archive``,
+``_ziparchive``), a folder's data files opened once for both (``_datafiles``), the codec of
+non-tensor entries (``_objects``), nested key paths (``_nesting``) and the RNG-file decoder
+(``_rngfile``).
 """

@@ -32,9 +32,9 @@ __all__ = [
 ]
 
 
-# pickle's pure-Python unpickler: its opcode methods are what this class reuses, and typeshed
-# describes only the public Unpickler, so the base is typed as Any.
-_BASE: Any = pickle._Unpickler
+# pickle's pure-Python unpickler (from the compat module): its opcode methods are what this
+# class reuses.
+_BASE: Any = _torch.PurePythonUnpickler
 
 
 class RestrictedUnpickler(_BASE):
@@ -107,7 +107,7 @@ class RestrictedUnpickler(_BASE):
                 if not key:
                     raise EOFError("the pickle ends before its STOP opcode")
                 dispatch[key[0]](self)
-        except pickle._Stop as stop:  # type: ignore[attr-defined]
+        except _torch.PickleStop as stop:
             return stop.value
 
     @property

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fsdpckpt._io.rawio import pwrite_all
-from fsdpckpt._torch import REBUILD_TENSOR_V2, REBUILD_TENSOR_V3
+from fsdpckpt._torch import REBUILD_TENSOR_V2, REBUILD_TENSOR_V3, PurePythonPickler
 from fsdpckpt.dcp._nesting import unflatten
 from fsdpckpt.dcp._objects import TensorValue
 from fsdpckpt.dcp.dtypes import DType
@@ -62,9 +62,9 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-# pickle's pure-Python pickler, whose dispatch table this subclass extends; typeshed describes
-# only the public Pickler, so the base is typed as Any.
-_BASE: Any = pickle._Pickler
+# pickle's pure-Python pickler (from the compat module), whose dispatch table this subclass
+# extends.
+_BASE: Any = PurePythonPickler
 
 
 class _Pickler(_BASE):

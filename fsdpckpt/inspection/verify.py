@@ -17,9 +17,11 @@ from fsdpckpt._io.checksums import crc32_range, file_checksums
 from fsdpckpt._io.rawio import reusing_scratch
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._archive import locate_tensor
+from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.dcp.layout import find_layout
-from fsdpckpt.dcp.reader import open_data_file, path_inside, read_dcp_folder
+from fsdpckpt.dcp.metadata import DcpMetadata
+from fsdpckpt.dcp.reader import path_inside, read_dcp_folder
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.inspection.inspect import inspect_checkpoint
 from fsdpckpt.inspection.report import VerifyReport
@@ -33,6 +35,15 @@ def _check_chunks(folder: Path, problems: list[Problem], *, only_file: str | Non
                   progress: ProgressCallback | None) -> None:
     """Check each chunk's data against ``expected`` CRCs, or its zip's own CRC when None."""
     meta = read_dcp_folder(folder).metadata
+    with DataFiles(folder) as files:
+        _check_each_chunk(folder, meta, files, problems, only_file=only_file, expected=expected,
+                          progress=progress)
+
+
+def _check_each_chunk(folder: Path, meta: DcpMetadata, files: DataFiles,
+                      problems: list[Problem], *, only_file: str | None,
+                      expected: dict[tuple[str, str, tuple[int, ...]], int] | None,
+                      progress: ProgressCallback | None) -> None:
     for tensor in meta.tensors:
         for chunk in tensor.chunks:
             if chunk.file is None or (only_file and chunk.file != only_file) or \
@@ -41,11 +52,10 @@ def _check_chunks(folder: Path, problems: list[Problem], *, only_file: str | Non
             where = f"tensor '{tensor.name}' chunk at {list(chunk.offsets)}"
             path = folder / chunk.file
             try:
-                with os.fdopen(open_data_file(folder, chunk.file), "rb") as handle:
-                    raw = locate_tensor(handle, chunk.offset, chunk.length, source=where)
-                    stored = data_entry_crc(handle, chunk.offset, chunk.length, source=where)
-                    actual = crc32_range(handle.fileno(), raw.storage_start, raw.storage_nbytes,
-                                         progress)
+                data = files.open(chunk.file)
+                raw = locate_tensor(data.file, chunk.offset, chunk.length, source=where)
+                stored = data_entry_crc(data.file, chunk.offset, chunk.length, source=where)
+                actual = crc32_range(data.fd, raw.storage_start, raw.storage_nbytes, progress)
             except FsdpCkptError as exc:
                 # The archive reader already names the chunk (``source=where``): say it once.
                 message = str(exc)

@@ -30,6 +30,7 @@ from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._torch import set_writer_filesystem, written_file_name
 from fsdpckpt.dcp._archive import _open_archive, entry_data_start
+from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.reader import is_dcp_folder, read_dcp_folder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 
@@ -99,24 +100,18 @@ def chunk_crcs(folder: Path, records: dict[str, dict[tuple[int, int], int]] | No
     """
     meta = read_dcp_folder(folder).metadata
     out: list[dict[str, Any]] = []
-    handles: dict[str, IO[bytes]] = {}
-    try:
+    with DataFiles(folder) as files:
         for tensor in meta.tensors:
             for chunk in tensor.chunks:
                 if chunk.file is None:
                     continue
-                handle = handles.get(chunk.file) or handles.setdefault(
-                    chunk.file, open(folder / chunk.file, "rb"))  # noqa: SIM115 - closed below
                 source = f"{folder / chunk.file} (tensor '{tensor.name}')"
-                crc, data_start, size = data_entry(handle, chunk.offset, chunk.length,
-                                                   source=source)
+                crc, data_start, size = data_entry(files.open(chunk.file).file, chunk.offset,
+                                                   chunk.length, source=source)
                 out.append({"tensor": tensor.name, "offsets": list(chunk.offsets),
                             "file": chunk.file, "crc32": crc})
                 if records is not None:
                     records.setdefault(chunk.file, {})[(data_start, size)] = crc
-    finally:
-        for handle in handles.values():
-            handle.close()
     return out
 
 

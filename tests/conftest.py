@@ -130,3 +130,19 @@ def reseal(manifest: dict) -> dict:
     from fsdpckpt.training.manifest import _content_checksum
 
     return dict(manifest, checksum=_content_checksum(manifest))
+
+
+def save_small_checkpoint(folder: Path, **kwargs) -> Path:
+    """``save_state`` of a small trained model and AdamW (so with a manifest) into
+    ``folder``: big enough to damage in every part."""
+    import torch
+
+    import fsdpckpt
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    fsdpckpt.save_state(folder, model, optimizer, step=1, **kwargs)
+    return folder

@@ -10,24 +10,16 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 import fsdpckpt
 from fsdpckpt.dcp.checks import check_folder
 from fsdpckpt.dcp.reader import read_dcp_folder
 
-from conftest import run_cli
+from conftest import run_cli, save_small_checkpoint
 
 
 def _saved(root):
-    """A checkpoint written by save_state (so with a manifest), large enough to damage."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 64)).sum().backward()
-    optimizer.step()
-    fsdpckpt.save_state(root / "ckpt", model, optimizer, step=1)
-    return root / "ckpt"
+    return save_small_checkpoint(root / "ckpt")
 
 
 # How much of the file is left (of its ``size`` bytes), and which rank file of the DTensor

@@ -6,24 +6,17 @@ import json
 import shutil
 
 import pytest
-import torch
 
 import fsdpckpt
 
-from conftest import FIXTURES, assert_one_line_error
+from conftest import FIXTURES, assert_one_line_error, save_small_checkpoint
 from conftest import run_cli as run
 
 
 @pytest.fixture
 def saved(tmp_path):
     """A checkpoint written by save_state (so with a manifest), large enough to damage."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 64)).sum().backward()
-    optimizer.step()
-    fsdpckpt.save_state(tmp_path / "ckpt", model, optimizer, step=1)
-    return tmp_path / "ckpt"
+    return save_small_checkpoint(tmp_path / "ckpt")
 
 
 def _flip_a_data_byte(folder, tensor_name):

@@ -43,6 +43,8 @@ def __getattr__(name: str):
         "AsyncSave": "training.state", "StateMismatchError": "training.state",
         "ResumeWarning": "training.state",
         "CheckpointManager": "training.manager", "verify_checkpoint": "inspection.verify",
+        "export_hf": "export.hf", "ExportResult": "export.hf",
+        "ExportMismatchError": "export.hf",
     }
     if name in lazy:
         import importlib
@@ -97,4 +99,7 @@ __all__ = [
     "ResumeWarning",
     "CheckpointManager",
     "verify_checkpoint",
+    "export_hf",
+    "ExportResult",
+    "ExportMismatchError",
 ]

@@ -352,3 +352,63 @@ def verify(path: str, as_json: bool, quiet: bool, expect_digest: str | None) -> 
         click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in "
                    f"{printable(path)}", err=True)
         sys.exit(1)
+
+
+@main.command("export-hf")
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.argument("output", type=click.Path(path_type=str))
+@click.option("--base", metavar="PATH", type=click.Path(path_type=str),
+              help="The Hugging Face model folder the run started from: config, generation "
+                   "config, tokenizer and chat template come from there. Default: found where "
+                   "trainers leave them (the checkpoint folder, its huggingface/, the run's "
+                   "output folder above it).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="Cast floating-point weights to this dtype; the config says so too. "
+                   "Default: keep the stored dtypes.")
+@click.option("--max-shard-size", metavar="SIZE", default="5GB", show_default=True,
+              help="The largest safetensors file; a model that fits is one model.safetensors, "
+                   "otherwise model-0000i-of-0000N.safetensors plus an index.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an earlier export in OUTPUT (its weights, config and tokenizer "
+                   "files); other files are never touched.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
+@_debug_option
+def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
+              max_shard_size: str, overwrite: bool, quiet: bool, as_json: bool) -> None:
+    """Export a sharded checkpoint to a Hugging Face model folder.
+
+    AutoModelForCausalLM.from_pretrained(OUTPUT) and AutoTokenizer.from_pretrained(OUTPUT)
+    load the result as it is: weights named as Hugging Face names them (streamed,
+    bit-exact after --dtype), config.json with FSDP2's "FSDP" class prefix removed and
+    the exported dtype, generation config, tokenizer and chat template. Tied weights
+    (lm_head.weight with tie_word_embeddings) follow the config and are not written.
+    With transformers installed (pip install 'fsdpckpt[hf]'), the keys and shapes are
+    checked against the config's model class before anything is written.
+
+    \b
+    Examples:
+      fsdpckpt export-hf run/checkpoint-500 exported/ --dtype bf16
+      fsdpckpt export-hf ckpt/ exported/ --base meta-llama/Llama-3.2-1B-local/
+    """
+    from fsdpckpt._render import human_bytes
+    from fsdpckpt.export.hf import export_hf as export
+
+    result = export(checkpoint, output, base=base, dtype=dtype, max_shard_size=max_shard_size,
+                    overwrite=overwrite, progress=_progress(quiet, "exporting"))
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+        return
+    click.echo(f"exported {printable(result.source)} -> {printable(result.output)}: "
+               f"{result.tensors} tensors, {human_bytes(result.bytes)} {result.dtype} in "
+               f"{len(result.weights)} file{'s' * (len(result.weights) != 1)}, "
+               f"{result.seconds:.2f} s")
+    for target, source in result.tied:
+        click.echo(f"  {printable(target)} is tied to {printable(source)} (the config says "
+                   "so): not written")
+    click.echo(f"  config from {printable(result.config_from)}; also wrote "
+               + ", ".join(printable(p.name) for p in result.files))
+    if result.model_class:
+        click.echo(f"  keys and shapes match {result.model_class}")
+    else:
+        click.echo("  keys not checked against the model class: pip install 'fsdpckpt[hf]'")

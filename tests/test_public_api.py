@@ -30,6 +30,8 @@ PUBLIC = {
     # training
     "save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError",
     "ResumeWarning", "CheckpointManager",
+    # exporting
+    "export_hf", "ExportResult", "ExportMismatchError",
 }
 
 

@@ -1,0 +1,124 @@
+"""What the config's model class expects: its keys and shapes, and which keys are tied.
+
+With ``transformers`` installed (the ``hf`` extra), the class named by the config is built
+on the meta device (no memory, no weights) and asked. Without it, only the config is read,
+and tied embeddings follow ``tie_word_embeddings`` alone. Tied keys are decided by the
+model built from the config, never by storage identity in the checkpoint: FSDP gathers
+each name's own copy, so a checkpoint's tied tensors are never one storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ModelExpectation", "expect_model", "tied_without_transformers", "key_problems"]
+
+#: The output-embedding key most causal LMs tie to their input embeddings.
+_LM_HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class ModelExpectation:
+    """What the model class built from the config holds.
+
+    Attributes:
+        model_class: its name (``LlamaForCausalLM``).
+        shapes: every key of its state dict (tied targets included) and its shape.
+        tied: tied target -> the key it is tied to (``{"lm_head.weight":
+            "model.embed_tokens.weight"}``); targets are not written.
+    """
+
+    model_class: str
+    shapes: dict[str, tuple[int, ...]]
+    tied: dict[str, str]
+
+
+def expect_model(config_dir: Path) -> ModelExpectation | None:
+    """Build the config's model class on the meta device and read what it expects.
+
+    Args:
+        config_dir: a folder holding the exported ``config.json``.
+
+    Returns:
+        The expectation; None when transformers is not installed, or it has no class for
+        the config (custom code is never run).
+    """
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    # transformers logs and warns about things that are the export's business, not the
+    # user's (no weights on the meta device, generation defaults): keep it quiet here.
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            config = transformers.AutoConfig.from_pretrained(str(config_dir),
+                                                             local_files_only=True)
+            model = _build(transformers, torch, config)
+    finally:
+        logger.setLevel(level)
+    if model is None:
+        return None
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    tied: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        source = first.setdefault(id(param), name)
+        if source != name:  # the same parameter under a second name: the model ties it
+            tied[name] = source
+    return ModelExpectation(type(model).__name__, shapes, tied)
+
+
+def _build(transformers: Any, torch: Any, config: Any) -> Any:
+    names = [a for a in (getattr(config, "architectures", None) or []) if isinstance(a, str)]
+    cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
+    with torch.device("meta"):
+        if cls is not None:
+            return cls._from_config(config)
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError:  # no causal LM for this model type
+            return None
+
+
+def tied_without_transformers(config: dict[str, Any], names: Collection[str]) -> dict[str, str]:
+    """Tied keys from the config alone: ``lm_head.weight`` when ``tie_word_embeddings`` (True
+    unless the config says otherwise, as transformers' default) and an input embedding is
+    there to tie it to."""
+    if not config.get("tie_word_embeddings", True) or _LM_HEAD not in names:
+        return {}
+    embeddings = sorted(n for n in names if n.endswith("embed_tokens.weight"))
+    return {_LM_HEAD: embeddings[0]} if embeddings else {}
+
+
+_SHOWN = 5
+
+
+def key_problems(shapes: dict[str, tuple[int, ...]], expect: ModelExpectation) -> list[str]:
+    """What the exported tensors (``shapes``: name -> shape, tied targets left out) lack or
+    have too many of, against the model class; empty when they match."""
+    wanted = {k: v for k, v in expect.shapes.items() if k not in expect.tied}
+    missing = sorted(set(wanted) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expect.shapes))
+    wrong = sorted(k for k in set(shapes) & set(wanted) if tuple(shapes[k]) != wanted[k])
+    problems = []
+    for what, keys in (("missing", missing), ("unexpected", unexpected)):
+        if keys:
+            more = f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
+            problems.append(f"{len(keys)} {what} ({', '.join(keys[:_SHOWN])}{more})")
+    if wrong:
+        shown = ", ".join(f"{k} is {list(shapes[k])}, expected {list(wanted[k])}"
+                          for k in wrong[:_SHOWN])
+        problems.append(f"{len(wrong)} of the wrong shape ({shown})")
+    return problems

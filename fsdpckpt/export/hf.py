@@ -1,0 +1,216 @@
+"""``export_hf``: a sharded checkpoint to a folder ``from_pretrained`` loads as it is.
+
+The weights go through the merge pipeline (:mod:`fsdpckpt.merging`: validate, plan, write,
+commit), so they stream in constant memory and come out bit-exact after the chosen cast,
+as safetensors named as Hugging Face names them (``model.safetensors``, or shards with
+``model.safetensors.index.json``). Beside them: the config (``architectures`` without
+FSDP2's ``FSDP`` prefix, the dtype field set to the exported dtype), the generation
+config, the tokenizer and its chat template, from ``base`` or from where trainers leave
+them. Tied targets (``lm_head.weight`` with ``tie_word_embeddings``) are decided by the
+config and not written. Before a byte is written, the exported keys and shapes are
+checked against the config's model class (built on the meta device when transformers is
+installed). Everything is staged in the output folder and renamed into place at the end;
+on any error the output folder is left as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdpckpt._io.durable import write_bytes
+from fsdpckpt._progress import ProgressFactory
+from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
+from fsdpckpt.errors import FsdpCkptError
+from fsdpckpt.export._config import (
+    CONFIG,
+    SideFiles,
+    config_bytes,
+    exported_config,
+    find_side_files,
+    read_config,
+)
+from fsdpckpt.export._model import expect_model, key_problems, tied_without_transformers
+from fsdpckpt.merging._validate import MergeRequest, validate_merge
+from fsdpckpt.merging.merger import MergeJob, commit_job, plan_job, write_job
+from fsdpckpt.merging.plan import MergePlanError
+from fsdpckpt.merging.writer import OutputExistsError, commit, sigterm_interrupts, staging
+
+__all__ = ["export_hf", "ExportResult", "ExportMismatchError"]
+
+
+class ExportMismatchError(FsdpCkptError, ValueError):
+    """The checkpoint's tensors do not match what the config's model class expects."""
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_hf` wrote.
+
+    Attributes:
+        source: the DCP folder exported. output: the output folder.
+        weights: the safetensors files (the index last, when sharded).
+        files: the other files written (config last).
+        tensors, bytes: tensors and tensor bytes written. dtype: the exported dtype
+            (``"bfloat16"``...), as the config now says.
+        tied: tied targets left out (``lm_head.weight``), each with the key it is tied to.
+        config_from: the ``config.json`` the exported config was made from.
+        model_class: the class the keys were checked against; None when transformers is
+            not installed (then only tied keys were decided, from the config).
+        seconds: wall time.
+    """
+
+    source: Path
+    output: Path
+    weights: tuple[Path, ...]
+    files: tuple[Path, ...]
+    tensors: int
+    bytes: int
+    dtype: str
+    tied: tuple[tuple[str, str], ...]
+    config_from: Path
+    model_class: str | None
+    seconds: float
+
+    def to_json(self) -> dict:
+        """What ``fsdpckpt export-hf --json`` prints."""
+        return {"source": str(self.source), "output": str(self.output),
+                "weights": [str(p) for p in self.weights], "files": [str(p) for p in self.files],
+                "tensors": self.tensors, "bytes": self.bytes, "dtype": self.dtype,
+                "tied": {target: source for target, source in self.tied},
+                "config_from": str(self.config_from), "checked_against": self.model_class,
+                "seconds": round(self.seconds, 3)}
+
+
+def _search_root(layout: CheckpointLayout) -> Path:
+    # A DCP folder given on its own (ckpt/pytorch_model_fsdp_0) sits in its checkpoint
+    # folder: look from there, as from the checkpoint folder itself.
+    return layout.path.parent if layout.style == "dcp" else layout.path
+
+
+def _glob_literal(name: str) -> str:
+    # An exact name as an --exclude glob: its glob characters matched literally.
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def _exported_dtype(job: MergeJob) -> str:
+    # No --dtype: the config says the dtype most of the floating-point bytes have.
+    sizes: Counter[str] = Counter()
+    for plan in job.plans:
+        for file in plan.files:
+            for t in file.tensors:
+                if t.spec.dtype.is_floating:
+                    sizes[t.spec.dtype.name] += t.spec.nbytes
+    return sizes.most_common(1)[0][0] if sizes else "float32"
+
+
+def _check_outputs(side: SideFiles, out: Path, overwrite: bool) -> None:
+    names = [name for _, name in side.copied] + [CONFIG]
+    existing = [out / n for n in names if (out / n).exists()]
+    if existing and not overwrite:
+        raise OutputExistsError(f"{existing[0]}: already exists; pass --overwrite to replace "
+                                "the earlier export, or choose another output folder")
+
+
+def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *,
+              base: str | os.PathLike[str] | None = None, dtype: str | None = None,
+              max_shard_size: str | int = "5GB", overwrite: bool = False,
+              lora: str | None = None, progress: ProgressFactory | None = None,
+              ) -> ExportResult:
+    """Export a sharded checkpoint to a Hugging Face model folder.
+
+    ``AutoModelForCausalLM.from_pretrained(output)`` and ``AutoTokenizer.from_pretrained
+    (output)`` load the result as it is.
+
+    Args:
+        checkpoint: a whole checkpoint folder (Accelerate's or HF Trainer's layout) or its
+            model's DCP folder.
+        output: the output folder; created if missing.
+        base: the Hugging Face model folder the run started from: config, generation
+            config, tokenizer and chat template come from there. Without it they are
+            looked for where trainers leave them: the checkpoint folder, its
+            ``huggingface/`` (VeRL), the run's output folder above it and its
+            ``huggingface/``.
+        dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``: cast floating-point weights (the
+            config says so too). Default: keep the stored dtypes.
+        max_shard_size: the largest safetensors file (``"5GB"`` as Hugging Face, decimal);
+            a model that fits is one ``model.safetensors`` without an index.
+        overwrite: replace an earlier export in ``output`` (its weights, config and
+            tokenizer files); other files are never touched.
+        lora: reserved for PEFT checkpoints (``"adapter"`` or ``"fuse"``); None exports
+            the weights as stored.
+        progress: ``progress(total_bytes, files)`` returns a callback given byte counts.
+
+    Returns:
+        The :class:`ExportResult`.
+
+    Raises:
+        CheckpointNotFoundError: no config or tokenizer found (the message lists where it
+            looked), or the checkpoint is missing.
+        ExportMismatchError: the tensors do not match the config's model class (the
+            message lists what is missing, unexpected or of the wrong shape).
+        MergePlanError, OutputExistsError, DiskFullError, NotACheckpointError: as for
+            :func:`fsdpckpt.merge`.
+
+    Example:
+        >>> fsdpckpt.export_hf("run/checkpoint-500", "exported", dtype="bf16")
+    """
+    start = time.perf_counter()
+    layout = find_layout(checkpoint)
+    side = find_side_files(_search_root(layout), Path(base) if base is not None else None)
+    config = read_config(side.config)
+    request = validate_merge(layout, output, dtype=dtype, max_shard_size=max_shard_size,
+                             overwrite=overwrite)
+    # LoRA / PEFT checkpoints (``lora="adapter" | "fuse"``) plug in here: the adapter
+    # export and the fused base model (fsdpckpt/export/lora.py) replace the plain weights
+    # below. Until it is wired, only plain checkpoints are exported.
+    if lora is not None:
+        raise MergePlanError(f"lora={lora!r}: exporting LoRA adapters is not available in "
+                             "this version; export without it")
+    job = plan_job(request)
+    export_dtype = _exported_dtype(job)  # after the cast: the planned dtypes
+    fixed = exported_config(config, export_dtype)
+    shapes = {t.spec.name: tuple(t.spec.shape) for plan in job.plans for f in plan.files
+              for t in f.tensors}
+    _check_outputs(side, request.output_dir, overwrite)
+    with sigterm_interrupts(), staging(request.output_dir) as stage:
+        config_file = stage / CONFIG
+        write_bytes(config_file, config_bytes(fixed))
+        expect = expect_model(stage)
+        if expect is not None:
+            tied = {k: v for k, v in expect.tied.items() if k in shapes}
+        else:
+            tied = tied_without_transformers(fixed, shapes)
+        if expect is not None:
+            problems = key_problems({k: v for k, v in shapes.items() if k not in tied}, expect)
+            if problems:
+                raise ExportMismatchError(
+                    f"{request.sources[0].folder.path}: does not match {expect.model_class} "
+                    f"as {side.config} describes it: " + "; ".join(problems) + "; pass --base "
+                    "with the config of the model this run trained")
+        if tied:
+            job = plan_job(_excluding(request, sorted(tied)))
+        staged = write_job(job, stage, progress)
+        copies = []
+        for source, name in side.copied:
+            target = stage / name
+            write_bytes(target, source.read_bytes())  # small files, written durably
+            copies.append(target)
+        results = commit_job(job, staged)
+        # The config last: a folder without it is plainly unfinished to from_pretrained.
+        files = commit([*copies, config_file], request.output_dir)
+    (result,) = results
+    return ExportResult(result.source, request.output_dir, result.files, tuple(files),
+                        result.tensors, result.bytes, export_dtype, tuple(sorted(tied.items())),
+                        side.config, expect.model_class if expect else None,
+                        time.perf_counter() - start)
+
+
+def _excluding(request: MergeRequest, names: list[str]) -> MergeRequest:
+    options = request.options
+    exclude = options.exclude + tuple(_glob_literal(n) for n in names)
+    return dataclasses.replace(request, options=dataclasses.replace(options, exclude=exclude))

@@ -1,0 +1,289 @@
+"""export-hf: a sharded checkpoint to a folder ``from_pretrained`` loads as it is.
+
+The fixture is a tiny real Llama trained by FSDP2 on 2 ranks (fixtures/tiny_llama/, tied and
+untied), with the config and tokenizer where the run left them and the trained state
+(``trained.safetensors``) the export must reproduce.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from fsdpckpt import CheckpointNotFoundError, ExportMismatchError, OutputExistsError, export_hf
+from fsdpckpt.cli import main
+from fsdpckpt.export import hf as hf_module
+from fsdpckpt.export._config import exported_config, strip_fsdp_prefix
+
+from conftest import FIXTURES
+
+TINY = FIXTURES / "tiny_llama"
+VARIANTS = ("untied", "tied")
+
+
+def _run(variant: str) -> Path:
+    return TINY / variant / "checkpoint-3"
+
+
+def _header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size))
+
+
+def _exported(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def _trained(variant: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(TINY / variant / "trained.safetensors")
+
+
+def _load(path: Path, caplog: pytest.LogCaptureFixture):
+    transformers = pytest.importorskip("transformers")
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            path, output_loading_info=True)
+    return model, info
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("exports")
+    out = {}
+    for variant in VARIANTS:
+        export_hf(_run(variant), root / variant)
+        out[variant] = root / variant
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_export_loads_without_missing_unexpected_or_newly_initialized_weights(
+        exports, variant, caplog):
+    _model, info = _load(exports[variant], caplog)
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    text = caplog.text.lower()
+    assert "newly initialized" not in text and "missing" not in text, caplog.text
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_exported_weights_are_the_trained_weights_byte_for_byte(exports, variant):
+    got, want = _exported(exports[variant]), _trained(variant)
+    if variant == "tied":
+        want.pop("lm_head.weight")
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and got[key].shape == want[key].shape
+        assert got[key].numpy().tobytes() == \
+            want[key].numpy().tobytes(), key
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_logits_equal_the_trained_models(exports, variant, caplog):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    loaded, _ = _load(exports[variant], caplog)
+    config = transformers.AutoConfig.from_pretrained(exports[variant])
+    trained = transformers.LlamaForCausalLM(config)
+    trained.load_state_dict(_trained(variant))
+    ids = torch.tensor([[1, 5, 9, 14, 20, 3]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, trained(ids).logits)
+
+
+def test_the_tied_target_is_left_out_and_the_untied_one_written(exports):
+    assert "lm_head.weight" not in _exported(exports["tied"])
+    assert "lm_head.weight" in _exported(exports["untied"])
+
+
+def test_a_tied_export_loads_with_the_head_tied_to_the_embeddings(exports, caplog):
+    model, _ = _load(exports["tied"], caplog)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_architectures_lose_fsdp2s_class_prefix(exports):
+    assert json.loads((TINY / "untied" / "config.json").read_text())["architectures"] == \
+        ["FSDPLlamaForCausalLM"]
+    assert json.loads((exports["untied"] / "config.json").read_text())["architectures"] == \
+        ["LlamaForCausalLM"]
+
+
+def test_the_weights_are_one_model_safetensors_with_hf_header_metadata(exports):
+    assert sorted(p.name for p in exports["untied"].glob("*.safetensors")) == \
+        ["model.safetensors"]
+    assert not (exports["untied"] / "model.safetensors.index.json").exists()
+    assert _header(exports["untied"] / "model.safetensors")["__metadata__"] == {"format": "pt"}
+
+
+def test_the_tokenizer_generation_config_and_chat_template_are_copied(exports):
+    transformers = pytest.importorskip("transformers")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):
+        assert (exports["tied"] / name).read_bytes() == (TINY / "tied" / name).read_bytes()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exports["tied"])
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)
+    assert chat == "user: hello\n"
+
+
+def test_the_export_generates_tokens(exports, caplog):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model, _ = _load(exports["untied"], caplog)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exports["untied"])
+    inputs = tokenizer("hello world", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > inputs["input_ids"].shape[1]
+
+
+def test_a_bf16_export_is_the_exact_cast_and_the_config_says_bfloat16(tmp_path, caplog):
+    torch = pytest.importorskip("torch")
+    result = export_hf(_run("tied"), tmp_path / "out", dtype="bf16")
+    assert result.dtype == "bfloat16"
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and "torch_dtype" not in config
+    got, want = _exported(tmp_path / "out"), _trained("tied")
+    for key, value in got.items():
+        assert value.dtype == torch.bfloat16
+        assert torch.equal(value.view(torch.int16), want[key].to(torch.bfloat16).view(torch.int16))
+    model, _ = _load(tmp_path / "out", caplog)
+    assert model.dtype == torch.bfloat16
+
+
+def test_a_small_max_shard_size_writes_indexed_shards_that_load(tmp_path, caplog):
+    result = export_hf(_run("untied"), tmp_path / "out", max_shard_size="100KB")
+    names = sorted(p.name for p in (tmp_path / "out").glob("model*"))
+    assert len(result.weights) > 2 and "model.safetensors.index.json" in names
+    assert "model-00001-of-" in names[0]
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(_trained("untied"))
+    for shard in set(index["weight_map"].values()):
+        assert _header(tmp_path / "out" / shard)["__metadata__"] == {"format": "pt"}
+    _model, info = _load(tmp_path / "out", caplog)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_the_model_dcp_folder_itself_finds_the_runs_files(tmp_path):
+    result = export_hf(_run("untied") / "pytorch_model_fsdp_0", tmp_path / "out")
+    assert result.config_from == TINY / "untied" / "config.json"
+
+
+def _copy_run(tmp_path: Path, variant: str = "untied") -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(TINY / variant, run)
+    return run
+
+
+def test_verls_huggingface_subfolder_is_found(tmp_path):
+    run = _copy_run(tmp_path)
+    hf = run / "checkpoint-3" / "huggingface"
+    hf.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (run / name).rename(hf / name)
+    result = export_hf(run / "checkpoint-3", tmp_path / "out")
+    assert result.config_from == hf / "config.json"
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_base_gives_the_config_and_tokenizer(tmp_path):
+    run = _copy_run(tmp_path)
+    base = tmp_path / "base"
+    base.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (run / name).rename(base / name)
+    result = export_hf(run / "checkpoint-3", tmp_path / "out", base=base)
+    assert result.config_from == base / "config.json"
+    assert not (tmp_path / "out" / "chat_template.jinja").exists()  # not in base
+
+
+def test_no_config_is_an_error_naming_where_it_looked(tmp_path):
+    run = _copy_run(tmp_path)
+    (run / "config.json").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"no config\.json.*looked in .*run.*--base"):
+        export_hf(run / "checkpoint-3", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_tokenizer_is_an_error_naming_where_it_looked(tmp_path):
+    run = _copy_run(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (run / name).unlink()
+    with pytest.raises(CheckpointNotFoundError, match="no tokenizer.*looked in"):
+        export_hf(run / "checkpoint-3", tmp_path / "out")
+
+
+def test_a_config_of_another_model_is_refused_before_anything_is_written(tmp_path):
+    pytest.importorskip("transformers")
+    run = _copy_run(tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    config.update(num_hidden_layers=3, intermediate_size=96)
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportMismatchError, match=r"missing \(model\.layers\.2\..*wrong shape"):
+        export_hf(run / "checkpoint-3", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_transformers_tied_keys_follow_the_config(tmp_path, monkeypatch):
+    monkeypatch.setattr(hf_module, "expect_model", lambda _folder: None)
+    result = export_hf(_run("tied"), tmp_path / "out")
+    assert result.model_class is None
+    assert result.tied == (("lm_head.weight", "model.embed_tokens.weight"),)
+    assert "lm_head.weight" not in _exported(tmp_path / "out")
+
+
+def test_an_earlier_export_is_kept_unless_overwrite(tmp_path):
+    export_hf(_run("untied"), tmp_path / "out")
+    before = (tmp_path / "out" / "config.json").read_bytes()
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        export_hf(_run("untied"), tmp_path / "out", dtype="bf16")
+    assert (tmp_path / "out" / "config.json").read_bytes() == before
+    export_hf(_run("untied"), tmp_path / "out", dtype="bf16", overwrite=True)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_the_cli_prints_a_json_report(tmp_path):
+    result = CliRunner().invoke(main, ["export-hf", str(_run("tied")), str(tmp_path / "out"),
+                                       "--dtype", "fp16", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["dtype"] == "float16" and report["tied"] == {
+        "lm_head.weight": "model.embed_tokens.weight"}
+    assert report["weights"] == [str(tmp_path / "out" / "model.safetensors")]
+
+
+def test_the_cli_error_is_one_line(tmp_path):
+    result = CliRunner().invoke(main, ["export-hf", str(FIXTURES / "dtensor"),
+                                       str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert result.output.startswith("fsdpckpt: error: no config.json found")
+
+
+@pytest.mark.parametrize("name, want", [("FSDPQwen2ForCausalLM", "Qwen2ForCausalLM"),
+                                        ("LlamaForCausalLM", "LlamaForCausalLM"),
+                                        ("FSDPmodel", "FSDPmodel")])
+def test_strip_fsdp_prefix(name, want):
+    assert strip_fsdp_prefix(name) == want
+
+
+@pytest.mark.parametrize("fields, want", [({"torch_dtype": "float32"}, {"torch_dtype"}),
+                                          ({"dtype": "float32"}, {"dtype"}),
+                                          ({"dtype": "x", "torch_dtype": "x"},
+                                           {"dtype", "torch_dtype"}),
+                                          ({}, {"torch_dtype"})])
+def test_the_config_dtype_field_it_uses_is_set(fields, want):
+    out = exported_config({"model_type": "llama", **fields}, "bfloat16")
+    assert {k for k in out if "dtype" in k} == want
+    assert all(out[k] == "bfloat16" for k in want)

@@ -19,6 +19,7 @@ from typing import IO, Any
 
 from fsdpckpt.dcp._archive import check_view, read_archive_with_tensors
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS, brief
+from fsdpckpt.dcp._zstd import OBJECT_LIMIT, open_entry
 from fsdpckpt.dcp.dtypes import DType, dtype_from_name
 from fsdpckpt.dcp.metadata import ObjectEntry
 from fsdpckpt.errors import CorruptCheckpointError, FsdpCkptError, NotACheckpointError
@@ -106,7 +107,9 @@ def read_object(file: IO[bytes], entry: ObjectEntry, *, source: str) -> Any:
             or a tensor in it does not fit its storage.
     """
     where = f"{source} (object '{entry.name}')"
-    value = read_archive_with_tensors(file, entry.offset, entry.length, source=where,
+    handle, start, length = open_entry(file, entry.offset, entry.length, entry.transforms,
+                                       limit=OBJECT_LIMIT, source=where)
+    value = read_archive_with_tensors(handle, start, length, source=where,
                                       allowed=_OBJECT_GLOBALS, make_tensor=TensorValue)
     check_plain_value(value, source=where)
     return value

@@ -21,6 +21,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from fsdpckpt.dcp._zstd import MAX_RATIO
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry, rank_file_parts
 from fsdpckpt.dcp.reader import DcpFolder
 
@@ -212,12 +213,14 @@ def check_folder(folder: DcpFolder) -> list[Problem]:
             check_location(what, chunk.file, chunk.offset, chunk.length)
             # The chunk's archive holds its elements: a declared size larger than the
             # archive is refused here, before anything allocates or reserves it.
-            if chunk.file is not None and chunk.numel * tensor.dtype.itemsize > chunk.length:
+            # A compressed one may decode to more, but no more than zstd's format allows.
+            stored = chunk.length * (MAX_RATIO if chunk.transforms else 1)
+            if chunk.file is not None and chunk.numel * tensor.dtype.itemsize > stored:
                 problems.append(Problem(
                     f"{base}/{chunk.file}",
                     f"{what} declares {chunk.numel * tensor.dtype.itemsize} bytes of "
                     f"{tensor.dtype.name} (sizes {list(chunk.sizes)}), but its archive holds "
-                    f"only {chunk.length} bytes: the metadata is damaged or crafted"))
+                    f"only {stored} bytes: the metadata is damaged or crafted"))
             if chunk.file is not None and chunk.numel:
                 # Empty chunks of one tensor share one storage entry (DCP keys it by
                 # name and offsets, the same for them all): only real data must not share.

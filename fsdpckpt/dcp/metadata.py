@@ -56,6 +56,8 @@ class Chunk:
             metadata has no storage entry for the chunk (a broken checkpoint).
         offset: byte offset of the chunk's ``torch.save`` archive in ``file``.
         length: byte length of that archive.
+        transforms: the stream transforms its bytes went through (``("stream.zstd/1",)``
+            for a zstd-compressed folder), in the order to undo them; empty for none.
     """
 
     offsets: tuple[int, ...]
@@ -63,6 +65,7 @@ class Chunk:
     file: str | None
     offset: int
     length: int
+    transforms: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -106,6 +109,7 @@ class ObjectEntry:
         offset: byte offset of the blob in ``file``.
         length: byte length of the blob.
         key_path: the nested keys it came from.
+        transforms: as for :class:`Chunk`.
     """
 
     name: str
@@ -113,6 +117,7 @@ class ObjectEntry:
     offset: int
     length: int
     key_path: KeyPath
+    transforms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from fsdpckpt.dcp._allowlist import METADATA_GLOBALS, STORAGE_INFO_KIND, Record, brief
 from fsdpckpt.dcp._safe_pickle import safe_loads
+from fsdpckpt.dcp._zstd import check_transforms
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
@@ -277,10 +278,13 @@ def _dtype(props: Any, where: str) -> DType:
     return dtype
 
 
-def _locations(storage: dict[Any, Any]) -> dict[tuple[str, tuple[int, ...] | None],
-                                               tuple[str, int, int]]:
-    """``(fqn, chunk offsets or None) -> (file, offset, length)`` from ``storage_data``."""
-    locations: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]] = {}
+_Location = tuple[str, int, int, tuple[str, ...]]
+
+
+def _locations(storage: dict[Any, Any]) -> dict[tuple[str, tuple[int, ...] | None], _Location]:
+    """``(fqn, chunk offsets or None) -> (file, offset, length, transforms)`` from
+    ``storage_data``."""
+    locations: dict[tuple[str, tuple[int, ...] | None], _Location] = {}
     for index, info in storage.items():
         if not (isinstance(index, Record) and type(index).kind == "MetadataIndex" and
                 isinstance(info, Record) and type(info).kind == STORAGE_INFO_KIND):
@@ -292,19 +296,20 @@ def _locations(storage: dict[Any, Any]) -> dict[tuple[str, tuple[int, ...] | Non
         where = f"the storage entry of {brief(fqn)}"
         offsets = key.get("offset")
         fields = _fields(info, STORAGE_INFO_KIND, where)
-        transforms = fields.get("transform_descriptors")
-        if transforms:
-            raise _SchemaError(f"entry {brief(fqn)} is stored with transforms "
-                               f"{brief(transforms)}, which fsdpckpt does not read yet")
+        try:
+            transforms = check_transforms(fields.get("transform_descriptors"))
+        except ValueError as exc:
+            raise _SchemaError(f"{where} {exc}") from None
         locations[(fqn, None if offsets is None else _ints(offsets, f"{where}: offset"))] = (
             _str(fields.get("relative_path"), f"{where}: relative_path"),
             _int(fields.get("offset"), f"{where}: offset"),
             _int(fields.get("length"), f"{where}: length"),
+            transforms,
         )
     return locations
 
 
-def _tensor(fqn: str, entry: Any, locations: dict[Any, tuple[str, int, int]],
+def _tensor(fqn: str, entry: Any, locations: dict[Any, _Location],
             key_path: KeyPath) -> TensorEntry:
     where = f"tensor {brief(fqn)}"
     fields = _fields(entry, "TensorStorageMetadata", where)
@@ -317,8 +322,8 @@ def _tensor(fqn: str, entry: Any, locations: dict[Any, tuple[str, int, int]],
         sizes = _ints(chunk_fields.get("sizes"), f"{at}: sizes")
         if len(offsets) != len(sizes):
             raise _SchemaError(f"{at} has {len(offsets)} offsets but {len(sizes)} sizes")
-        file, offset, length = locations.get((fqn, offsets), (None, 0, 0))
-        chunks.append(Chunk(offsets, sizes, file, offset, length))
+        file, offset, length, transforms = locations.get((fqn, offsets), (None, 0, 0, ()))
+        chunks.append(Chunk(offsets, sizes, file, offset, length, transforms))
     dtype = _dtype(fields.get("properties"), f"{where}: properties")
     return TensorEntry(fqn, dtype, shape, tuple(chunks), key_path)
 
@@ -344,8 +349,8 @@ def _parse(root: Any) -> DcpMetadata:
         key_path = _key_path(planned, f"planner_data[{brief(fqn)}]") if planned else \
             tuple(fqn.split("."))
         if isinstance(entry, Record) and type(entry).kind == "BytesStorageMetadata":
-            file, offset, length = locations.get((fqn, None), (None, 0, 0))
-            objects.append(ObjectEntry(fqn, file, offset, length, key_path))
+            file, offset, length, transforms = locations.get((fqn, None), (None, 0, 0, ()))
+            objects.append(ObjectEntry(fqn, file, offset, length, key_path, transforms))
         elif isinstance(entry, Record) and type(entry).kind == "TensorStorageMetadata":
             tensors.append(_tensor(fqn, entry, locations, key_path))
         else:

@@ -11,13 +11,15 @@ blocks; no tensor is ever held whole.
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 from fsdpckpt._io.checksums import crc32_range, file_checksums
-from fsdpckpt._io.rawio import reusing_scratch
+from fsdpckpt._io.rawio import reusing_scratch, scratch
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._archive import locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
+from fsdpckpt.dcp._zstd import ZstdEntry, chunk_limit, open_entry
 from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.dcp.metadata import DcpMetadata
@@ -53,9 +55,17 @@ def _check_each_chunk(folder: Path, meta: DcpMetadata, files: DataFiles,
             path = folder / chunk.file
             try:
                 data = files.open(chunk.file)
-                raw = locate_tensor(data.file, chunk.offset, chunk.length, source=where)
-                stored = data_entry_crc(data.file, chunk.offset, chunk.length, source=where)
-                actual = crc32_range(data.fd, raw.storage_start, raw.storage_nbytes, progress)
+                handle, start, length = open_entry(data.file, chunk.offset, chunk.length,
+                                                   chunk.transforms, source=where,
+                                                   limit=chunk_limit(tensor, chunk))
+                raw = locate_tensor(handle, start, length, source=where)
+                stored = data_entry_crc(handle, start, length, source=where)
+                if isinstance(handle, ZstdEntry):
+                    actual = _decoded_crc(handle, raw.storage_start, raw.storage_nbytes,
+                                          progress)
+                else:
+                    actual = crc32_range(data.fd, raw.storage_start, raw.storage_nbytes,
+                                         progress)
             except FsdpCkptError as exc:
                 # The archive reader already names the chunk (``source=where``): say it once.
                 message = str(exc)
@@ -72,6 +82,20 @@ def _check_each_chunk(folder: Path, meta: DcpMetadata, files: DataFiles,
             if actual != want:
                 problems.append(Problem(str(path), f"{where}: data does not match its "
                                         "checksum (a changed byte)"))
+
+
+def _decoded_crc(entry: ZstdEntry, start: int, count: int,
+                 progress: ProgressCallback | None) -> int:
+    """CRC-32 of ``count`` decoded bytes of a compressed entry from ``start``, in blocks."""
+    crc, block = 0, scratch(min(count, 1 << 20), "crc") if count else memoryview(b"")
+    while count > 0:
+        view = block[:min(count, len(block))]
+        entry.read_at(view, start)
+        crc = zlib.crc32(view, crc)
+        start, count = start + len(view), count - len(view)
+        if progress:
+            progress(len(view))
+    return crc
 
 
 def _chunk_bytes(folders: list[Path]) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from typing import Protocol
 from fsdpckpt._io.rawio import copy_range, pread_into, pwrite_all, scratch
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
+from fsdpckpt.dcp._zstd import ZstdEntry, chunk_limit, open_entry
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
@@ -73,6 +74,18 @@ class MemorySink:
         pread_into(src, self.view[offset:offset + count], src_offset, source=source)
         if progress:
             progress(count)
+
+
+#: Where a chunk's stored bytes are read from: a data file's descriptor, or the decoded
+#: bytes of a compressed entry.
+Source = int | ZstdEntry
+
+
+def _read(src: Source, view: memoryview, offset: int, source: str) -> None:
+    if isinstance(src, int):
+        pread_into(src, view, offset, source=source)
+    else:
+        src.read_at(view, offset)
 
 
 def _runs(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> Runs:
@@ -149,7 +162,7 @@ def _pieces(chunk_sizes: Sequence[int], box_offsets: Sequence[int], box_sizes: S
         yield pending[0], pending[1], pending[2]
 
 
-def _place_contiguous(src: int, raw: RawTensor, run: int, starts: Sequence[int], out: DType,
+def _place_contiguous(src: Source, raw: RawTensor, run: int, starts: Sequence[int], out: DType,
                       sink: Sink, tensor_start: int, source: str,
                       progress: Callable[[int], None] | None) -> None:
     """A row-major chunk: read blocks of elements, cast them if asked, write each run's part."""
@@ -162,7 +175,7 @@ def _place_contiguous(src: int, raw: RawTensor, run: int, starts: Sequence[int],
     while done < total:
         count = min(total - done, per_block)
         block = stored[:count * in_size]
-        pread_into(src, block, raw.data_start + done * in_size, source=source)
+        _read(src, block, raw.data_start + done * in_size, source)
         if made is not stored:
             cast_block(raw.dtype.name, out.name, block, made[:count * out_size])
         at = 0
@@ -177,7 +190,7 @@ def _place_contiguous(src: int, raw: RawTensor, run: int, starts: Sequence[int],
             progress(count * out_size)
 
 
-def _place_tiled(src: int, raw: RawTensor, chunk: Chunk, run: int, starts: Sequence[int],
+def _place_tiled(src: Source, raw: RawTensor, chunk: Chunk, run: int, starts: Sequence[int],
                  out: DType, sink: Sink, tensor_start: int, source: str,
                  progress: Callable[[int], None] | None) -> None:
     """Reorder and/or convert with torch, one bounded tile at a time."""
@@ -196,8 +209,7 @@ def _place_tiled(src: int, raw: RawTensor, chunk: Chunk, run: int, starts: Seque
         low = base + sum(min(0, (s - 1) * st) for s, st in zip(sizes, raw.stride))
         high = base + sum(max(0, (s - 1) * st) for s, st in zip(sizes, raw.stride)) + 1
         numel = math.prod(sizes)
-        pread_into(src, stored[:(high - low) * in_size], raw.storage_start + low * in_size,
-                   source=source)
+        _read(src, stored[:(high - low) * in_size], raw.storage_start + low * in_size, source)
         view = torch.frombuffer(stored, dtype=in_dtype, count=high - low).as_strided(
             sizes, raw.stride, base - low)
         if in_dtype != out_dtype and not view.is_contiguous():
@@ -215,13 +227,13 @@ def _place_tiled(src: int, raw: RawTensor, chunk: Chunk, run: int, starts: Seque
             progress(numel * out_size)
 
 
-def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: Runs,
+def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
                 out: DType, dst: int | Sink, tensor_start: int, *, source: str,
                 progress: Callable[[int], None] | None = None) -> None:
     """Write one chunk's elements at their place in the output tensor.
 
     Args:
-        src: the open data file holding the chunk.
+        src: the open data file holding the chunk, or the decoded bytes of a compressed one.
         raw: where the chunk's storage is, and its dtype, shape and strides.
         chunk: the chunk, as the metadata places it.
         runs: :func:`fsdpckpt.merging._runs.chunk_runs` of the chunk in its tensor.
@@ -239,7 +251,7 @@ def place_chunk(src: int, raw: RawTensor, chunk: Chunk, runs: Runs,
                                      f"says {list(chunk.sizes)}")
     sink = FileSink(dst) if isinstance(dst, int) else dst
     same = raw.dtype.name == out.name
-    if same and raw.is_contiguous and len(starts) == 1:
+    if same and raw.is_contiguous and len(starts) == 1 and isinstance(src, int):
         sink.copy_from(src, raw.data_start, tensor_start + starts[0] * out.itemsize,
                        raw.nbytes, source=source, progress=progress)
     elif raw.is_contiguous and (same or fast_cast(raw.dtype.name, out.name) is not None):
@@ -268,9 +280,13 @@ def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs
     if chunk.file is None:
         raise NotACheckpointError(f"{source}: the metadata has no storage entry")
     data = files.open(chunk.file)
-    raw = locate_tensor(data.file, chunk.offset, chunk.length, source=source)
+    handle, start, length = open_entry(data.file, chunk.offset, chunk.length, chunk.transforms,
+                                       limit=chunk_limit(tensor, chunk), source=source)
+    raw = locate_tensor(handle, start, length, source=source)
     if raw.dtype.name != tensor.dtype.name:
         raise CorruptCheckpointError(f"{source}: holds {raw.dtype.name}, the metadata says "
                                      f"{tensor.dtype.name}")
-    place_chunk(data.fd, raw, chunk, runs, out, dst, tensor_start, source=source,
+    src = handle if isinstance(handle, ZstdEntry) else data.fd
+    place_chunk(src, raw, chunk, runs, out, dst, tensor_start, source=source,
                 progress=progress)
+

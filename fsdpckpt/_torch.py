@@ -111,11 +111,15 @@ def is_torch_global(module: str) -> bool:
 # -- private torch APIs called at run time -----------------------------------------------
 
 
-def storage_info(relative_path: str, offset: int, length: int) -> Any:
-    """torch's ``_StorageInfo``: where ``FileSystemReader`` finds an entry's bytes."""
+def storage_info(relative_path: str, offset: int, length: int,
+                 transforms: tuple[str, ...] = ()) -> Any:
+    """torch's ``_StorageInfo``: where ``FileSystemReader`` finds an entry's bytes, and the
+    stream transforms (``"stream.zstd/1"``) its reader must undo."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    return _StorageInfo(relative_path, offset, length)
+    if not transforms:
+        return _StorageInfo(relative_path, offset, length)
+    return _StorageInfo(relative_path, offset, length, transform_descriptors=list(transforms))
 
 
 def flatten_state_dict(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

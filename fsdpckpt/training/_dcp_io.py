@@ -79,7 +79,7 @@ def _torch_metadata(folder: Path) -> Any:
             chunks.append(ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes)))
             if chunk.file is not None:  # without a location, torch says so if it is needed
                 storage[MetadataIndex(tensor.name, chunk.offsets, i)] = storage_info(
-                    chunk.file, chunk.offset, chunk.length)
+                    chunk.file, chunk.offset, chunk.length, chunk.transforms)
         # Only the dtype is kept: layout, memory format and the rest are what DCP always
         # writes (strided, contiguous) and the loader does not use them.
         entries[tensor.name] = TensorStorageMetadata(TensorProperties(dtype=dtype),
@@ -88,7 +88,8 @@ def _torch_metadata(folder: Path) -> Any:
     for obj in meta.objects:
         entries[obj.name] = BytesStorageMetadata()
         if obj.file is not None:
-            storage[MetadataIndex(obj.name)] = storage_info(obj.file, obj.offset, obj.length)
+            storage[MetadataIndex(obj.name)] = storage_info(obj.file, obj.offset, obj.length,
+                                                            obj.transforms)
         planner[obj.name] = obj.key_path
     return Metadata(entries, planner_data=planner, storage_data=storage, version=meta.version)
 

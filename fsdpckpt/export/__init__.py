@@ -1,0 +1,1 @@
+"""From shards to a model people can run: Hugging Face folders and LoRA adapters."""

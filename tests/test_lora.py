@@ -11,7 +11,11 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError  # noqa: E402
+from fsdpckpt.errors import (  # noqa: E402
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+)
 from fsdpckpt.export.lora import (  # noqa: E402
     export_adapter,
     find_lora,
@@ -43,7 +47,7 @@ def _trained(model, **lora):
     torch.manual_seed(1)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
-            if "lora_" in name:
+            if "lora_" in name or "modules_to_save" in name:
                 param.add_(torch.randn_like(param) * 0.1)
     return peft_model.eval()
 
@@ -60,6 +64,8 @@ def _save(peft_model, folder):
 
 _CASES = {
     "lora": dict(model=_llama, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "modules-to-save": dict(model=_llama, r=2, lora_alpha=4, target_modules=["o_proj"],
+                            modules_to_save=["lm_head"]),
     "rslora-patterns": dict(model=_llama, r=4, lora_alpha=8, use_rslora=True,
                             target_modules=["q_proj", "k_proj", "o_proj"],
                             rank_pattern={"k_proj": 2},
@@ -192,3 +198,159 @@ def test_a_rank_that_disagrees_with_the_config_is_refused(trained, tmp_path):
     doc["r"], doc["rank_pattern"] = 7, {}
     with pytest.raises(NotACheckpointError, match="rank"):
         dict(fused_tensors(ckpt, lora_config=doc))
+
+
+# --- a real 2-rank FSDP2 run -------------------------------------------------------------
+
+def train_and_save(rank, world_size, folder, lora):
+    """On each rank: a PEFT Llama sharded with FSDP2, two AdamW steps, ``save_state``;
+    rank 0 also returns the trained model's full state dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdpckpt
+
+    model = _trained(_llama(), **lora).train()
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    torch.manual_seed(2)
+    for _ in range(2):
+        ids = torch.randint(0, 64, (2, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    fsdpckpt.save_state(folder, model, optimizer, step=2)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    if rank == 0:
+        model.peft_config["default"].save_pretrained(folder)
+        return {k: v.clone() for k, v in full.items()}
+    return None
+
+
+_RUNS = {"lora": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+         "dora-rslora-patterns": dict(r=4, lora_alpha=8, use_dora=True, use_rslora=True,
+                                      target_modules=["q_proj", "k_proj", "gate_proj"],
+                                      rank_pattern={"k_proj": 2},
+                                      alpha_pattern={"gate_proj": 5})}
+
+
+@pytest.fixture(scope="module", params=sorted(_RUNS))
+def fsdp2_run(request, tmp_path_factory):
+    from multirank import run_ranks
+
+    folder = tmp_path_factory.mktemp("fsdp2") / "checkpoint_2"
+    lora = _RUNS[request.param]
+    full = run_ranks(train_and_save, str(folder), lora)[0]
+    return full, lora, folder
+
+
+def _trained_copy(full, lora):
+    """A fresh PEFT model holding the run's trained weights (merge_and_unload changes its
+    model in place, so every test gets its own)."""
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(**lora))
+    model.load_state_dict(full)
+    return model.eval()
+
+
+@pytest.mark.multirank
+def test_fsdp2_run_fuses_as_merge_and_unload(fsdp2_run, tmp_path):
+    full, lora, folder = fsdp2_run
+    trained = _trained_copy(full, lora)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        want = trained(ids).logits
+    fuse_into(folder, tmp_path / "fused")
+    from safetensors.torch import load_file
+
+    fused = load_file(tmp_path / "fused" / "model.safetensors")
+    merged = trained.merge_and_unload().state_dict()
+    assert sorted(fused) == sorted(merged)
+    for name, tensor in merged.items():
+        torch.testing.assert_close(fused[name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+    plain = _llama()
+    plain.load_state_dict(fused)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.multirank
+def test_fsdp2_run_adapter_loads_in_peft_with_the_trained_logits(fsdp2_run, tmp_path):
+    full, lora, folder = fsdp2_run
+    trained = _trained_copy(full, lora)
+    export_adapter(folder, tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(_llama(), str(tmp_path / "adapter")).eval()
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trained(ids).logits, atol=0, rtol=0)
+
+
+@pytest.fixture
+def small(tmp_path):
+    peft_model = _trained(_llama(), r=2, lora_alpha=4, target_modules=["q_proj"])
+    return peft_model, _save(peft_model, tmp_path / "ckpt")
+
+
+def test_fuse_casts_after_fusing_in_fp32(small, tmp_path):
+    _, ckpt = small
+    fp32 = dict(fused_tensors(ckpt))
+    for name, tensor in fused_tensors(ckpt, dtype="bf16"):
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, fp32[name].to(torch.bfloat16)), name
+    fuse_into(ckpt, tmp_path / "bf16", dtype="bf16")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+        assert handle.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+
+
+def test_the_checkpoint_may_be_the_accelerate_folder_its_dcp_folder_or_a_merged_file(small):
+    _, ckpt = small
+    from fsdpckpt.merging.merger import merge
+
+    merge(ckpt / "pytorch_model_fsdp_0", ckpt / "merged")
+    want = dict(fused_tensors(ckpt))
+    for source in (ckpt / "pytorch_model_fsdp_0", ckpt / "merged" / "model.safetensors"):
+        got = dict(fused_tensors(source, lora_config=ckpt))
+        assert sorted(got) == sorted(want)
+        assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_an_existing_output_is_kept_without_overwrite(small, tmp_path):
+    _, ckpt = small
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_bytes(b"mine")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_adapter(ckpt, out)
+    assert (out / "adapter_model.safetensors").read_bytes() == b"mine"
+    export_adapter(ckpt, out, overwrite=True)
+    assert (out / "adapter_model.safetensors").read_bytes() != b"mine"
+
+
+def test_a_checkpoint_without_lora_is_one_error(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": _llama().state_dict()}, checkpoint_id=str(tmp_path / "plain"))
+    with pytest.raises(NotACheckpointError, match="no LoRA adapter"):
+        export_adapter(tmp_path / "plain", tmp_path / "out", lora_config={"r": 2, "lora_alpha": 4})
+
+
+def test_several_adapters_need_one_named(tmp_path):
+    peft_model = _trained(_llama(), r=2, lora_alpha=4, target_modules=["q_proj"])
+    peft_model.add_adapter("other", peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    ckpt = _save(peft_model, tmp_path / "ckpt")
+    with pytest.raises(NotACheckpointError, match="default, other"):
+        export_adapter(ckpt, tmp_path / "out")
+    result = export_adapter(ckpt, tmp_path / "out", adapter="other")
+    assert result.adapter == "other" and result.modules == 2
+
+
+def test_an_adapter_config_that_is_not_json_names_the_file(small, tmp_path):
+    _, ckpt = small
+    (ckpt / "adapter_config.json").write_text("{r: 8")
+    with pytest.raises(CorruptCheckpointError, match="adapter_config.json"):
+        export_adapter(ckpt, tmp_path / "out")

@@ -64,6 +64,7 @@ def _save(peft_model, folder):
 
 _CASES = {
     "lora": dict(model=_llama, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "embedding": dict(model=_llama, r=2, lora_alpha=4, target_modules=["embed_tokens", "k_proj"]),
     "modules-to-save": dict(model=_llama, r=2, lora_alpha=4, target_modules=["o_proj"],
                             modules_to_save=["lm_head"]),
     "rslora-patterns": dict(model=_llama, r=4, lora_alpha=8, use_rslora=True,

@@ -42,6 +42,8 @@ __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "AdapterExport", 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "fp32": "float32", "float32": "float32"}
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: PEFT's EMBEDDING_LAYER_NAMES: adapted modules saved whole in the adapter file.
+_EMBEDDING_LAYERS = ("embed_tokens", "lm_head")
 
 
 def _torch_dtype(dtype: str | None) -> Any:
@@ -223,8 +225,9 @@ def fused_tensors(checkpoint: str | os.PathLike[str], *,
     config = find_adapter_config(checkpoint, lora_config=lora_config, base=base)
     fuser = LoraFuser(layout, config, _load(source, set(layout.adapter_keys)), adapter=adapter,
                       dtype=dtype)
-    for name, tensor in source.read(lambda n: n not in set(layout.adapter_keys)
-                                    or layout.plain_name(n, fuser.adapter) is not None):
+    # Adapter tensors are already held; modules_to_save copies are read with the base.
+    kept = {n for n in source.names if layout.plain_name(n, fuser.adapter) is not None}
+    for name, tensor in source.read(kept.__contains__):
         out = fuser(name, tensor)
         if out is not None:
             yield out
@@ -309,11 +312,17 @@ def export_adapter(checkpoint: str | os.PathLike[str], output: str | os.PathLike
     out = Path(output)
     _prepare_output(out, [ADAPTER_WEIGHTS, ADAPTER_CONFIG], overwrite)
     cast = _torch_dtype(dtype)
-    tensors: dict[str, Any] = {}
-    for stored, tensor in source.read(lambda n: layout.adapter_file_name(n, name) is not None):
+    # PEFT's save_embedding_layers="auto": an adapted embed_tokens / lm_head is saved with
+    # its base weights, which PeftModel.from_pretrained then loads over the base model's.
+    saved = {n: n for m in layout.modules if m.adapter == name
+             and m.name.rsplit(".", 1)[-1] in _EMBEDDING_LAYERS for n in (m.weight, m.bias) if n}
+    for stored in layout.adapter_keys:
         key = layout.adapter_file_name(stored, name)
-        assert key is not None  # the filter above
-        tensors[key] = tensor.to(cast) if cast is not None else tensor
+        if key is not None:
+            saved[stored] = key
+    tensors: dict[str, Any] = {}
+    for stored, tensor in source.read(saved.__contains__):
+        tensors[saved[stored]] = tensor.to(cast) if cast is not None else tensor
     _save_safetensors(tensors, out / ADAPTER_WEIGHTS)
     import json
 

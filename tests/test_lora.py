@@ -320,6 +320,21 @@ def test_the_checkpoint_may_be_the_accelerate_folder_its_dcp_folder_or_a_merged_
         assert all(torch.equal(got[n], want[n]) for n in want)
 
 
+def test_fuse_into_from_a_merged_file_casts_as_from_the_shards(small, tmp_path):
+    _, ckpt = small
+    from safetensors.torch import load_file
+
+    from fsdpckpt.merging.merger import merge
+
+    merge(ckpt / "pytorch_model_fsdp_0", ckpt / "merged")
+    fuse_into(ckpt, tmp_path / "a", dtype="fp16")
+    fuse_into(ckpt / "merged" / "model.safetensors", tmp_path / "b", dtype="fp16",
+              lora_config=ckpt)
+    a, b = (load_file(tmp_path / x / "model.safetensors") for x in "ab")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+    assert a["lm_head.weight"].dtype == torch.float16
+
+
 def test_an_existing_output_is_kept_without_overwrite(small, tmp_path):
     _, ckpt = small
     out = tmp_path / "out"
@@ -355,3 +370,11 @@ def test_an_adapter_config_that_is_not_json_names_the_file(small, tmp_path):
     (ckpt / "adapter_config.json").write_text("{r: 8")
     with pytest.raises(CorruptCheckpointError, match="adapter_config.json"):
         export_adapter(ckpt, tmp_path / "out")
+
+
+@pytest.mark.parametrize("export", [export_adapter, fuse_into])
+def test_an_unknown_dtype_is_refused_before_anything_is_written(small, tmp_path, export):
+    _, ckpt = small
+    with pytest.raises(ValueError, match="bf16, fp16, fp32"):
+        export(ckpt, tmp_path / "out", dtype="int8")
+    assert not (tmp_path / "out").exists()

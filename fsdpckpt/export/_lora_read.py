@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt.dcp.checks import check_folder
+from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
 from fsdpckpt.dcp.reader import read_dcp_folder
@@ -119,7 +120,9 @@ def _from_safetensors(path: Path) -> ModelSource:
                 for name in handle.keys():  # noqa: SIM118 - not a dict
                     piece = handle.get_slice(name)
                     shapes[name] = tuple(piece.get_shape())
-                    dtypes[name] = str(piece.get_dtype())
+                    code = str(piece.get_dtype())  # "F32": torch's name, as DCP gives it
+                    dtypes[name] = next((d.name for d in DTYPES.values()
+                                         if d.safetensors == code), code)
         except (SafetensorError, OSError) as exc:
             detail = (str(exc).splitlines() or ["?"])[0][:200]
             raise CorruptCheckpointError(f"{file}: not a readable safetensors file ({detail})"

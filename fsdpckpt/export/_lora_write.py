@@ -40,10 +40,10 @@ def write_streaming(source: ModelSource, layout: LoraLayout, adapter: str, path:
         plain = layout.plain_name(stored, adapter)
         if plain is None:
             continue
-        stored_dtype = source.dtypes[stored].removeprefix("torch.")
-        is_float = stored_dtype in ("float32", "float16", "bfloat16", "float64")
-        name = _NAMES.get(dtype or "", dtype or "") if dtype and is_float else stored_dtype
-        found = dtype_from_name(name)
+        stored_dtype = dtype_from_name(source.dtypes[stored])
+        is_float = stored_dtype is not None and stored_dtype.is_floating
+        found = dtype_from_name(_NAMES.get(dtype, dtype)) if dtype and is_float else stored_dtype
+        name = dtype if dtype and is_float else source.dtypes[stored]
         if found is None:
             raise CorruptCheckpointError(f"{stored}: dtype {name} cannot be written")
         specs.append(TensorSpec(plain, (plain,), found, source.shapes[stored]))

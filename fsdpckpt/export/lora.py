@@ -52,7 +52,7 @@ def _torch_dtype(dtype: str | None) -> Any:
     import torch
 
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r}: use one of bf16, fp16, fp32")
+        raise ValueError(f"dtype {dtype!r}: use one of bf16, fp16, fp32 (--dtype)")
     return getattr(torch, _DTYPES[dtype])
 
 
@@ -299,6 +299,7 @@ def export_adapter(checkpoint: str | os.PathLike[str], output: str | os.PathLike
         CheckpointNotFoundError: no adapter config found.
         OutputExistsError: the files exist and ``overwrite`` is False.
     """
+    cast = _torch_dtype(dtype)  # a wrong name fails before anything is read or written
     source = open_model_source(checkpoint)
     layout = find_lora(source.names)
     name = _pick_adapter(layout, adapter)
@@ -311,7 +312,6 @@ def export_adapter(checkpoint: str | os.PathLike[str], output: str | os.PathLike
     LoraFuser(layout, config, _load(source, set(layout.adapter_keys)), adapter=name)  # checks
     out = Path(output)
     _prepare_output(out, [ADAPTER_WEIGHTS, ADAPTER_CONFIG], overwrite)
-    cast = _torch_dtype(dtype)
     # PEFT's save_embedding_layers="auto": an adapted embed_tokens / lm_head is saved with
     # its base weights, which PeftModel.from_pretrained then loads over the base model's.
     saved = {n: n for m in layout.modules if m.adapter == name
@@ -346,6 +346,7 @@ def fuse_into(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     """
     from fsdpckpt.export._lora_write import write_streaming
 
+    _torch_dtype(dtype)  # a wrong name fails before anything is read or written
     source = open_model_source(checkpoint)
     layout = find_lora(source.names)
     name = _pick_adapter(layout, adapter)

@@ -1,0 +1,160 @@
+"""A model's tensors, one at a time, from a checkpoint: what LoRA export and fusion read.
+
+A DCP folder (or an Accelerate / HF Trainer checkpoint's first model folder) is read
+tensor by tensor through fsdpckpt's own chunk reader (checked, allowlisted), so that
+memory holds one tensor at a time; a merged ``.safetensors`` file (or its index) is read
+lazily through ``safe_open``. Names are the model's state-dict names: the top-level key
+a save wraps around them (``{"model": ...}``) and wrapper segments
+(``_fsdp_wrapped_module``...) dropped, as ``fsdpckpt merge`` names them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdpckpt.dcp.checks import check_folder
+from fsdpckpt.dcp.dtypes import DTYPES
+from fsdpckpt.dcp.layout import find_layout
+from fsdpckpt.dcp.metadata import TensorEntry
+from fsdpckpt.dcp.reader import read_dcp_folder
+from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+
+__all__ = ["ModelSource", "open_model_source"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The model tensors of a checkpoint, by name, readable one at a time.
+
+    Attributes:
+        path: the DCP folder or safetensors file read.
+        names: every tensor's name, in stored order.
+        shapes, dtypes: each tensor's shape and dtype name (``"float32"``...), by name.
+    """
+
+    path: Path
+    names: tuple[str, ...]
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+    _entries: dict[str, Any]
+    _files: tuple[Path, ...] = ()
+
+    def read(self, want: Callable[[str], bool] | None = None) -> Iterator[tuple[str, Any]]:
+        """``(name, tensor)`` for each tensor ``want`` accepts (all by default), in stored
+        order, each read when it is reached and not kept.
+
+        Raises:
+            CorruptCheckpointError: a data file is short or damaged.
+        """
+        if self._files:
+            yield from self._read_safetensors(want)
+        else:
+            yield from self._read_dcp(want)
+
+    def _read_dcp(self, want: Callable[[str], bool] | None) -> Iterator[tuple[str, Any]]:
+        from fsdpckpt._io.rawio import reusing_scratch
+        from fsdpckpt.dcp._datafiles import DataFiles
+        from fsdpckpt.merging._copy import place_stored_chunk
+        from fsdpckpt.merging._runs import chunk_runs
+        from fsdpckpt.merging.full import _empty
+
+        with DataFiles(self.path) as files, reusing_scratch():
+            for name in self.names:
+                if want is not None and not want(name):
+                    continue
+                entry: TensorEntry = self._entries[name]
+                full, sink = _empty(entry.dtype, entry.shape)
+                for chunk in entry.chunks:
+                    place_stored_chunk(files, entry, chunk, chunk_runs(entry.shape, chunk),
+                                       entry.dtype, sink, 0)
+                yield name, full
+
+    def _read_safetensors(self, want: Callable[[str], bool] | None) -> Iterator[tuple[str, Any]]:
+        from safetensors import safe_open
+
+        for file in self._files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - not a dict
+                    if want is None or want(name):
+                        yield name, handle.get_tensor(name)
+
+
+def _from_dcp(folder: Path) -> ModelSource:
+    from fsdpckpt.merging._keys import output_name, shares_top_key
+
+    dcp = read_dcp_folder(folder)
+    problems = check_folder(dcp)
+    if problems:  # declared sizes checked against the bytes before anything is read
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CorruptCheckpointError(f"{problems[0]}{more}; run `fsdpckpt inspect {folder}` "
+                                     "for the full list")
+    tensors = dcp.metadata.tensors
+    strip = shares_top_key([t.key_path for t in tensors])
+    entries: dict[str, TensorEntry] = {}
+    for tensor in tensors:
+        name = output_name(tensor.key_path, strip_top=strip)
+        if name in entries:
+            raise NotACheckpointError(f"{folder}: tensors '{entries[name].name}' and "
+                                      f"'{tensor.name}' both become '{name}' once wrapper "
+                                      "names are dropped; this is not one model's state dict")
+        entries[name] = tensor
+    return ModelSource(folder, tuple(entries), {n: e.shape for n, e in entries.items()},
+                       {n: e.dtype.name for n, e in entries.items()}, dict(entries))
+
+
+def _from_safetensors(path: Path) -> ModelSource:
+    from safetensors import SafetensorError, safe_open
+
+    from fsdpckpt.merging.full import shard_files
+
+    files = tuple(shard_files(path))
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - not a dict
+                    piece = handle.get_slice(name)
+                    shapes[name] = tuple(piece.get_shape())
+                    code = str(piece.get_dtype())  # "F32": torch's name, as DCP gives it
+                    dtypes[name] = next((d.name for d in DTYPES.values()
+                                         if d.safetensors == code), code)
+        except (SafetensorError, OSError) as exc:
+            detail = (str(exc).splitlines() or ["?"])[0][:200]
+            raise CorruptCheckpointError(f"{file}: not a readable safetensors file ({detail})"
+                                         ) from None
+    return ModelSource(path, tuple(shapes), shapes, dtypes, {}, files)
+
+
+def open_model_source(checkpoint: str | os.PathLike[str]) -> ModelSource:
+    """The model tensors of ``checkpoint``.
+
+    Args:
+        checkpoint: a DCP folder; a checkpoint folder in Accelerate's or HF Trainer's layout
+            (its first model folder, ``pytorch_model_fsdp_0/``, is read); or a merged
+            ``.safetensors`` file or index.
+
+    Raises:
+        CheckpointNotFoundError: nothing at the path.
+        NotACheckpointError: no model weights there.
+        CorruptCheckpointError: the metadata disagrees with the data files.
+    """
+    path = Path(checkpoint)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: no such file or folder; check the path.")
+    if path.is_file():
+        if path.suffix == ".safetensors" or path.name.endswith(".safetensors.index.json"):
+            return _from_safetensors(path)
+        raise NotACheckpointError(f"{path}: not a DCP folder or a .safetensors file; pass the "
+                                  "checkpoint folder")
+    layout = find_layout(path)
+    models = [p for p in layout.parts if p.kind in ("model", "dcp") and p.complete]
+    if not models:
+        raise NotACheckpointError(f"{path}: holds no finished model folder "
+                                  "(pytorch_model_fsdp_0/ with .metadata); pass the checkpoint "
+                                  "that holds the model")
+    return _from_dcp(models[0].path)

@@ -371,11 +371,19 @@ def verify(path: str, as_json: bool, quiet: bool, expect_digest: str | None) -> 
 @click.option("--overwrite", is_flag=True,
               help="Replace an earlier export in OUTPUT (its weights, config and tokenizer "
                    "files); other files are never touched.")
+@click.option("--lora", type=click.Choice(["adapter", "fuse"]),
+              help="For a PEFT-wrapped model: 'adapter' writes adapter_model.safetensors and "
+                   "adapter_config.json for PeftModel.from_pretrained(base, OUTPUT); 'fuse' "
+                   "exports the base model with the adapter fused in (W + scaling * B @ A).")
+@click.option("--lora-config", metavar="PATH", type=click.Path(path_type=str),
+              help="The adapter's adapter_config.json (or its folder). Default: found beside "
+                   "the checkpoint or in --base.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
 @_debug_option
 def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
-              max_shard_size: str, overwrite: bool, quiet: bool, as_json: bool) -> None:
+              max_shard_size: str, overwrite: bool, lora: str | None, lora_config: str | None,
+              quiet: bool, as_json: bool) -> None:
     """Export a sharded checkpoint to a Hugging Face model folder.
 
     AutoModelForCausalLM.from_pretrained(OUTPUT) and AutoTokenizer.from_pretrained(OUTPUT)
@@ -390,12 +398,26 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
     Examples:
       fsdpckpt export-hf run/checkpoint-500 exported/ --dtype bf16
       fsdpckpt export-hf ckpt/ exported/ --base meta-llama/Llama-3.2-1B-local/
+      fsdpckpt export-hf lora-run/checkpoint-500 adapter/ --lora adapter
+      fsdpckpt export-hf lora-run/checkpoint-500 fused/ --lora fuse --dtype bf16
     """
     from fsdpckpt._render import human_bytes
     from fsdpckpt.export.hf import export_hf as export
+    from fsdpckpt.export.lora import AdapterExport
 
     result = export(checkpoint, output, base=base, dtype=dtype, max_shard_size=max_shard_size,
-                    overwrite=overwrite, progress=_progress(quiet, "exporting"))
+                    overwrite=overwrite, lora=lora, lora_config=lora_config,
+                    progress=_progress(quiet, "exporting"))
+    if isinstance(result, AdapterExport):
+        if as_json:
+            click.echo(json.dumps({"output": str(result.output), "files": list(result.files),
+                                   "tensors": result.tensors, "adapter": result.adapter,
+                                   "modules": result.modules}, indent=2))
+        else:
+            click.echo(f"exported adapter '{printable(result.adapter)}' ({result.modules} "
+                       f"modules, {result.tensors} tensors) -> {printable(result.output)}: "
+                       + ", ".join(printable(name) for name in result.files))
+        return
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
         return

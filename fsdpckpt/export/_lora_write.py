@@ -10,22 +10,33 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fsdpckpt._io.rawio import pwrite_all
 from fsdpckpt.dcp.dtypes import dtype_from_name
 from fsdpckpt.errors import CorruptCheckpointError
 from fsdpckpt.export._lora_keys import LoraLayout
-from fsdpckpt.export._lora_read import ModelSource
 from fsdpckpt.formats import TensorSpec
 from fsdpckpt.formats.safetensors import SafetensorsFormat
 
-__all__ = ["write_streaming"]
+__all__ = ["TensorTable", "write_streaming"]
+
+
+class TensorTable(Protocol):
+    """What the layout needs of a source: its stored names, shapes and dtype names
+    (a :class:`~fsdpckpt.export._lora_read.ModelSource`, or a view of one)."""
+
+    @property
+    def names(self) -> tuple[str, ...]: ...
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]: ...
+    @property
+    def dtypes(self) -> dict[str, str]: ...
 
 _NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def write_streaming(source: ModelSource, layout: LoraLayout, adapter: str, path: Path,
+def write_streaming(source: TensorTable, layout: LoraLayout, adapter: str, path: Path,
                     dtype: str | None, tensors: Iterable[tuple[str, Any]]) -> int:
     """Lay out ``path`` from ``source``'s metadata, then write each of ``tensors`` in place.
 

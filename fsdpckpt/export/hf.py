@@ -34,9 +34,11 @@ from fsdpckpt.export._config import (
     find_side_files,
     read_config,
 )
+from fsdpckpt.export._fuse_hf import plan_fused
 from fsdpckpt.export._model import expect_model, key_problems, tied_without_transformers
+from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
-from fsdpckpt.merging.merger import MergeJob, commit_job, plan_job, write_job
+from fsdpckpt.merging.merger import MergeJob, MergeResult, commit_job, plan_job, write_job
 from fsdpckpt.merging.plan import MergePlanError
 from fsdpckpt.merging.writer import OutputExistsError, commit, sigterm_interrupts, staging
 
@@ -119,8 +121,8 @@ def _check_outputs(side: SideFiles, out: Path, overwrite: bool) -> None:
 def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *,
               base: str | os.PathLike[str] | None = None, dtype: str | None = None,
               max_shard_size: str | int = "5GB", overwrite: bool = False,
-              lora: str | None = None, progress: ProgressFactory | None = None,
-              ) -> ExportResult:
+              lora: str | None = None, lora_config: str | os.PathLike[str] | None = None,
+              progress: ProgressFactory | None = None) -> ExportResult | AdapterExport:
     """Export a sharded checkpoint to a Hugging Face model folder.
 
     ``AutoModelForCausalLM.from_pretrained(output)`` and ``AutoTokenizer.from_pretrained
@@ -141,8 +143,15 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
             a model that fits is one ``model.safetensors`` without an index.
         overwrite: replace an earlier export in ``output`` (its weights, config and
             tokenizer files); other files are never touched.
-        lora: reserved for PEFT checkpoints (``"adapter"`` or ``"fuse"``); None exports
-            the weights as stored.
+        lora: for a PEFT-wrapped model's checkpoint: ``"adapter"`` writes the adapter
+            as PEFT's ``save_pretrained`` does (``adapter_model.safetensors`` and
+            ``adapter_config.json``, for ``PeftModel.from_pretrained(base, output)``;
+            returns an :class:`~fsdpckpt.export.lora.AdapterExport`); ``"fuse"`` exports
+            the base model with the adapter fused in (``W + scaling * B @ A``, in fp32,
+            then cast), as ``merge_and_unload`` gives it, as one ``model.safetensors``.
+            None exports the weights as stored.
+        lora_config: the adapter's ``adapter_config.json`` (or its folder); found beside
+            the checkpoint or in ``base`` by default.
         progress: ``progress(total_bytes, files)`` returns a callback given byte counts.
 
     Returns:
@@ -160,22 +169,26 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         >>> fsdpckpt.export_hf("run/checkpoint-500", "exported", dtype="bf16")
     """
     start = time.perf_counter()
+    if lora not in (None, "adapter", "fuse"):
+        raise MergePlanError(f"lora={lora!r}: use 'adapter' (write the LoRA adapter) or "
+                             "'fuse' (fuse it into the base weights)")
+    if lora == "adapter":
+        return export_adapter(checkpoint, output, lora_config=lora_config, base=base,
+                              dtype=dtype, overwrite=overwrite)
     layout = find_layout(checkpoint)
     side = find_side_files(_search_root(layout), Path(base) if base is not None else None)
     config = read_config(side.config)
     request = validate_merge(layout, output, dtype=dtype, max_shard_size=max_shard_size,
                              overwrite=overwrite)
-    # LoRA / PEFT checkpoints (``lora="adapter" | "fuse"``) plug in here: the adapter
-    # export and the fused base model (fsdpckpt/export/lora.py) replace the plain weights
-    # below. Until it is wired, only plain checkpoints are exported.
-    if lora is not None:
-        raise MergePlanError(f"lora={lora!r}: exporting LoRA adapters is not available in "
-                             "this version; export without it")
-    job = plan_job(request)
-    export_dtype = _exported_dtype(job)  # after the cast: the planned dtypes
+    job = plan_job(request)  # also: is the output free, and which earlier outputs go
+    fused = plan_fused(checkpoint, dtype=dtype) if lora == "fuse" else None
+    if fused is not None:  # the base model with the adapter fused in, by plain names
+        export_dtype, shapes = fused.dtype, fused.shapes
+    else:
+        export_dtype = _exported_dtype(job)  # after the cast: the planned dtypes
+        shapes = {t.spec.name: tuple(t.spec.shape) for plan in job.plans for f in plan.files
+                  for t in f.tensors}
     fixed = exported_config(config, export_dtype)
-    shapes = {t.spec.name: tuple(t.spec.shape) for plan in job.plans for f in plan.files
-              for t in f.tensors}
     _check_outputs(side, request.output_dir, overwrite)
     with sigterm_interrupts(), staging(request.output_dir) as stage:
         config_file = stage / CONFIG
@@ -192,18 +205,28 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
                     f"{request.sources[0].folder.path}: does not match {expect.model_class} "
                     f"as {side.config} describes it: " + "; ".join(problems) + "; pass --base "
                     "with the config of the model this run trained")
-        if tied:
+        if fused is None and tied:
             job = plan_job(_excluding(request, sorted(tied)))
-        staged = write_job(job, stage, progress)
         copies = []
         for source, name in side.copied:
             target = stage / name
             write_bytes(target, source.read_bytes())  # small files, written durably
             copies.append(target)
-        results = commit_job(job, staged)
+        if fused is not None:
+            weights = stage / "model.safetensors"
+            count = fused.write(weights, dtype=dtype, exclude=set(tied),
+                                lora_config=lora_config, base=base)
+            written = commit([weights], request.output_dir)
+            for path in job.replaced:  # an earlier export's shards, now replaced
+                if path not in written:
+                    path.unlink(missing_ok=True)
+            nbytes = sum(n for k, n in fused.nbytes.items() if k not in tied)
+            result = MergeResult(fused.source.path, tuple(written), count, nbytes, (), 0.0)
+        else:
+            staged = write_job(job, stage, progress)
+            (result,) = commit_job(job, staged)
         # The config last: a folder without it is plainly unfinished to from_pretrained.
         files = commit([*copies, config_file], request.output_dir)
-    (result,) = results
     return ExportResult(result.source, request.output_dir, result.files, tuple(files),
                         result.tensors, result.bytes, export_dtype, tuple(sorted(tied.items())),
                         side.config, expect.model_class if expect else None,

@@ -1,0 +1,100 @@
+"""The weights of ``export-hf --lora fuse``: the base model with a LoRA adapter fused in.
+
+The merge pipeline copies stored bytes; fusing computes ``W + scaling * (B @ A)`` per layer,
+so these weights come from :func:`fsdpckpt.export.lora.fused_tensors` (one base tensor in
+memory at a time, fused in fp32, then cast) and are written in place into one
+``model.safetensors`` laid out from the metadata first. Everything else in the export (the
+config and tokenizer files, the key check against the model class, tied weights, staging
+and commit) is :func:`fsdpckpt.export.hf.export_hf`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdpckpt.dcp.dtypes import dtype_from_name
+from fsdpckpt.export._lora_keys import LoraLayout
+from fsdpckpt.export._lora_read import ModelSource, open_model_source
+from fsdpckpt.export._lora_write import write_streaming
+from fsdpckpt.export.lora import _pick_adapter, _torch_dtype, find_lora, fused_tensors
+
+__all__ = ["FusedWeights", "plan_fused"]
+
+_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass(frozen=True)
+class FusedWeights:
+    """The fused model's tensors, known from the metadata before any is read.
+
+    Attributes:
+        shapes: each plain (Hugging Face) name's shape. dtype: the exported dtype of most
+            floating-point bytes (what the config will say). nbytes: each tensor's bytes.
+    """
+
+    checkpoint: str | os.PathLike[str]
+    source: ModelSource
+    layout: LoraLayout
+    adapter: str
+    shapes: dict[str, tuple[int, ...]]
+    nbytes: dict[str, int]
+    dtype: str
+
+    def write(self, path: Path, *, dtype: str | None, exclude: set[str],
+              lora_config: Any, base: Any) -> int:
+        """Write the fused tensors but ``exclude`` (tied targets) into ``path``."""
+        kept = _Without(self.source, exclude, self.layout, self.adapter)
+        tensors = ((n, t) for n, t in fused_tensors(self.checkpoint, lora_config=lora_config,
+                                                     base=base, dtype=dtype,
+                                                     adapter=self.adapter)
+                   if n not in exclude)
+        return write_streaming(kept, self.layout, self.adapter, path, dtype, tensors)
+
+
+class _Without:
+    """``source`` as :func:`write_streaming` lays it out, less the stored tensors whose
+    plain names are excluded."""
+
+    def __init__(self, source: ModelSource, exclude: set[str], layout: LoraLayout,
+                 adapter: str) -> None:
+        self.names = tuple(n for n in source.names
+                           if layout.plain_name(n, adapter) not in exclude)
+        self.shapes, self.dtypes = source.shapes, source.dtypes
+
+
+def plan_fused(checkpoint: str | os.PathLike[str], *, dtype: str | None,
+               adapter: str | None = None) -> FusedWeights:
+    """What the fused export will hold, from the checkpoint's metadata alone.
+
+    Raises:
+        NotACheckpointError: the checkpoint holds no LoRA adapter (or several, and none
+            is named); MergePlanError-like ValueError for an unknown ``dtype``.
+    """
+    _torch_dtype(dtype)  # a wrong name fails before anything is read or written
+    source = open_model_source(checkpoint)
+    layout = find_lora(source.names)
+    name = _pick_adapter(layout, adapter)
+    shapes: dict[str, tuple[int, ...]] = {}
+    nbytes: dict[str, int] = {}
+    sizes: Counter[str] = Counter()
+    for stored in source.names:
+        plain = layout.plain_name(stored, name)
+        if plain is None:
+            continue
+        stored_dtype = dtype_from_name(source.dtypes[stored])
+        floating = stored_dtype is not None and stored_dtype.is_floating
+        out = dtype_from_name(_NAMES.get(dtype, dtype)) if dtype and floating else stored_dtype
+        shape = tuple(source.shapes[stored])
+        count = 1
+        for size in shape:
+            count *= size
+        shapes[plain] = shape
+        nbytes[plain] = count * (out.itemsize if out is not None else 0)
+        if out is not None and out.is_floating:
+            sizes[out.name] += nbytes[plain]
+    exported = sizes.most_common(1)[0][0] if sizes else "float32"
+    return FusedWeights(checkpoint, source, layout, name, shapes, nbytes, exported)

@@ -43,6 +43,7 @@ def __getattr__(name: str):
         "AsyncSave": "training.state", "StateMismatchError": "training.state",
         "ResumeWarning": "training.state",
         "CheckpointManager": "training.manager", "verify_checkpoint": "inspection.verify",
+        "diff": "inspection.diff", "DiffReport": "inspection.diff",
     }
     if name in lazy:
         import importlib
@@ -97,4 +98,6 @@ __all__ = [
     "ResumeWarning",
     "CheckpointManager",
     "verify_checkpoint",
+    "diff",
+    "DiffReport",
 ]

@@ -45,6 +45,7 @@ def __getattr__(name: str):
         "CheckpointManager": "training.manager", "verify_checkpoint": "inspection.verify",
         "export_hf": "export.hf", "ExportResult": "export.hf",
         "ExportMismatchError": "export.hf",
+        "diff": "inspection.diff", "DiffReport": "inspection.diff",
     }
     if name in lazy:
         import importlib
@@ -102,4 +103,6 @@ __all__ = [
     "export_hf",
     "ExportResult",
     "ExportMismatchError",
+    "diff",
+    "DiffReport",
 ]

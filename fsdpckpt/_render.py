@@ -1,11 +1,12 @@
 """Drawing reports for people: byte sizes, aligned text tables, and the human form of
-:class:`~fsdpckpt.inspection.report.InspectReport` and
-:class:`~fsdpckpt.inspection.report.VerifyReport`."""
+:class:`~fsdpckpt.inspection.report.InspectReport`,
+:class:`~fsdpckpt.inspection.report.VerifyReport` and
+:class:`~fsdpckpt.inspection.diff.DiffReport`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdpckpt._printable import printable
 from fsdpckpt.dcp.checks import Problem
@@ -13,7 +14,10 @@ from fsdpckpt.dcp.layout import SideFile
 from fsdpckpt.dcp.metadata import DataFile
 from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport, VerifyReport
 
-__all__ = ["human_bytes", "table", "render_inspect", "render_verify"]
+if TYPE_CHECKING:  # the diff module pulls in the merge side; inspect need not load it
+    from fsdpckpt.inspection.diff import DiffReport
+
+__all__ = ["human_bytes", "table", "render_inspect", "render_verify", "render_diff"]
 
 
 def human_bytes(n: int | float) -> str:
@@ -189,3 +193,58 @@ def render_verify(report: VerifyReport, path: str) -> str:
             "files carry CRC-32 only: save with digest='sha256' to detect deliberate changes"
         out.append(f"manifest digest: {report.manifest_digest} ({files})")
     return "\n".join(out)
+
+
+_SHOWN_NAMES = 20  # missing or unexpected names listed in full; the rest are counted
+
+
+def _names_line(label: str, names: Sequence[str]) -> list[str]:
+    if not names:
+        return []
+    shown = ", ".join(map(_p, names[:_SHOWN_NAMES]))
+    more = f" and {len(names) - _SHOWN_NAMES} more" if len(names) > _SHOWN_NAMES else ""
+    return [f"{label} ({len(names)}): {shown}{more}"]
+
+
+def _float(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def render_diff(report: DiffReport) -> str:
+    """The human form of what :func:`fsdpckpt.inspection.diff.diff` found: missing and
+    unexpected names, a table of the tensors that differ, the objects that differ, and a
+    summary line that starts with ``EQUAL`` or ``DIFFERENT``. Names are escaped as in
+    :func:`render_inspect`."""
+    out = [f"A: {_p(report.a)}", f"B: {_p(report.b)}"]
+    out += _names_line("missing (in A, not in B)", report.missing)
+    out += _names_line("unexpected (in B, not in A)", report.unexpected)
+    rows = []
+    for t in report.differing:
+        dtype = _p(t.dtype_a) if not t.dtype_differs else f"{_p(t.dtype_a)} -> {_p(t.dtype_b)}"
+        shape = _shape(t.shape_a) if not t.shape_differs else \
+            f"{_shape(t.shape_a)} -> {_shape(t.shape_b)}"
+        rows.append([_p(t.name), dtype, shape, _float(t.max_abs), _float(t.max_rel),
+                     f"{t.mismatched}/{t.numel}" if not t.shape_differs else "shape differs"])
+    if rows:
+        out += ["", f"Tensors that differ ({len(rows)}):"]
+        out += table(rows, header=["name", "dtype", "shape", "max abs", "max rel",
+                                   "mismatched"], right=(3, 4, 5))
+    changed = [t for t in report.tensors if t.equal and t.dtype_differs]
+    if changed:
+        out += ["", f"Equal within the tolerance, dtype changed ({len(changed)}): "
+                + ", ".join(f"{_p(t.name)} ({_p(t.dtype_a)} -> {_p(t.dtype_b)})"
+                            for t in changed[:_SHOWN_NAMES])
+                + (" ..." if len(changed) > _SHOWN_NAMES else "")]
+    out += _names_line("objects that differ", [o.name for o in report.objects if not o.equal])
+    identical = sum(t.identical for t in report.tensors)
+    tolerance = f"atol {report.atol:g}, rtol {report.rtol:g}"
+    if report.equal:
+        out += ["", f"EQUAL: {_plural(len(report.tensors), 'tensor')} ({identical} "
+                    f"bit-identical), {_plural(len(report.objects), 'object')} ({tolerance})"]
+    else:
+        wrong = sum(not o.equal for o in report.objects)
+        out += ["", f"DIFFERENT: {len(report.differing)} of "
+                    f"{_plural(len(report.tensors), 'tensor')} differ, {wrong} of "
+                    f"{_plural(len(report.objects), 'object')}, {len(report.missing)} missing, "
+                    f"{len(report.unexpected)} unexpected ({tolerance})"]
+    return "\n".join(out).lstrip("\n")

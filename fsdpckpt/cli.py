@@ -434,3 +434,64 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
         click.echo(f"  keys and shapes match {result.model_class}")
     else:
         click.echo("  keys not checked against the model class: pip install 'fsdpckpt[hf]'")
+@main.command()
+@click.argument("a", type=click.Path(path_type=str))
+@click.argument("b", type=click.Path(path_type=str))
+@click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Absolute tolerance: equal when |a - b| <= atol + rtol * |b|.")
+@click.option("--rtol", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Relative tolerance. With atol and rtol both 0, values and dtypes must be "
+                   "equal; with a tolerance, a dtype change (a bf16 export) is allowed.")
+@click.option("--name", "-n", "names", multiple=True, metavar="PATTERN",
+              help="Only compare entries whose name matches: a glob ('*.weight') or a "
+                   "substring ('layers.0.'); repeatable.")
+@click.option("--optimizer", is_flag=True,
+              help="Compare the optimizer state (optimizer_0/, optimizer.safetensors) of "
+                   "checkpoints and merged folders instead of the model.")
+@click.option("--model-index", type=int, metavar="N",
+              help="Which model to compare when a checkpoint holds several "
+                   "(pytorch_model_fsdp_N/).")
+@click.option("--keep-keys", is_flag=True,
+              help="Compare names with wrapper segments (_fsdp_wrapped_module., "
+                   "_checkpoint_wrapped_module., _orig_mod.) kept; by default they are "
+                   "removed on both sides, as merge removes them.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON document on stdout (schema in docs/cli.md).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@_debug_option
+def diff(a: str, b: str, atol: float, rtol: float, names: tuple[str, ...], optimizer: bool,
+         model_index: int | None, keep_keys: bool, as_json: bool, quiet: bool) -> None:
+    """Compare two state sources tensor by tensor, streaming.
+
+    A and B are each a DCP folder, a whole checkpoint (its model folder; --optimizer:
+    its optimizer folder), a .safetensors or .bin file or shard index (*.index.json),
+    or a folder holding model.safetensors or pytorch_model.bin (or their index), as
+    Hugging Face and fsdpckpt merge write them. Names are compared as merge writes
+    them: a DCP folder's shared top-level key ("model.") and wrapper segments are
+    dropped. One box of one tensor per side is in memory at a time.
+
+    Reports names missing from B, names unexpected in B, shape and dtype mismatches,
+    and per tensor the largest absolute and relative difference. A NaN on both sides
+    at the same position counts as equal.
+
+    Exit status: 0 only when equal within the tolerance; 1 when anything differs or
+    a side cannot be read.
+
+    \b
+    Examples:
+      fsdpckpt diff ckpt/ merged/                  # a merge equals its checkpoint
+      fsdpckpt diff ckpt/ export/ --rtol 1e-2      # a bf16 export, within bf16's precision
+      fsdpckpt diff a.safetensors b.bin --name 'layers.0.*' --json
+    """
+    from fsdpckpt._render import render_diff
+    from fsdpckpt.inspection.diff import diff as diff_sources
+
+    report = diff_sources(a, b, atol=atol, rtol=rtol, names=names, optimizer=optimizer,
+                          model_index=model_index, keep_keys=keep_keys,
+                          progress=_progress(quiet, "comparing"))
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        click.echo(render_diff(report))
+    if not report.equal:
+        sys.exit(1)

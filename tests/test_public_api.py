@@ -17,9 +17,9 @@ PUBLIC = {
     # reading, without torch
     "CheckpointLayout", "Chunk", "DType", "DcpFolder", "DcpMetadata", "ObjectEntry",
     "TensorEntry", "Problem", "check_folder", "find_layout", "read_dcp_folder",
-    # inspection and verification, and their typed results
-    "inspect_checkpoint", "verify_checkpoint",
-    "InspectReport", "PartReport", "TensorReport", "VerifyReport",
+    # inspection, verification and comparison, and their typed results
+    "inspect_checkpoint", "verify_checkpoint", "diff",
+    "InspectReport", "PartReport", "TensorReport", "VerifyReport", "DiffReport",
     # errors
     "FsdpCkptError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "NotACheckpointError", "UnsafePickleError",

@@ -1,0 +1,343 @@
+"""``diff``: compare two state sources tensor by tensor, streaming.
+
+Each side is any source :func:`fsdpckpt.inspection._diff_sources.open_source` reads (DCP
+folders, whole checkpoints, safetensors and ``.bin`` files, Hugging Face folders), named
+by the merge's rule so a checkpoint and its merged file line up. Tensors are read and
+compared in boxes of at most :data:`BOX_ELEMENTS` elements, one box per side at a time,
+so memory stays flat whatever the model.
+
+What counts as equal, per tensor (the rule of ``torch.allclose``, with NaN as ``equal_nan``):
+``|a - b| <= atol + rtol * |b|`` at every position, where a NaN on both sides at the same
+position is equal and equal infinities are equal. Shapes must match. With the default
+exact comparison (``atol = rtol = 0``) dtypes must match too; with a tolerance, tensors of
+different dtypes are compared by value (in float64, complex128 for complex) and the dtype
+change is listed but allowed, which is how a ``--dtype bf16`` export is checked against its
+fp32 source. Equal values are not always equal bits (``-0.0`` and ``0.0``, NaN payloads):
+``identical`` says whether the bytes are the same too. Non-tensor entries are compared by
+value (tensors in them byte for byte; NaN equals NaN).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdpckpt._io.rawio import reusing_scratch, scratch
+from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
+from fsdpckpt.errors import FsdpCkptError
+from fsdpckpt.inspection._diff_sources import Source, TensorInfo, boxes, open_source
+from fsdpckpt.inspection.inspect import name_matcher
+
+__all__ = ["diff", "DiffReport", "TensorDiff", "ObjectDiff", "DiffOptionError", "BOX_ELEMENTS"]
+
+#: Elements of one tensor compared at a time. The comparison holds a few float64 copies of a
+#: box per side: about 40 bytes an element, 20 MiB at this size.
+BOX_ELEMENTS = 2**19
+
+
+class DiffOptionError(FsdpCkptError, ValueError):
+    """A tolerance that is negative or not a number."""
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """How one tensor present on both sides compares.
+
+    Attributes:
+        name: its name, as compared.
+        dtype_a, dtype_b: the dtype on each side (torch names).
+        shape_a, shape_b: the shape on each side.
+        equal: equal within the tolerance (see the module docstring).
+        identical: same dtype, shape and bytes.
+        max_abs: the largest ``|a - b|`` (0 when equal values; ``inf`` when a NaN faces a
+            number or an infinity faces anything else); None when shapes differ or the dtypes
+            cannot be compared by value (float4; the bytes differ).
+        max_rel: the largest ``|a - b| / |b|`` (``inf`` where ``b`` is 0 and ``a`` is not).
+        mismatched: elements outside the tolerance.
+        numel: elements compared (0 when shapes differ).
+    """
+
+    name: str
+    dtype_a: str
+    dtype_b: str
+    shape_a: tuple[int, ...]
+    shape_b: tuple[int, ...]
+    equal: bool
+    identical: bool
+    max_abs: float | None
+    max_rel: float | None
+    mismatched: int
+    numel: int
+
+    @property
+    def dtype_differs(self) -> bool:
+        return self.dtype_a != self.dtype_b
+
+    @property
+    def shape_differs(self) -> bool:
+        return self.shape_a != self.shape_b
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": [self.dtype_a, self.dtype_b],
+                "shape": [list(self.shape_a), list(self.shape_b)], "equal": self.equal,
+                "identical": self.identical, "max_abs": _number(self.max_abs),
+                "max_rel": _number(self.max_rel), "mismatched": self.mismatched,
+                "numel": self.numel}
+
+
+@dataclass(frozen=True)
+class ObjectDiff:
+    """A non-tensor entry present on both sides: whether the values are equal."""
+
+    name: str
+    equal: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "equal": self.equal}
+
+
+@dataclass(frozen=True)
+class DiffReport:
+    """What :func:`diff` found.
+
+    Attributes:
+        a, b: the sources compared, as read (a whole checkpoint resolves to its folder).
+        atol, rtol: the tolerance.
+        missing: names in A and not in B. unexpected: names in B and not in A.
+        tensors: every tensor on both sides, in A's order. objects: every non-tensor entry
+            on both sides.
+    """
+
+    a: str
+    b: str
+    atol: float
+    rtol: float
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    tensors: tuple[TensorDiff, ...]
+    objects: tuple[ObjectDiff, ...] = field(default=())
+
+    @property
+    def equal(self) -> bool:
+        """No missing or unexpected name, and every tensor and object equal."""
+        return not self.missing and not self.unexpected and \
+            all(t.equal for t in self.tensors) and all(o.equal for o in self.objects)
+
+    @property
+    def differing(self) -> tuple[TensorDiff, ...]:
+        """The tensors that are not equal within the tolerance."""
+        return tuple(t for t in self.tensors if not t.equal)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` document (schema in docs/cli.md)."""
+        return {
+            "a": self.a, "b": self.b, "atol": self.atol, "rtol": self.rtol,
+            "equal": self.equal, "missing": list(self.missing),
+            "unexpected": list(self.unexpected),
+            "tensors": [t.to_json() for t in self.tensors],
+            "objects": [o.to_json() for o in self.objects],
+            "summary": {
+                "tensors": len(self.tensors),
+                "identical": sum(t.identical for t in self.tensors),
+                "equal": sum(t.equal for t in self.tensors),
+                "differing": len(self.differing),
+                "shape_mismatches": sum(t.shape_differs for t in self.tensors),
+                "dtype_mismatches": sum(t.dtype_differs for t in self.tensors),
+                "objects": len(self.objects),
+                "objects_differing": sum(not o.equal for o in self.objects),
+            },
+        }
+
+
+def _number(value: float | None) -> float | str | None:
+    # JSON has no infinity or NaN: they are written as strings.
+    if value is None or math.isfinite(value):
+        return value
+    return str(value)
+
+
+def _tolerance(name: str, value: float) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise DiffOptionError(f"{name} must be a number, not {value!r}") from None
+    if not math.isfinite(number) or number < 0:
+        raise DiffOptionError(f"{name} must be a finite number >= 0, not {value!r}")
+    return number
+
+
+class _Accumulator:
+    """The running comparison of one tensor, box after box."""
+
+    def __init__(self) -> None:
+        self.identical = True
+        self.comparable = True
+        self.max_abs = 0.0
+        self.max_rel = 0.0
+        self.mismatched = 0
+
+    def add(self, a: Any, b: Any, same_dtype: bool, atol: float, rtol: float) -> None:
+        """Compare one box: ``a`` and ``b`` are 1-D tensors of equal length."""
+        import torch
+
+        if same_dtype and torch.equal(_bits(a), _bits(b)):
+            return
+        self.identical = False
+        wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
+        try:
+            x, y = a.to(wide), b.to(wide)
+        except (RuntimeError, TypeError):  # float4 and others torch cannot convert
+            self.comparable = False
+            self.mismatched += int((_bits(a) != _bits(b)).sum()) if same_dtype else a.numel()
+            return
+        same = (x == y) | (torch.isnan(x) & torch.isnan(y))
+        one_nan = torch.isnan(x) ^ torch.isnan(y)
+        infinite = torch.isinf(x) | torch.isinf(y)
+        size = (x - y).abs()
+        size = torch.where(same, 0.0, torch.where(one_nan, math.inf, size))
+        scale = y.abs()
+        close = same | ((size <= atol + rtol * scale) & ~infinite)
+        rel = torch.where(size == 0, 0.0, size / scale).nan_to_num(nan=math.inf)
+        self.mismatched += int((~close).sum())
+        if size.numel():
+            self.max_abs = max(self.max_abs, float(size.max()))
+            self.max_rel = max(self.max_rel, float(rel.max()))
+
+
+def _bits(t: Any) -> Any:
+    """A 1-D contiguous tensor's bytes, to compare bit for bit (NaN payloads, -0.0)."""
+    import torch
+
+    return t.view(torch.uint8)
+
+
+def _compare_tensor(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, atol: float,
+                    rtol: float, advance: ProgressCallback | None) -> TensorDiff:
+    import torch
+
+    exact = atol == 0 and rtol == 0
+    same_dtype = ta.dtype == tb.dtype
+    if ta.shape != tb.shape:
+        return TensorDiff(ta.name, ta.dtype.name, tb.dtype.name, ta.shape, tb.shape, False,
+                          False, None, None, 0, 0)
+    acc = _Accumulator()
+    per_box = min(BOX_ELEMENTS, max(ta.numel, 1))
+    buf_a = scratch(per_box * ta.dtype.itemsize, "diff-a")
+    buf_b = scratch(per_box * tb.dtype.itemsize, "diff-b")
+    dtype_a, dtype_b = getattr(torch, ta.dtype.name), getattr(torch, tb.dtype.name)
+    for offsets, sizes in boxes(ta.shape, BOX_ELEMENTS):
+        count = math.prod(sizes)
+        view_a = buf_a[:count * ta.dtype.itemsize]
+        view_b = buf_b[:count * tb.dtype.itemsize]
+        a.read(ta.name, offsets, sizes, view_a)
+        b.read(tb.name, offsets, sizes, view_b)
+        acc.add(torch.frombuffer(view_a, dtype=dtype_a, count=count),
+                torch.frombuffer(view_b, dtype=dtype_b, count=count), same_dtype, atol, rtol)
+        if advance:
+            advance(len(view_a) + len(view_b))
+    equal = acc.mismatched == 0 and acc.comparable and (same_dtype or not exact)
+    known = acc.comparable
+    return TensorDiff(ta.name, ta.dtype.name, tb.dtype.name, ta.shape, tb.shape, equal,
+                      acc.identical and same_dtype, acc.max_abs if known else None,
+                      acc.max_rel if known else None, acc.mismatched, ta.numel)
+
+
+def same_value(x: Any, y: Any) -> bool:
+    """Whether two non-tensor entries hold the same value: containers of the same types,
+    floats equal or both NaN, tensors of the same dtype and shape with the same bytes."""
+    import torch
+
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and \
+            x.dtype == y.dtype and x.shape == y.shape and \
+            torch.equal(_bits(x.reshape(-1).contiguous()), _bits(y.reshape(-1).contiguous()))
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(same_value(v, y[k]) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(same_value(u, v) for u, v in zip(x, y))
+    if isinstance(x, (float, complex)):
+        return x == y or (x != x and y != y)  # NaN is the only x != x
+    return bool(x == y)
+
+
+def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 0.0,
+         rtol: float = 0.0, names: Sequence[str] | str = (), optimizer: bool = False,
+         model_index: int | None = None, keep_keys: bool = False,
+         progress: ProgressFactory | None = None) -> DiffReport:
+    """Compare two state sources tensor by tensor, streaming.
+
+    Args:
+        a, b: each a DCP folder, a whole checkpoint (its model folder; see ``optimizer``),
+            a ``.safetensors`` or ``.bin``/``.pt`` file or shard index, or a folder holding
+            one (``model.safetensors``, ``pytorch_model.bin`` or their index, as Hugging
+            Face and ``fsdpckpt merge`` write them).
+        atol, rtol: the tolerance, as ``torch.allclose``: ``|a - b| <= atol + rtol * |b|``.
+            Both 0 (the default) asks for equal values and equal dtypes.
+        names: only compare entries whose name matches one of these (a glob such as
+            ``'*.weight'``, or a substring such as ``'layers.0.'``).
+        optimizer: compare the optimizer state (``optimizer_0/``, ``optimizer.safetensors``)
+            instead of the model.
+        model_index: which model of a checkpoint holding several.
+        keep_keys: compare names with wrapper segments (``_fsdp_wrapped_module.``...)
+            kept; by default they are dropped on both sides, as merge drops them.
+        progress: a factory of byte-count callbacks (:mod:`fsdpckpt._progress`).
+
+    Returns:
+        The :class:`DiffReport`; ``report.equal`` is the verdict.
+
+    Raises:
+        DiffOptionError: a tolerance is negative or not a finite number.
+        CheckpointNotFoundError, NotACheckpointError, CorruptCheckpointError,
+            UnsafePickleError: a side cannot be read.
+
+    Example:
+        >>> report = diff("ckpt/pytorch_model_fsdp_0", "merged/model.safetensors")
+        >>> report.equal
+        True
+    """
+    atol, rtol = _tolerance("atol", atol), _tolerance("rtol", rtol)
+    matchers = [name_matcher(p) for p in ([names] if isinstance(names, str) else names)]
+
+    def keep(name: str) -> bool:
+        return not matchers or any(match(name) for match in matchers)
+
+    with open_source(a, optimizer=optimizer, model_index=model_index, keep_keys=keep_keys) \
+            as left, open_source(b, optimizer=optimizer, model_index=model_index,
+                                 keep_keys=keep_keys) as right, reusing_scratch():
+        return _diff(left, right, atol, rtol, keep, progress)
+
+
+def _diff(left: Source, right: Source, atol: float, rtol: float, keep: Any,
+          progress: ProgressFactory | None) -> DiffReport:
+    objects_a = [n for n in left.object_names() if keep(n)]
+    objects_b = [n for n in right.object_names() if keep(n)]
+    names_a = [n for n in left.tensors if keep(n)] + objects_a
+    names_b = [n for n in right.tensors if keep(n)] + objects_b
+    set_a, set_b = set(names_a), set(names_b)
+    common = [n for n in names_a if n in set_b]
+    pairs = [(left.tensors[n], right.tensors[n]) for n in common
+             if n in left.tensors and n in right.tensors]
+    total = sum(x.numel * x.dtype.itemsize + y.numel * y.dtype.itemsize for x, y in pairs
+                if x.shape == y.shape)
+    advance = start_progress(progress, total, 2)
+    tensors = []
+    kinds = []  # a name that is a tensor on one side and an object on the other
+    for name in common:
+        if (name in left.tensors) != (name in right.tensors):
+            kinds.append(name)
+    for ta, tb in pairs:
+        tensors.append(_compare_tensor(left, right, ta, tb, atol, rtol, advance))
+    values_a = left.objects() if objects_a else {}
+    values_b = right.objects() if objects_b else {}
+    objects = [ObjectDiff(n, same_value(values_a[n], values_b[n])) for n in objects_a
+               if n in values_b]
+    objects += [ObjectDiff(n, False) for n in kinds]
+    return DiffReport(str(left.path), str(right.path), atol, rtol,
+                      tuple(n for n in names_a if n not in set_b),
+                      tuple(n for n in names_b if n not in set_a), tuple(tensors),
+                      tuple(objects))

@@ -20,6 +20,7 @@ from typing import Protocol
 from fsdpckpt._io.rawio import copy_range, pread_into, pwrite_all, scratch
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
+from fsdpckpt.dcp._perrank import PerRankChunk
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
@@ -268,7 +269,9 @@ def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs
     if chunk.file is None:
         raise NotACheckpointError(f"{source}: the metadata has no storage entry")
     data = files.open(chunk.file)
-    raw = locate_tensor(data.file, chunk.offset, chunk.length, source=source)
+    # A per-rank file's chunk is a storage entry inside the rank's zip, located when read.
+    raw = chunk.raw if isinstance(chunk, PerRankChunk) and chunk.raw else \
+        locate_tensor(data.file, chunk.offset, chunk.length, source=source)
     if raw.dtype.name != tensor.dtype.name:
         raise CorruptCheckpointError(f"{source}: holds {raw.dtype.name}, the metadata says "
                                      f"{tensor.dtype.name}")

@@ -16,6 +16,11 @@ from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport, 
 __all__ = ["human_bytes", "table", "render_inspect", "render_verify"]
 
 
+
+def _part_name(name: str) -> str:
+    """A DCP folder's name with its slash; a set of per-rank files (``..._rank*.bin``) as is."""
+    return _p(name) if "*" in name else _p(name) + "/"
+
 def human_bytes(n: int | float) -> str:
     """``1536`` -> ``"1.5 KiB"``."""
     value = float(n)
@@ -103,7 +108,7 @@ def _tensor_rows(tensor: TensorReport, chunks: bool) -> list[list[Any]]:
 
 def _part_lines(part: PartReport, *, chunks: bool, tensors: bool) -> list[str]:
     """A complete part's section: its dtypes, files, and (unless a summary) its tensors."""
-    out = ["", f"{_p(part.name)}/ ({_p(part.kind)}): {part.num_tensors} tensors, "
+    out = ["", f"{_part_name(part.name)} ({_p(part.kind)}): {part.num_tensors} tensors, "
                f"{human_bytes(part.tensor_bytes)} of tensor data; dtypes: "
            + (", ".join(f"{_p(k)} x{v}" for k, v in part.dtypes.items()) or "none")]
     if tensors:
@@ -147,10 +152,10 @@ def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool
     rows = []
     for part in report.parts:
         if not part.complete:
-            rows.append([_p(part.kind), _p(part.name) + "/", "INCOMPLETE (no .metadata)", "",
+            rows.append([_p(part.kind), _part_name(part.name), "INCOMPLETE (no .metadata)", "",
                          ""])
             continue
-        rows.append([_p(part.kind), _p(part.name) + "/",
+        rows.append([_p(part.kind), _part_name(part.name),
                      f"{part.num_tensors} tensors, {part.num_objects} objects",
                      _plural(len(part.files), "rank file"), human_bytes(part.bytes)])
     out += table(rows, right=(4,))

@@ -84,8 +84,8 @@ REBUILD_FROM_TYPE_V2 = ("torch._tensor", "_rebuild_from_type_v2")
 REBUILD_WRAPPER_SUBCLASS = ("torch._utils", "_rebuild_wrapper_subclass")
 TORCH_DEVICE = (TORCH_MODULE, "device")
 DTENSOR = ("torch.distributed.tensor", "DTensor")
-#: The classes ``torch.distributed.tensor`` registers with ``add_safe_globals`` (plus the
-#: mesh layout classes a DeviceMesh pickles since torch 2.9): exactly these, nothing broader.
+#: The classes torch registers with ``add_safe_globals`` for DTensors (``torch.distributed.
+#: tensor`` and, for the mesh layout, ``torch.distributed._mesh_layout``): nothing broader.
 DTENSOR_SPEC_CLASSES: Mapping[tuple[str, str], str] = {
     ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"): "DTensorSpec",
     ("torch.distributed.tensor._dtensor_spec", "TensorMeta"): "TensorMeta",

@@ -126,6 +126,42 @@ def test_load_full_state_dict_is_bit_exact_against_torchs_loader(which):
         assert _bytes(got[name]) == _bytes(tensor), name
 
 
+def _globals_named(pickle_bytes: bytes) -> set[tuple[str, str]]:
+    import pickletools
+
+    found, strings = set(), []
+    for opcode, arg, _ in pickletools.genops(pickle_bytes):
+        if opcode.name == "GLOBAL":
+            found.add(tuple(arg.split(" ", 1)))
+        elif opcode.name == "STACK_GLOBAL":
+            found.add((strings[-2], strings[-1]))
+        elif isinstance(arg, str):
+            strings.append(arg)
+    return found
+
+
+def test_the_rank_files_name_only_globals_the_allowlist_knows():
+    from fsdpckpt.dcp._perrank_file import _GLOBALS
+
+    for folder in (ACCELERATE, VERL):
+        for path in sorted(folder.glob("*_rank*")):
+            if path.name.startswith("extra_state"):
+                continue  # RNG and scheduler state: never read as tensors
+            with zipfile.ZipFile(path) as archive:
+                pkl = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+                unknown = _globals_named(archive.read(pkl)) - set(_GLOBALS)
+            assert not unknown, f"{path.name} names {sorted(unknown)}"
+
+
+def test_the_dtensor_allowlist_is_what_torch_itself_allowlists():
+    """Nothing broader than torch's own weights_only allowlist for DTensors."""
+    from fsdpckpt import _torch
+
+    safe = {(g.__module__, g.__name__) for g in torch.serialization.get_safe_globals()
+            if not isinstance(g, tuple)}
+    assert set(_torch.DTENSOR_SPEC_CLASSES) | {_torch.DTENSOR} <= safe
+
+
 class _Hostile:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
@@ -190,3 +226,13 @@ def test_verify_finds_a_changed_byte_in_a_rank_file(tmp_path):
     assert not report.ok
     assert any("pytorch_model_fsdp_0_rank1.bin" in p.path and "CRC" in p.message
                for p in report.problems)
+
+
+def test_the_cli_names_a_verl_checkpoint_and_its_rank_sets():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "fsdpckpt", "inspect", str(VERL), "--summary"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "VeRL checkpoint, world size 2" in out
+    assert "model_world_size_2_rank_*.pt " in out and "rank_*.pt/" not in out

@@ -151,8 +151,9 @@ def read_rank_set(folder: Path, rank_set: PerRankSet) -> tuple[PerRankFolder, li
                 local.offsets, local.raw.shape, name, local.raw.storage_start,
                 local.raw.storage_nbytes, local.raw))
         if world is None:
-            # Accelerate's names do not record the world size; the mesh does.
-            world = mesh_ranks or max(rank_set.files) + 1
+            # Accelerate's names do not record the world size; the mesh does (a sub-mesh,
+            # tensor parallelism inside a larger world, spans fewer: the files say more).
+            world = max(mesh_ranks, max(rank_set.files) + 1)
         rank += 1
     extra = sorted(set(rank_set.files) - set(range(world or 0)))
     if extra:

@@ -20,6 +20,11 @@ if TYPE_CHECKING:  # the diff module pulls in the merge side; inspect need not l
 __all__ = ["human_bytes", "table", "render_inspect", "render_verify", "render_diff"]
 
 
+
+def _part_name(name: str) -> str:
+    """A DCP folder's name with its slash; a set of per-rank files (``..._rank*.bin``) as is."""
+    return _p(name) if "*" in name else _p(name) + "/"
+
 def human_bytes(n: int | float) -> str:
     """``1536`` -> ``"1.5 KiB"``."""
     value = float(n)
@@ -107,7 +112,7 @@ def _tensor_rows(tensor: TensorReport, chunks: bool) -> list[list[Any]]:
 
 def _part_lines(part: PartReport, *, chunks: bool, tensors: bool) -> list[str]:
     """A complete part's section: its dtypes, files, and (unless a summary) its tensors."""
-    out = ["", f"{_p(part.name)}/ ({_p(part.kind)}): {part.num_tensors} tensors, "
+    out = ["", f"{_part_name(part.name)} ({_p(part.kind)}): {part.num_tensors} tensors, "
                f"{human_bytes(part.tensor_bytes)} of tensor data; dtypes: "
            + (", ".join(f"{_p(k)} x{v}" for k, v in part.dtypes.items()) or "none")]
     if tensors:
@@ -144,17 +149,17 @@ def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool
         names: the pattern the report was filtered by, to say so when nothing matched.
     """
     style = {"dcp": "DCP folder", "accelerate": "Accelerate checkpoint",
-             "hf-trainer": "HF Trainer checkpoint"}[report.style]
+             "hf-trainer": "HF Trainer checkpoint", "verl": "VeRL checkpoint"}[report.style]
     world = report.world_size if report.world_size_exact else f"at least {report.world_size}"
     out = [f"{_p(report.path)}: {style}, world size {world}, {human_bytes(report.bytes)}"]
     out += ["", "Parts:"]
     rows = []
     for part in report.parts:
         if not part.complete:
-            rows.append([_p(part.kind), _p(part.name) + "/", "INCOMPLETE (no .metadata)", "",
+            rows.append([_p(part.kind), _part_name(part.name), "INCOMPLETE (no .metadata)", "",
                          ""])
             continue
-        rows.append([_p(part.kind), _p(part.name) + "/",
+        rows.append([_p(part.kind), _part_name(part.name),
                      f"{part.num_tensors} tensors, {part.num_objects} objects",
                      _plural(len(part.files), "rank file"), human_bytes(part.bytes)])
     out += table(rows, right=(4,))

@@ -29,7 +29,9 @@ __all__ = [
     "KNOWN_TORCH", "SUPPORTED_TORCH", "TORCH_MODULE", "DCP_METADATA_MODULE",
     "DCP_METADATA_CLASSES", "MEM_FORMAT_ENCODING", "OLD_TENSOR_PROPERTIES",
     "OLD_MEM_FORMAT_ENCODING", "STORAGE_INFO", "TORCH_SIZE", "GET_LAYOUT", "TORCH_CONSTANTS",
-    "REBUILD_TENSOR_V2", "REBUILD_TENSOR_V3", "UNTYPED_STORAGE", "METADATA_TMP_SUFFIX",
+    "REBUILD_TENSOR_V2", "REBUILD_TENSOR_V3", "UNTYPED_STORAGE", "REBUILD_FROM_TYPE_V2",
+    "REBUILD_WRAPPER_SUBCLASS", "TORCH_DEVICE", "DTENSOR", "DTENSOR_SPEC_CLASSES",
+    "METADATA_TMP_SUFFIX",
     "PICKLED_NAMES", "is_torch_global", "storage_info", "flatten_state_dict",
     "set_writer_filesystem", "written_file_name", "store_loaded_value",
     "PurePythonPickler", "PurePythonUnpickler", "PickleStop",
@@ -73,6 +75,30 @@ REBUILD_TENSOR_V2 = ("torch._utils", "_rebuild_tensor_v2")
 REBUILD_TENSOR_V3 = ("torch._utils", "_rebuild_tensor_v3")
 UNTYPED_STORAGE = ("torch.storage", "UntypedStorage")
 
+# -- names torch.save pickles for a DTensor (per-rank files: Accelerate use_dcp=False, VeRL) --
+
+#: ``torch._tensor._rebuild_from_type_v2(func, new_type, args, state)``: a tensor subclass.
+REBUILD_FROM_TYPE_V2 = ("torch._tensor", "_rebuild_from_type_v2")
+#: ``torch._utils._rebuild_wrapper_subclass(cls, dtype, size, stride, offset, layout, device,
+#: requires_grad)``: the DTensor's global (wrapper) metadata.
+REBUILD_WRAPPER_SUBCLASS = ("torch._utils", "_rebuild_wrapper_subclass")
+TORCH_DEVICE = (TORCH_MODULE, "device")
+DTENSOR = ("torch.distributed.tensor", "DTensor")
+#: The classes torch registers with ``add_safe_globals`` for DTensors (``torch.distributed.
+#: tensor`` and, for the mesh layout, ``torch.distributed._mesh_layout``): nothing broader.
+DTENSOR_SPEC_CLASSES: Mapping[tuple[str, str], str] = {
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"): "DTensorSpec",
+    ("torch.distributed.tensor._dtensor_spec", "TensorMeta"): "TensorMeta",
+    ("torch.distributed.tensor._dtensor_spec", "ShardOrderEntry"): "ShardOrderEntry",
+    ("torch.distributed.device_mesh", "DeviceMesh"): "DeviceMesh",
+    ("torch.distributed._mesh_layout", "_MeshLayout"): "_MeshLayout",
+    ("torch.distributed._mesh_layout", "_FlatLayout"): "_FlatLayout",
+    ("torch.distributed.tensor.placement_types", "Shard"): "Shard",
+    ("torch.distributed.tensor.placement_types", "Replicate"): "Replicate",
+    ("torch.distributed.tensor.placement_types", "Partial"): "Partial",
+    ("torch.distributed.tensor.placement_types", "_StridedShard"): "_StridedShard",
+}
+
 #: Every torch global above, with what pickles it: the checklist tests/test_torch_compat.py
 #: resolves against the installed torch (dtypes and legacy storage classes, public
 #: ``torch.<name>`` attributes, are listed in :mod:`fsdpckpt.dcp.dtypes`).
@@ -89,6 +115,11 @@ PICKLED_NAMES: Mapping[tuple[str, str], str] = {
     REBUILD_TENSOR_V2: "a torch.save archive (a tensor)",
     REBUILD_TENSOR_V3: "a torch.save archive (a tensor of a newer dtype)",
     UNTYPED_STORAGE: "a torch.save archive (a storage)",
+    REBUILD_FROM_TYPE_V2: "a per-rank torch.save file (a DTensor)",
+    REBUILD_WRAPPER_SUBCLASS: "a per-rank torch.save file (a DTensor)",
+    TORCH_DEVICE: "a per-rank torch.save file (a DTensor's device)",
+    DTENSOR: "a per-rank torch.save file (a DTensor)",
+    **{key: "a per-rank torch.save file (a DTensor's spec)" for key in DTENSOR_SPEC_CLASSES},
 }
 
 #: DCP writes ``.metadata`` under this suffix, then renames it (``FileSystemWriter.finish``).

@@ -306,8 +306,10 @@ def safe_loads(
     allowed: Mapping[tuple[str, str], Any],
     source: str,
     persistent_load: Callable[[Any], Any] | None = None,
+    unpickler_class: type[RestrictedUnpickler] | None = None,
 ) -> Any:
-    """Unpickle ``data`` through :class:`RestrictedUnpickler`.
+    """Unpickle ``data`` through :class:`RestrictedUnpickler` (or ``unpickler_class``, a
+    subclass that allows one more narrow case).
 
     Args:
         data: the pickle bytes.
@@ -326,7 +328,7 @@ def safe_loads(
         >>> safe_loads(pickle.dumps({"a": 1}), allowed=BUILTIN_GLOBALS, source="x")
         {'a': 1}
     """
-    unpickler = RestrictedUnpickler(
+    unpickler = (unpickler_class or RestrictedUnpickler)(
         io.BytesIO(data), allowed=allowed, source=source, persistent_load=persistent_load
     )
     try:

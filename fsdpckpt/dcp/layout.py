@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdpckpt.dcp._perrank import find_rank_sets
 from fsdpckpt.dcp.reader import METADATA_FILE
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
@@ -33,6 +34,9 @@ _SIDE_FILES = [
     (re.compile(r"^trainer_state\.json$"), "trainer_state"),
     (re.compile(r"^training_args\.bin$"), "training_args"),
     (re.compile(r"^fsdpckpt\.json$"), "manifest"),
+    # VeRL's, beside its per-rank model and optimizer files.
+    (re.compile(r"^extra_state_world_size_\d{1,9}_rank_\d{1,9}\.pt$"), "extra_state"),
+    (re.compile(r"^fsdp_config\.json$"), "fsdp_config"),
 ]
 _MODEL_DIR = re.compile(r"^pytorch_model(_fsdp)?_(\d+)$")
 _OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
@@ -79,8 +83,10 @@ class CheckpointLayout:
 
     Attributes:
         path: the path given.
-        style: ``"dcp"`` (a single DCP folder), ``"accelerate"`` or ``"hf-trainer"``.
-        parts: the DCP folders, models first, then optimizers, then others.
+        style: ``"dcp"`` (a single DCP folder), ``"accelerate"``, ``"hf-trainer"`` or
+            ``"verl"``.
+        parts: the DCP folders (or sets of per-rank files), models first, then
+            optimizers, then others.
         side_files: the recognized files beside them.
         other_files: names of anything else in the folder.
     """
@@ -208,6 +214,13 @@ def find_layout(path: str | os.PathLike[str]) -> CheckpointLayout:
     if nested:
         nested = list(set(nested) | {p.name for p in parts if p.kind == "dcp"})
         parts = []
+    # Per-rank torch.save files (Accelerate use_dcp=False, VeRL): one part per set, read by
+    # dcp/_perrank.py as a DCP folder.
+    rank_sets = [] if nested else find_rank_sets(other)
+    style = "verl" if any(r.style == "verl" for r in rank_sets) else None
+    for rank_set in rank_sets:
+        parts.append(DcpPart(rank_set.name, rank_set.kind, rank_set.index, root, True))
+        other = [n for n in other if n not in rank_set.files.values()]
     if not parts:
         if nested:
             raise _several_checkpoints(root, nested)
@@ -222,5 +235,5 @@ def find_layout(path: str | os.PathLike[str]) -> CheckpointLayout:
     parts.sort(key=lambda p: (order[p.kind], p.index if p.index is not None else -1, p.name))
     hf = any(f.name in ("trainer_state.json", "scheduler.pt") or f.name.startswith("rng_state")
              for f in side)
-    return CheckpointLayout(root, "hf-trainer" if hf else "accelerate", tuple(parts),
+    return CheckpointLayout(root, style or ("hf-trainer" if hf else "accelerate"), tuple(parts),
                             tuple(side), tuple(other))

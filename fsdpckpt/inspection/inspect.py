@@ -13,10 +13,11 @@ import os
 from collections import Counter
 from collections.abc import Callable
 
+from fsdpckpt.dcp._perrank import PerRankFolder, read_part_folder
 from fsdpckpt.dcp.checks import Problem, check_folder, known_world_size
 from fsdpckpt.dcp.layout import DcpPart, find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
-from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
+from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport
 
 __all__ = ["inspect_checkpoint", "sharding_of", "name_matcher"]
@@ -64,7 +65,9 @@ def _part_report(part: DcpPart, folder: DcpFolder | None,
     if folder is None:
         return PartReport(part.name, part.kind, part.index, part.path, part.complete)
     meta = folder.metadata
-    world, exact = known_world_size(folder)
+    # A per-rank set has one file per rank, every rank included.
+    world, exact = (len(folder.files), True) if isinstance(folder, PerRankFolder) \
+        else known_world_size(folder)
     return PartReport(
         part.name, part.kind, part.index, part.path, part.complete,
         version=meta.version,
@@ -140,7 +143,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *,
     for part in layout.parts:
         folder = None
         if part.complete:
-            folder = read_dcp_folder(part.path)
+            folder = read_part_folder(part.path, part.name)
             problems.extend(check_folder(folder))
         else:
             problems.append(Problem(str(part.path), "no .metadata: this save never finished "

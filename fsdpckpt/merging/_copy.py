@@ -20,6 +20,7 @@ from typing import Protocol
 from fsdpckpt._io.rawio import copy_range, pread_into, pwrite_all, scratch
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
+from fsdpckpt.dcp._perrank import PerRankChunk
 from fsdpckpt.dcp._zstd import ZstdEntry, chunk_limit, open_entry
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
@@ -282,7 +283,9 @@ def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs
     data = files.open(chunk.file)
     handle, start, length = open_entry(data.file, chunk.offset, chunk.length, chunk.transforms,
                                        limit=chunk_limit(tensor, chunk), source=source)
-    raw = locate_tensor(handle, start, length, source=source)
+    # A per-rank file's chunk is a storage entry inside the rank's zip, located when read.
+    raw = chunk.raw if isinstance(chunk, PerRankChunk) and chunk.raw else \
+        locate_tensor(handle, start, length, source=source)
     if raw.dtype.name != tensor.dtype.name:
         raise CorruptCheckpointError(f"{source}: holds {raw.dtype.name}, the metadata says "
                                      f"{tensor.dtype.name}")

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fsdpckpt.dcp._perrank import read_part_folder
 from fsdpckpt.dcp.checks import check_folder
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.layout import CheckpointLayout, DcpPart, find_layout
-from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
+from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from fsdpckpt.formats import OutputFormat, get_format
 from fsdpckpt.merging.plan import MergePlanError, parse_dtype, parse_size
@@ -118,7 +119,7 @@ def _kind(part: DcpPart, folder: DcpFolder) -> str:
 
 
 def _read_checked(part: DcpPart) -> MergeSource:
-    folder = read_dcp_folder(part.path)
+    folder = read_part_folder(part.path, part.name)
     problems = check_folder(folder)
     if problems:  # fail before writing, from metadata and file sizes alone
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -18,9 +18,10 @@ from fsdpckpt._io.rawio import reusing_scratch
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._nesting import unflatten
 from fsdpckpt.dcp._objects import loads, read_object, to_torch, torch_load_allowlisted
+from fsdpckpt.dcp._perrank import find_rank_sets, read_rank_set
 from fsdpckpt.dcp.checks import check_folder
 from fsdpckpt.dcp.dtypes import DType
-from fsdpckpt.dcp.reader import is_dcp_folder, read_dcp_folder
+from fsdpckpt.dcp.reader import DcpFolder, is_dcp_folder, read_dcp_folder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from fsdpckpt.formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from fsdpckpt.merging._copy import MemorySink, place_stored_chunk
@@ -45,15 +46,33 @@ def _empty(dtype: DType, shape: tuple[int, ...]) -> tuple[Any, MemorySink]:
     return flat.view(shape), MemorySink(memoryview(memory))
 
 
-@reusing_scratch()
 def _from_dcp(path: Path) -> dict[Any, Any]:
-    folder = read_dcp_folder(path)
+    return _from_folder(read_dcp_folder(path), [])
+
+
+def _from_rank_files(path: Path) -> dict[Any, Any] | None:
+    """A folder of per-rank ``torch.save`` files (Accelerate ``use_dcp=False``, VeRL): the
+    model's, read like a DCP folder (with rank 0's non-tensor values), or None."""
+    sets = [s for s in find_rank_sets(sorted(os.listdir(path))) if s.kind == "model"] or \
+        find_rank_sets(sorted(os.listdir(path)))
+    if not sets:
+        return None
+    if len(sets) > 1:
+        raise NotACheckpointError(f"{path}: holds {len(sets)} sets of per-rank files "
+                                  f"({', '.join(s.name for s in sets)}); merge the one you want")
+    folder, values = read_rank_set(path, sets[0])
+    return _from_folder(folder, values)
+
+
+@reusing_scratch()
+def _from_folder(folder: DcpFolder, values: list[tuple[tuple, Any]]) -> dict[Any, Any]:
+    path = folder.path
     problems = check_folder(folder)
     if problems:  # before anything is allocated: declared sizes are checked against the bytes
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CorruptCheckpointError(f"{problems[0]}{more}; run `fsdpckpt inspect {path}` "
                                      "for the full list")
-    items: list[tuple[tuple, Any]] = []
+    items: list[tuple[tuple, Any]] = [(key, to_torch(value)) for key, value in values]
     with DataFiles(path) as files:
         for tensor in folder.metadata.tensors:
             full, sink = _empty(tensor.dtype, tensor.shape)
@@ -143,8 +162,10 @@ def load_full_state_dict(path: str | os.PathLike[str]) -> dict[Any, Any]:
     """Load the full, unsharded state dict of a DCP folder or of a merged output.
 
     Args:
-        path: a DCP folder; a merged ``.safetensors`` / ``.bin`` file or shard index;
-            or a folder holding one merged output (``model.safetensors``...).
+        path: a DCP folder; a folder of per-rank ``torch.save`` files (Accelerate's
+            ``use_dcp=False``, VeRL's: the model's are read); a merged ``.safetensors`` /
+            ``.bin`` file or shard index; or a folder holding one merged output
+            (``model.safetensors``...).
 
     Returns:
         For a DCP folder, the nested dict ``dcp_to_torch_save`` would save. For a merged
@@ -163,6 +184,8 @@ def load_full_state_dict(path: str | os.PathLike[str]) -> dict[Any, Any]:
         return _from_file(p)
     if is_dcp_folder(p):
         return _from_dcp(p)
+    if (from_ranks := _from_rank_files(p)) is not None:
+        return from_ranks
     found = [p / name for name in _MERGED_NAMES if (p / name).is_file()]
     if not found:
         raise NotACheckpointError(f"{p}: neither a DCP folder nor a merged output "

@@ -1,0 +1,210 @@
+"""Per-rank ``torch.save`` checkpoints, read as DCP metadata: no torch, no plain pickle.
+
+Two trainers save FSDP state as one ``torch.save`` file per rank instead of a DCP folder:
+
+- Accelerate with ``use_dcp=False``: ``pytorch_model_fsdp_{i}_rank{r}.bin`` and
+  ``optimizer_{i}_rank{r}.bin``;
+- VeRL's ``FSDPCheckpointManager``: ``model_world_size_{N}_rank_{r}.pt`` and
+  ``optim_world_size_{N}_rank_{r}.pt`` (beside ``extra_state_world_size_{N}_rank_{r}.pt``,
+  ``fsdp_config.json`` and ``huggingface/``).
+
+Each file holds the rank's state dict of DTensors (FSDP2), parsed one file at a time by
+:mod:`fsdpckpt.dcp._perrank_file` (an allowlist of DTensor stand-ins; no torch, no tensor
+byte read). Each DTensor's local tensor becomes a :class:`PerRankChunk`, and a set of rank
+files becomes one :class:`~fsdpckpt.dcp.reader.DcpFolder` whose
+chunks point straight at the storage entries inside the zips: the merge pipeline, inspect
+and ``load_full_state_dict`` then read it as they read a DCP folder, one chunk at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdpckpt.dcp._archive import RawTensor
+from fsdpckpt.dcp._perrank_file import read_rank
+from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, TensorEntry
+from fsdpckpt.dcp.reader import DcpFolder, open_data_file, read_dcp_folder
+from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+
+__all__ = ["PerRankChunk", "PerRankFolder", "PerRankSet", "find_rank_sets", "read_rank_set",
+           "rank_set_named", "read_part_folder", "check_rank_files"]
+
+# (pattern, kind, style): group 1 the model/optimizer index or the world size, group 2 the rank.
+_RANK_FILES = [
+    (re.compile(r"^pytorch_model_fsdp_(\d{1,9})_rank(\d{1,9})\.bin$"), "model", "accelerate"),
+    (re.compile(r"^optimizer_(\d{1,9})_rank(\d{1,9})\.bin$"), "optimizer", "accelerate"),
+    (re.compile(r"^model_world_size_(\d{1,9})_rank_(\d{1,9})\.pt$"), "model", "verl"),
+    (re.compile(r"^optim_world_size_(\d{1,9})_rank_(\d{1,9})\.pt$"), "optimizer", "verl"),
+]
+
+
+@dataclass(frozen=True)
+class PerRankSet:
+    """The rank files of one model or optimizer state.
+
+    Attributes:
+        name: how it is shown, e.g. ``"pytorch_model_fsdp_0_rank*.bin"``.
+        kind: ``"model"`` or ``"optimizer"``. style: ``"accelerate"`` or ``"verl"``.
+        index: Accelerate's model/optimizer index (VeRL: 0).
+        world_size: VeRL's, from the names; None for Accelerate (the mesh says it).
+        files: ``{rank: file name}`` of the files present.
+    """
+
+    name: str
+    kind: str
+    style: str
+    index: int
+    world_size: int | None
+    files: dict[int, str]
+
+    def file_name(self, rank: int) -> str:
+        if self.style == "verl":
+            prefix = "model" if self.kind == "model" else "optim"
+            return f"{prefix}_world_size_{self.world_size}_rank_{rank}.pt"
+        prefix = "pytorch_model_fsdp" if self.kind == "model" else "optimizer"
+        return f"{prefix}_{self.index}_rank{rank}.bin"
+
+
+def find_rank_sets(names: list[str]) -> list[PerRankSet]:
+    """The per-rank sets among the file names of a folder, models first."""
+    found: dict[tuple[str, str, int], dict[int, str]] = {}
+    for name in names:
+        for pattern, kind, style in _RANK_FILES:
+            if match := pattern.match(name):
+                key = (kind, style, int(match.group(1)))
+                found.setdefault(key, {})[int(match.group(2))] = name
+    sets = []
+    for (kind, style, number), files in sorted(found.items(), key=lambda i: (i[0][0] != "model",
+                                                                                i[0])):
+        if style == "verl":
+            shown = f"{'model' if kind == 'model' else 'optim'}_world_size_{number}_rank_*.pt"
+            sets.append(PerRankSet(shown, kind, style, 0, number, files))
+        else:
+            prefix = "pytorch_model_fsdp" if kind == "model" else "optimizer"
+            sets.append(PerRankSet(f"{prefix}_{number}_rank*.bin", kind, style, number, None,
+                                   files))
+    return sets
+
+
+@dataclass(frozen=True)
+class PerRankChunk(Chunk):
+    """A chunk stored as one storage entry of a rank's zip: ``raw`` says where its elements
+    lie (``offset``/``length`` are that storage's bytes, for the structural checks)."""
+
+    raw: RawTensor | None = None
+
+
+@dataclass(frozen=True)
+class PerRankFolder(DcpFolder):
+    """A set of rank files read as a DCP folder (``path`` is the folder that holds them)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def read_rank_set(folder: Path, rank_set: PerRankSet) -> tuple[PerRankFolder, list[Any]]:
+    """Read every rank file of ``rank_set`` (one at a time) into one :class:`PerRankFolder`.
+
+    Returns:
+        The folder, and rank 0's non-tensor values as ``(key path, value)`` pairs. Key
+        paths start with ``"model"`` or ``"optimizer"``, as in Accelerate's DCP folders.
+
+    Raises:
+        CheckpointNotFoundError: a rank file is missing; the message names it.
+        UnsafePickleError: a rank file names a global outside the DTensor allowlist.
+        CorruptCheckpointError, NotACheckpointError: a rank file is damaged, or the ranks
+            disagree on a tensor's shape or dtype.
+    """
+    world = rank_set.world_size if rank_set.world_size is not None else None
+    if 0 not in rank_set.files:
+        raise CheckpointNotFoundError(f"{folder / rank_set.file_name(0)}: missing rank file; "
+                                      "copy it from the machine that wrote the checkpoint")
+    entries: dict[KeyPath, tuple[DType, tuple[int, ...], dict[tuple[int, ...], PerRankChunk]]] = {}
+    objects: list[Any] = []
+    rank = 0
+    while world is None or rank < world:
+        name = rank_set.files.get(rank) or rank_set.file_name(rank)
+        if rank not in rank_set.files:
+            raise CheckpointNotFoundError(
+                f"{folder / name}: missing rank file (the checkpoint was written by {world} "
+                "ranks); copy it from the machine that wrote the checkpoint")
+        tensors, others, mesh_ranks = read_rank(folder, name)
+        if rank == 0:
+            objects = others
+        for path, local in tensors.items():
+            dtype, shape, chunks = entries.setdefault(path, (local.dtype, local.shape, {}))
+            label = ".".join(map(str, path))
+            if (dtype.name, shape) != (local.dtype.name, local.shape):
+                raise CorruptCheckpointError(
+                    f"{folder / name}: tensor '{label}' is {local.dtype.name} "
+                    f"{list(local.shape)} here but {dtype.name} {list(shape)} on rank 0; the "
+                    "rank files come from different runs.")
+            # Replicated pieces (plain tensors, Replicate() mesh dims) are taken once.
+            chunks.setdefault(local.offsets, PerRankChunk(
+                local.offsets, local.raw.shape, name, local.raw.storage_start,
+                local.raw.storage_nbytes, raw=local.raw))
+        if world is None:
+            # Accelerate's names do not record the world size; the mesh does (a sub-mesh,
+            # tensor parallelism inside a larger world, spans fewer: the files say more).
+            world = max(mesh_ranks, max(rank_set.files) + 1)
+        rank += 1
+    extra = sorted(set(rank_set.files) - set(range(world or 0)))
+    if extra:
+        raise NotACheckpointError(f"{folder / rank_set.files[extra[0]]}: a rank file beyond the "
+                                  f"{world} ranks that wrote the checkpoint; remove it.")
+    # Under the top-level key Accelerate's DCP save uses (``{"model": ...}``), so a merge
+    # names the tensors as it names those of a DCP save of the same run.
+    top = rank_set.kind
+    tensors_out = tuple(
+        TensorEntry(".".join(map(str, (top, *path))), dtype, shape,
+                    tuple(chunks[k] for k in sorted(chunks)), (top, *path))
+        for path, (dtype, shape, chunks) in entries.items())
+    objects = [((top, *path), value) for path, value in objects]
+    files = tuple(DataFile(n, os.stat(folder / n).st_size) for n in sorted(rank_set.files.values()))
+    return PerRankFolder(folder, DcpMetadata(tensors_out, ()), files), objects
+
+
+def rank_set_named(folder: Path, name: str) -> PerRankSet | None:
+    """The per-rank set of ``folder`` that :class:`~fsdpckpt.dcp.layout.DcpPart` ``name``
+    stands for, or None when ``name`` names no such set."""
+    if "*" not in name or not folder.is_dir():
+        return None
+    found = [r for r in find_rank_sets(sorted(os.listdir(folder))) if r.name == name]
+    return found[0] if found else None
+
+
+def read_part_folder(path: Path, name: str) -> DcpFolder:
+    """A layout part as a DCP folder: a per-rank set read by :func:`read_rank_set`, or a real
+    DCP folder by :func:`~fsdpckpt.dcp.reader.read_dcp_folder`."""
+    rank_set = rank_set_named(path, name)
+    return read_rank_set(path, rank_set)[0] if rank_set else read_dcp_folder(path)
+
+
+def check_rank_files(path: Path, name: str) -> list[tuple[Path, str]]:
+    """Read every entry of every rank file of the set ``name`` against its zip CRC-32, one
+    block at a time; ``[]`` for a ``name`` that is no per-rank set.
+
+    Returns:
+        ``(file, what is wrong)`` for each damaged or unreadable rank file.
+    """
+    rank_set = rank_set_named(path, name)
+    found: list[tuple[Path, str]] = []
+    for file_name in sorted(rank_set.files.values()) if rank_set else ():
+        try:
+            with os.fdopen(open_data_file(path, file_name), "rb") as file, \
+                    zipfile.ZipFile(file) as archive:
+                for info in archive.infolist():
+                    with archive.open(info) as entry:
+                        while entry.read(1 << 20):  # the CRC is checked at the entry's end
+                            pass
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
+            found.append((path / file_name, f"damaged rank file ({exc}); copy it again from "
+                          "the machine that wrote the checkpoint"))
+    return found

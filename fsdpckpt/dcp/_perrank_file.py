@@ -1,0 +1,273 @@
+"""One per-rank ``torch.save`` file, parsed without torch: which tensors it holds and where.
+
+The rank file's ``data.pkl`` goes through the restricted unpickler with stand-ins for exactly
+the classes ``torch.distributed.tensor`` registers as safe for ``weights_only`` loading
+(DTensor, DTensorSpec, TensorMeta, ShardOrderEntry, DeviceMesh and its layout, the
+placements), plus the tensor rebuild functions torch's own ``weights_only`` loader allows.
+No tensor byte is read: each tensor becomes the position of its elements in the zip
+(:class:`~fsdpckpt.dcp._archive.RawTensor`), and each DTensor's local piece is placed in
+the global tensor by its placements and the rank's mesh coordinate (torch.chunk's split).
+:mod:`fsdpckpt.dcp._perrank` puts the ranks together.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdpckpt import _torch
+from fsdpckpt.dcp._allowlist import BUILTIN_GLOBALS, brief
+from fsdpckpt.dcp._archive import (
+    _STORAGE_GLOBALS,
+    RawTensor,
+    _persistent_storage,
+    _rebuild_v2,
+    _rebuild_v3,
+    _Storage,
+    _storage_entry,
+    _tensor_dtype,
+    _TensorRecord,
+    check_view,
+    entry_data_start,
+    is_plain_int,
+)
+from fsdpckpt.dcp._safe_pickle import RestrictedUnpickler, safe_loads
+from fsdpckpt.dcp._ziparchive import entry_info, open_archive, read_entry
+from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt.dcp.metadata import KeyPath
+from fsdpckpt.dcp.reader import open_data_file
+from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
+
+__all__ = ["RankTensor", "read_rank"]
+
+# -- stand-ins for what a DTensor pickles ------------------------------------------------
+
+
+class _Spec:
+    """A stand-in for an instance of an allowlisted DTensor class: keeps what it is given."""
+
+    kind = "?"
+    args: tuple[Any, ...]
+    state: Any
+
+    def __new__(cls, *args: Any) -> _Spec:
+        self = object.__new__(cls)
+        self.args, self.state = args, None
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def field(self, name: str) -> Any:
+        return self.state.get(name) if isinstance(self.state, dict) else None
+
+
+_SPEC_CLASSES = {key: type(kind, (_Spec,), {"kind": kind})
+                 for key, kind in _torch.DTENSOR_SPEC_CLASSES.items()}
+
+
+class _DTensorType:
+    """The stand-in for the DTensor class itself."""
+
+
+class _Wrapper:
+    def __init__(self, dtype: Any, size: Any) -> None:
+        self.dtype, self.size = dtype, size
+        self.local: Any = None
+        self.spec: Any = None
+
+
+def _rebuild_wrapper(cls: Any, dtype: Any, size: Any, *_: Any) -> _Wrapper:
+    if cls is not _DTensorType:
+        raise CorruptCheckpointError(f"a wrapper tensor of an unexpected class {brief(cls)}")
+    return _Wrapper(dtype, size)
+
+
+def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> _Wrapper:
+    # torch pickles a subclass's state as ``(__dict__ or None, slots dict)``.
+    if isinstance(state, tuple) and len(state) == 2 and all(
+            part is None or isinstance(part, dict) for part in state):
+        state = {**(state[0] or {}), **(state[1] or {})}
+    if func is not _rebuild_wrapper or new_type is not _DTensorType or \
+            not isinstance(args, tuple) or not isinstance(state, dict):
+        raise CorruptCheckpointError("a tensor subclass other than DTensor, or a damaged one")
+    value = _rebuild_wrapper(*args)
+    value.local, value.spec = state.get("_local_tensor"), state.get("_spec")
+    return value
+
+
+_GLOBALS: dict[tuple[str, str], Any] = {
+    **BUILTIN_GLOBALS,
+    **_STORAGE_GLOBALS,
+    **_SPEC_CLASSES,
+    _torch.TORCH_SIZE: lambda dims=(): tuple(dims),
+    _torch.GET_LAYOUT: str,
+    _torch.TORCH_DEVICE: lambda *a: "device",
+    _torch.DTENSOR: _DTensorType,
+    _torch.REBUILD_WRAPPER_SUBCLASS: _rebuild_wrapper,
+    _torch.REBUILD_FROM_TYPE_V2: _rebuild_from_type,
+    _torch.REBUILD_TENSOR_V2: _rebuild_v2,
+    _torch.REBUILD_TENSOR_V3: _rebuild_v3,
+}
+
+
+class _RankUnpickler(RestrictedUnpickler):
+    """The restricted unpickler, plus the one state a module's ``state_dict()`` carries:
+    its ``_metadata`` attribute (per-module version numbers), which is dropped."""
+
+    dispatch = dict(RestrictedUnpickler.dispatch)
+
+    def _load_build_state_dict(self) -> None:
+        state, target = self.stack[-1], self.stack[-2]
+        if type(target) is dict and self._built.get(id(target)) is target and \
+                isinstance(state, dict) and set(state) == {"_metadata"}:
+            self.stack.pop()
+            return
+        RestrictedUnpickler._load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _load_build_state_dict
+
+
+# -- one rank file ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankTensor:
+    """One tensor of one rank: its global shape and dtype, and where this rank's piece goes."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    raw: RawTensor
+
+
+def _ints(value: Any, what: str, source: str) -> tuple[int, ...]:
+    if not (isinstance(value, tuple) and all(map(is_plain_int, value))
+            and all(v >= 0 for v in value)):
+        raise CorruptCheckpointError(f"{source}: {what} is not a tuple of sizes "
+                                     f"({brief(value)}); the file is damaged.")
+    return value
+
+
+def _mesh(spec: _Spec, source: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(mesh shape, this rank's coordinate)`` of a DTensor's device mesh."""
+    mesh = spec.field("mesh")
+    if not isinstance(mesh, _Spec) or mesh.kind != "DeviceMesh":
+        raise CorruptCheckpointError(f"{source}: a DTensor without a device mesh.")
+    ranks = mesh.field("_rank_map")
+    if not isinstance(ranks, _TensorRecord):  # torch < 2.9 pickled the mesh tensor itself
+        ranks = mesh.field("mesh")
+    if not isinstance(ranks, _TensorRecord):
+        raise CorruptCheckpointError(f"{source}: a device mesh that gives no shape.")
+    coordinate = mesh.field("_coordinate_on_dim")
+    shape = _ints(tuple(ranks.shape) if isinstance(ranks.shape, (tuple, list)) else None,
+                  "the mesh shape", source)
+    coordinate = _ints(tuple(coordinate) if isinstance(coordinate, (tuple, list)) else None,
+                       "the rank's mesh coordinate", source)
+    if len(coordinate) != len(shape) or any(c >= s for c, s in zip(coordinate, shape)):
+        raise CorruptCheckpointError(f"{source}: mesh coordinate {list(coordinate)} outside "
+                                     f"the mesh {list(shape)}.")
+    return shape, coordinate
+
+
+def _place(name: str, value: _Wrapper, raw: RawTensor,
+           source: str) -> tuple[tuple[int, ...], int]:
+    """Where the rank's local tensor starts in the global tensor (torch.chunk's split), and
+    how many ranks its mesh spans."""
+    shape = _ints(value.size, f"the global shape of '{name}'", source)
+    spec = value.spec
+    if not isinstance(spec, _Spec) or spec.kind != "DTensorSpec":
+        raise CorruptCheckpointError(f"{source}: DTensor '{name}' has no spec.")
+    mesh_shape, coordinate = _mesh(spec, source)
+    placements = spec.field("placements")
+    if not isinstance(placements, tuple) or len(placements) != len(mesh_shape):
+        raise CorruptCheckpointError(f"{source}: DTensor '{name}' has placements "
+                                     f"{brief(placements)} for a mesh of {len(mesh_shape)} dims.")
+    offsets, sizes = [0] * len(shape), list(shape)
+    for placement, parts, at in zip(placements, mesh_shape, coordinate):
+        kind = getattr(placement, "kind", None)
+        if kind == "Replicate":
+            continue
+        dim = placement.field("dim") if kind == "Shard" else None
+        if not isinstance(dim, int) or not is_plain_int(dim) or not 0 <= dim < len(shape):
+            raise NotACheckpointError(
+                f"{source}: DTensor '{name}' is placed as {kind or brief(placement)}; fsdpckpt "
+                "reads Shard(dim) and Replicate() placements (FSDP2, HSDP, tensor parallel).")
+        full = -(-sizes[dim] // parts)
+        start = min(at * full, sizes[dim])
+        offsets[dim] += start
+        sizes[dim] = max(0, min(full, sizes[dim] - start))
+    if tuple(sizes) != raw.shape:
+        raise CorruptCheckpointError(
+            f"{source}: DTensor '{name}' holds a local tensor of shape {list(raw.shape)}, but "
+            f"its placements give this rank {sizes} of {list(shape)}; the file is damaged.")
+    return tuple(offsets), math.prod(mesh_shape)
+
+
+def _walk(value: Any, path: KeyPath, out: list[tuple[KeyPath, Any]], depth: int = 0) -> None:
+    if depth > 40:
+        raise CorruptCheckpointError("the state dict nests more than 40 levels deep")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _walk(item, (*path, key if isinstance(key, (str, int)) else str(key)), out,
+                  depth + 1)
+    else:
+        out.append((path, value))
+
+
+def read_rank(folder: Path, name: str) -> tuple[dict[KeyPath, RankTensor],
+                                                list[tuple[KeyPath, Any]], int]:
+    """Parse one rank file: its tensors' places, its other values (decoded), and the most
+    ranks a DTensor's mesh spans (0 without DTensors)."""
+    source = str(folder / name)
+    fd = open_data_file(folder, name)
+    with os.fdopen(fd, "rb") as file:
+        size = os.fstat(fd).st_size
+        with open_archive(file, 0, size, source) as archive:
+            pkl = entry_info(archive, "/data.pkl", source)
+            prefix = pkl.filename[: -len("data.pkl")]
+            storage = _persistent_storage
+            value = safe_loads(read_entry(archive, pkl, source=source, start=0),
+                               allowed=_GLOBALS, source=source, persistent_load=storage,
+                               unpickler_class=_RankUnpickler)
+            if not isinstance(value, dict):
+                raise NotACheckpointError(f"{source}: holds {type(value).__name__}, not a "
+                                          "state dict.")
+            items: list[tuple[KeyPath, Any]] = []
+            _walk(value, (), items)
+
+            def locate(record: _TensorRecord, what: str) -> RawTensor:
+                if not isinstance(record.storage, _Storage):
+                    raise CorruptCheckpointError(f"{what}: a tensor has no storage.")
+                dtype = _tensor_dtype(record, what)
+                entry = _storage_entry(archive, prefix, record.storage, dtype, what)
+                offset, shape, stride = check_view(dtype, entry.file_size, record.offset,
+                                                   record.shape, record.stride, source=what)
+                start = entry_data_start(file, 0, size, entry, source=what)
+                return RawTensor(start, entry.file_size, dtype, offset, shape, stride)
+
+            tensors: dict[KeyPath, RankTensor] = {}
+            others: list[tuple[KeyPath, Any]] = []
+            mesh_ranks = 0
+            for path, item in items:
+                label = ".".join(map(str, path))
+                what = f"{source} (tensor '{label}')"
+                if isinstance(item, _Wrapper):
+                    if not isinstance(item.local, _TensorRecord):
+                        raise CorruptCheckpointError(f"{what}: a DTensor without its local "
+                                                     "tensor.")
+                    raw = locate(item.local, what)
+                    offsets, ranks = _place(label, item, raw, what)
+                    mesh_ranks = max(mesh_ranks, ranks)
+                    tensors[path] = RankTensor(raw.dtype, _ints(item.size, "the global shape",
+                                                            what), offsets, raw)
+                elif isinstance(item, _TensorRecord):  # a plain tensor: whole on every rank
+                    raw = locate(item, what)
+                    tensors[path] = RankTensor(raw.dtype, raw.shape, (0,) * len(raw.shape), raw)
+                else:
+                    others.append((path, item))
+    return tensors, others, mesh_ranks

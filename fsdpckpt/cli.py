@@ -11,36 +11,17 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from typing import Any
 
 import click
 
 from fsdpckpt import __version__
-from fsdpckpt._printable import cap_line, printable
-from fsdpckpt._progress import ProgressCallback, ProgressFactory
+from fsdpckpt._cli_common import _debug_option, _fail, _progress
+from fsdpckpt._cli_export import diff, export_hf
+from fsdpckpt._printable import printable
 from fsdpckpt.errors import FsdpCkptError
 
 __all__ = ["main"]
-
-
-def _debug_option(func: Any) -> Any:
-    def remember(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
-        if value:
-            ctx.meta["fsdpckpt.debug"] = True
-        return value
-
-    return click.option("--debug", is_flag=True, expose_value=False, is_eager=True,
-                        callback=remember,
-                        help="On error, show the full traceback instead of one line.")(func)
-
-
-def _fail(ctx: click.Context, message: str, exc: BaseException | None = None) -> None:
-    """Print the one error line: names from a checkpoint escaped, its length capped."""
-    if exc is not None and ctx.meta.get("fsdpckpt.debug"):
-        traceback.print_exception(exc)
-    click.echo(f"fsdpckpt: error: {cap_line(printable(message))}", err=True)
-    ctx.exit(1)
 
 
 class _Group(click.Group):
@@ -124,30 +105,6 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
         click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in "
                    f"{printable(path)}; the checkpoint is not whole", err=True)
         sys.exit(1)
-
-
-def _progress(quiet: bool, desc: str = "merging") -> ProgressFactory | None:
-    """A progress factory (:mod:`fsdpckpt._progress`) of tqdm byte bars on stderr; None
-    (silent) with --quiet or when stderr is no terminal.
-
-    The library calls ``factory(total_bytes, files)`` once it knows what it will read (merge
-    and verify do) and gives the returned callback byte counts; with a total the bar shows a
-    percentage and an ETA.
-    """
-    if quiet or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    def factory(total: int, _files: int) -> ProgressCallback:
-        bar = tqdm(total=total or None, unit="B", unit_scale=True, unit_divisor=1024,
-                   file=sys.stderr, desc=desc, leave=False)
-
-        def advance(nbytes: int) -> None:
-            bar.update(nbytes)
-
-        return advance
-
-    return factory
 
 
 def _merge_report(results: list[Any], as_json: bool) -> None:
@@ -354,144 +311,5 @@ def verify(path: str, as_json: bool, quiet: bool, expect_digest: str | None) -> 
         sys.exit(1)
 
 
-@main.command("export-hf")
-@click.argument("checkpoint", type=click.Path(path_type=str))
-@click.argument("output", type=click.Path(path_type=str))
-@click.option("--base", metavar="PATH", type=click.Path(path_type=str),
-              help="The Hugging Face model folder the run started from: config, generation "
-                   "config, tokenizer and chat template come from there. Default: found where "
-                   "trainers leave them (the checkpoint folder, its huggingface/, the run's "
-                   "output folder above it).")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
-              help="Cast floating-point weights to this dtype; the config says so too. "
-                   "Default: keep the stored dtypes.")
-@click.option("--max-shard-size", metavar="SIZE", default="5GB", show_default=True,
-              help="The largest safetensors file; a model that fits is one model.safetensors, "
-                   "otherwise model-0000i-of-0000N.safetensors plus an index.")
-@click.option("--overwrite", is_flag=True,
-              help="Replace an earlier export in OUTPUT (its weights, config and tokenizer "
-                   "files); other files are never touched.")
-@click.option("--lora", type=click.Choice(["adapter", "fuse"]),
-              help="For a PEFT-wrapped model: 'adapter' writes adapter_model.safetensors and "
-                   "adapter_config.json for PeftModel.from_pretrained(base, OUTPUT); 'fuse' "
-                   "exports the base model with the adapter fused in (W + scaling * B @ A).")
-@click.option("--lora-config", metavar="PATH", type=click.Path(path_type=str),
-              help="The adapter's adapter_config.json (or its folder). Default: found beside "
-                   "the checkpoint or in --base.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
-@_debug_option
-def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
-              max_shard_size: str, overwrite: bool, lora: str | None, lora_config: str | None,
-              quiet: bool, as_json: bool) -> None:
-    """Export a sharded checkpoint to a Hugging Face model folder.
-
-    AutoModelForCausalLM.from_pretrained(OUTPUT) and AutoTokenizer.from_pretrained(OUTPUT)
-    load the result as it is: weights named as Hugging Face names them (streamed,
-    bit-exact after --dtype), config.json with FSDP2's "FSDP" class prefix removed and
-    the exported dtype, generation config, tokenizer and chat template. Tied weights
-    (lm_head.weight with tie_word_embeddings) follow the config and are not written.
-    With transformers installed (pip install 'fsdpckpt[hf]'), the keys and shapes are
-    checked against the config's model class before anything is written.
-
-    \b
-    Examples:
-      fsdpckpt export-hf run/checkpoint-500 exported/ --dtype bf16
-      fsdpckpt export-hf ckpt/ exported/ --base meta-llama/Llama-3.2-1B-local/
-      fsdpckpt export-hf lora-run/checkpoint-500 adapter/ --lora adapter
-      fsdpckpt export-hf lora-run/checkpoint-500 fused/ --lora fuse --dtype bf16
-    """
-    from fsdpckpt._render import human_bytes
-    from fsdpckpt.export.hf import export_hf as export
-    from fsdpckpt.export.lora import AdapterExport
-
-    result = export(checkpoint, output, base=base, dtype=dtype, max_shard_size=max_shard_size,
-                    overwrite=overwrite, lora=lora, lora_config=lora_config,
-                    progress=_progress(quiet, "exporting"))
-    if isinstance(result, AdapterExport):
-        if as_json:
-            click.echo(json.dumps({"output": str(result.output), "files": list(result.files),
-                                   "tensors": result.tensors, "adapter": result.adapter,
-                                   "modules": result.modules}, indent=2))
-        else:
-            click.echo(f"exported adapter '{printable(result.adapter)}' ({result.modules} "
-                       f"modules, {result.tensors} tensors) -> {printable(result.output)}: "
-                       + ", ".join(printable(name) for name in result.files))
-        return
-    if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
-        return
-    click.echo(f"exported {printable(result.source)} -> {printable(result.output)}: "
-               f"{result.tensors} tensors, {human_bytes(result.bytes)} {result.dtype} in "
-               f"{len(result.weights)} file{'s' * (len(result.weights) != 1)}, "
-               f"{result.seconds:.2f} s")
-    for target, source in result.tied:
-        click.echo(f"  {printable(target)} is tied to {printable(source)} (the config says "
-                   "so): not written")
-    click.echo(f"  config from {printable(result.config_from)}; also wrote "
-               + ", ".join(printable(p.name) for p in result.files))
-    if result.model_class:
-        click.echo(f"  keys and shapes match {result.model_class}")
-    else:
-        click.echo("  keys not checked against the model class: pip install 'fsdpckpt[hf]'")
-@main.command()
-@click.argument("a", type=click.Path(path_type=str))
-@click.argument("b", type=click.Path(path_type=str))
-@click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Absolute tolerance: equal when |a - b| <= atol + rtol * |b|.")
-@click.option("--rtol", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Relative tolerance. With atol and rtol both 0, values and dtypes must be "
-                   "equal; with a tolerance, a dtype change (a bf16 export) is allowed.")
-@click.option("--name", "-n", "names", multiple=True, metavar="PATTERN",
-              help="Only compare entries whose name matches: a glob ('*.weight') or a "
-                   "substring ('layers.0.'); repeatable.")
-@click.option("--optimizer", is_flag=True,
-              help="Compare the optimizer state (optimizer_0/, optimizer.safetensors) of "
-                   "checkpoints and merged folders instead of the model.")
-@click.option("--model-index", type=int, metavar="N",
-              help="Which model to compare when a checkpoint holds several "
-                   "(pytorch_model_fsdp_N/).")
-@click.option("--keep-keys", is_flag=True,
-              help="Compare names with wrapper segments (_fsdp_wrapped_module., "
-                   "_checkpoint_wrapped_module., _orig_mod.) kept; by default they are "
-                   "removed on both sides, as merge removes them.")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON document on stdout (schema in docs/cli.md).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@_debug_option
-def diff(a: str, b: str, atol: float, rtol: float, names: tuple[str, ...], optimizer: bool,
-         model_index: int | None, keep_keys: bool, as_json: bool, quiet: bool) -> None:
-    """Compare two state sources tensor by tensor, streaming.
-
-    A and B are each a DCP folder, a whole checkpoint (its model folder; --optimizer:
-    its optimizer folder), a .safetensors or .bin file or shard index (*.index.json),
-    or a folder holding model.safetensors or pytorch_model.bin (or their index), as
-    Hugging Face and fsdpckpt merge write them. Names are compared as merge writes
-    them: a DCP folder's shared top-level key ("model.") and wrapper segments are
-    dropped. One box of one tensor per side is in memory at a time.
-
-    Reports names missing from B, names unexpected in B, shape and dtype mismatches,
-    and per tensor the largest absolute and relative difference. A NaN on both sides
-    at the same position counts as equal.
-
-    Exit status: 0 only when equal within the tolerance; 1 when anything differs or
-    a side cannot be read.
-
-    \b
-    Examples:
-      fsdpckpt diff ckpt/ merged/                  # a merge equals its checkpoint
-      fsdpckpt diff ckpt/ export/ --rtol 1e-2      # a bf16 export, within bf16's precision
-      fsdpckpt diff a.safetensors b.bin --name 'layers.0.*' --json
-    """
-    from fsdpckpt._render import render_diff
-    from fsdpckpt.inspection.diff import diff as diff_sources
-
-    report = diff_sources(a, b, atol=atol, rtol=rtol, names=names, optimizer=optimizer,
-                          model_index=model_index, keep_keys=keep_keys,
-                          progress=_progress(quiet, "comparing"))
-    if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
-    else:
-        click.echo(render_diff(report))
-    if not report.equal:
-        sys.exit(1)
+main.add_command(export_hf)
+main.add_command(diff)

@@ -1,6 +1,6 @@
 """``diff``: compare two state sources tensor by tensor, streaming.
 
-Each side is any source :func:`fsdpckpt.inspection._diff_sources.open_source` reads (DCP
+Each side is any source :func:`fsdpckpt.inspection._diff_files.open_source` reads (DCP
 folders, whole checkpoints, safetensors and ``.bin`` files, Hugging Face folders), named
 by the merge's rule so a checkpoint and its merged file line up. Tensors are read and
 compared in boxes of at most :data:`BOX_ELEMENTS` elements, one box per side at a time,
@@ -28,7 +28,8 @@ from typing import Any
 from fsdpckpt._io.rawio import reusing_scratch, scratch
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.errors import FsdpCkptError
-from fsdpckpt.inspection._diff_sources import Source, TensorInfo, boxes, open_source
+from fsdpckpt.inspection._diff_files import open_source
+from fsdpckpt.inspection._diff_sources import Source, TensorInfo, boxes
 from fsdpckpt.inspection.inspect import name_matcher
 
 __all__ = ["diff", "DiffReport", "TensorDiff", "ObjectDiff", "DiffOptionError", "BOX_ELEMENTS"]

@@ -1,0 +1,57 @@
+"""What every command of the CLI shares: ``--debug``, the one error line, progress bars."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any
+
+import click
+
+from fsdpckpt._printable import cap_line, printable
+from fsdpckpt._progress import ProgressCallback, ProgressFactory
+
+__all__ = ["_debug_option", "_fail", "_progress"]
+
+
+def _debug_option(func: Any) -> Any:
+    def remember(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+        if value:
+            ctx.meta["fsdpckpt.debug"] = True
+        return value
+
+    return click.option("--debug", is_flag=True, expose_value=False, is_eager=True,
+                        callback=remember,
+                        help="On error, show the full traceback instead of one line.")(func)
+
+
+def _fail(ctx: click.Context, message: str, exc: BaseException | None = None) -> None:
+    """Print the one error line: names from a checkpoint escaped, its length capped."""
+    if exc is not None and ctx.meta.get("fsdpckpt.debug"):
+        traceback.print_exception(exc)
+    click.echo(f"fsdpckpt: error: {cap_line(printable(message))}", err=True)
+    ctx.exit(1)
+
+
+def _progress(quiet: bool, desc: str = "merging") -> ProgressFactory | None:
+    """A progress factory (:mod:`fsdpckpt._progress`) of tqdm byte bars on stderr; None
+    (silent) with --quiet or when stderr is no terminal.
+
+    The library calls ``factory(total_bytes, files)`` once it knows what it will read (merge
+    and verify do) and gives the returned callback byte counts; with a total the bar shows a
+    percentage and an ETA.
+    """
+    if quiet or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    def factory(total: int, _files: int) -> ProgressCallback:
+        bar = tqdm(total=total or None, unit="B", unit_scale=True, unit_divisor=1024,
+                   file=sys.stderr, desc=desc, leave=False)
+
+        def advance(nbytes: int) -> None:
+            bar.update(nbytes)
+
+        return advance
+
+    return factory

@@ -16,15 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt.dcp.dtypes import dtype_from_name
 from fsdpckpt.export._lora_keys import LoraLayout
 from fsdpckpt.export._lora_read import ModelSource, open_model_source
-from fsdpckpt.export._lora_write import write_streaming
+from fsdpckpt.export._lora_write import fused_specs, write_streaming
 from fsdpckpt.export.lora import _pick_adapter, _torch_dtype, find_lora, fused_tensors
 
 __all__ = ["FusedWeights", "plan_fused"]
-
-_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass(frozen=True)
@@ -47,23 +44,10 @@ class FusedWeights:
     def write(self, path: Path, *, dtype: str | None, exclude: set[str],
               lora_config: Any, base: Any) -> int:
         """Write the fused tensors but ``exclude`` (tied targets) into ``path``."""
-        kept = _Without(self.source, exclude, self.layout, self.adapter)
-        tensors = ((n, t) for n, t in fused_tensors(self.checkpoint, lora_config=lora_config,
-                                                     base=base, dtype=dtype,
-                                                     adapter=self.adapter)
-                   if n not in exclude)
-        return write_streaming(kept, self.layout, self.adapter, path, dtype, tensors)
-
-
-class _Without:
-    """``source`` as :func:`write_streaming` lays it out, less the stored tensors whose
-    plain names are excluded."""
-
-    def __init__(self, source: ModelSource, exclude: set[str], layout: LoraLayout,
-                 adapter: str) -> None:
-        self.names = tuple(n for n in source.names
-                           if layout.plain_name(n, adapter) not in exclude)
-        self.shapes, self.dtypes = source.shapes, source.dtypes
+        tensors = fused_tensors(self.checkpoint, lora_config=lora_config, base=base,
+                                dtype=dtype, adapter=self.adapter)
+        return write_streaming(self.source, self.layout, self.adapter, path, dtype, tensors,
+                               exclude=frozenset(exclude))
 
 
 def plan_fused(checkpoint: str | os.PathLike[str], *, dtype: str | None,
@@ -72,29 +56,18 @@ def plan_fused(checkpoint: str | os.PathLike[str], *, dtype: str | None,
 
     Raises:
         NotACheckpointError: the checkpoint holds no LoRA adapter (or several, and none
-            is named); MergePlanError-like ValueError for an unknown ``dtype``.
+            is named); ValueError for an unknown ``dtype``.
     """
     _torch_dtype(dtype)  # a wrong name fails before anything is read or written
     source = open_model_source(checkpoint)
     layout = find_lora(source.names)
     name = _pick_adapter(layout, adapter)
-    shapes: dict[str, tuple[int, ...]] = {}
-    nbytes: dict[str, int] = {}
+    specs = fused_specs(source, layout, name, dtype)
     sizes: Counter[str] = Counter()
-    for stored in source.names:
-        plain = layout.plain_name(stored, name)
-        if plain is None:
-            continue
-        stored_dtype = dtype_from_name(source.dtypes[stored])
-        floating = stored_dtype is not None and stored_dtype.is_floating
-        out = dtype_from_name(_NAMES.get(dtype, dtype)) if dtype and floating else stored_dtype
-        shape = tuple(source.shapes[stored])
-        count = 1
-        for size in shape:
-            count *= size
-        shapes[plain] = shape
-        nbytes[plain] = count * (out.itemsize if out is not None else 0)
-        if out is not None and out.is_floating:
-            sizes[out.name] += nbytes[plain]
+    for spec in specs:
+        if spec.dtype.is_floating:
+            sizes[spec.dtype.name] += spec.nbytes
     exported = sizes.most_common(1)[0][0] if sizes else "float32"
-    return FusedWeights(checkpoint, source, layout, name, shapes, nbytes, exported)
+    return FusedWeights(checkpoint, source, layout, name,
+                        {s.name: tuple(s.shape) for s in specs},
+                        {s.name: s.nbytes for s in specs}, exported)

@@ -10,35 +10,50 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from fsdpckpt._io.rawio import pwrite_all
 from fsdpckpt.dcp.dtypes import dtype_from_name
 from fsdpckpt.errors import CorruptCheckpointError
 from fsdpckpt.export._lora_keys import LoraLayout
+from fsdpckpt.export._lora_read import ModelSource
 from fsdpckpt.formats import TensorSpec
 from fsdpckpt.formats.safetensors import SafetensorsFormat
+from fsdpckpt.merging.plan import parse_dtype
 
-__all__ = ["TensorTable", "write_streaming"]
-
-
-class TensorTable(Protocol):
-    """What the layout needs of a source: its stored names, shapes and dtype names
-    (a :class:`~fsdpckpt.export._lora_read.ModelSource`, or a view of one)."""
-
-    @property
-    def names(self) -> tuple[str, ...]: ...
-    @property
-    def shapes(self) -> dict[str, tuple[int, ...]]: ...
-    @property
-    def dtypes(self) -> dict[str, str]: ...
-
-_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+__all__ = ["fused_specs", "write_streaming"]
 
 
-def write_streaming(source: TensorTable, layout: LoraLayout, adapter: str, path: Path,
-                    dtype: str | None, tensors: Iterable[tuple[str, Any]]) -> int:
-    """Lay out ``path`` from ``source``'s metadata, then write each of ``tensors`` in place.
+def fused_specs(source: ModelSource, layout: LoraLayout, adapter: str, dtype: str | None, *,
+                exclude: frozenset[str] = frozenset()) -> list[TensorSpec]:
+    """What the fused model holds, from ``source``'s metadata alone: each plain name (less
+    ``exclude``), in stored order, with its shape and its dtype after the cast to ``dtype``
+    (floating-point tensors only; ``dtype`` is one :func:`~fsdpckpt.export.lora` checked).
+
+    Raises:
+        CorruptCheckpointError: a stored dtype the output cannot hold.
+    """
+    target = parse_dtype(dtype)
+    specs = []
+    for stored in source.names:
+        plain = layout.plain_name(stored, adapter)
+        if plain is None or plain in exclude:
+            continue
+        stored_dtype = dtype_from_name(source.dtypes[stored])
+        cast = target is not None and stored_dtype is not None and stored_dtype.is_floating
+        found = target if cast else stored_dtype
+        if found is None:
+            raise CorruptCheckpointError(f"{stored}: dtype {source.dtypes[stored]} cannot be "
+                                         "written")
+        specs.append(TensorSpec(plain, (plain,), found, source.shapes[stored]))
+    return specs
+
+
+def write_streaming(source: ModelSource, layout: LoraLayout, adapter: str, path: Path,
+                    dtype: str | None, tensors: Iterable[tuple[str, Any]], *,
+                    exclude: frozenset[str] = frozenset()) -> int:
+    """Lay out ``path`` from ``source``'s metadata (:func:`fused_specs`), then write each of
+    ``tensors`` in place; tensors named in ``exclude`` (tied targets) are left out.
 
     Returns:
         How many tensors were written.
@@ -46,18 +61,7 @@ def write_streaming(source: TensorTable, layout: LoraLayout, adapter: str, path:
     Raises:
         CorruptCheckpointError: a tensor came out other than the layout said.
     """
-    specs = []
-    for stored in source.names:
-        plain = layout.plain_name(stored, adapter)
-        if plain is None:
-            continue
-        stored_dtype = dtype_from_name(source.dtypes[stored])
-        is_float = stored_dtype is not None and stored_dtype.is_floating
-        found = dtype_from_name(_NAMES.get(dtype, dtype)) if dtype and is_float else stored_dtype
-        name = dtype if dtype and is_float else source.dtypes[stored]
-        if found is None:
-            raise CorruptCheckpointError(f"{stored}: dtype {name} cannot be written")
-        specs.append(TensorSpec(plain, (plain,), found, source.shapes[stored]))
+    specs = fused_specs(source, layout, adapter, dtype, exclude=exclude)
     file = SafetensorsFormat().layout(specs, [], nested=False)
     by_name = {s.name: s for s in specs}
     staging = path.with_name(f".{path.name}.tmp")
@@ -68,6 +72,8 @@ def write_streaming(source: TensorTable, layout: LoraLayout, adapter: str, path:
         for offset, data in file.fixed:
             pwrite_all(fd, memoryview(data), offset)
         for name, tensor in tensors:
+            if name in exclude:
+                continue
             spec = by_name[name]
             data = tensor.contiguous().view(-1).view(dtype=_uint8()).numpy()
             if tuple(tensor.shape) != spec.shape or len(data) != spec.nbytes:

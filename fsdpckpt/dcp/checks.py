@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from fsdpckpt.dcp._zstd import MAX_RATIO
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry, rank_file_parts
 from fsdpckpt.dcp.reader import DcpFolder
+from fsdpckpt.errors import CorruptCheckpointError
 
-__all__ = ["Problem", "check_folder", "check_tensor_chunks", "known_world_size"]
+__all__ = ["Problem", "check_folder", "check_tensor_chunks", "known_world_size",
+           "require_whole"]
 
 _SHOWN = 5  # problems of one kind named in full; the rest are counted
 
@@ -236,6 +238,22 @@ def check_folder(folder: DcpFolder) -> list[Problem]:
         problems.append(Problem(f"{base}/{file}", f"missing file, needed by {needers[0]}{more}; "
                                 "copy it from the machine that wrote the checkpoint"))
     return problems
+
+
+def require_whole(folder: DcpFolder) -> None:
+    """Refuse ``folder`` unless :func:`check_folder` finds nothing: what every reader of
+    chunk data calls first, so the sizes the metadata declares are checked against the
+    bytes present before anything is allocated or read.
+
+    Raises:
+        CorruptCheckpointError: the first problem (and how many more), and the command that
+            lists them all.
+    """
+    problems = check_folder(folder)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CorruptCheckpointError(f"{problems[0]}{more}; run `fsdpckpt inspect "
+                                     f"{folder.path}` for the full list")
 
 
 def _shared_bytes(base: str, ranges: list[tuple[str, int, int, str]]) -> list[Problem]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt.dcp.checks import check_folder
+from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
@@ -87,11 +87,7 @@ def _from_dcp(folder: Path) -> ModelSource:
     from fsdpckpt.merging._keys import output_name, shares_top_key
 
     dcp = read_dcp_folder(folder)
-    problems = check_folder(dcp)
-    if problems:  # declared sizes checked against the bytes before anything is read
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CorruptCheckpointError(f"{problems[0]}{more}; run `fsdpckpt inspect {folder}` "
-                                     "for the full list")
+    require_whole(dcp)  # declared sizes checked against the bytes before anything is read
     tensors = dcp.metadata.tensors
     strip = shares_top_key([t.key_path for t in tensors])
     entries: dict[str, TensorEntry] = {}

@@ -27,7 +27,7 @@ from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._objects import read_object, to_torch
 from fsdpckpt.dcp._zstd import ZstdEntry, chunk_limit, open_entry
-from fsdpckpt.dcp.checks import check_folder
+from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DTYPES, DType
 from fsdpckpt.dcp.metadata import Chunk, KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.dcp.reader import read_dcp_folder
@@ -155,11 +155,7 @@ class DcpSource(Source):
     def __init__(self, path: Path, *, keep_keys: bool) -> None:
         self.path = path
         folder = read_dcp_folder(path)
-        problems = check_folder(folder)
-        if problems:  # declared sizes checked against the bytes before anything is read
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise CorruptCheckpointError(f"{problems[0]}{more}; run `fsdpckpt inspect {path}` "
-                                         "for the full list")
+        require_whole(folder)  # declared sizes checked against the bytes before any read
         meta = folder.metadata
         entries = list(meta.tensors) + list(meta.objects)
         names = _names([e.key_path for e in entries], keep_keys=keep_keys, source=path)

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fsdpckpt.dcp._perrank import read_part_folder
-from fsdpckpt.dcp.checks import check_folder
+from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.layout import CheckpointLayout, DcpPart, find_layout
 from fsdpckpt.dcp.reader import DcpFolder
-from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 from fsdpckpt.formats import OutputFormat, get_format
 from fsdpckpt.merging.plan import MergePlanError, parse_dtype, parse_size
 
@@ -120,11 +120,7 @@ def _kind(part: DcpPart, folder: DcpFolder) -> str:
 
 def _read_checked(part: DcpPart) -> MergeSource:
     folder = read_part_folder(part.path, part.name)
-    problems = check_folder(folder)
-    if problems:  # fail before writing, from metadata and file sizes alone
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CorruptCheckpointError(f"{problems[0]}{more}; run `fsdpckpt inspect "
-                                     f"{folder.path}` for the full list")
+    require_whole(folder)  # fail before writing, from metadata and file sizes alone
     return MergeSource(folder, _kind(part, folder))
 
 

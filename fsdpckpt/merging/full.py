@@ -19,7 +19,7 @@ from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._nesting import unflatten
 from fsdpckpt.dcp._objects import loads, read_object, to_torch, torch_load_allowlisted
 from fsdpckpt.dcp._perrank import find_rank_sets, read_rank_set
-from fsdpckpt.dcp.checks import check_folder
+from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.reader import DcpFolder, is_dcp_folder, read_dcp_folder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
@@ -67,11 +67,7 @@ def _from_rank_files(path: Path) -> dict[Any, Any] | None:
 @reusing_scratch()
 def _from_folder(folder: DcpFolder, values: list[tuple[tuple, Any]]) -> dict[Any, Any]:
     path = folder.path
-    problems = check_folder(folder)
-    if problems:  # before anything is allocated: declared sizes are checked against the bytes
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CorruptCheckpointError(f"{problems[0]}{more}; run `fsdpckpt inspect {path}` "
-                                     "for the full list")
+    require_whole(folder)  # before anything is allocated
     items: list[tuple[tuple, Any]] = [(key, to_torch(value)) for key, value in values]
     with DataFiles(path) as files:
         for tensor in folder.metadata.tensors:

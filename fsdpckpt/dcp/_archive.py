@@ -311,12 +311,26 @@ def locate_tensor(file: IO[bytes], start: int, length: int, *, source: str) -> R
             raise CorruptCheckpointError(f"{source}: the archive does not hold a single tensor.")
         prefix = pkl.filename[: -len("data.pkl")]
         _check_byteorder(archive, prefix, source, start)
-        dtype = _tensor_dtype(record, source)
-        data = _storage_entry(archive, prefix, record.storage, dtype, source)
-    offset, shape, stride = check_view(dtype, data.file_size, record.offset, record.shape,
+        return locate_record(file, start, length, archive, prefix, record, source=source)
+
+
+def locate_record(file: IO[bytes], start: int, length: int, archive: zipfile.ZipFile,
+                  prefix: str, record: _TensorRecord, *, source: str) -> RawTensor:
+    """Where the tensor a pickle's ``record`` describes lies in ``file``, no data read: its
+    storage entry (checked against the size the pickle declares), its view (checked to fit
+    that storage) and the entry's data offset.
+
+    Raises:
+        CorruptCheckpointError: the record has no storage, or disagrees with the archive.
+    """
+    if not isinstance(record.storage, _Storage):
+        raise CorruptCheckpointError(f"{source}: a tensor has no storage.")
+    dtype = _tensor_dtype(record, source)
+    entry = _storage_entry(archive, prefix, record.storage, dtype, source)
+    offset, shape, stride = check_view(dtype, entry.file_size, record.offset, record.shape,
                                        record.stride, source=source)
-    storage_start = entry_data_start(file, start, length, data, source=source)
-    return RawTensor(storage_start, data.file_size, dtype, offset, shape, stride)
+    data_start = entry_data_start(file, start, length, entry, source=source)
+    return RawTensor(data_start, entry.file_size, dtype, offset, shape, stride)
 
 
 def entry_data_start(file: IO[bytes], start: int, length: int, info: zipfile.ZipInfo, *,

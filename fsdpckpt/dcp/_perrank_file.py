@@ -27,13 +27,9 @@ from fsdpckpt.dcp._archive import (
     _persistent_storage,
     _rebuild_v2,
     _rebuild_v3,
-    _Storage,
-    _storage_entry,
-    _tensor_dtype,
     _TensorRecord,
-    check_view,
-    entry_data_start,
     is_plain_int,
+    locate_record,
 )
 from fsdpckpt.dcp._safe_pickle import RestrictedUnpickler, safe_loads
 from fsdpckpt.dcp._ziparchive import entry_info, open_archive, read_entry
@@ -241,14 +237,7 @@ def read_rank(folder: Path, name: str) -> tuple[dict[KeyPath, RankTensor],
             _walk(value, (), items)
 
             def locate(record: _TensorRecord, what: str) -> RawTensor:
-                if not isinstance(record.storage, _Storage):
-                    raise CorruptCheckpointError(f"{what}: a tensor has no storage.")
-                dtype = _tensor_dtype(record, what)
-                entry = _storage_entry(archive, prefix, record.storage, dtype, what)
-                offset, shape, stride = check_view(dtype, entry.file_size, record.offset,
-                                                   record.shape, record.stride, source=what)
-                start = entry_data_start(file, 0, size, entry, source=what)
-                return RawTensor(start, entry.file_size, dtype, offset, shape, stride)
+                return locate_record(file, 0, size, archive, prefix, record, source=what)
 
             tensors: dict[KeyPath, RankTensor] = {}
             others: list[tuple[KeyPath, Any]] = []

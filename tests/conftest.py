@@ -132,7 +132,7 @@ def reseal(manifest: dict) -> dict:
     return dict(manifest, checksum=_content_checksum(manifest))
 
 
-def save_small_checkpoint(folder: Path, **kwargs) -> Path:
+def save_small_checkpoint(folder: Path, *, step: int = 1, **kwargs) -> Path:
     """``save_state`` of a small trained model and AdamW (so with a manifest) into
     ``folder``: big enough to damage in every part."""
     import torch
@@ -144,5 +144,5 @@ def save_small_checkpoint(folder: Path, **kwargs) -> Path:
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 64)).sum().backward()
     optimizer.step()
-    fsdpckpt.save_state(folder, model, optimizer, step=1, **kwargs)
+    fsdpckpt.save_state(folder, model, optimizer, step=step, **kwargs)
     return folder

@@ -19,7 +19,7 @@ import fsdpckpt
 from fsdpckpt.errors import CorruptCheckpointError
 from fsdpckpt.training.manifest import MANIFEST, manifest_digest, parse_manifest, read_manifest
 
-from conftest import assert_one_line_error, reseal
+from conftest import assert_one_line_error, reseal, save_small_checkpoint
 from conftest import run_cli as run
 from fuzzing import damaged, fuzz_settings
 
@@ -27,13 +27,7 @@ _FUZZ = fuzz_settings()
 
 
 def _save(folder: Path, **kwargs) -> Path:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 32)).sum().backward()
-    optimizer.step()
-    fsdpckpt.save_state(folder, model, optimizer, step=7, **kwargs)
-    return folder
+    return save_small_checkpoint(folder, step=7, **kwargs)
 
 
 @pytest.fixture(scope="module")

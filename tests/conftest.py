@@ -146,3 +146,19 @@ def save_small_checkpoint(folder: Path, *, step: int = 1, **kwargs) -> Path:
     optimizer.step()
     fsdpckpt.save_state(folder, model, optimizer, step=step, **kwargs)
     return folder
+
+
+def peak_rss_mib(code: str) -> float:
+    """Peak resident memory (MiB) of a fresh Python process running ``code``.
+
+    VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec, so a child of the (large)
+    test process would report the parent's peak as its own.
+    """
+    import subprocess
+    import sys
+
+    report = ("\nimport re\nwith open('/proc/self/status') as status:\n"
+              "    print(re.search(r'VmHWM:\\s+(\\d+) kB', status.read()).group(1))")
+    out = subprocess.run([sys.executable, "-c", code + report], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.strip().splitlines()[-1]) / 1024

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +19,13 @@ from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from fsdpckpt.inspection import diff as diff_module
 from fsdpckpt.inspection._diff_sources import boxes
 
-from conftest import DCP_FOLDERS, FIXTURES, assert_one_line_error, reference_state_dict
+from conftest import (
+    DCP_FOLDERS,
+    FIXTURES,
+    assert_one_line_error,
+    peak_rss_mib,
+    reference_state_dict,
+)
 from conftest import run_cli as run
 
 MODEL = FIXTURES / "fsdp2_accelerate" / "pytorch_model_fsdp_0"
@@ -315,15 +319,6 @@ def test_boxes_cover_every_element_once_in_order_and_stay_small():
 
 # ---- memory --------------------------------------------------------------------------------
 
-def _peak_rss_mib(code: str) -> float:
-    # VmHWM of a fresh process (as tests/test_merge_memory.py measures a merge).
-    report = ("\nimport re\nwith open('/proc/self/status') as status:\n"
-              "    print(re.search(r'VmHWM:\\s+(\\d+) kB', status.read()).group(1))")
-    out = subprocess.run([sys.executable, "-c", code + report], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return int(out.stdout.strip().splitlines()[-1]) / 1024
-
-
 def test_diff_memory_is_flat_for_a_large_tensor(tmp_path):
     from chunked import split, write_dcp
 
@@ -333,8 +328,8 @@ def test_diff_memory_is_flat_for_a_large_tensor(tmp_path):
     save_file({"dim1": value, "transposed": value.clone()}, str(tmp_path / "ref.safetensors"))
     del value
     imports = "import torch, fsdpckpt, fsdpckpt.inspection.diff\n"
-    baseline = _peak_rss_mib(imports)
-    peak = _peak_rss_mib(imports + f"report = fsdpckpt.diff({str(folder)!r}, "
+    baseline = peak_rss_mib(imports)
+    peak = peak_rss_mib(imports + f"report = fsdpckpt.diff({str(folder)!r}, "
                          f"{str(tmp_path / 'ref.safetensors')!r})\nassert report.equal")
     # Two 256 MiB tensors a side; holding one of them would add 256 MiB.
     assert peak - baseline < 64, (peak, baseline)

@@ -8,12 +8,10 @@ would show a growth of 128 MiB or more.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from chunked import split, write_dcp
+from conftest import peak_rss_mib
 
 #: What one merge may add over its imports: two 16 MiB tiles and torch's own scratch.
 GROWTH_LIMIT_MIB = 64
@@ -47,29 +45,19 @@ def layouts(tmp_path_factory):
     })
 
 
-def _peak_rss_mib(code: str) -> float:
-    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec, so a child of this
-    # (large) test process would report the parent's peak as its own.
-    report = ("\nimport re\nwith open('/proc/self/status') as status:\n"
-              "    print(re.search(r'VmHWM:\\s+(\\d+) kB', status.read()).group(1))")
-    out = subprocess.run([sys.executable, "-c", code + report], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return int(out.stdout.strip().splitlines()[-1]) / 1024
-
-
 _BASELINE: dict[str, float] = {}
 
 
 def _baseline(imports: str) -> float:
     if imports not in _BASELINE:
-        _BASELINE[imports] = _peak_rss_mib(imports)
+        _BASELINE[imports] = peak_rss_mib(imports)
     return _BASELINE[imports]
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
 def test_merge_peak_memory_is_far_below_the_checkpoint(big_checkpoint, tmp_path, fmt):
     baseline = _baseline("import fsdpckpt.merging.merger")
-    peak = _peak_rss_mib(f"import fsdpckpt\nfsdpckpt.merge({str(big_checkpoint)!r}, "
+    peak = peak_rss_mib(f"import fsdpckpt\nfsdpckpt.merge({str(big_checkpoint)!r}, "
                          f"{str(tmp_path / 'out')!r}, format={fmt!r})")
     # The checkpoint is 128 MiB; a merge that held it, or one tensor of it
     # twice, would show here. Streaming adds a few MiB over the import.
@@ -81,7 +69,7 @@ def test_merge_peak_memory_is_far_below_the_checkpoint(big_checkpoint, tmp_path,
 @pytest.mark.parametrize("layout", ["dim0", "dim1", "grid", "transposed"])
 def test_merge_memory_is_flat_for_every_layout_and_cast(layouts, tmp_path, layout, dtype):
     baseline = _baseline("import torch, fsdpckpt.merging.merger")
-    peak = _peak_rss_mib(f"import torch, fsdpckpt\nfsdpckpt.merge({str(layouts)!r}, "
+    peak = peak_rss_mib(f"import torch, fsdpckpt\nfsdpckpt.merge({str(layouts)!r}, "
                          f"{str(tmp_path / 'out')!r}, include=[{layout!r}], dtype={dtype!r})")
     assert peak - baseline < GROWTH_LIMIT_MIB, (layout, dtype, peak, baseline)
     assert peak < PEAK_LIMIT_MIB, (layout, dtype, peak)
@@ -89,7 +77,7 @@ def test_merge_memory_is_flat_for_every_layout_and_cast(layouts, tmp_path, layou
 
 def test_verify_memory_is_flat(layouts):
     baseline = _baseline("import fsdpckpt.inspection.verify")
-    peak = _peak_rss_mib("from fsdpckpt.inspection.verify import verify_checkpoint\n"
+    peak = peak_rss_mib("from fsdpckpt.inspection.verify import verify_checkpoint\n"
                          f"report = verify_checkpoint({str(layouts)!r})\n"
                          "assert report['ok'], report")
     assert peak - baseline < GROWTH_LIMIT_MIB, (peak, baseline)
@@ -97,7 +85,7 @@ def test_verify_memory_is_flat(layouts):
 
 def test_load_full_state_dict_holds_the_tensors_and_nothing_more(layouts):
     baseline = _baseline("import torch, fsdpckpt.merging.merger")
-    peak = _peak_rss_mib(f"import torch, fsdpckpt\nstate = fsdpckpt.load_full_state_dict("
+    peak = peak_rss_mib(f"import torch, fsdpckpt\nstate = fsdpckpt.load_full_state_dict("
                          f"{str(layouts)!r})")
     tensors = 4 * 256  # MiB: what it returns
     assert peak - baseline < tensors + GROWTH_LIMIT_MIB, (peak, baseline)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._perrank_file import read_rank
 from fsdpckpt.dcp.dtypes import DType
@@ -42,6 +43,11 @@ _RANK_FILES = [
     (re.compile(r"^model_world_size_(\d{1,9})_rank_(\d{1,9})\.pt$"), "model", "verl"),
     (re.compile(r"^optim_world_size_(\d{1,9})_rank_(\d{1,9})\.pt$"), "optimizer", "verl"),
 ]
+
+
+_REMOTE_RANK_FILES = ("{path}: per-rank torch.save files are read from local disk only, not "
+                      "yet from object storage; download the folder first (e.g. aws s3 sync "
+                      "{path} ./ckpt) and pass the local copy")
 
 
 @dataclass(frozen=True)
@@ -171,23 +177,29 @@ def read_rank_set(folder: Path, rank_set: PerRankSet) -> tuple[PerRankFolder, li
     return PerRankFolder(folder, DcpMetadata(tensors_out, ()), files), objects
 
 
-def rank_set_named(folder: Path, name: str) -> PerRankSet | None:
+def rank_set_named(folder: Path | RemotePath, name: str) -> PerRankSet | None:
     """The per-rank set of ``folder`` that :class:`~fsdpckpt.dcp.layout.DcpPart` ``name``
     stands for, or None when ``name`` names no such set."""
     if "*" not in name or not folder.is_dir():
         return None
-    found = [r for r in find_rank_sets(sorted(os.listdir(folder))) if r.name == name]
+    names = [p.name for p in folder.iterdir()] if isinstance(folder, RemotePath) else \
+        sorted(os.listdir(folder))
+    found = [r for r in find_rank_sets(names) if r.name == name]
     return found[0] if found else None
 
 
-def read_part_folder(path: Path, name: str) -> DcpFolder:
+def read_part_folder(path: Path | RemotePath, name: str) -> DcpFolder:
     """A layout part as a DCP folder: a per-rank set read by :func:`read_rank_set`, or a real
     DCP folder by :func:`~fsdpckpt.dcp.reader.read_dcp_folder`."""
     rank_set = rank_set_named(path, name)
-    return read_rank_set(path, rank_set)[0] if rank_set else read_dcp_folder(path)
+    if rank_set is None:
+        return read_dcp_folder(path)
+    if isinstance(path, RemotePath):
+        raise NotACheckpointError(_REMOTE_RANK_FILES.format(path=path))
+    return read_rank_set(path, rank_set)[0]
 
 
-def check_rank_files(path: Path, name: str) -> list[tuple[Path, str]]:
+def check_rank_files(path: Path | RemotePath, name: str) -> list[tuple[Path, str]]:
     """Read every entry of every rank file of the set ``name`` against its zip CRC-32, one
     block at a time; ``[]`` for a ``name`` that is no per-rank set.
 
@@ -195,8 +207,12 @@ def check_rank_files(path: Path, name: str) -> list[tuple[Path, str]]:
         ``(file, what is wrong)`` for each damaged or unreadable rank file.
     """
     rank_set = rank_set_named(path, name)
+    if rank_set is None:
+        return []
+    if isinstance(path, RemotePath):
+        raise NotACheckpointError(_REMOTE_RANK_FILES.format(path=path))
     found: list[tuple[Path, str]] = []
-    for file_name in sorted(rank_set.files.values()) if rank_set else ():
+    for file_name in sorted(rank_set.files.values()):
         try:
             with os.fdopen(open_data_file(path, file_name), "rb") as file, \
                     zipfile.ZipFile(file) as archive:

@@ -13,6 +13,7 @@ import os
 from collections import Counter
 from collections.abc import Callable
 
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._perrank import PerRankFolder, read_part_folder
 from fsdpckpt.dcp.checks import Problem, check_folder, known_world_size
 from fsdpckpt.dcp.layout import DcpPart, find_layout
@@ -113,7 +114,7 @@ def _missing_rng(path: str, world: int, present: set[int]) -> list[Problem]:
     return problems
 
 
-def inspect_checkpoint(path: str | os.PathLike[str], *,
+def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
                        names: str | None = None) -> InspectReport:
     """Describe the checkpoint at ``path`` and check its structure.
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from fsdpckpt._io.jsonio import loads_json
 from fsdpckpt._io.rawio import reusing_scratch
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._nesting import unflatten
 from fsdpckpt.dcp._objects import loads, read_object, to_torch, torch_load_allowlisted
@@ -46,7 +47,7 @@ def _empty(dtype: DType, shape: tuple[int, ...]) -> tuple[Any, MemorySink]:
     return flat.view(shape), MemorySink(memoryview(memory))
 
 
-def _from_dcp(path: Path) -> dict[Any, Any]:
+def _from_dcp(path: Path | RemotePath) -> dict[Any, Any]:
     return _from_folder(read_dcp_folder(path), [])
 
 
@@ -173,9 +174,14 @@ def load_full_state_dict(path: str | os.PathLike[str]) -> dict[Any, Any]:
         >>> sd["model"]["layers.0.weight"].shape
         torch.Size([4096, 4096])
     """
-    p = Path(path)
+    p = location(path)
     if not p.exists():
         raise CheckpointNotFoundError(f"{p}: no such file or folder; check the path.")
+    if isinstance(p, RemotePath):
+        if is_dcp_folder(p):
+            return _from_dcp(p)
+        raise NotACheckpointError(f"{p}: only DCP folders are read from object storage yet "
+                                  "(merged files, per-rank files: not yet); download it first")
     if p.is_file():
         return _from_file(p)
     if is_dcp_folder(p):

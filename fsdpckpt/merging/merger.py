@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.errors import NotACheckpointError
@@ -50,7 +51,7 @@ class MergeResult:
         objects: names of the non-tensor entries kept. seconds: wall time.
     """
 
-    source: Path
+    source: Path | RemotePath
     files: tuple[Path, ...]
     tensors: int
     bytes: int
@@ -232,5 +233,8 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
                              overwrite=overwrite)
     (result,) = _run(plan_job(request), progress)
     if remove_checkpoint_dir:
-        shutil.rmtree(result.source)
+        if isinstance(result.source, RemotePath):
+            result.source.fs.rm(result.source.path, recursive=True)
+        else:
+            shutil.rmtree(result.source)
     return result.path

@@ -12,8 +12,9 @@ import fnmatch
 import os
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp._perrank import PerRankFolder, read_part_folder
 from fsdpckpt.dcp.checks import Problem, check_folder, known_world_size
 from fsdpckpt.dcp.layout import DcpPart, find_layout
@@ -115,7 +116,8 @@ def _missing_rng(path: str, world: int, present: set[int]) -> list[Problem]:
 
 
 def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
-                       names: str | None = None) -> InspectReport:
+                       names: str | None = None,
+                       storage_options: dict[str, Any] | None = None) -> InspectReport:
     """Describe the checkpoint at ``path`` and check its structure.
 
     Args:
@@ -137,7 +139,7 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
         >>> report.ok, [p.name for p in report.parts]
         (True, ['pytorch_model_fsdp_0', 'optimizer_0'])
     """
-    layout = find_layout(path)
+    layout = find_layout(location(path, storage_options=storage_options))
     keep = name_matcher(names)
     problems: list[Problem] = []
     parts = []

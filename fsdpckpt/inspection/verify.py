@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 from fsdpckpt._io.checksums import crc32_range, file_checksums
 from fsdpckpt._io.rawio import reusing_scratch, scratch
@@ -144,7 +145,8 @@ def _check_digest(root: Path | RemotePath, expect: str, problems: list[Problem])
 @reusing_scratch()  # one read buffer for every chunk and file checked
 def verify_checkpoint(path: str | os.PathLike[str], *,
                       progress: ProgressFactory | None = None,
-                      expect_digest: str | None = None) -> VerifyReport:
+                      expect_digest: str | None = None,
+                      storage_options: dict[str, Any] | None = None) -> VerifyReport:
     """Check the structure and every byte of the checkpoint at ``path``.
 
     Args:
@@ -170,7 +172,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         >>> report.ok
         True
     """
-    root = location(path)
+    root = location(path, storage_options=storage_options)
     layout = find_layout(root)
     problems: list[Problem] = []
     try:

@@ -155,7 +155,8 @@ def _from_file(path: Path) -> dict[Any, Any]:
     return torch_load_allowlisted(path)
 
 
-def load_full_state_dict(path: str | os.PathLike[str]) -> dict[Any, Any]:
+def load_full_state_dict(path: str | os.PathLike[str], *,
+                         storage_options: dict[str, Any] | None = None) -> dict[Any, Any]:
     """Load the full, unsharded state dict of a DCP folder or of a merged output.
 
     Args:
@@ -174,7 +175,7 @@ def load_full_state_dict(path: str | os.PathLike[str]) -> dict[Any, Any]:
         >>> sd["model"]["layers.0.weight"].shape
         torch.Size([4096, 4096])
     """
-    p = location(path)
+    p = location(path, storage_options=storage_options)
     if not p.exists():
         raise CheckpointNotFoundError(f"{p}: no such file or folder; check the path.")
     if isinstance(p, RemotePath):

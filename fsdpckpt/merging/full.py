@@ -61,8 +61,8 @@ def _from_rank_files(path: Path) -> dict[Any, Any] | None:
     if len(sets) > 1:
         raise NotACheckpointError(f"{path}: holds {len(sets)} sets of per-rank files "
                                   f"({', '.join(s.name for s in sets)}); merge the one you want")
-    folder, values = read_rank_set(path, sets[0])
-    return _from_folder(folder, values)
+    # Its non-tensor values are decoded objects of the folder: read as a DCP folder's are.
+    return _from_folder(read_rank_set(path, sets[0]), [])
 
 
 @reusing_scratch()

@@ -157,6 +157,48 @@ def test_a_failure_on_one_rank_leaves_an_existing_output_folder_as_it_was(tmp_pa
     assert not any(p.name.startswith(STAGING_PREFIX) for p in out.iterdir())
 
 
+def _merge_other_options_on_rank_1(rank: int, world: int, out: str) -> str:
+    import torch.distributed as dist
+
+    try:
+        fsdpckpt.merge(CKPT, out, max_shard_size=600, dtype="bf16" if rank else None,
+                       process_group=dist.group.WORLD)
+    except FsdpCkptError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_ranks_that_plan_different_merges_are_refused_before_writing(tmp_path):
+    from multirank import run_ranks
+
+    errors = run_ranks(_merge_other_options_on_rank_1, str(tmp_path / "out"))
+    assert all("every rank must call merge with the same checkpoint and options" in e
+               for e in errors), errors
+    assert not (tmp_path / "out").exists()
+
+
+def _merge_from_own_folder(rank: int, world: int, root: str) -> list:
+    import torch.distributed as dist
+
+    # Each rank in its own working folder, the output given relative to rank 0's.
+    os.chdir(root if rank == 0 else Path(root) / "elsewhere")
+    out = "out" if rank == 0 else "../out"
+    return [r.path.name for r in fsdpckpt.merge(CKPT, out, max_shard_size=600,
+                                                 process_group=dist.group.WORLD)]
+
+
+@pytest.mark.multirank
+def test_ranks_in_different_working_folders_write_into_the_same_staging_folder(tmp_path):
+    from multirank import run_ranks
+
+    (tmp_path / "elsewhere").mkdir()
+    run_ranks(_merge_from_own_folder, str(tmp_path))
+    fsdpckpt.merge(CKPT, tmp_path / "single", max_shard_size=600)
+    assert _files(tmp_path / "out") == _files(tmp_path / "single")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
 _INJECT = """
 import os
 if os.environ["RANK"] == "1":

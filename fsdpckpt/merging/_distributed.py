@@ -154,13 +154,18 @@ def run_spread(job: MergeJob, group: Any, progress: ProgressFactory | None = Non
         Whatever writing raised on this rank (DiskFullError, OutputNotWritableError...).
     """
     ranks = _Ranks(group)
-    shares = assign_files(job.plans, ranks.world)
-    mine = shares[ranks.rank]
+    plans = ranks.agree_all(lambda: _outline(job))
+    different = [rank for rank, outline in enumerate(plans) if outline != plans[0]]
+    if different:
+        raise FsdpCkptError(f"rank {different[0]} planned other output files than rank 0; "
+                            "every rank must call merge with the same checkpoint and options")
+    mine = assign_files(job.plans, ranks.world)[ranks.rank]
     with sigterm_interrupts(), contextlib.ExitStack() as stack:
         def open_stage() -> str | None:
             if ranks.rank != 0:
                 return None
-            return str(stack.enter_context(staging(job.output_dir)))
+            # Absolute: the other ranks may run in another working folder.
+            return str(stack.enter_context(staging(job.output_dir)).absolute())
 
         stage = Path(str(ranks.agree_all(open_stage)[0]))
         written: list[Path] = []
@@ -168,6 +173,10 @@ def run_spread(job: MergeJob, group: Any, progress: ProgressFactory | None = Non
             stack.callback(_remove_on_error, written)
 
         def write() -> list[float]:
+            if not stage.is_dir():
+                raise FsdpCkptError(f"{job.output_dir}: rank 0's staging folder {stage} is not "
+                                    f"there on rank {ranks.rank}; the output folder must be on "
+                                    "a file system that every rank shares")
             return _write_share(job, mine, stage, written, progress)
 
         seconds = [max(t) for t in zip(*ranks.agree_all(write))]
@@ -180,6 +189,11 @@ def run_spread(job: MergeJob, group: Any, progress: ProgressFactory | None = Non
         results = ranks.agree_all(commit)[0]
         written.clear()  # committed: nothing of ours is left to remove
         return results or []  # rank 0's: agree_all raised if it had none
+
+
+def _outline(job: MergeJob) -> list[tuple[str | None, list[tuple[str, int]]]]:
+    # What must be equal on every rank for the shares to fit together: the files and sizes.
+    return [(plan.index_name, [(f.name, f.nbytes) for f in plan.files]) for plan in job.plans]
 
 
 def _write_share(job: MergeJob, mine: Sequence[FileRef], stage: Path, written: list[Path],

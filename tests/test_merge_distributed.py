@@ -161,7 +161,8 @@ def _merge_other_options_on_rank_1(rank: int, world: int, out: str) -> str:
     import torch.distributed as dist
 
     try:
-        fsdpckpt.merge(CKPT, out, max_shard_size=600, dtype="bf16" if rank else None,
+        # bf16 and fp16: the same file names and sizes, other bytes.
+        fsdpckpt.merge(CKPT, out, max_shard_size=600, dtype="fp16" if rank else "bf16",
                        process_group=dist.group.WORLD)
     except FsdpCkptError as exc:
         return str(exc)

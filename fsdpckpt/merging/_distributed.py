@@ -20,6 +20,7 @@ folder (and the output folder, if the merge created it), so nothing is left.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -191,9 +192,13 @@ def run_spread(job: MergeJob, group: Any, progress: ProgressFactory | None = Non
         return results or []  # rank 0's: agree_all raised if it had none
 
 
-def _outline(job: MergeJob) -> list[tuple[str | None, list[tuple[str, int]]]]:
-    # What must be equal on every rank for the shares to fit together: the files and sizes.
-    return [(plan.index_name, [(f.name, f.nbytes) for f in plan.files]) for plan in job.plans]
+def _outline(job: MergeJob) -> str:
+    # What must be equal on every rank for the shares to fit together: every file's name
+    # and tensors (name, nesting, dtype, shape), the objects, the index; as a digest.
+    outline = [(plan.format.name, plan.index_name, [o.name for o in plan.objects],
+                [(f.name, [(t.spec.name, t.spec.key_path, t.spec.dtype.name, t.spec.shape)
+                           for t in f.tensors]) for f in plan.files]) for plan in job.plans]
+    return hashlib.sha256(repr(outline).encode()).hexdigest()
 
 
 def _write_share(job: MergeJob, mine: Sequence[FileRef], stage: Path, written: list[Path],

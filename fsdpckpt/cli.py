@@ -173,20 +173,35 @@ def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | 
     straight to their place in the output, never through a full state dict.
     Output goes to a temporary name in OUTPUT_DIR and is renamed when complete.
 
+    Under torchrun (WORLD_SIZE > 1 in the environment) the ranks share the work:
+    fsdpckpt initializes a gloo process group from torchrun's environment, each
+    rank writes its share of the output files (balanced by bytes; use
+    --max-shard-size to have several), and rank 0 writes the index and commits.
+    OUTPUT_DIR must be on a file system every rank sees. The output is byte for
+    byte the single-process one; a failure on any rank fails every rank and leaves
+    nothing. Only rank 0 shows progress (its own share) and prints the report.
+
     \b
     Examples:
       fsdpckpt merge ckpt/ merged/
       fsdpckpt merge ckpt/ merged/ --dtype bf16 --max-shard-size 5GB
       fsdpckpt merge ckpt/ merged/ --optimizer --exclude '*.lora_*'
+      torchrun --nproc-per-node 8 -m fsdpckpt merge ckpt/ merged/ --max-shard-size 5GB
     """
+    from fsdpckpt.merging._distributed import torchrun_group
     from fsdpckpt.merging.merger import merge as merge_checkpoint
 
-    results = merge_checkpoint(checkpoint, output_dir, optimizer=optimizer,
-                               model_index=model_index, format=fmt, dtype=dtype,
-                               max_shard_size=max_shard_size, keep_keys=keep_keys,
-                               include=include, exclude=exclude, overwrite=overwrite,
-                               progress=_progress(quiet))
-    _merge_report(results, as_json)
+    with torchrun_group() as group:
+        rank = 0 if group is None else group.rank()
+        desc = "merging" if group is None else f"merging (rank 0's share of {group.size()})"
+        results = merge_checkpoint(checkpoint, output_dir, optimizer=optimizer,
+                                   model_index=model_index, format=fmt, dtype=dtype,
+                                   max_shard_size=max_shard_size, keep_keys=keep_keys,
+                                   include=include, exclude=exclude, overwrite=overwrite,
+                                   progress=_progress(quiet or rank != 0, desc),
+                                   process_group=group)
+    if rank == 0:
+        _merge_report(results, as_json)
 
 
 @main.command("merge-weights")

@@ -144,7 +144,7 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
           dtype: str | None = None, max_shard_size: str | int | None = None,
           keep_keys: bool = False, include: Sequence[str] = (), exclude: Sequence[str] = (),
           overwrite: bool = False, file_name: str | None = None,
-          progress: ProgressFactory | None = None,
+          progress: ProgressFactory | None = None, process_group: Any = None,
           storage_options: dict[str, Any] | None = None,
           ) -> list[MergeResult]:
     """Merge a sharded checkpoint into single files in ``output_dir``.
@@ -165,26 +165,42 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
             one wrote under the same stem. Other files are never touched.
         file_name: the single output file's name, instead of ``model.safetensors``...
         progress: ``progress(total_bytes, files)`` returns a callback given byte counts.
+            Spread over ranks, each rank's is called with that rank's share.
+        process_group: spread the merge over the ranks of this ``torch.distributed``
+            group (``torch.distributed.group.WORLD`` for all; gloo works on CPU): every
+            rank calls ``merge`` with the same arguments, writes its share of the output
+            files (balanced by bytes) into a staging folder that ``output_dir`` must hold
+            on a file system all ranks see, and rank 0 writes the index and commits. The
+            output is byte for byte the single-process one; a failure on any rank fails
+            every rank and leaves nothing. None (default): this process does it all.
 
     Returns:
-        One :class:`MergeResult` per DCP folder merged.
+        One :class:`MergeResult` per DCP folder merged (the same on every rank).
 
     Raises:
         NotACheckpointError, CheckpointNotFoundError, UnsafePickleError: bad input.
         MergePlanError: the options cannot apply (the message lists every reason).
         OutputExistsError: an output file exists and ``overwrite`` is False.
         DiskFullError: not enough free space.
+        FsdpCkptError: spread over ranks, another rank failed (the message names it).
 
     Example:
         >>> fsdpckpt.merge("ckpt", "out", dtype="bf16", max_shard_size="5GB")
     """
-    request = validate_merge(location(checkpoint, storage_options=storage_options),
-                             output_dir, optimizer=optimizer,
-                             model_index=model_index, format=format, dtype=dtype,
-                             max_shard_size=max_shard_size, keep_keys=keep_keys,
-                             include=include, exclude=exclude, overwrite=overwrite,
-                             file_name=file_name)
-    return _run(plan_job(request), progress)
+    def plan() -> MergeJob:
+        source = location(checkpoint, storage_options=storage_options)
+        return plan_job(validate_merge(source, output_dir, optimizer=optimizer,
+                                       model_index=model_index, format=format, dtype=dtype,
+                                       max_shard_size=max_shard_size, keep_keys=keep_keys,
+                                       include=include, exclude=exclude, overwrite=overwrite,
+                                       file_name=file_name))
+
+    if process_group is None:
+        return _run(plan(), progress)
+    # Imported here: it imports this module, and torch.distributed only when spread.
+    from fsdpckpt.merging._distributed import agree_on, run_spread
+
+    return run_spread(agree_on(process_group, plan), process_group, progress)
 
 
 def _run(job: MergeJob, progress: ProgressFactory | None) -> list[MergeResult]:

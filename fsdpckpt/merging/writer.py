@@ -23,7 +23,7 @@ import signal
 import socket
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from fsdpckpt.merging._copy import place_stored_chunk
 from fsdpckpt.merging.plan import MergePlan, PlannedFile
 
 __all__ = ["OutputExistsError", "DiskFullError", "OutputNotWritableError", "Terminated",
-           "write_plan", "output_paths", "staging", "commit", "sigterm_interrupts",
+           "write_plan", "write_index", "output_paths", "staging", "commit", "sigterm_interrupts",
            "STAGING_PREFIX"]
 
 log = logging.getLogger("fsdpckpt")
@@ -270,10 +270,16 @@ def _read_objects(plan: MergePlan, sources: DataFiles) -> list[ObjectValue]:
 
 @reusing_scratch()  # one set of block buffers for the whole merge
 def write_plan(plan: MergePlan, stage: Path, *,
-               progress: Callable[[int], None] | None = None) -> list[Path]:
+               progress: Callable[[int], None] | None = None,
+               only: Collection[str] | None = None, index: bool = True) -> list[Path]:
     """The write stage: every file of ``plan`` (and its index) into the folder ``stage``.
 
     Each source data file is opened once for the whole plan.
+
+    Args:
+        only: write only the files of these names (a rank's share of a merge spread
+            over ranks); None writes them all.
+        index: also write the index (when the plan has one).
 
     Returns:
         The staged files' paths, the index last.
@@ -282,27 +288,35 @@ def write_plan(plan: MergePlan, stage: Path, *,
         DiskFullError: the file system cannot hold the output.
         CorruptCheckpointError, CheckpointNotFoundError: a data file is damaged or missing.
     """
+    chosen = [(i, f) for i, f in enumerate(plan.files) if only is None or f.name in only]
     free = shutil.disk_usage(stage).free
     sources = DataFiles(plan.folder.path)
     try:
-        objects = _read_objects(plan, sources)
-        needed = plan.tensor_bytes + 2**20 * len(plan.files)
+        # The objects go into the first file, so only its writer reads them.
+        objects = _read_objects(plan, sources) if chosen and chosen[0][0] == 0 else []
+        needed = sum(f.nbytes for _, f in chosen) + 2**20 * len(chosen)
         if needed > free:
             raise DiskFullError(errno.ENOSPC, f"{stage.parent}: the merge needs about {needed} "
                                 f"bytes, only {free} are free; free some space or choose "
                                 "another output folder")
         written = []
-        for i, file in enumerate(plan.files):
+        for i, file in chosen:
             path = stage / file.name
             _write_file(plan, file, objects if i == 0 else [], path, sources, progress)
             written.append(path)
-        if plan.index_name:
-            path = stage / plan.index_name
-            write_bytes(path, (json.dumps(plan.index(), indent=2) + "\n").encode())
-            written.append(path)
-        return written
+        index_path = write_index(plan, stage) if index else None
+        return written + ([index_path] if index_path else [])
     finally:
         sources.close()
+
+
+def write_index(plan: MergePlan, stage: Path) -> Path | None:
+    """The plan's index file into ``stage``, fsynced; its path (None: the plan has none)."""
+    if not plan.index_name:
+        return None
+    path = stage / plan.index_name
+    write_bytes(path, (json.dumps(plan.index(), indent=2) + "\n").encode())
+    return path
 
 
 def commit(written: list[Path], output_dir: Path) -> list[Path]:

@@ -32,6 +32,7 @@ from fsdpckpt.dcp.dtypes import DTYPES, DType
 from fsdpckpt.dcp.metadata import Chunk, KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.dcp.reader import read_dcp_folder
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.inspection._diff_tiles import Piece
 from fsdpckpt.merging._copy import MemorySink, place_chunk
 from fsdpckpt.merging._keys import output_name, shares_top_key
 from fsdpckpt.merging._runs import chunk_runs
@@ -125,6 +126,12 @@ class Source:
         (from :func:`boxes`) of tensor ``name``, in its own dtype."""
         raise NotImplementedError
 
+    def pieces(self, name: str) -> list[Piece] | None:
+        """Where the elements of tensor ``name`` are stored, as boxes each read by
+        descriptor (:mod:`fsdpckpt.inspection._diff_tiles`); None for a source read only
+        through :meth:`read`."""
+        return None
+
     def close(self) -> None:
         """Close what the source opened."""
 
@@ -207,6 +214,11 @@ class DcpSource(Source):
             located.append((chunk, raw, src, source))
         self._raws = (name, located)
         return located
+
+    def pieces(self, name: str) -> list[Piece] | None:
+        return [Piece(chunk.offsets, chunk.sizes, fd, raw.storage_start, raw.storage_offset,
+                      raw.stride, raw.dtype.itemsize, source)
+                for chunk, raw, fd, source in self._chunks(name)]
 
     def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
              out: memoryview) -> None:

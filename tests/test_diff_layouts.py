@@ -94,3 +94,10 @@ def test_bin_diff_memory_does_not_grow_with_the_file(tmp_path):
     # Holding the larger file's pages would add 256 MiB; a fixed window adds tens.
     assert peaks[1] - peaks[0] < 32, (peaks, baseline)
     assert peaks[1] - baseline < 96, (peaks, baseline)
+
+
+def test_tiles_come_in_a_sides_storage_order_when_asked():
+    # Column-major storage: tiles walk down the columns, so a compressed side only reads on.
+    corners = [c for c, _ in tiles_of((0, 0), (11, 13), (4, 5), (1, 11))]
+    assert corners == sorted(corners, key=lambda c: (c[1], c[0]))
+    assert [c for c, _ in tiles_of((0, 0), (11, 13), (4, 5))] == sorted(corners)

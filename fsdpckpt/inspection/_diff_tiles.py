@@ -94,13 +94,25 @@ def tile_sizes(sizes: Sequence[int], stride_a: Sequence[int], stride_b: Sequence
     return tuple(tile)
 
 
-def tiles_of(offsets: Sequence[int], sizes: Sequence[int],
-             tile: Sequence[int]) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The tiles of ``tile`` sizes (smaller at the far edges) covering the box, each once."""
-    starts = [range(o, o + s, t) for o, s, t in zip(offsets, sizes, tile)]
-    for corner in itertools.product(*starts):
-        yield corner, tuple(min(t, o + s - c) for c, t, o, s in
-                            zip(corner, tile, offsets, sizes))
+def tiles_of(offsets: Sequence[int], sizes: Sequence[int], tile: Sequence[int],
+             stride: Sequence[int] | None = None) -> Iterator[tuple[tuple[int, ...],
+                                                                    tuple[int, ...]]]:
+    """The tiles of ``tile`` sizes (smaller at the far edges) covering the box, each once.
+
+    With ``stride`` (a side's storage strides), tiles come in that side's storage order, so
+    its reads only ever move forward: a compressed chunk is decoded once, not restarted
+    for every row of tiles. Without, in the tensor's row-major order.
+    """
+    ndim = len(sizes)
+    order = list(range(ndim)) if stride is None else \
+        list(reversed(_inner_first(sizes, stride)))
+    starts = [range(offsets[d], offsets[d] + sizes[d], tile[d]) for d in order]
+    for permuted in itertools.product(*starts):
+        corner = [0] * ndim
+        for d, at in zip(order, permuted):
+            corner[d] = at
+        yield tuple(corner), tuple(min(t, o + s - c) for c, t, o, s in
+                                   zip(corner, tile, offsets, sizes))
 
 
 def read_tile(piece: Piece, offsets: Sequence[int], sizes: Sequence[int],

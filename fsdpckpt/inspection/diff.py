@@ -27,6 +27,7 @@ from typing import Any
 
 from fsdpckpt._io.rawio import reusing_scratch, scratch
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
+from fsdpckpt.dcp._zstd import ZstdEntry
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.inspection._diff_files import open_source
 from fsdpckpt.inspection._diff_sources import Source, TensorInfo, boxes
@@ -259,7 +260,11 @@ def _compare_tiles(pieces_a: list[Piece], pieces_b: list[Piece], ta: TensorInfo,
                for side, info, dtype in (("a", ta, dtype_a), ("b", tb, dtype_b))]
     for pa, pb, offsets, sizes in overlaps(pieces_a, pieces_b):
         tile = tile_sizes(sizes, pa.stride, pb.stride, BOX_ELEMENTS)
-        for corner, part in tiles_of(offsets, sizes, tile):
+        # In the storage order of a compressed side if there is one (its reads then only
+        # move forward), else of A.
+        leading = pb if isinstance(pb.src, ZstdEntry) and not isinstance(pa.src, ZstdEntry) \
+            else pa
+        for corner, part in tiles_of(offsets, sizes, tile, leading.stride):
             count = math.prod(part)
             flat = []
             for piece, (buffer, rows, dtype) in zip((pa, pb), buffers):

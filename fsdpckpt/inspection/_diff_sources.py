@@ -5,9 +5,11 @@ safetensors file or shard index, a ``.bin``/``.pt`` ``torch.save`` file or shard
 or a folder holding a merged or Hugging Face model (``model.safetensors``,
 ``pytorch_model.bin``, or their index). Each is opened as a :class:`Source`: the names,
 dtypes and shapes of its tensors (from metadata or headers alone), its non-tensor entries
-by value, and :meth:`Source.read`, which fills a caller's buffer with one box of one
-tensor. A box (:func:`boxes`) is always a contiguous run of the tensor's row-major
-elements, so both sides are read in the same pieces and nothing larger is ever held.
+by value, :meth:`Source.pieces`, where a tensor's elements are stored (for the sides read
+by descriptor: DCP chunks, safetensors), and :meth:`Source.read`, which fills a caller's
+buffer with one box of one tensor. A box (:func:`boxes`) is always a contiguous run of the
+tensor's row-major elements, so both sides are read in the same pieces and nothing larger
+is ever held.
 
 Names follow the merge's rule (:mod:`fsdpckpt.merging._keys`), so a DCP folder and its
 merged file name their entries alike: the top-level key every entry shares (Accelerate's

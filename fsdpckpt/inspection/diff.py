@@ -3,8 +3,11 @@
 Each side is any source :func:`fsdpckpt.inspection._diff_files.open_source` reads (DCP
 folders, whole checkpoints, safetensors and ``.bin`` files, Hugging Face folders), named
 by the merge's rule so a checkpoint and its merged file line up. Tensors are read and
-compared in boxes of at most :data:`BOX_ELEMENTS` elements, one box per side at a time,
-so memory stays flat whatever the model.
+compared in tiles of at most :data:`BOX_ELEMENTS` elements, one tile per side at a time,
+so memory stays flat whatever the model: where both sides say where their pieces are
+stored (DCP chunks, safetensors), in tiles cut so that both read long contiguous runs
+whatever their layouts (:mod:`fsdpckpt.inspection._diff_tiles`); otherwise (a ``.bin``
+side) in row-major boxes through :meth:`Source.read`.
 
 What counts as equal, per tensor (the rule of ``torch.allclose``, with NaN as ``equal_nan``):
 ``|a - b| <= atol + rtol * |b|`` at every position, where a NaN on both sides at the same

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from fsdpckpt.inspection._diff_sources import (
     TensorInfo,
     _names,
 )
+from fsdpckpt.inspection._diff_tiles import Piece
 from fsdpckpt.merging._keys import clean_key
 from fsdpckpt.merging._validate import choose_parts
 
@@ -104,6 +106,13 @@ class SafetensorsSource(Source):
     def objects(self) -> dict[str, Any]:
         return {name: to_torch(value) for name, value in self._objects.items()}
 
+    def pieces(self, name: str) -> list[Piece] | None:
+        info = self.tensors[name]
+        fd, start, source = self._where[name]
+        stride = tuple(math.prod(info.shape[d + 1:]) for d in range(len(info.shape)))
+        return [Piece((0,) * len(info.shape), info.shape, fd, start, 0, stride,
+                      info.dtype.itemsize, f"{source} (tensor '{name}')")]
+
     def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
              out: memoryview) -> None:
         from fsdpckpt._io.rawio import pread_into
@@ -153,9 +162,64 @@ def _header_entry(file: Path, name: str, entry: Any, data_size: int) -> tuple[DT
     return dtype, tuple(shape)
 
 
+def _little_endian(file: Path) -> bool:
+    """Whether torch maps the archive's storages as they are: a big-endian archive is
+    byte-swapped in place after mapping, so its pages are private copies, not the file's."""
+    import sys
+    import zipfile
+
+    with zipfile.ZipFile(file) as archive:
+        orders = [n for n in archive.namelist() if n.endswith("/byteorder")]
+        order = archive.read(orders[0]).decode(errors="replace") if orders else "little"
+    return order == sys.byteorder == "little"
+
+
+def _release_pages(box: Any) -> None:
+    """Drop the pages a box of a memory-mapped tensor spans from this process's resident
+    set (``MADV_DONTNEED``): read once, they are not needed again, and without this every
+    page read of a ``.bin`` counts toward peak memory (the file stays in the page cache).
+
+    Only for storages mapped read-only in effect from an unmodified file (torch maps them
+    private, and nothing writes to them): dropped pages are read back from the file if
+    touched again. Does nothing where ``madvise`` is not available.
+    """
+    if _MADVISE is None or not box.numel():
+        return
+    size = box.element_size()
+    low = sum(min(0, (s - 1) * st) for s, st in zip(box.shape, box.stride()))
+    high = sum(max(0, (s - 1) * st) for s, st in zip(box.shape, box.stride())) + 1
+    start = box.data_ptr() + low * size
+    end = box.data_ptr() + high * size
+    first = start - start % _PAGE
+    last = -(-end // _PAGE) * _PAGE
+    _MADVISE(first, last - first, _MADV_DONTNEED)
+
+
+def _madvise() -> Any:
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    function = libc.madvise
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+_MADV_DONTNEED = 4
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MADVISE = _madvise()
+
+
 class TorchSource(Source):
     """``torch.save`` files, loaded through torch's weights-only allowlist with ``mmap``, so
-    a tensor's pages are read as its boxes are."""
+    a tensor's pages are read as its boxes are, and released once compared
+    (:func:`_release_pages`), so that peak memory does not grow with the file."""
 
     kind = "torch"
 
@@ -166,16 +230,19 @@ class TorchSource(Source):
         from fsdpckpt.merging.to_dcp import _torch_load
 
         self.path = path
-        entries: list[tuple[KeyPath, Any]] = []
+        entries: list[tuple[KeyPath, Any, bool]] = []
         for file, kind in files:
             state = _torch_load(file, kind)
             if not isinstance(state, dict):
                 raise NotACheckpointError(f"{file}: holds a {type(state).__name__}, not a "
                                           "state dict of names to tensors")
+            # Only a zip archive is memory-mapped (the legacy format is read into memory).
+            mapped = kind == "torch" and _little_endian(file)
             flat, mapping = flatten_state_dict(state)
-            entries += [(tuple(mapping[fqn]), value) for fqn, value in flat.items()]
-        names = _names([p for p, _ in entries], keep_keys=keep_keys, source=path)
-        self._values = dict(zip(names, (v for _, v in entries)))
+            entries += [(tuple(mapping[fqn]), value, mapped) for fqn, value in flat.items()]
+        names = _names([p for p, _, _ in entries], keep_keys=keep_keys, source=path)
+        self._values = dict(zip(names, (v for _, v, _ in entries)))
+        self._mapped = {n for n, (_, _, m) in zip(names, entries) if m}
         self.tensors = {}
         for name, value in self._values.items():
             if isinstance(value, torch.Tensor):
@@ -198,6 +265,8 @@ class TorchSource(Source):
         value = self._values[name]
         box = value[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
         torch.frombuffer(out, dtype=value.dtype, count=math.prod(sizes)).view(sizes).copy_(box)
+        if name in self._mapped:
+            _release_pages(box)
 
 
 def _file_source(path: Path, *, keep_keys: bool, shown: Path) -> Source:

@@ -5,9 +5,11 @@ safetensors file or shard index, a ``.bin``/``.pt`` ``torch.save`` file or shard
 or a folder holding a merged or Hugging Face model (``model.safetensors``,
 ``pytorch_model.bin``, or their index). Each is opened as a :class:`Source`: the names,
 dtypes and shapes of its tensors (from metadata or headers alone), its non-tensor entries
-by value, and :meth:`Source.read`, which fills a caller's buffer with one box of one
-tensor. A box (:func:`boxes`) is always a contiguous run of the tensor's row-major
-elements, so both sides are read in the same pieces and nothing larger is ever held.
+by value, :meth:`Source.pieces`, where a tensor's elements are stored (for the sides read
+by descriptor: DCP chunks, safetensors), and :meth:`Source.read`, which fills a caller's
+buffer with one box of one tensor. A box (:func:`boxes`) is always a contiguous run of the
+tensor's row-major elements, so both sides are read in the same pieces and nothing larger
+is ever held.
 
 Names follow the merge's rule (:mod:`fsdpckpt.merging._keys`), so a DCP folder and its
 merged file name their entries alike: the top-level key every entry shares (Accelerate's
@@ -34,6 +36,7 @@ from fsdpckpt.dcp.dtypes import DTYPES, DType
 from fsdpckpt.dcp.metadata import Chunk, KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.dcp.reader import read_dcp_folder
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.inspection._diff_tiles import Piece
 from fsdpckpt.merging._copy import MemorySink, place_chunk
 from fsdpckpt.merging._keys import output_name, shares_top_key
 from fsdpckpt.merging._runs import chunk_runs
@@ -127,6 +130,12 @@ class Source:
         (from :func:`boxes`) of tensor ``name``, in its own dtype."""
         raise NotImplementedError
 
+    def pieces(self, name: str) -> list[Piece] | None:
+        """Where the elements of tensor ``name`` are stored, as boxes each read by
+        descriptor (:mod:`fsdpckpt.inspection._diff_tiles`); None for a source read only
+        through :meth:`read`."""
+        return None
+
     def close(self) -> None:
         """Close what the source opened."""
 
@@ -210,6 +219,11 @@ class DcpSource(Source):
             located.append((chunk, raw, src, source))
         self._raws = (name, located)
         return located
+
+    def pieces(self, name: str) -> list[Piece] | None:
+        return [Piece(chunk.offsets, chunk.sizes, fd, raw.storage_start, raw.storage_offset,
+                      raw.stride, raw.dtype.itemsize, source)
+                for chunk, raw, fd, source in self._chunks(name)]
 
     def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
              out: memoryview) -> None:

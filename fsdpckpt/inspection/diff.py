@@ -3,8 +3,11 @@
 Each side is any source :func:`fsdpckpt.inspection._diff_files.open_source` reads (DCP
 folders, whole checkpoints, safetensors and ``.bin`` files, Hugging Face folders), named
 by the merge's rule so a checkpoint and its merged file line up. Tensors are read and
-compared in boxes of at most :data:`BOX_ELEMENTS` elements, one box per side at a time,
-so memory stays flat whatever the model.
+compared in tiles of at most :data:`BOX_ELEMENTS` elements, one tile per side at a time,
+so memory stays flat whatever the model: where both sides say where their pieces are
+stored (DCP chunks, safetensors), in tiles cut so that both read long contiguous runs
+whatever their layouts (:mod:`fsdpckpt.inspection._diff_tiles`); otherwise (a ``.bin``
+side) in row-major boxes through :meth:`Source.read`.
 
 What counts as equal, per tensor (the rule of ``torch.allclose``, with NaN as ``equal_nan``):
 ``|a - b| <= atol + rtol * |b|`` at every position, where a NaN on both sides at the same
@@ -27,9 +30,18 @@ from typing import Any
 
 from fsdpckpt._io.rawio import reusing_scratch, scratch
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
+from fsdpckpt.dcp._zstd import ZstdEntry
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.inspection._diff_files import open_source
 from fsdpckpt.inspection._diff_sources import Source, TensorInfo, boxes
+from fsdpckpt.inspection._diff_tiles import (
+    Piece,
+    overlaps,
+    read_tile,
+    tile_sizes,
+    tile_view,
+    tiles_of,
+)
 from fsdpckpt.inspection.inspect import name_matcher
 
 __all__ = ["diff", "DiffReport", "TensorDiff", "ObjectDiff", "DiffOptionError", "BOX_ELEMENTS"]
@@ -217,7 +229,6 @@ def _bits(t: Any) -> Any:
 
 def _compare_tensor(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, atol: float,
                     rtol: float, advance: ProgressCallback | None) -> TensorDiff:
-    import torch
 
     exact = atol == 0 and rtol == 0
     same_dtype = ta.dtype == tb.dtype
@@ -225,6 +236,58 @@ def _compare_tensor(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, atol: 
         return TensorDiff(ta.name, ta.dtype.name, tb.dtype.name, ta.shape, tb.shape, False,
                           False, None, None, 0, 0)
     acc = _Accumulator()
+    pieces_a, pieces_b = a.pieces(ta.name), b.pieces(tb.name)
+    if pieces_a is not None and pieces_b is not None:
+        _compare_tiles(pieces_a, pieces_b, ta, tb, acc, atol, rtol, advance)
+    else:
+        _compare_boxes(a, b, ta, tb, acc, atol, rtol, advance)
+    equal = acc.mismatched == 0 and acc.comparable and (same_dtype or not exact)
+    known = acc.comparable
+    return TensorDiff(ta.name, ta.dtype.name, tb.dtype.name, ta.shape, tb.shape, equal,
+                      acc.identical and same_dtype, acc.max_abs if known else None,
+                      acc.max_rel if known else None, acc.mismatched, ta.numel)
+
+
+def _compare_tiles(pieces_a: list[Piece], pieces_b: list[Piece], ta: TensorInfo,
+                   tb: TensorInfo, acc: _Accumulator, atol: float, rtol: float,
+                   advance: ProgressCallback | None) -> None:
+    """Compare where both sides are stored by piece: each overlap of a piece of A with a
+    piece of B in tiles that both read in long runs (:mod:`._diff_tiles`)."""
+    import torch
+
+    same_dtype = ta.dtype == tb.dtype
+    dtype_a, dtype_b = getattr(torch, ta.dtype.name), getattr(torch, tb.dtype.name)
+    per_tile = min(BOX_ELEMENTS, max(ta.numel, 1))
+    buffers = [(scratch(per_tile * info.dtype.itemsize, f"diff-{side}"),
+                scratch(per_tile * info.dtype.itemsize, f"diff-{side}-rows"), dtype)
+               for side, info, dtype in (("a", ta, dtype_a), ("b", tb, dtype_b))]
+    for pa, pb, offsets, sizes in overlaps(pieces_a, pieces_b):
+        tile = tile_sizes(sizes, pa.stride, pb.stride, BOX_ELEMENTS)
+        # In the storage order of a compressed side if there is one (its reads then only
+        # move forward), else of A.
+        leading = pb if isinstance(pb.src, ZstdEntry) and not isinstance(pa.src, ZstdEntry) \
+            else pa
+        for corner, part in tiles_of(offsets, sizes, tile, leading.stride):
+            count = math.prod(part)
+            flat = []
+            for piece, (buffer, rows, dtype) in zip((pa, pb), buffers):
+                strides = read_tile(piece, corner, part, buffer)
+                view = tile_view(buffer, dtype, part, strides)
+                if not view.is_contiguous():  # to the tile's row-major order, bit for bit
+                    view = torch.frombuffer(rows, dtype=dtype, count=count).view(part) \
+                        .copy_(view)
+                flat.append(view.reshape(-1))
+            acc.add(flat[0], flat[1], same_dtype, atol, rtol)
+            if advance:
+                advance(count * (ta.dtype.itemsize + tb.dtype.itemsize))
+
+
+def _compare_boxes(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, acc: _Accumulator,
+                   atol: float, rtol: float, advance: ProgressCallback | None) -> None:
+    """Compare box by box in row-major order, through :meth:`Source.read`."""
+    import torch
+
+    same_dtype = ta.dtype == tb.dtype
     per_box = min(BOX_ELEMENTS, max(ta.numel, 1))
     buf_a = scratch(per_box * ta.dtype.itemsize, "diff-a")
     buf_b = scratch(per_box * tb.dtype.itemsize, "diff-b")
@@ -239,11 +302,6 @@ def _compare_tensor(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, atol: 
                 torch.frombuffer(view_b, dtype=dtype_b, count=count), same_dtype, atol, rtol)
         if advance:
             advance(len(view_a) + len(view_b))
-    equal = acc.mismatched == 0 and acc.comparable and (same_dtype or not exact)
-    known = acc.comparable
-    return TensorDiff(ta.name, ta.dtype.name, tb.dtype.name, ta.shape, tb.shape, equal,
-                      acc.identical and same_dtype, acc.max_abs if known else None,
-                      acc.max_rel if known else None, acc.mismatched, ta.numel)
 
 
 def same_value(x: Any, y: Any) -> bool:

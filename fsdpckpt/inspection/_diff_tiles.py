@@ -1,0 +1,175 @@
+"""Reading two sides of a diff in tiles that are cheap to read on both.
+
+A side's tensor is a set of :class:`Piece` s: boxes of the tensor, each stored with its own
+strides (a DCP chunk, a whole safetensors tensor). Comparing in the tensor's row-major
+order is what made differently laid-out sides slow: a chunk stored transposed, or cut on
+dim 1, had to be read across its whole storage for every few rows. Here each overlap of a
+piece of A with a piece of B is cut into tiles (:func:`tile_sizes`) whose elements lie in
+long contiguous runs on both sides, each side's tile is read run by run with ``pread``
+(:func:`read_tile`, nothing outside the tile), and the two are compared as strided views.
+The verdict of a diff does not depend on the order elements are compared in, only on which
+element faces which.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fsdpckpt._io.rawio import pread_into
+from fsdpckpt.dcp._zstd import ZstdEntry
+
+__all__ = ["Piece", "overlaps", "tile_sizes", "tiles_of", "read_tile", "tile_view"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of a tensor and where its elements are stored.
+
+    Attributes:
+        offsets, sizes: the box, in the tensor.
+        src: the open file descriptor, or the decoded bytes of a compressed entry.
+        storage_start: byte offset of the storage in ``src``.
+        storage_offset: the box's first element, in elements of the storage.
+        stride: the box's strides in the storage, in elements.
+        itemsize: bytes an element.
+        source: how to name it in messages.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    src: int | ZstdEntry
+    storage_start: int
+    storage_offset: int
+    stride: tuple[int, ...]
+    itemsize: int
+    source: str
+
+
+def overlaps(a: Sequence[Piece], b: Sequence[Piece]) -> Iterator[tuple[Piece, Piece,
+                                                                    tuple[int, ...],
+                                                                    tuple[int, ...]]]:
+    """Each pair of pieces that share elements, with the box they share (offsets, sizes)."""
+    for pa in a:
+        for pb in b:
+            low = tuple(max(x, y) for x, y in zip(pa.offsets, pb.offsets))
+            high = tuple(min(x + s, y + t) for x, s, y, t in
+                         zip(pa.offsets, pa.sizes, pb.offsets, pb.sizes))
+            if all(h > lo for lo, h in zip(low, high)):
+                yield pa, pb, low, tuple(h - lo for lo, h in zip(low, high))
+
+
+def _inner_first(sizes: Sequence[int], stride: Sequence[int]) -> list[int]:
+    """The dims from the one stored innermost to the outermost (size-1 dims last)."""
+    return sorted(range(len(sizes)), key=lambda d: (sizes[d] == 1, abs(stride[d])))
+
+
+def tile_sizes(sizes: Sequence[int], stride_a: Sequence[int], stride_b: Sequence[int],
+               max_elements: int) -> tuple[int, ...]:
+    """The sizes of the tiles a box is cut into: at most ``max_elements`` elements each,
+    and long contiguous runs on both sides.
+
+    When both sides store the same dim innermost, tiles take whole stretches of it and
+    then of the next dims in A's order (a row-major pair reads whole rows). When they
+    differ (one side transposed), a tile is a square-ish block of the two inner dims, so
+    that both sides read runs of about ``sqrt(max_elements)`` elements.
+    """
+    budget = max(1, max_elements)
+    tile = [1] * len(sizes)
+    order = _inner_first(sizes, stride_a)
+    inner_b = _inner_first(sizes, stride_b)[:1]
+    if order and inner_b and order[0] != inner_b[0] and sizes[inner_b[0]] > 1:
+        i, j = order[0], inner_b[0]
+        tile[i] = min(sizes[i], max(1, math.isqrt(budget)))
+        tile[j] = min(sizes[j], max(1, budget // tile[i]))
+        tile[i] = min(sizes[i], max(1, budget // tile[j]))
+        budget //= tile[i] * tile[j]
+        order = [d for d in order if d not in (i, j)]
+    for d in order:
+        tile[d] = min(sizes[d], max(1, budget))
+        budget //= tile[d]
+    return tuple(tile)
+
+
+def tiles_of(offsets: Sequence[int], sizes: Sequence[int], tile: Sequence[int],
+             stride: Sequence[int] | None = None) -> Iterator[tuple[tuple[int, ...],
+                                                                    tuple[int, ...]]]:
+    """The tiles of ``tile`` sizes (smaller at the far edges) covering the box, each once.
+
+    With ``stride`` (a side's storage strides), tiles come in that side's storage order, so
+    its reads only ever move forward: a compressed chunk is decoded once, not restarted
+    for every row of tiles. Without, in the tensor's row-major order.
+    """
+    ndim = len(sizes)
+    order = list(range(ndim)) if stride is None else \
+        list(reversed(_inner_first(sizes, stride)))
+    starts = [range(offsets[d], offsets[d] + sizes[d], tile[d]) for d in order]
+    for permuted in itertools.product(*starts):
+        corner = [0] * ndim
+        for d, at in zip(order, permuted):
+            corner[d] = at
+        yield tuple(corner), tuple(min(t, o + s - c) for c, t, o, s in
+                                   zip(corner, tile, offsets, sizes))
+
+
+def read_tile(piece: Piece, offsets: Sequence[int], sizes: Sequence[int],
+              buffer: memoryview) -> tuple[int, ...]:
+    """Read the tile ``offsets``/``sizes`` (in the tensor) of ``piece`` into ``buffer``, in
+    the piece's storage order, reading nothing outside it.
+
+    Returns:
+        The strides (in elements) at which the tile lies in ``buffer``, one per tensor dim:
+        ``buffer`` viewed with ``sizes`` and these strides is the tile.
+    """
+    import torch
+
+    ndim = len(sizes)
+    local = [o - p for o, p in zip(offsets, piece.offsets)]
+    base = piece.storage_offset + sum(x * st for x, st in zip(local, piece.stride))
+    # Storage order, outermost first; the tile lies row-major in that order in the buffer.
+    perm = list(reversed(_inner_first(sizes, piece.stride)))
+    strides = [0] * ndim
+    step = 1
+    for d in reversed(perm):
+        strides[d] = step
+        step *= sizes[d]
+    # The innermost dims whose storage strides follow on from each other make one run.
+    run, inner = 1, 0
+    for d in reversed(perm):
+        if sizes[d] != 1 and piece.stride[d] != run:
+            break
+        run *= sizes[d]
+        inner += 1
+    outer = perm[:ndim - inner]
+    if outer:
+        grid = torch.tensor(base, dtype=torch.int64)
+        for d in outer:
+            grid = grid.unsqueeze(-1) + torch.arange(sizes[d], dtype=torch.int64) * \
+                piece.stride[d]
+        starts: list[int] = grid.reshape(-1).tolist()
+    else:
+        starts = [base]
+    size = piece.itemsize
+    nbytes = run * size
+    view = buffer.cast("B") if buffer.format != "B" else buffer
+    for k, first in enumerate(starts):
+        part = view[k * nbytes:(k + 1) * nbytes]
+        at = piece.storage_start + first * size
+        if isinstance(piece.src, int):
+            pread_into(piece.src, part, at, source=piece.source)
+        else:
+            piece.src.read_at(part, at)
+    return tuple(strides)
+
+
+def tile_view(buffer: memoryview, dtype: Any, sizes: Sequence[int],
+              strides: Sequence[int]) -> Any:
+    """The tile read by :func:`read_tile`, as a torch view of ``buffer``."""
+    import torch
+
+    count = math.prod(sizes)
+    return torch.frombuffer(buffer, dtype=dtype, count=count).as_strided(tuple(sizes),
+                                                                         tuple(strides))

@@ -287,3 +287,73 @@ def test_the_config_dtype_field_it_uses_is_set(fields, want):
     out = exported_config({"model_type": "llama", **fields}, "bfloat16")
     assert {k for k in out if "dtype" in k} == want
     assert all(out[k] == "bfloat16" for k in want)
+
+
+def _tied_config_on_untied_weights(tmp_path: Path) -> Path:
+    # A run whose config ties the embeddings but whose checkpoint holds two different ones.
+    run = _copy_run(tmp_path, "untied")
+    config = json.loads((run / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (run / "config.json").write_text(json.dumps(config))
+    return run
+
+
+def test_a_tied_target_with_other_bytes_is_refused_before_anything_is_written(tmp_path):
+    run = _tied_config_on_untied_weights(tmp_path)
+    with pytest.raises(ExportMismatchError,
+                       match=r"lm_head\.weight and model\.embed_tokens\.weight differ.*--untie"):
+        export_hf(run / "checkpoint-3", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_refusal_is_one_cli_line_naming_both_keys(tmp_path):
+    run = _tied_config_on_untied_weights(tmp_path)
+    result = CliRunner().invoke(main, ["export-hf", str(run / "checkpoint-3"),
+                                       str(tmp_path / "out")])
+    assert result.exit_code == 1 and len(result.output.splitlines()) == 1
+    assert "lm_head.weight and model.embed_tokens.weight differ" in result.output
+
+
+def test_untie_writes_both_and_the_untied_export_loads_with_the_trained_logits(tmp_path,
+                                                                              caplog):
+    torch = pytest.importorskip("torch")
+    run = _tied_config_on_untied_weights(tmp_path)
+    result = CliRunner().invoke(main, ["export-hf", str(run / "checkpoint-3"),
+                                       str(tmp_path / "out"), "--untie", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["tied"] == {}
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    got, want = _exported(tmp_path / "out"), _trained("untied")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    model, info = _load(tmp_path / "out", caplog)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    assert torch.equal(model.lm_head.weight, want["lm_head.weight"])
+
+
+def test_without_transformers_a_differing_tied_target_is_refused_too(tmp_path, monkeypatch):
+    monkeypatch.setattr(hf_module, "expect_model", lambda _folder: None)
+    run = _tied_config_on_untied_weights(tmp_path)
+    with pytest.raises(ExportMismatchError, match="differ"):
+        export_hf(run / "checkpoint-3", tmp_path / "out")
+
+
+@pytest.mark.parametrize("variant, equal", [("tied", True), ("untied", False)])
+def test_same_bytes_reads_in_small_boxes_and_tells_equal_from_different(variant, equal):
+    from fsdpckpt.dcp._datafiles import DataFiles
+    from fsdpckpt.dcp.reader import read_dcp_folder
+    from fsdpckpt.export._tied import same_bytes
+
+    folder = read_dcp_folder(_run(variant) / "pytorch_model_fsdp_0")
+    entries = {t.name.split(".", 1)[1]: t for t in folder.metadata.tensors}
+    files = DataFiles(folder.path)
+    try:
+        assert same_bytes(files, entries["lm_head.weight"], entries["model.embed_tokens.weight"],
+                          box_bytes=100) is equal
+        assert same_bytes(files, entries["lm_head.weight"], entries["lm_head.weight"],
+                          box_bytes=100)
+        assert not same_bytes(files, entries["lm_head.weight"],
+                              entries["model.norm.weight"])  # another shape
+    finally:
+        files.close()

@@ -138,14 +138,19 @@ def read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def exported_config(config: dict[str, Any], dtype_name: str) -> dict[str, Any]:
+def exported_config(config: dict[str, Any], dtype_name: str, *,
+                    untie: bool = False) -> dict[str, Any]:
     """The config written beside the exported weights.
 
     ``architectures`` loses FSDP2's ``FSDP`` class prefix; the dtype field is set to
     ``dtype_name`` (``"bfloat16"``...): ``torch_dtype`` and/or ``dtype``, whichever the
     config has (``torch_dtype``, which every transformers release reads, when it has none).
+    With ``untie``, ``tie_word_embeddings`` is set to false (the output embeddings are
+    written as their own tensor).
     """
     out = dict(config)
+    if untie:
+        out["tie_word_embeddings"] = False
     archs = out.get("architectures")
     if isinstance(archs, list):
         out["architectures"] = [strip_fsdp_prefix(a) if isinstance(a, str) else a

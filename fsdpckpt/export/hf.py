@@ -7,10 +7,11 @@ as safetensors named as Hugging Face names them (``model.safetensors``, or shard
 FSDP2's ``FSDP`` prefix, the dtype field set to the exported dtype), the generation
 config, the tokenizer and its chat template, from ``base`` or from where trainers leave
 them. Tied targets (``lm_head.weight`` with ``tie_word_embeddings``) are decided by the
-config and not written. Before a byte is written, the exported keys and shapes are
-checked against the config's model class (built on the meta device when transformers is
-installed). Everything is staged in the output folder and renamed into place at the end;
-on any error the output folder is left as it was.
+config and not written, after checking that the checkpoint holds the same bytes under
+both names (``untie`` writes both when they differ). Before a byte is written, the
+exported keys and shapes are checked against the config's model class (built on the
+meta device when transformers is installed). Everything is staged in the output folder
+and renamed into place at the end; on any error the output folder is left as it was.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._progress import ProgressFactory
+from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.export._config import (
@@ -36,6 +38,7 @@ from fsdpckpt.export._config import (
 )
 from fsdpckpt.export._fuse_hf import plan_fused
 from fsdpckpt.export._model import expect_model, key_problems, tied_without_transformers
+from fsdpckpt.export._tied import same_bytes
 from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
 from fsdpckpt.merging.merger import MergeJob, MergeResult, commit_job, plan_job, write_job
@@ -122,6 +125,7 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
               base: str | os.PathLike[str] | None = None, dtype: str | None = None,
               max_shard_size: str | int = "5GB", overwrite: bool = False,
               lora: str | None = None, lora_config: str | os.PathLike[str] | None = None,
+              untie: bool = False,
               progress: ProgressFactory | None = None) -> ExportResult | AdapterExport:
     """Export a sharded checkpoint to a Hugging Face model folder.
 
@@ -148,10 +152,14 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
             ``adapter_config.json``, for ``PeftModel.from_pretrained(base, output)``;
             returns an :class:`~fsdpckpt.export.lora.AdapterExport`); ``"fuse"`` exports
             the base model with the adapter fused in (``W + scaling * B @ A``, in fp32,
-            then cast), as ``merge_and_unload`` gives it, as one ``model.safetensors``.
+            then cast), as ``merge_and_unload`` gives it, split by ``max_shard_size`` as
+            a plain export is.
             None exports the weights as stored.
         lora_config: the adapter's ``adapter_config.json`` (or its folder); found beside
             the checkpoint or in ``base`` by default.
+        untie: write the tied target too (``lm_head.weight``) and set
+            ``tie_word_embeddings: false`` in the exported config: for a checkpoint whose
+            output and input embeddings differ although the config ties them.
         progress: ``progress(total_bytes, files)`` returns a callback given byte counts.
 
     Returns:
@@ -161,7 +169,9 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         CheckpointNotFoundError: no config or tokenizer found (the message lists where it
             looked), or the checkpoint is missing.
         ExportMismatchError: the tensors do not match the config's model class (the
-            message lists what is missing, unexpected or of the wrong shape).
+            message lists what is missing, unexpected or of the wrong shape); or the
+            config ties two tensors the checkpoint holds with different bytes (pass
+            ``untie=True``).
         MergePlanError, OutputExistsError, DiskFullError, NotACheckpointError: as for
             :func:`fsdpckpt.merge`.
 
@@ -188,7 +198,7 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         export_dtype = _exported_dtype(job)  # after the cast: the planned dtypes
         shapes = {t.spec.name: tuple(t.spec.shape) for plan in job.plans for f in plan.files
                   for t in f.tensors}
-    fixed = exported_config(config, export_dtype)
+    fixed = exported_config(config, export_dtype, untie=untie)
     _check_outputs(side, request.output_dir, overwrite)
     with sigterm_interrupts(), staging(request.output_dir) as stage:
         config_file = stage / CONFIG
@@ -206,6 +216,7 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
                     f"as {side.config} describes it: " + "; ".join(problems) + "; pass --base "
                     "with the config of the model this run trained")
         if fused is None and tied:
+            _check_tied(job, tied, side.config)
             job = plan_job(_excluding(request, sorted(tied)))
         copies = []
         for source, name in side.copied:
@@ -213,10 +224,10 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
             write_bytes(target, source.read_bytes())  # small files, written durably
             copies.append(target)
         if fused is not None:
-            weights = stage / "model.safetensors"
-            count = fused.write(weights, dtype=dtype, exclude=set(tied),
-                                lora_config=lora_config, base=base)
-            written = commit([weights], request.output_dir)
+            staged_weights, count = fused.write(stage, dtype=dtype, exclude=set(tied),
+                                                limit=request.options.max_shard_size,
+                                                lora_config=lora_config, base=base)
+            written = commit(staged_weights, request.output_dir)
             for path in job.replaced:  # an earlier export's shards, now replaced
                 if path not in written:
                     path.unlink(missing_ok=True)
@@ -237,3 +248,24 @@ def _excluding(request: MergeRequest, names: list[str]) -> MergeRequest:
     options = request.options
     exclude = options.exclude + tuple(_glob_literal(n) for n in names)
     return dataclasses.replace(request, options=dataclasses.replace(options, exclude=exclude))
+
+
+def _check_tied(job: MergeJob, tied: dict[str, str], config: Path) -> None:
+    # The config decides what is tied; the bytes must agree, or dropping the target would
+    # silently change the model. Read box by box, before any weight is written.
+    for plan in job.plans:
+        entries = {t.spec.name: t.source for f in plan.files for t in f.tensors}
+        files = DataFiles(plan.folder.path)
+        try:
+            for target, source in sorted(tied.items()):
+                if target not in entries or source not in entries:
+                    continue
+                if not same_bytes(files, entries[target], entries[source]):
+                    raise ExportMismatchError(
+                        f"{plan.folder.path}: {target} and {source} differ, but {config} ties "
+                        f"them (tie_word_embeddings), so {target} would not be written and the "
+                        f"model would change; pass --untie (untie=True) to write both and set "
+                        f"tie_word_embeddings: false, or pass --base with the config this run "
+                        f"trained")
+        finally:
+            files.close()

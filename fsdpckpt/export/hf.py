@@ -218,11 +218,12 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         if fused is None and tied:
             _check_tied(job, tied, side.config)
             job = plan_job(_excluding(request, sorted(tied)))
-        copies = []
+        copies, nested = [], []
         for source, name in side.copied:
-            target = stage / name
+            target = stage / name  # additional_chat_templates/x.jinja: staged in its folder
+            target.parent.mkdir(exist_ok=True)
             write_bytes(target, source.read_bytes())  # small files, written durably
-            copies.append(target)
+            (copies if target.parent == stage else nested).append(target)
         if fused is not None:
             staged_weights, count = fused.write(stage, dtype=dtype, exclude=set(tied),
                                                 limit=request.options.max_shard_size,
@@ -236,8 +237,11 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         else:
             staged = write_job(job, stage, progress)
             (result,) = commit_job(job, staged)
+        for target in nested:
+            (request.output_dir / target.parent.name).mkdir(exist_ok=True)
+        nested_files = [commit([t], request.output_dir / t.parent.name)[0] for t in nested]
         # The config last: a folder without it is plainly unfinished to from_pretrained.
-        files = commit([*copies, config_file], request.output_dir)
+        files = nested_files + commit([*copies, config_file], request.output_dir)
     return ExportResult(result.source, request.output_dir, result.files, tuple(files),
                         result.tensors, result.bytes, export_dtype, tuple(sorted(tied.items())),
                         side.config, expect.model_class if expect else None,

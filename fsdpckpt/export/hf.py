@@ -218,7 +218,8 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         if fused is None and tied:
             _check_tied(job, tied, side.config)
             job = plan_job(_excluding(request, sorted(tied)))
-        copies, nested = [], []
+        copies: list[Path] = []
+        nested: list[Path] = []
         for source, name in side.copied:
             target = stage / name  # additional_chat_templates/x.jinja: staged in its folder
             target.parent.mkdir(exist_ok=True)

@@ -37,7 +37,12 @@ from fsdpckpt.export._config import (
     read_config,
 )
 from fsdpckpt.export._fuse_hf import plan_fused
-from fsdpckpt.export._model import expect_model, key_problems, tied_without_transformers
+from fsdpckpt.export._model import (
+    expect_model,
+    key_problems,
+    start_import,
+    tied_without_transformers,
+)
 from fsdpckpt.export._tied import same_bytes
 from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
@@ -188,6 +193,8 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     layout = find_layout(checkpoint)
     side = find_side_files(_search_root(layout), Path(base) if base is not None else None)
     config = read_config(side.config)
+    # transformers' import is the export's largest cost: it runs while this thread plans.
+    importing = start_import(config)
     request = validate_merge(layout, output, dtype=dtype, max_shard_size=max_shard_size,
                              overwrite=overwrite)
     job = plan_job(request)  # also: is the output free, and which earlier outputs go
@@ -203,6 +210,7 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     with sigterm_interrupts(), staging(request.output_dir) as stage:
         config_file = stage / CONFIG
         write_bytes(config_file, config_bytes(fixed))
+        importing.join()
         expect = expect_model(stage)
         if expect is not None:
             tied = {k: v for k, v in expect.tied.items() if k in shapes}

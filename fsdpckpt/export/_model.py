@@ -84,9 +84,12 @@ def expect_model(config_dir: Path) -> ModelExpectation | None:
         The expectation; None when transformers is not installed, or it has no class for
         the config (custom code is never run).
     """
+    try:  # transformers first: without it, torch (about 220 MB) is never imported
+        import transformers
+    except ImportError:
+        return None
     try:
         import torch
-        import transformers
     except ImportError:
         return None
     # transformers logs and warns about things that are the export's business, not the

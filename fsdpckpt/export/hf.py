@@ -207,6 +207,10 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
                   for t in f.tensors}
     fixed = exported_config(config, export_dtype, untie=untie)
     _check_outputs(side, request.output_dir, overwrite)
+    # The pairs the config ties, compared while transformers is still importing; the model
+    # class (when there is one) decides below which pairs are tied.
+    compared = _compare_tied(job, tied_without_transformers(fixed, shapes)) \
+        if fused is None else {}
     with sigterm_interrupts(), staging(request.output_dir) as stage:
         config_file = stage / CONFIG
         write_bytes(config_file, config_bytes(fixed))
@@ -224,7 +228,9 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
                     f"as {side.config} describes it: " + "; ".join(problems) + "; pass --base "
                     "with the config of the model this run trained")
         if fused is None and tied:
-            _check_tied(job, tied, side.config)
+            compared.update(_compare_tied(job, {k: v for k, v in tied.items()
+                                                if (k, v) not in compared}))
+            _refuse_differing(request, tied, compared, side.config)
             job = plan_job(_excluding(request, sorted(tied)))
         copies: list[Path] = []
         nested: list[Path] = []
@@ -263,22 +269,33 @@ def _excluding(request: MergeRequest, names: list[str]) -> MergeRequest:
     return dataclasses.replace(request, options=dataclasses.replace(options, exclude=exclude))
 
 
-def _check_tied(job: MergeJob, tied: dict[str, str], config: Path) -> None:
-    # The config decides what is tied; the bytes must agree, or dropping the target would
-    # silently change the model. Read box by box, before any weight is written.
+def _compare_tied(job: MergeJob, pairs: dict[str, str]) -> dict[tuple[str, str], bool]:
+    # Whether each (target, source) pair the checkpoint holds has the same bytes under both
+    # names, read box by box (export._tied), before any weight is written.
+    found: dict[tuple[str, str], bool] = {}
     for plan in job.plans:
         entries = {t.spec.name: t.source for f in plan.files for t in f.tensors}
+        wanted = [(t, s) for t, s in sorted(pairs.items()) if t in entries and s in entries]
+        if not wanted:
+            continue
         files = DataFiles(plan.folder.path)
         try:
-            for target, source in sorted(tied.items()):
-                if target not in entries or source not in entries:
-                    continue
-                if not same_bytes(files, entries[target], entries[source]):
-                    raise ExportMismatchError(
-                        f"{plan.folder.path}: {target} and {source} differ, but {config} ties "
-                        f"them (tie_word_embeddings), so {target} would not be written and the "
-                        f"model would change; pass --untie (untie=True) to write both and set "
-                        f"tie_word_embeddings: false, or pass --base with the config this run "
-                        f"trained")
+            for target, source in wanted:
+                found[(target, source)] = same_bytes(files, entries[target], entries[source])
         finally:
             files.close()
+    return found
+
+
+def _refuse_differing(request: MergeRequest, tied: dict[str, str],
+                      compared: dict[tuple[str, str], bool], config: Path) -> None:
+    # The config decides what is tied; the bytes must agree, or dropping the target would
+    # silently change the model.
+    for target, source in sorted(tied.items()):
+        if compared.get((target, source), True):
+            continue
+        raise ExportMismatchError(
+            f"{request.sources[0].folder.path}: {target} and {source} differ, but {config} "
+            f"ties them (tie_word_embeddings), so {target} would not be written and the model "
+            f"would change; pass --untie (untie=True) to write both and set "
+            f"tie_word_embeddings: false, or pass --base with the config this run trained")

@@ -38,19 +38,24 @@ __all__ = ["diff", "export_hf"]
 @click.option("--lora-config", metavar="PATH", type=click.Path(path_type=str),
               help="The adapter's adapter_config.json (or its folder). Default: found beside "
                    "the checkpoint or in --base.")
+@click.option("--untie", is_flag=True,
+              help="Write lm_head.weight too and set tie_word_embeddings: false in the config: "
+                   "for a checkpoint whose output and input embeddings differ although its "
+                   "config ties them (export-hf refuses that otherwise).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
 @_debug_option
 def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
               max_shard_size: str, overwrite: bool, lora: str | None, lora_config: str | None,
-              quiet: bool, as_json: bool) -> None:
+              untie: bool, quiet: bool, as_json: bool) -> None:
     """Export a sharded checkpoint to a Hugging Face model folder.
 
     AutoModelForCausalLM.from_pretrained(OUTPUT) and AutoTokenizer.from_pretrained(OUTPUT)
     load the result as it is: weights named as Hugging Face names them (streamed,
     bit-exact after --dtype), config.json with FSDP2's "FSDP" class prefix removed and
     the exported dtype, generation config, tokenizer and chat template. Tied weights
-    (lm_head.weight with tie_word_embeddings) follow the config and are not written.
+    (lm_head.weight with tie_word_embeddings) follow the config and are not written,
+    once their bytes are checked equal to what they are tied to (--untie when not).
     With transformers installed (pip install 'fsdpckpt[hf]'), the keys and shapes are
     checked against the config's model class before anything is written.
 
@@ -66,7 +71,7 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
     from fsdpckpt.export.lora import AdapterExport
 
     result = export(checkpoint, output, base=base, dtype=dtype, max_shard_size=max_shard_size,
-                    overwrite=overwrite, lora=lora, lora_config=lora_config,
+                    overwrite=overwrite, lora=lora, lora_config=lora_config, untie=untie,
                     progress=_progress(quiet, "exporting"))
     if isinstance(result, AdapterExport):
         if as_json:

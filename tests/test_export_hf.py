@@ -287,3 +287,173 @@ def test_the_config_dtype_field_it_uses_is_set(fields, want):
     out = exported_config({"model_type": "llama", **fields}, "bfloat16")
     assert {k for k in out if "dtype" in k} == want
     assert all(out[k] == "bfloat16" for k in want)
+
+
+def _tied_config_on_untied_weights(tmp_path: Path) -> Path:
+    # A run whose config ties the embeddings but whose checkpoint holds two different ones.
+    run = _copy_run(tmp_path, "untied")
+    config = json.loads((run / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (run / "config.json").write_text(json.dumps(config))
+    return run
+
+
+def test_a_tied_target_with_other_bytes_is_refused_before_anything_is_written(tmp_path):
+    run = _tied_config_on_untied_weights(tmp_path)
+    with pytest.raises(ExportMismatchError,
+                       match=r"lm_head\.weight and model\.embed_tokens\.weight differ.*--untie"):
+        export_hf(run / "checkpoint-3", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_refusal_is_one_cli_line_naming_both_keys(tmp_path):
+    run = _tied_config_on_untied_weights(tmp_path)
+    result = CliRunner().invoke(main, ["export-hf", str(run / "checkpoint-3"),
+                                       str(tmp_path / "out")])
+    assert result.exit_code == 1 and len(result.output.splitlines()) == 1
+    assert "lm_head.weight and model.embed_tokens.weight differ" in result.output
+
+
+def test_untie_writes_both_and_the_untied_export_loads_with_the_trained_logits(tmp_path,
+                                                                              caplog):
+    torch = pytest.importorskip("torch")
+    run = _tied_config_on_untied_weights(tmp_path)
+    result = CliRunner().invoke(main, ["export-hf", str(run / "checkpoint-3"),
+                                       str(tmp_path / "out"), "--untie", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["tied"] == {}
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    got, want = _exported(tmp_path / "out"), _trained("untied")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    model, info = _load(tmp_path / "out", caplog)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    assert torch.equal(model.lm_head.weight, want["lm_head.weight"])
+
+
+def test_without_transformers_a_differing_tied_target_is_refused_too(tmp_path, monkeypatch):
+    monkeypatch.setattr(hf_module, "expect_model", lambda _folder: None)
+    run = _tied_config_on_untied_weights(tmp_path)
+    with pytest.raises(ExportMismatchError, match="differ"):
+        export_hf(run / "checkpoint-3", tmp_path / "out")
+
+
+@pytest.mark.parametrize("variant, equal", [("tied", True), ("untied", False)])
+def test_same_bytes_reads_in_small_boxes_and_tells_equal_from_different(variant, equal):
+    from fsdpckpt.dcp._datafiles import DataFiles
+    from fsdpckpt.dcp.reader import read_dcp_folder
+    from fsdpckpt.export._tied import same_bytes
+
+    folder = read_dcp_folder(_run(variant) / "pytorch_model_fsdp_0")
+    entries = {t.name.split(".", 1)[1]: t for t in folder.metadata.tensors}
+    files = DataFiles(folder.path)
+    try:
+        assert same_bytes(files, entries["lm_head.weight"], entries["model.embed_tokens.weight"],
+                          box_bytes=100) is equal
+        assert same_bytes(files, entries["lm_head.weight"], entries["lm_head.weight"],
+                          box_bytes=100)
+        assert not same_bytes(files, entries["lm_head.weight"],
+                              entries["model.norm.weight"])  # another shape
+    finally:
+        files.close()
+
+
+_CONFIGURATION = "from transformers import LlamaConfig\n\n\nclass CustomConfig(LlamaConfig):\n" \
+                 "    pass\n"
+_MODELING = "from transformers import LlamaForCausalLM\n\nfrom .configuration_custom import " \
+            "CustomConfig  # noqa: F401\n\n\nclass CustomForCausalLM(LlamaForCausalLM):\n" \
+            "    config_class = CustomConfig\n"
+
+
+def _custom_code_run(tmp_path: Path) -> Path:
+    # A trust_remote_code model: the config's auto_map names modules beside it.
+    run = _copy_run(tmp_path)
+    (run / "configuration_custom.py").write_text(_CONFIGURATION)
+    (run / "modeling_custom.py").write_text(_MODELING)
+    (run / "unrelated.py").write_text("raise SystemExit\n")
+    config = json.loads((run / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_custom.CustomConfig",
+                          "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (run / "config.json").write_text(json.dumps(config))
+    return run
+
+
+def test_custom_code_auto_map_needs_is_copied_and_loads_with_trust_remote_code(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    run = _custom_code_run(tmp_path)
+    export_hf(run / "checkpoint-3", tmp_path / "out")
+    out = tmp_path / "out"
+    assert (out / "modeling_custom.py").read_text() == _MODELING
+    assert (out / "configuration_custom.py").read_text() == _CONFIGURATION  # imported by it
+    assert not (out / "unrelated.py").exists()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert type(model).__name__ == "CustomForCausalLM"
+
+
+def test_a_custom_code_file_auto_map_needs_but_missing_is_an_error(tmp_path):
+    run = _custom_code_run(tmp_path)
+    (run / "configuration_custom.py").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"configuration_custom\.py.*--base"):
+        export_hf(run / "checkpoint-3", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("module", ["../../etc/passwd", "/abs/path", "a b"])
+def test_an_auto_map_module_that_is_no_module_name_is_refused(tmp_path, module):
+    from fsdpckpt import NotACheckpointError
+
+    run = _copy_run(tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    config["auto_map"] = {"AutoModel": f"{module}.Cls"}
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotACheckpointError, match="auto_map"):
+        export_hf(run / "checkpoint-3", tmp_path / "out")
+
+
+def test_auto_map_code_from_another_repo_is_left_to_the_hub(tmp_path):
+    run = _copy_run(tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "org/repo--configuration_x.XConfig"}
+    (run / "config.json").write_text(json.dumps(config))
+    export_hf(run / "checkpoint-3", tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.py"))
+
+
+def test_additional_chat_templates_are_copied(tmp_path):
+    run = _copy_run(tmp_path)
+    (run / "additional_chat_templates").mkdir()
+    (run / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    export_hf(run / "checkpoint-3", tmp_path / "out")
+    assert (tmp_path / "out" / "additional_chat_templates" / "tool_use.jinja").read_text() \
+        == "{{ tools }}"
+
+
+@pytest.mark.parametrize("link", ["tokenizer.json", "modeling_custom.py",
+                                  "additional_chat_templates/tool_use.jinja",
+                                  "additional_chat_templates"])
+def test_a_side_file_symlinked_out_of_its_folder_is_refused(tmp_path, link):
+    from fsdpckpt import NotACheckpointError
+
+    run = _custom_code_run(tmp_path)
+    (run / "additional_chat_templates").mkdir()
+    (run / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    outside = tmp_path / "elsewhere"
+    shutil.move(run / link, outside)
+    (run / link).symlink_to(outside)
+    with pytest.raises(NotACheckpointError, match="symlink.*outside"):
+        export_hf(run / "checkpoint-3", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_hub_cache_snapshot_linking_to_its_blobs_is_a_base(tmp_path):
+    repo = tmp_path / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, name in enumerate(("config.json", "tokenizer.json", "tokenizer_config.json")):
+        shutil.copy(TINY / "untied" / name, blobs / f"blob{i}")
+        (snapshot / name).symlink_to(Path("..") / ".." / "blobs" / f"blob{i}")
+    export_hf(_run("untied"), tmp_path / "out", base=snapshot)
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == \
+        (TINY / "untied" / "tokenizer.json").read_bytes()

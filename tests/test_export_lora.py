@@ -105,3 +105,54 @@ def test_an_unknown_lora_mode_is_one_error(run, tmp_path):
         fsdpckpt.export_hf(ckpt, tmp_path / "out", base=base, lora="merge")
     result = run_cli("export-hf", ckpt, tmp_path / "out", "--lora", "x")
     assert result.exit_code == 2 and "'adapter', 'fuse'" in result.output  # click's usage error
+
+
+def _shards_follow_the_merge_rule(folder, limit: int) -> dict[str, str]:
+    # Filled in order; a tensor starts a new shard only when it would overflow the last one.
+    from safetensors.torch import load_file
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    tensors = {k: v for f in set(index["weight_map"].values())
+               for k, v in load_file(folder / f).items()}
+    sizes: dict[str, list[int]] = {}
+    for key, shard in index["weight_map"].items():  # in the order written
+        sizes.setdefault(shard, []).append(tensors[key].nbytes)
+    assert list(sizes) == sorted(sizes)
+    shards = list(sizes.values())
+    for shard, following in zip(shards, shards[1:]):
+        assert sum(shard) <= limit or len(shard) == 1
+        assert sum(shard) + following[0] > limit
+    assert index["metadata"]["total_size"] == sum(map(sum, shards))
+    return index["weight_map"]
+
+
+def test_fuse_honours_max_shard_size_as_a_plain_export_does(run, tmp_path):
+    model, ckpt, base, tied = run
+    with torch.no_grad():
+        want = model(_IDS).logits
+    result = fsdpckpt.export_hf(ckpt, tmp_path / "out", base=base, lora="fuse",
+                                max_shard_size="10KB")
+    names = [p.name for p in result.weights]
+    assert len(names) > 3 and names[0] == f"model-00001-of-{len(names) - 1:05d}.safetensors"
+    assert names[-1] == "model.safetensors.index.json"
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    weight_map = _shards_follow_the_merge_rule(tmp_path / "out", 10_000)
+    assert ("lm_head.weight" in weight_map) != tied
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(_IDS).logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failing_sharded_fuse_leaves_no_shard_behind(run, tmp_path, monkeypatch):
+    from fsdpckpt.export import _fuse_hf
+
+    _model, ckpt, base, _tied = run
+
+    def failing(*args, **kwargs):
+        yield from []
+        raise OSError("disk went away")
+
+    monkeypatch.setattr(_fuse_hf, "fused_tensors", failing)
+    with pytest.raises(OSError, match="disk went away"):
+        fsdpckpt.export_hf(ckpt, tmp_path / "out", base=base, lora="fuse", max_shard_size="10KB")
+    assert not tmp_path.joinpath("out").exists() or not list((tmp_path / "out").iterdir())

@@ -69,17 +69,23 @@ def _has_tokenizer(folder: Path) -> bool:
 
 
 def find_side_files(checkpoint_root: Path, base: Path | None) -> SideFiles:
-    """The config, generation config, tokenizer files and chat template to export.
+    """The config, generation config, tokenizer files, chat templates and custom code to export.
 
     With ``base`` (a Hugging Face model folder), they come from there alone. Without it,
     the config comes from the first of the folders trainers leave it in that holds one
     (the checkpoint folder, its ``huggingface/``, the run's output folder above it and its
     ``huggingface/``); the tokenizer likewise, and the generation config from the config's
-    folder, else the first that holds one.
+    folder, else the first that holds one. ``additional_chat_templates/`` comes with the
+    tokenizer; the custom code ``auto_map`` names (trust_remote_code models), and the
+    modules it imports relatively, with the config (and the tokenizer's, with it). No
+    symlink is followed out of the folder a file comes from.
 
     Raises:
         CheckpointNotFoundError: ``base`` is not a folder; no ``config.json`` or no
-            tokenizer was found (the message lists where it looked and says to pass --base).
+            tokenizer was found (the message lists where it looked and says to pass --base);
+            a custom code file ``auto_map`` needs is missing.
+        NotACheckpointError: a side file is a symlink out of its folder; ``auto_map``
+            names something that is not a module name.
     """
     if base is not None:
         if not base.is_dir():
@@ -104,13 +110,108 @@ def find_side_files(checkpoint_root: Path, base: Path | None) -> SideFiles:
               if (tokenizer / name).is_file()]
     templates = tokenizer / _TEMPLATES_DIR
     if templates.is_dir():
+        _check_inside(templates, tokenizer)
         copied += [(p, f"{_TEMPLATES_DIR}/{p.name}") for p in sorted(templates.glob("*.jinja"))
                    if p.is_file()]
     generation = next((f / GENERATION_CONFIG for f in [config.parent, *folders]
                        if (f / GENERATION_CONFIG).is_file()), None)
     if generation is not None:
         copied.insert(0, (generation, GENERATION_CONFIG))
+    # Custom code (trust_remote_code): the modules the config's and the tokenizer's
+    # auto_map name, with the modules they import relatively, from the folder beside each.
+    code = _code_files(config, config.parent)
+    if (tokenizer / "tokenizer_config.json").is_file():
+        code += [c for c in _code_files(tokenizer / "tokenizer_config.json", tokenizer)
+                 if c[1] not in {name for _, name in code}]
+    copied += code
+    for source, _name in copied:
+        _check_inside(source, source.parent)
     return SideFiles(config, tuple(copied), tuple(folders))
+
+
+#: A module ``auto_map`` may name: one Python identifier (``modeling_custom``), so a name
+#: can never reach outside the folder.
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+#: What transformers reads as a relative import of custom code (dynamic_module_utils).
+_RELATIVE_IMPORTS = (re.compile(r"^\s*import\s+\.(\S+)\s*$", re.MULTILINE),
+                     re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE))
+#: A custom code module is source, not data: one larger than this is not one.
+_MAX_CODE_BYTES = 16 * 2**20
+
+
+def _auto_map_modules(auto_map: Any) -> list[str]:
+    # {"AutoModelForCausalLM": "modeling_x.XForCausalLM", "AutoTokenizer": ["tok.T", null]}
+    # A reference to another repo's code ("org/repo--modeling_x.X") is loaded from there.
+    refs: list[Any] = []
+    if isinstance(auto_map, dict):
+        for value in auto_map.values():
+            refs += value if isinstance(value, list) else [value]
+    modules = []
+    for ref in refs:
+        if isinstance(ref, str) and "--" not in ref and "." in ref:
+            modules.append(ref.rsplit(".", 1)[0])
+    return modules
+
+
+def _code_files(json_file: Path, folder: Path) -> list[tuple[Path, str]]:
+    """The ``.py`` files in ``folder`` that ``json_file``'s ``auto_map`` needs, as (source,
+    name): each module it names, and the modules those import relatively (as
+    transformers resolves them).
+
+    Raises:
+        NotACheckpointError: a module name that is not a plain Python name.
+        CheckpointNotFoundError: a module it needs is not in ``folder``.
+    """
+    try:
+        doc = parse_json(json_file.read_bytes()) if json_file.stat().st_size <= \
+            _MAX_CONFIG_BYTES else None
+    except (ValueError, OSError):
+        return []  # read_config, or the tokenizer itself, reports an unreadable file
+    if not isinstance(doc, dict):
+        return []
+    todo = _auto_map_modules(doc.get("auto_map"))
+    found: dict[str, Path] = {}
+    while todo:
+        module = todo.pop(0)
+        if module in found:
+            continue
+        if not _MODULE.match(module):
+            raise NotACheckpointError(f"{json_file}: auto_map names the module {module!r}, "
+                                      "which is not a Python module name in its folder; fix "
+                                      "the auto_map or pass --base with the model folder")
+        path = folder / f"{module}.py"
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"{path}: {json_file.name}'s auto_map needs this "
+                                          "custom code file and it is missing; pass --base "
+                                          "with the model folder that holds it")
+        _check_inside(path, folder)
+        if path.stat().st_size > _MAX_CODE_BYTES:
+            raise NotACheckpointError(f"{path}: over {_MAX_CODE_BYTES} bytes, it is not a "
+                                      "custom code module")
+        found[module] = path
+        text = path.read_text(encoding="utf-8", errors="replace")
+        todo += [m for pattern in _RELATIVE_IMPORTS for m in pattern.findall(text)]
+    return [(path, path.name) for path in found.values()]
+
+
+def _check_inside(path: Path, folder: Path) -> None:
+    """Refuse a side file that is a symlink leading out of the folder it is copied from.
+
+    A Hugging Face hub cache's snapshot links its files to the repo's ``blobs/``; those
+    are inside.
+
+    Raises:
+        NotACheckpointError: ``path`` resolves outside ``folder``.
+    """
+    root = folder.resolve()
+    target = path.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots":  # hub cache: models--org--name/snapshots/<rev>
+        roots.append(root.parent.parent / "blobs")
+    if not any(target == r or r in target.parents for r in roots):
+        raise NotACheckpointError(f"{path}: a symlink to {target}, outside {folder}; side "
+                                  "files are only copied from inside their folder: copy the "
+                                  "file into the folder or pass --base with one that holds it")
 
 
 def strip_fsdp_prefix(name: str) -> str:
@@ -138,14 +239,19 @@ def read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def exported_config(config: dict[str, Any], dtype_name: str) -> dict[str, Any]:
+def exported_config(config: dict[str, Any], dtype_name: str, *,
+                    untie: bool = False) -> dict[str, Any]:
     """The config written beside the exported weights.
 
     ``architectures`` loses FSDP2's ``FSDP`` class prefix; the dtype field is set to
     ``dtype_name`` (``"bfloat16"``...): ``torch_dtype`` and/or ``dtype``, whichever the
     config has (``torch_dtype``, which every transformers release reads, when it has none).
+    With ``untie``, ``tie_word_embeddings`` is set to false (the output embeddings are
+    written as their own tensor).
     """
     out = dict(config)
+    if untie:
+        out["tie_word_embeddings"] = False
     archs = out.get("architectures")
     if isinstance(archs, list):
         out["architectures"] = [strip_fsdp_prefix(a) if isinstance(a, str) else a

@@ -2,8 +2,9 @@
 
 The merge pipeline copies stored bytes; fusing computes ``W + scaling * (B @ A)`` per layer,
 so these weights come from :func:`fsdpckpt.export.lora.fused_tensors` (one base tensor in
-memory at a time, fused in fp32, then cast) and are written in place into one
-``model.safetensors`` laid out from the metadata first. Everything else in the export (the
+memory at a time, fused in fp32, then cast) and are written in place into
+``model.safetensors`` (or shards and their index, split as a merge splits them) laid out
+from the metadata first. Everything else in the export (the
 config and tokenizer files, the key check against the model class, tied weights, staging
 and commit) is :func:`fsdpckpt.export.hf.export_hf`'s.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 from fsdpckpt.export._lora_keys import LoraLayout
 from fsdpckpt.export._lora_read import ModelSource, open_model_source
-from fsdpckpt.export._lora_write import fused_specs, write_streaming
+from fsdpckpt.export._lora_write import fused_specs, write_sharded
 from fsdpckpt.export.lora import _pick_adapter, _torch_dtype, find_lora, fused_tensors
 
 __all__ = ["FusedWeights", "plan_fused"]
@@ -41,13 +42,18 @@ class FusedWeights:
     nbytes: dict[str, int]
     dtype: str
 
-    def write(self, path: Path, *, dtype: str | None, exclude: set[str],
-              lora_config: Any, base: Any) -> int:
-        """Write the fused tensors but ``exclude`` (tied targets) into ``path``."""
+    def write(self, folder: Path, *, dtype: str | None, exclude: set[str], limit: int | None,
+              lora_config: Any, base: Any) -> tuple[list[Path], int]:
+        """Write the fused tensors but ``exclude`` (tied targets) into ``folder``, split into
+        shards of at most ``limit`` bytes as a merge splits them.
+
+        Returns:
+            The files written (the index last, when sharded) and how many tensors.
+        """
         tensors = fused_tensors(self.checkpoint, lora_config=lora_config, base=base,
                                 dtype=dtype, adapter=self.adapter)
-        return write_streaming(self.source, self.layout, self.adapter, path, dtype, tensors,
-                               exclude=frozenset(exclude))
+        return write_sharded(self.source, self.layout, self.adapter, folder, dtype, tensors,
+                             exclude=frozenset(exclude), limit=limit)
 
 
 def plan_fused(checkpoint: str | os.PathLike[str], *, dtype: str | None,

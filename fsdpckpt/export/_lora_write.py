@@ -1,4 +1,5 @@
-"""One ``model.safetensors`` written tensor by tensor: the fused model, in constant memory.
+"""The fused model written tensor by tensor, in constant memory: one ``model.safetensors``,
+or shards and their index as a merge splits them.
 
 Fusion keeps every shape, so the whole file (header, each tensor's offset) is laid out
 from the checkpoint's metadata before any data is read; each fused tensor is then written
@@ -7,11 +8,13 @@ at its place and dropped. The file is staged beside the target and renamed at th
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._io.rawio import pwrite_all
 from fsdpckpt.dcp.dtypes import dtype_from_name
 from fsdpckpt.errors import CorruptCheckpointError
@@ -19,9 +22,9 @@ from fsdpckpt.export._lora_keys import LoraLayout
 from fsdpckpt.export._lora_read import ModelSource
 from fsdpckpt.formats import TensorSpec
 from fsdpckpt.formats.safetensors import SafetensorsFormat
-from fsdpckpt.merging.plan import parse_dtype
+from fsdpckpt.merging.plan import parse_dtype, split_shards
 
-__all__ = ["fused_specs", "write_streaming"]
+__all__ = ["fused_specs", "write_streaming", "write_sharded"]
 
 
 def fused_specs(source: ModelSource, layout: LoraLayout, adapter: str, dtype: str | None, *,
@@ -62,33 +65,75 @@ def write_streaming(source: ModelSource, layout: LoraLayout, adapter: str, path:
         CorruptCheckpointError: a tensor came out other than the layout said.
     """
     specs = fused_specs(source, layout, adapter, dtype, exclude=exclude)
-    file = SafetensorsFormat().layout(specs, [], nested=False)
-    by_name = {s.name: s for s in specs}
-    staging = path.with_name(f".{path.name}.tmp")
-    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    return _write_files([(path, specs)], tensors)
+
+
+def write_sharded(source: ModelSource, layout: LoraLayout, adapter: str, folder: Path,
+                  dtype: str | None, tensors: Iterable[tuple[str, Any]], *,
+                  exclude: frozenset[str] = frozenset(), limit: int | None = None,
+                  stem: str = "model") -> tuple[list[Path], int]:
+    """As :func:`write_streaming`, split as a merge splits (:func:`~fsdpckpt.merging.plan.
+    split_shards`): one ``{stem}.safetensors`` when it fits in ``limit`` bytes, otherwise
+    ``{stem}-0000i-of-0000N.safetensors`` and ``{stem}.safetensors.index.json``, in ``folder``.
+
+    Returns:
+        The files written (the index last) and how many tensors were written.
+    """
+    fmt = SafetensorsFormat()
+    specs = fused_specs(source, layout, adapter, dtype, exclude=exclude)
+    shards = split_shards(specs, lambda s: s.nbytes, limit)
+    if len(shards) == 1:
+        files = [(folder / fmt.single_file_name(stem), shards[0])]
+    else:
+        files = [(folder / fmt.shard_file_name(stem, i, len(shards)), shard)
+                 for i, shard in enumerate(shards, 1)]
+    count = _write_files(files, tensors)
+    paths = [path for path, _ in files]
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
+                 "weight_map": {s.name: path.name for path, shard in files for s in shard}}
+        paths.append(folder / fmt.index_file_name(stem))
+        write_bytes(paths[-1], (json.dumps(index, indent=2) + "\n").encode())
+    return paths, count
+
+
+def _write_files(files: list[tuple[Path, list[TensorSpec]]],
+                 tensors: Iterable[tuple[str, Any]]) -> int:
+    # Every file laid out first (header and size), each staged beside its target; then each
+    # tensor is written at its place as it comes, and the files renamed into place at the
+    # end. On any error the staged files are removed and no target is touched.
+    fmt = SafetensorsFormat()
+    where: dict[str, tuple[int, int, TensorSpec]] = {}  # name -> (fd, offset, spec)
+    staged: list[tuple[Path, Path, int]] = []
     count = 0
     try:
-        os.ftruncate(fd, file.size)
-        for offset, data in file.fixed:
-            pwrite_all(fd, memoryview(data), offset)
+        for path, specs in files:
+            file = fmt.layout(specs, [], nested=False)
+            tmp = path.with_name(f".{path.name}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            staged.append((tmp, path, fd))
+            os.ftruncate(fd, file.size)
+            for offset, data in file.fixed:
+                pwrite_all(fd, memoryview(data), offset)
+            where.update((s.name, (fd, file.starts[s.name], s)) for s in specs)
         for name, tensor in tensors:
-            if name in exclude:
+            if name not in where:  # a tied target (excluded)
                 continue
-            spec = by_name[name]
+            fd, offset, spec = where[name]
             data = tensor.contiguous().view(-1).view(dtype=_uint8()).numpy()
             if tuple(tensor.shape) != spec.shape or len(data) != spec.nbytes:
                 raise CorruptCheckpointError(f"{name}: came out {tuple(tensor.shape)}, "
                                              f"{tensor.dtype}; the layout said {spec.shape}")
-            pwrite_all(fd, memoryview(data), file.starts[name])
+            pwrite_all(fd, memoryview(data), offset)
             count += 1
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(staging, path)
+        for _tmp, _path, fd in staged:
+            os.fsync(fd)
+        for tmp, path, _fd in staged:
+            os.replace(tmp, path)
     finally:
-        if fd >= 0:
+        for tmp, _path, fd in staged:
             os.close(fd)
-        staging.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
     return count
 
 

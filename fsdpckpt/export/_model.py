@@ -12,13 +12,17 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import threading
 import warnings
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelExpectation", "expect_model", "tied_without_transformers", "key_problems"]
+from fsdpckpt.export._config import strip_fsdp_prefix
+
+__all__ = ["ModelExpectation", "expect_model", "tied_without_transformers", "key_problems",
+           "start_import"]
 
 #: The output-embedding key most causal LMs tie to their input embeddings.
 _LM_HEAD = "lm_head.weight"
@@ -40,6 +44,36 @@ class ModelExpectation:
     tied: dict[str, str]
 
 
+def start_import(config: dict[str, Any]) -> threading.Thread:
+    """Start importing torch, transformers and the config's model class in the background.
+
+    Importing them is most of an export's time (seconds, against well under one for
+    planning and the tied-weight check of a small model), and nothing else in the export
+    needs them: started first, the import runs while the main thread finds, plans and
+    checks, and :func:`expect_model` finds the modules loaded. Any failure is left for
+    :func:`expect_model` to meet again in the caller's thread.
+
+    Returns:
+        The (daemon) thread; join it before :func:`expect_model` for the full benefit.
+    """
+    names = [strip_fsdp_prefix(a) for a in (config.get("architectures") or [])
+             if isinstance(a, str)]
+
+    def load() -> None:
+        try:
+            import transformers
+
+            for name in names:  # transformers is lazy: this imports the class's module only
+                if hasattr(transformers, name):
+                    break
+        except Exception:  # noqa: BLE001  expect_model meets it again, and reports it
+            pass
+
+    thread = threading.Thread(target=load, name="fsdpckpt-import-transformers", daemon=True)
+    thread.start()
+    return thread
+
+
 def expect_model(config_dir: Path) -> ModelExpectation | None:
     """Build the config's model class on the meta device and read what it expects.
 
@@ -50,9 +84,12 @@ def expect_model(config_dir: Path) -> ModelExpectation | None:
         The expectation; None when transformers is not installed, or it has no class for
         the config (custom code is never run).
     """
+    try:  # transformers first: without it, torch (about 220 MB) is never imported
+        import transformers
+    except ImportError:
+        return None
     try:
         import torch
-        import transformers
     except ImportError:
         return None
     # transformers logs and warns about things that are the export's business, not the

@@ -7,10 +7,11 @@ as safetensors named as Hugging Face names them (``model.safetensors``, or shard
 FSDP2's ``FSDP`` prefix, the dtype field set to the exported dtype), the generation
 config, the tokenizer and its chat template, from ``base`` or from where trainers leave
 them. Tied targets (``lm_head.weight`` with ``tie_word_embeddings``) are decided by the
-config and not written. Before a byte is written, the exported keys and shapes are
-checked against the config's model class (built on the meta device when transformers is
-installed). Everything is staged in the output folder and renamed into place at the end;
-on any error the output folder is left as it was.
+config and not written, after checking that the checkpoint holds the same bytes under
+both names (``untie`` writes both when they differ). Before a byte is written, the
+exported keys and shapes are checked against the config's model class (built on the
+meta device when transformers is installed). Everything is staged in the output folder
+and renamed into place at the end; on any error the output folder is left as it was.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt._progress import ProgressFactory
+from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 from fsdpckpt.export._config import (
@@ -36,7 +38,13 @@ from fsdpckpt.export._config import (
     read_config,
 )
 from fsdpckpt.export._fuse_hf import plan_fused
-from fsdpckpt.export._model import expect_model, key_problems, tied_without_transformers
+from fsdpckpt.export._model import (
+    expect_model,
+    key_problems,
+    start_import,
+    tied_without_transformers,
+)
+from fsdpckpt.export._tied import same_bytes
 from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
 from fsdpckpt.merging.merger import MergeJob, MergeResult, commit_job, plan_job, write_job
@@ -127,6 +135,7 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
               base: str | os.PathLike[str] | None = None, dtype: str | None = None,
               max_shard_size: str | int = "5GB", overwrite: bool = False,
               lora: str | None = None, lora_config: str | os.PathLike[str] | None = None,
+              untie: bool = False,
               progress: ProgressFactory | None = None) -> ExportResult | AdapterExport:
     """Export a sharded checkpoint to a Hugging Face model folder.
 
@@ -153,10 +162,14 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
             ``adapter_config.json``, for ``PeftModel.from_pretrained(base, output)``;
             returns an :class:`~fsdpckpt.export.lora.AdapterExport`); ``"fuse"`` exports
             the base model with the adapter fused in (``W + scaling * B @ A``, in fp32,
-            then cast), as ``merge_and_unload`` gives it, as one ``model.safetensors``.
+            then cast), as ``merge_and_unload`` gives it, split by ``max_shard_size`` as
+            a plain export is.
             None exports the weights as stored.
         lora_config: the adapter's ``adapter_config.json`` (or its folder); found beside
             the checkpoint or in ``base`` by default.
+        untie: write the tied target too (``lm_head.weight``) and set
+            ``tie_word_embeddings: false`` in the exported config: for a checkpoint whose
+            output and input embeddings differ although the config ties them.
         progress: ``progress(total_bytes, files)`` returns a callback given byte counts.
 
     Returns:
@@ -166,7 +179,9 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         CheckpointNotFoundError: no config or tokenizer found (the message lists where it
             looked), or the checkpoint is missing.
         ExportMismatchError: the tensors do not match the config's model class (the
-            message lists what is missing, unexpected or of the wrong shape).
+            message lists what is missing, unexpected or of the wrong shape); or the
+            config ties two tensors the checkpoint holds with different bytes (pass
+            ``untie=True``).
         MergePlanError, OutputExistsError, DiskFullError, NotACheckpointError: as for
             :func:`fsdpckpt.merge`.
 
@@ -183,6 +198,8 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     layout = find_layout(checkpoint)
     side = find_side_files(_search_root(layout), Path(base) if base is not None else None)
     config = read_config(side.config)
+    # transformers' import is the export's largest cost: it runs while this thread plans.
+    importing = start_import(config)
     request = validate_merge(layout, output, dtype=dtype, max_shard_size=max_shard_size,
                              overwrite=overwrite)
     job = plan_job(request)  # also: is the output free, and which earlier outputs go
@@ -193,11 +210,16 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         export_dtype = _exported_dtype(job)  # after the cast: the planned dtypes
         shapes = {t.spec.name: tuple(t.spec.shape) for plan in job.plans for f in plan.files
                   for t in f.tensors}
-    fixed = exported_config(config, export_dtype)
+    fixed = exported_config(config, export_dtype, untie=untie)
     _check_outputs(side, request.output_dir, overwrite)
+    # The pairs the config ties, compared while transformers is still importing; the model
+    # class (when there is one) decides below which pairs are tied.
+    compared = _compare_tied(job, tied_without_transformers(fixed, shapes)) \
+        if fused is None else {}
     with sigterm_interrupts(), staging(request.output_dir) as stage:
         config_file = stage / CONFIG
         write_bytes(config_file, config_bytes(fixed))
+        importing.join()
         expect = expect_model(stage)
         if expect is not None:
             tied = {k: v for k, v in expect.tied.items() if k in shapes}
@@ -211,17 +233,22 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
                     f"as {side.config} describes it: " + "; ".join(problems) + "; pass --base "
                     "with the config of the model this run trained")
         if fused is None and tied:
+            compared.update(_compare_tied(job, {k: v for k, v in tied.items()
+                                                if (k, v) not in compared}))
+            _refuse_differing(request, tied, compared, side.config)
             job = plan_job(_excluding(request, sorted(tied)))
-        copies = []
+        copies: list[Path] = []
+        nested: list[Path] = []
         for source, name in side.copied:
-            target = stage / name
+            target = stage / name  # additional_chat_templates/x.jinja: staged in its folder
+            target.parent.mkdir(exist_ok=True)
             write_bytes(target, source.read_bytes())  # small files, written durably
-            copies.append(target)
+            (copies if target.parent == stage else nested).append(target)
         if fused is not None:
-            weights = stage / "model.safetensors"
-            count = fused.write(weights, dtype=dtype, exclude=set(tied),
-                                lora_config=lora_config, base=base)
-            written = commit([weights], request.output_dir)
+            staged_weights, count = fused.write(stage, dtype=dtype, exclude=set(tied),
+                                                limit=request.options.max_shard_size,
+                                                lora_config=lora_config, base=base)
+            written = commit(staged_weights, request.output_dir)
             for path in job.replaced:  # an earlier export's shards, now replaced
                 if path not in written:
                     path.unlink(missing_ok=True)
@@ -230,8 +257,11 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         else:
             staged = write_job(job, stage, progress)
             (result,) = commit_job(job, staged)
+        for target in nested:
+            (request.output_dir / target.parent.name).mkdir(exist_ok=True)
+        nested_files = [commit([t], request.output_dir / t.parent.name)[0] for t in nested]
         # The config last: a folder without it is plainly unfinished to from_pretrained.
-        files = commit([*copies, config_file], request.output_dir)
+        files = nested_files + commit([*copies, config_file], request.output_dir)
     return ExportResult(result.source, request.output_dir, result.files, tuple(files),
                         result.tensors, result.bytes, export_dtype, tuple(sorted(tied.items())),
                         side.config, expect.model_class if expect else None,
@@ -242,3 +272,35 @@ def _excluding(request: MergeRequest, names: list[str]) -> MergeRequest:
     options = request.options
     exclude = options.exclude + tuple(_glob_literal(n) for n in names)
     return dataclasses.replace(request, options=dataclasses.replace(options, exclude=exclude))
+
+
+def _compare_tied(job: MergeJob, pairs: dict[str, str]) -> dict[tuple[str, str], bool]:
+    # Whether each (target, source) pair the checkpoint holds has the same bytes under both
+    # names, read box by box (export._tied), before any weight is written.
+    found: dict[tuple[str, str], bool] = {}
+    for plan in job.plans:
+        entries = {t.spec.name: t.source for f in plan.files for t in f.tensors}
+        wanted = [(t, s) for t, s in sorted(pairs.items()) if t in entries and s in entries]
+        if not wanted:
+            continue
+        files = DataFiles(plan.folder.path)
+        try:
+            for target, source in wanted:
+                found[(target, source)] = same_bytes(files, entries[target], entries[source])
+        finally:
+            files.close()
+    return found
+
+
+def _refuse_differing(request: MergeRequest, tied: dict[str, str],
+                      compared: dict[tuple[str, str], bool], config: Path) -> None:
+    # The config decides what is tied; the bytes must agree, or dropping the target would
+    # silently change the model.
+    for target, source in sorted(tied.items()):
+        if compared.get((target, source), True):
+            continue
+        raise ExportMismatchError(
+            f"{request.sources[0].folder.path}: {target} and {source} differ, but {config} "
+            f"ties them (tie_word_embeddings), so {target} would not be written and the model "
+            f"would change; pass --untie (untie=True) to write both and set "
+            f"tie_word_embeddings: false, or pass --base with the config this run trained")

@@ -11,9 +11,9 @@ could get wrong, raising once with every problem, before a byte is written.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fsdpckpt.dcp.dtypes import DType, dtype_from_name
 from fsdpckpt.dcp.metadata import KeyPath, ObjectEntry, TensorEntry
@@ -24,8 +24,11 @@ from fsdpckpt.formats.safetensors import RESERVED_NAME
 from fsdpckpt.merging._keys import clean_key, output_name, select, shares_top_key
 from fsdpckpt.merging._runs import Runs, RunStarts, chunk_runs
 
+_T = TypeVar("_T")
+
 __all__ = ["MergePlanError", "PlannedTensor", "PlannedObject", "PlannedFile", "MergePlan",
-           "plan_merge", "chunk_runs", "RunStarts", "parse_size", "parse_dtype", "RESERVED_NAME"]
+           "plan_merge", "chunk_runs", "RunStarts", "parse_size", "parse_dtype", "RESERVED_NAME",
+           "split_shards"]
 
 
 class MergePlanError(FsdpCkptError, ValueError):
@@ -157,17 +160,24 @@ def parse_dtype(value: DType | str | Any | None) -> DType | None:
     return dtype
 
 
-def _shard(tensors: list[PlannedTensor], limit: int | None) -> list[list[PlannedTensor]]:
-    # transformers' rule: fill shards in order; a tensor that would overflow starts a new one.
-    shards: list[list[PlannedTensor]] = [[]]
+def split_shards(items: Sequence[_T], nbytes: Callable[[_T], int],
+                 limit: int | None) -> list[list[_T]]:
+    """transformers' rule: fill shards in order; an item that would overflow ``limit``
+    bytes starts a new one (an item larger than ``limit`` is a shard of its own)."""
+    shards: list[list[_T]] = [[]]
     size = 0
-    for tensor in tensors:
-        if limit is not None and shards[-1] and size + tensor.spec.nbytes > limit:
+    for item in items:
+        n = nbytes(item)
+        if limit is not None and shards[-1] and size + n > limit:
             shards.append([])
             size = 0
-        shards[-1].append(tensor)
-        size += tensor.spec.nbytes
+        shards[-1].append(item)
+        size += n
     return shards
+
+
+def _shard(tensors: list[PlannedTensor], limit: int | None) -> list[list[PlannedTensor]]:
+    return split_shards(tensors, lambda t: t.spec.nbytes, limit)
 
 
 def _iter_duplicates(names: Sequence[str]) -> Iterator[str]:

@@ -1,0 +1,92 @@
+"""Whether a tied target holds the same bytes as the tensor it is tied to, read box by box.
+
+The config says ``lm_head.weight`` is tied to ``model.embed_tokens.weight``, so the export
+writes only the embeddings. That is right only when the checkpoint's two tensors are equal:
+a run that untied them (or trained with ``tie_word_embeddings`` wrong in its config) holds
+two different matrices, and dropping one would silently change the model. Both are read
+from the checkpoint in the same boxes (a contiguous run of row-major elements, at most
+:data:`BOX_BYTES` each), so memory holds two boxes, never a whole tensor.
+"""
+
+from __future__ import annotations
+
+from fsdpckpt.dcp._archive import RawTensor, locate_tensor
+from fsdpckpt.dcp._datafiles import DataFiles
+from fsdpckpt.dcp._perrank import PerRankChunk
+from fsdpckpt.dcp._zstd import ZstdEntry, chunk_limit, open_entry
+from fsdpckpt.dcp.metadata import Chunk, TensorEntry
+from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.inspection._diff_sources import boxes
+from fsdpckpt.merging._copy import MemorySink, place_chunk
+from fsdpckpt.merging._runs import chunk_runs
+
+__all__ = ["BOX_BYTES", "same_bytes"]
+
+#: The most bytes of each tensor held at once.
+BOX_BYTES = 8 * 2**20
+
+
+def same_bytes(files: DataFiles, a: TensorEntry, b: TensorEntry, *,
+               box_bytes: int = BOX_BYTES) -> bool:
+    """Whether stored tensors ``a`` and ``b`` of one folder are equal, byte for byte.
+
+    A different dtype or shape is not equal. Reads both in the same boxes and stops at the
+    first that differs.
+
+    Raises:
+        CorruptCheckpointError, NotACheckpointError: a chunk's data is damaged or missing.
+    """
+    if a.dtype.name != b.dtype.name or tuple(a.shape) != tuple(b.shape):
+        return False
+    itemsize = a.dtype.itemsize
+    for offsets, sizes in boxes(a.shape, max(1, box_bytes // itemsize)):
+        count = 1
+        for s in sizes:
+            count *= s
+        left, right = bytearray(count * itemsize), bytearray(count * itemsize)
+        _read_box(files, a, offsets, sizes, memoryview(left))
+        _read_box(files, b, offsets, sizes, memoryview(right))
+        if left != right:
+            return False
+    return True
+
+
+def _read_box(files: DataFiles, tensor: TensorEntry, offsets: tuple[int, ...],
+              sizes: tuple[int, ...], out: memoryview) -> None:
+    # Each stored chunk's part inside the box is itself a strided view of the chunk's
+    # storage: placed as a chunk of the box, so only that part is read.
+    sink = MemorySink(out)
+    for chunk in tensor.chunks:
+        low = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
+        high = [min(o + s, c + k) for o, s, c, k in
+                zip(offsets, sizes, chunk.offsets, chunk.sizes)]
+        if any(h <= lo for lo, h in zip(low, high)):
+            continue
+        raw, src, source = _locate(files, tensor, chunk)
+        part = tuple(h - lo for lo, h in zip(low, high))
+        skip = sum((lo - c) * st for lo, c, st in zip(low, chunk.offsets, raw.stride))
+        sub_raw = RawTensor(raw.storage_start, raw.storage_nbytes, raw.dtype,
+                            raw.storage_offset + skip, part, raw.stride)
+        sub = Chunk(tuple(lo - o for lo, o in zip(low, offsets)), part, chunk.file, 0, 0)
+        place_chunk(src, sub_raw, sub, chunk_runs(sizes, sub), tensor.dtype, sink, 0,
+                    source=source)
+
+
+def _locate(files: DataFiles, tensor: TensorEntry,
+            chunk: Chunk) -> tuple[RawTensor, int | ZstdEntry, str]:
+    # As the merge's copy engine finds a chunk (merging._copy.place_stored_chunk).
+    source = f"{files.folder / str(chunk.file)} (tensor '{tensor.name}' chunk at " \
+             f"{list(chunk.offsets)})"
+    if chunk.file is None:
+        raise NotACheckpointError(f"{source}: the metadata has no storage entry")
+    data = files.open(chunk.file)
+    handle, start, length = open_entry(data.file, chunk.offset, chunk.length, chunk.transforms,
+                                       limit=chunk_limit(tensor, chunk), source=source)
+    raw = chunk.raw if isinstance(chunk, PerRankChunk) and chunk.raw else \
+        locate_tensor(handle, start, length, source=source)
+    if raw.dtype.name != tensor.dtype.name or tuple(raw.shape) != tuple(chunk.sizes):
+        raise CorruptCheckpointError(f"{source}: holds {raw.dtype.name} {list(raw.shape)}, "
+                                     f"the metadata says {tensor.dtype.name} "
+                                     f"{list(chunk.sizes)}")
+    src = handle if isinstance(handle, ZstdEntry) else data.fd
+    return raw, src, source

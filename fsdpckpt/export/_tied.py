@@ -10,6 +10,7 @@ from the checkpoint in the same boxes (a contiguous run of row-major elements, a
 
 from __future__ import annotations
 
+from fsdpckpt._io.rawio import ReadAt
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._perrank import PerRankChunk
@@ -73,7 +74,7 @@ def _read_box(files: DataFiles, tensor: TensorEntry, offsets: tuple[int, ...],
 
 
 def _locate(files: DataFiles, tensor: TensorEntry,
-            chunk: Chunk) -> tuple[RawTensor, int | ZstdEntry, str]:
+            chunk: Chunk) -> tuple[RawTensor, int | ReadAt, str]:
     # As the merge's copy engine finds a chunk (merging._copy.place_stored_chunk).
     source = f"{files.folder / str(chunk.file)} (tensor '{tensor.name}' chunk at " \
              f"{list(chunk.offsets)})"

@@ -19,8 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fsdpckpt._io.rawio import pread_into
-from fsdpckpt.dcp._zstd import ZstdEntry
+from fsdpckpt._io.rawio import ReadAt, pread_into
 
 __all__ = ["Piece", "overlaps", "tile_sizes", "tiles_of", "read_tile", "tile_view"]
 
@@ -41,7 +40,7 @@ class Piece:
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    src: int | ZstdEntry
+    src: int | ReadAt
     storage_start: int
     storage_offset: int
     stride: tuple[int, ...]

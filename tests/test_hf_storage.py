@@ -113,6 +113,16 @@ def test_a_consolidated_folder_is_read_from_its_whole_files_with_sharded_listed_
     assert report.world_size == 2  # from sharded/'s names
 
 
+def test_the_cli_inspects_a_save_and_names_its_writer():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "fsdpckpt", "inspect", str(SHARDS)],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "HuggingFaceStorageWriter save, world size 2" in result.stdout
+
+
 @pytest.mark.parametrize("which", FOLDERS)
 def test_each_mode_verifies_clean(which):
     report = verify_checkpoint(FOLDERS[which])

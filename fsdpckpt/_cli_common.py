@@ -11,7 +11,7 @@ import click
 from fsdpckpt._printable import cap_line, printable
 from fsdpckpt._progress import ProgressCallback, ProgressFactory
 
-__all__ = ["_debug_option", "_fail", "_progress"]
+__all__ = ["_debug_option", "_fail", "_progress", "_storage_options_option"]
 
 
 def _debug_option(func: Any) -> Any:
@@ -23,6 +23,28 @@ def _debug_option(func: Any) -> Any:
     return click.option("--debug", is_flag=True, expose_value=False, is_eager=True,
                         callback=remember,
                         help="On error, show the full traceback instead of one line.")(func)
+
+
+def _storage_options_option(func: Any) -> Any:
+    def parse(_ctx: click.Context, _param: click.Parameter, value: str | None) -> dict | None:
+        if value is None:
+            return None
+        from fsdpckpt._io.jsonio import parse_json
+
+        try:
+            options = parse_json(value)
+        except ValueError as exc:
+            raise click.BadParameter(f"not JSON: {exc}") from None
+        if not isinstance(options, dict):
+            raise click.BadParameter('a JSON object, e.g. \'{"endpoint_url": "http://host:9000"}\'')
+        return options
+
+    return click.option(
+        "--storage-options", "storage_options", metavar="JSON", callback=parse,
+        help="For s3://, gs://, az:// paths: options of the fsspec filesystem as a JSON object, "
+             'e.g. \'{"endpoint_url": "http://localhost:9000", "anon": false}\'. Credentials '
+             "and endpoints are otherwise read where the cloud tools keep them (AWS_* "
+             "variables, AWS_ENDPOINT_URL, ~/.aws, gcloud, Azure).")(func)
 
 
 def _fail(ctx: click.Context, message: str, exc: BaseException | None = None) -> None:

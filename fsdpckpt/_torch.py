@@ -31,6 +31,7 @@ __all__ = [
     "OLD_MEM_FORMAT_ENCODING", "STORAGE_INFO", "TORCH_SIZE", "GET_LAYOUT", "TORCH_CONSTANTS",
     "REBUILD_TENSOR_V2", "REBUILD_TENSOR_V3", "UNTYPED_STORAGE", "REBUILD_FROM_TYPE_V2",
     "REBUILD_WRAPPER_SUBCLASS", "TORCH_DEVICE", "DTENSOR", "DTENSOR_SPEC_CLASSES",
+    "SHARDED_TENSOR", "SHARDED_TENSOR_CLASSES",
     "METADATA_TMP_SUFFIX",
     "PICKLED_NAMES", "is_torch_global", "storage_info", "flatten_state_dict",
     "set_writer_filesystem", "written_file_name", "store_loaded_value",
@@ -99,6 +100,23 @@ DTENSOR_SPEC_CLASSES: Mapping[tuple[str, str], str] = {
     ("torch.distributed.tensor.placement_types", "_StridedShard"): "_StridedShard",
 }
 
+#: FSDP1's sharded state dict (``torch.distributed._shard``): ``torch.save`` of a
+#: ShardedTensor pickles the class, its local shards and metadata, and (through
+#: ``getattr(ShardedTensor, "ProcessGroupState")``) the ranks that wrote it. torch allowlists
+#: none of these for ``weights_only``; fsdpckpt reads exactly these, as data-only stand-ins.
+SHARDED_TENSOR = ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")
+SHARDED_TENSOR_CLASSES: Mapping[tuple[str, str], str] = {
+    ("torch.distributed._shard.sharded_tensor.shard", "Shard"): "Shard",
+    ("torch.distributed._shard.metadata", "ShardMetadata"): "ShardMetadata",
+    ("torch.distributed._shard.sharded_tensor.metadata", "ShardedTensorMetadata"):
+        "ShardedTensorMetadata",
+    OLD_TENSOR_PROPERTIES: "TensorProperties",
+    OLD_MEM_FORMAT_ENCODING: "MEM_FORMAT_ENCODING",
+    ("torch.distributed.remote_device", "_remote_device"): "_remote_device",
+    ("torch.distributed._shard.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"):
+        "ChunkShardingSpec",
+}
+
 #: Every torch global above, with what pickles it: the checklist tests/test_torch_compat.py
 #: resolves against the installed torch (dtypes and legacy storage classes, public
 #: ``torch.<name>`` attributes, are listed in :mod:`fsdpckpt.dcp.dtypes`).
@@ -120,6 +138,10 @@ PICKLED_NAMES: Mapping[tuple[str, str], str] = {
     TORCH_DEVICE: "a per-rank torch.save file (a DTensor's device)",
     DTENSOR: "a per-rank torch.save file (a DTensor)",
     **{key: "a per-rank torch.save file (a DTensor's spec)" for key in DTENSOR_SPEC_CLASSES},
+    SHARDED_TENSOR: "a per-rank torch.save file (an FSDP1 ShardedTensor)",
+    **{key: "a per-rank torch.save file (a ShardedTensor's metadata)"
+       for key in SHARDED_TENSOR_CLASSES if key not in (OLD_TENSOR_PROPERTIES,
+                                                        OLD_MEM_FORMAT_ENCODING)},
 }
 
 #: DCP writes ``.metadata`` under this suffix, then renames it (``FileSystemWriter.finish``).

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from fsdpckpt import __version__
-from fsdpckpt._cli_common import _debug_option, _fail, _progress
+from fsdpckpt._cli_common import _debug_option, _fail, _progress, _storage_options_option
 from fsdpckpt._cli_export import diff, export_hf
 from fsdpckpt._printable import printable
 from fsdpckpt.errors import FsdpCkptError
@@ -73,14 +73,17 @@ def main() -> None:
               help="Also list every chunk: offsets, sizes, file, byte range.")
 @click.option("--summary", is_flag=True,
               help="Only the summary: no table of tensors, and each part's rank files on one line.")
+@_storage_options_option
 @_debug_option
-def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: bool) -> None:
+def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: bool,
+            storage_options: dict | None) -> None:
     """Show what a checkpoint holds and check that its structure is whole.
 
     PATH is a DCP folder (the one holding .metadata) or a whole checkpoint folder
     in Accelerate's layout (pytorch_model_fsdp_0/, optimizer_0/, random_states_0.pkl,
-    scheduler.bin...) or HF Trainer's. Only .metadata and file sizes are read: no
-    tensor data, no torch import, no pickle code runs.
+    scheduler.bin...) or HF Trainer's, local or on object storage (s3://bucket/run/ckpt).
+    Only .metadata and file sizes are read: no tensor data, no torch import, no
+    pickle code runs.
 
     Exit status: 0 when the structure is whole, 1 when problems were found
     (gaps or overlaps between chunks, missing or truncated rank files) or the path
@@ -91,11 +94,12 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
       fsdpckpt inspect ckpt/
       fsdpckpt inspect ckpt/pytorch_model_fsdp_0 --name 'layers.0.*' --chunks
       fsdpckpt inspect ckpt/ --json | jq '.parts[0].tensors[].name'
+      AWS_ENDPOINT_URL=http://localhost:9000 fsdpckpt inspect s3://runs/llama/checkpoint-100
     """
     from fsdpckpt._render import render_inspect
     from fsdpckpt.inspection.inspect import inspect_checkpoint
 
-    report = inspect_checkpoint(path, names=names)
+    report = inspect_checkpoint(path, names=names, storage_options=storage_options)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
@@ -275,8 +279,10 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
 @click.option("--expect-digest", metavar="sha256:HEX",
               help="The manifest digest kept from the save (printed by verify, logged by "
                    "save_state): fail unless the checkpoint's manifest has exactly it.")
+@_storage_options_option
 @_debug_option
-def verify(path: str, as_json: bool, quiet: bool, expect_digest: str | None) -> None:
+def verify(path: str, as_json: bool, quiet: bool, expect_digest: str | None,
+           storage_options: dict | None) -> None:
     """Check that every byte of a checkpoint is what was written.
 
     Checks the structure as inspect does. Where the checkpoint has a manifest
@@ -294,12 +300,13 @@ def verify(path: str, as_json: bool, quiet: bool, expect_digest: str | None) -> 
     Examples:
       fsdpckpt verify ckpt/checkpoint_100
       fsdpckpt verify ckpt/checkpoint_100 --expect-digest sha256:3f2a...
+      fsdpckpt verify s3://runs/llama/checkpoint-100
     """
     from fsdpckpt._render import render_verify
     from fsdpckpt.inspection.verify import verify_checkpoint
 
     report = verify_checkpoint(path, progress=_progress(quiet, "verifying"),
-                               expect_digest=expect_digest)
+                               expect_digest=expect_digest, storage_options=storage_options)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:

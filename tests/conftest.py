@@ -162,3 +162,41 @@ def peak_rss_mib(code: str) -> float:
     out = subprocess.run([sys.executable, "-c", code + report], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return int(out.stdout.strip().splitlines()[-1]) / 1024
+
+
+# -- a real S3 server (SeaweedFS) for the remote-storage tests -----------------------------
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One SeaweedFS server with S3 on loopback for the whole test session (tests/s3server.py)."""
+    import s3server
+
+    server = s3server.start()
+    yield server
+    server.stop()
+
+
+_PREFIXES = iter(range(10**6))
+
+
+@pytest.fixture
+def s3(s3_server):
+    """``(server, root)``: a fresh, empty folder (``bucket/test-N``) on the session's S3 server.
+
+    One bucket for the session: SeaweedFS gives each bucket its own volumes, and a bucket per
+    test runs its volume server out of slots.
+    """
+    fs = s3_server.filesystem()
+    if not fs.exists("fsdpckpt-tests"):
+        fs.mkdir("fsdpckpt-tests")
+    return s3_server, f"fsdpckpt-tests/test-{next(_PREFIXES):06d}"
+
+
+def upload(server, local: Path, url: str) -> str:
+    """Copy the local folder ``local`` to ``url`` (``s3://bucket/folder``); returns ``url``."""
+    fs = server.filesystem()
+    target = url.removeprefix("s3://")
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            fs.put_file(str(path), f"{target}/{path.relative_to(local).as_posix()}")
+    return url

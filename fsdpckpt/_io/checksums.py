@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
-from fsdpckpt._io.rawio import pread_into, scratch
+from fsdpckpt._io.rawio import ReadAt, pread_into, scratch
 
 __all__ = ["DIGESTS", "ChecksumStream", "Pieces", "crc32_combine", "crc32_range",
            "file_checksums", "new_digest", "resolve_pieces"]
@@ -126,7 +126,7 @@ def resolve_pieces(pieces: Pieces, known: Mapping[tuple[int, int], int],
     return crc
 
 
-def crc32_range(fd: int, start: int, count: int, progress: Any = None,
+def crc32_range(fd: int | ReadAt, start: int, count: int, progress: Any = None,
                 block: int = 16 * 2**20, *, source: str = "a file", hasher: Any = None) -> int:
     """CRC-32 of ``count`` bytes at ``start`` of the open file ``fd``, read in blocks; the
     same bytes also go into ``hasher`` (a hashlib object) when one is given.

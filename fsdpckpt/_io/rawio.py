@@ -16,10 +16,12 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from fsdpckpt.errors import CorruptCheckpointError
 
-__all__ = ["pread_into", "read_exact", "pwrite_all", "copy_range", "scratch", "reusing_scratch"]
+__all__ = ["ReadAt", "pread_into", "read_exact", "pwrite_all", "copy_range", "scratch",
+           "reusing_scratch"]
 
 _BLOCK = 16 * 2**20
 # copy_file_range is refused for these reasons (another file system, an old kernel,
@@ -71,13 +73,25 @@ def _truncated(source: str, end: int) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{source}: the file ends before byte {end}: it is truncated")
 
 
-def pread_into(fd: int, view: memoryview, offset: int, *, source: str) -> None:
+class ReadAt(Protocol):
+    """A file read by offset that is not a local descriptor (a remote object, a decoder)."""
+
+    def read_at(self, view: memoryview, offset: int) -> None:
+        """Fill all of ``view`` from ``offset``, or raise CorruptCheckpointError."""
+
+
+def pread_into(fd: int | ReadAt, view: memoryview, offset: int, *, source: str) -> None:
     """Fill all of ``view`` with the bytes of ``fd`` from ``offset``.
+
+    ``fd`` is a local descriptor, or anything with ``read_at`` (a remote file).
 
     Raises:
         CorruptCheckpointError: the file ends first (naming ``source``).
     """
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if not isinstance(fd, int):
+        fd.read_at(view, offset)
+        return
     done, count = 0, len(view)
     while done < count:
         got = os.preadv(fd, [view[done:]], offset + done)
@@ -86,7 +100,7 @@ def pread_into(fd: int, view: memoryview, offset: int, *, source: str) -> None:
         done += got
 
 
-def read_exact(fd: int, count: int, offset: int, *, source: str) -> bytearray:
+def read_exact(fd: int | ReadAt, count: int, offset: int, *, source: str) -> bytearray:
     """``count`` bytes at ``offset`` of ``fd``, or a CorruptCheckpointError naming ``source``."""
     data = bytearray(count)
     pread_into(fd, memoryview(data), offset, source=source)

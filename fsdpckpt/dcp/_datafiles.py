@@ -7,6 +7,11 @@ only (:func:`fsdpckpt.dcp.reader.open_data_file`), and hands out a :class:`DataF
 that is both: one buffered file object over one descriptor. Sharing is safe because
 the descriptor users never move the file position (every read names its offset) and
 the file object's users always seek before they read.
+
+A folder on object storage (a :class:`~fsdpckpt._io.remote.RemotePath`) hands out the
+same pair: a buffered file object for the archive reader, and a
+:class:`~fsdpckpt._io.remote.RemoteFile` in place of the descriptor, which every
+offset read (:func:`~fsdpckpt._io.rawio.pread_into`) accepts.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from fsdpckpt.dcp.reader import open_data_file
+from fsdpckpt._io.rawio import ReadAt
+from fsdpckpt._io.remote import RemoteFile, RemotePath
+from fsdpckpt.dcp.reader import data_file_path, open_data_file
 
 __all__ = ["DataFile", "DataFiles"]
 
@@ -30,13 +37,15 @@ class DataFile:
         file: a buffered, read-only file object, for code that seeks and reads.
     """
 
-    path: Path
+    path: Path | RemotePath
     file: BinaryIO
+    remote: RemoteFile | None = None
 
     @property
-    def fd(self) -> int:
-        """The descriptor under :attr:`file`, for ``pread``/``copy_file_range`` at offsets."""
-        return self.file.fileno()
+    def fd(self) -> int | ReadAt:
+        """The descriptor under :attr:`file`, for ``pread``/``copy_file_range`` at offsets;
+        for a remote file, the :class:`~fsdpckpt._io.remote.RemoteFile` read by offset."""
+        return self.remote if self.remote is not None else self.file.fileno()
 
 
 class DataFiles:
@@ -51,14 +60,19 @@ class DataFiles:
         CheckpointNotFoundError: the file is missing.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path | RemotePath) -> None:
         self.folder = folder
         self._open: dict[str, DataFile] = {}
 
     def open(self, name: str) -> DataFile:
         """The data file ``name`` (as the metadata names it), opened once."""
         found = self._open.get(name)
-        if found is None:
+        if found is not None:
+            return found
+        if isinstance(self.folder, RemotePath):
+            remote = data_file_path(self.folder, name).open_file()
+            found = self._open[name] = DataFile(remote.path, remote.file(), remote)
+        else:
             fd = open_data_file(self.folder, name)
             try:
                 file = os.fdopen(fd, "rb")  # owns fd from here: closing it closes fd
@@ -72,7 +86,10 @@ class DataFiles:
         """Close every file opened; the object can be used again afterwards."""
         files, self._open = list(self._open.values()), {}
         for data_file in files:
-            data_file.file.close()
+            if data_file.remote is not None:
+                data_file.remote.close()
+            else:
+                data_file.file.close()
 
     def __enter__(self) -> DataFiles:
         return self

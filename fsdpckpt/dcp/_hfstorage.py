@@ -36,6 +36,7 @@ from typing import Any
 
 from fsdpckpt._io.jsonio import loads_json
 from fsdpckpt._io.rawio import pread_into
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._perrank import PerRankChunk, read_part_folder
 from fsdpckpt.dcp.dtypes import DTYPES, DType
@@ -240,9 +241,11 @@ def find_hf_storage(folder: Path, names: list[str]) -> HfStoragePart | None:
         if header.offsets is not None else None
 
 
-def hf_part_named(folder: Path, name: str) -> HfStoragePart | None:
+def hf_part_named(folder: Path | RemotePath, name: str) -> HfStoragePart | None:
     """The save that the layout part ``name`` of ``folder`` stands for, or None."""
-    if name not in (SHARDS_PART, MODEL_PART) or not folder.is_dir():
+    # Local folders only: a remote one (a RemotePath) is never one of these saves yet.
+    if name not in (SHARDS_PART, MODEL_PART) or not isinstance(folder, Path) or \
+            not folder.is_dir():
         return None
     part = find_hf_storage(folder, sorted(os.listdir(folder)))
     return part if part and part.name == name else None
@@ -325,18 +328,21 @@ def read_hf_storage(folder: Path, part: HfStoragePart) -> HfStorageFolder:
 
 def read_hf_storage_at(folder: Path) -> HfStorageFolder | None:
     """The ``HuggingFaceStorageWriter`` save in ``folder``, read; None when there is none."""
-    part = find_hf_storage(folder, sorted(os.listdir(folder))) if folder.is_dir() else None
+    part = find_hf_storage(folder, sorted(os.listdir(folder))) \
+        if isinstance(folder, Path) and folder.is_dir() else None
     return read_hf_storage(folder, part) if part else None
 
 
-def read_part(path: Path, name: str) -> DcpFolder:
+def read_part(path: Path | RemotePath, name: str) -> DcpFolder:
     """A layout part as a DCP folder: a ``HuggingFaceStorageWriter`` save read here, any
     other by :func:`fsdpckpt.dcp._perrank.read_part_folder`."""
     part = hf_part_named(path, name)
-    return read_hf_storage(path, part) if part else read_part_folder(path, name)
+    if part is None or not isinstance(path, Path):
+        return read_part_folder(path, name)
+    return read_hf_storage(path, part)
 
 
-def check_hf_files(path: Path, name: str) -> list[tuple[Path, str]]:
+def check_hf_files(path: Path | RemotePath, name: str) -> list[tuple[Path, str]]:
     """What is wrong with the files of the save ``name`` in ``path`` (``[]`` for another part):
     a header that does not parse, or data bytes no tensor owns (safetensors files hold no
     checksum, so this and the structure are what can be checked).
@@ -346,7 +352,9 @@ def check_hf_files(path: Path, name: str) -> list[tuple[Path, str]]:
     """
     part = hf_part_named(path, name)
     found: list[tuple[Path, str]] = []
-    for file_name in part.files if part else ():
+    if part is None or not isinstance(path, Path):
+        return found
+    for file_name in part.files:
         try:
             fd = open_data_file(path, file_name)
             try:

@@ -24,7 +24,7 @@ from fsdpckpt.dcp.dtypes import DType, dtype_from_name
 from fsdpckpt.dcp.metadata import ObjectEntry
 from fsdpckpt.errors import CorruptCheckpointError, FsdpCkptError, NotACheckpointError
 
-__all__ = ["TensorValue", "latin1_bytes", "torch_load_allowlisted", "read_object",
+__all__ = ["TensorValue", "DecodedObject", "latin1_bytes", "torch_load_allowlisted", "read_object",
            "encode_value", "decode_value", "dumps", "loads", "to_torch"]
 
 
@@ -95,6 +95,14 @@ _OBJECT_GLOBALS = {**BUILTIN_GLOBALS, ("_codecs", "encode"): latin1_bytes,
                    ("__builtin__", "bytes"): _empty_bytes, ("builtins", "bytes"): _empty_bytes}
 
 
+@dataclass(frozen=True)
+class DecodedObject(ObjectEntry):
+    """A non-tensor entry already decoded (through the allowlist) from a pickle that held it
+    inline, as a per-rank ``torch.save`` file does: :func:`read_object` gives ``value``."""
+
+    value: Any = None
+
+
 def read_object(file: IO[bytes], entry: ObjectEntry, *, source: str) -> Any:
     """Read the value of a non-tensor entry from its open data file, through the allowlist.
 
@@ -106,6 +114,8 @@ def read_object(file: IO[bytes], entry: ObjectEntry, *, source: str) -> Any:
         NotACheckpointError / CorruptCheckpointError: the blob is not a torch.save archive,
             or a tensor in it does not fit its storage.
     """
+    if isinstance(entry, DecodedObject):
+        return entry.value
     where = f"{source} (object '{entry.name}')"
     handle, start, length = open_entry(file, entry.offset, entry.length, entry.transforms,
                                        limit=OBJECT_LIMIT, source=where)

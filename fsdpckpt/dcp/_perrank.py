@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._archive import RawTensor
+from fsdpckpt.dcp._objects import DecodedObject, check_plain_value, dumps
 from fsdpckpt.dcp._perrank_file import read_rank
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, TensorEntry
@@ -38,10 +40,17 @@ __all__ = ["PerRankChunk", "PerRankFolder", "PerRankSet", "find_rank_sets", "rea
 # (pattern, kind, style): group 1 the model/optimizer index or the world size, group 2 the rank.
 _RANK_FILES = [
     (re.compile(r"^pytorch_model_fsdp_(\d{1,9})_rank(\d{1,9})\.bin$"), "model", "accelerate"),
+    # FSDP1 LOCAL_STATE_DICT, model 0: read only to refuse its flat parameters by name.
+    (re.compile(r"^pytorch_model_fsdp()_rank(\d{1,9})\.bin$"), "model", "accelerate-local"),
     (re.compile(r"^optimizer_(\d{1,9})_rank(\d{1,9})\.bin$"), "optimizer", "accelerate"),
     (re.compile(r"^model_world_size_(\d{1,9})_rank_(\d{1,9})\.pt$"), "model", "verl"),
     (re.compile(r"^optim_world_size_(\d{1,9})_rank_(\d{1,9})\.pt$"), "optimizer", "verl"),
 ]
+
+
+_REMOTE_RANK_FILES = ("{path}: per-rank torch.save files are read from local disk only, not "
+                      "yet from object storage; download the folder first (e.g. aws s3 sync "
+                      "{path} ./ckpt) and pass the local copy")
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,8 @@ class PerRankSet:
 
     Attributes:
         name: how it is shown, e.g. ``"pytorch_model_fsdp_0_rank*.bin"``.
-        kind: ``"model"`` or ``"optimizer"``. style: ``"accelerate"`` or ``"verl"``.
+        kind: ``"model"`` or ``"optimizer"``. style: ``"accelerate"``, ``"verl"`` or
+            ``"accelerate-local"`` (FSDP1 ``LOCAL_STATE_DICT``'s ``pytorch_model_fsdp_rank{r}``).
         index: Accelerate's model/optimizer index (VeRL: 0).
         world_size: VeRL's, from the names; None for Accelerate (the mesh says it).
         files: ``{rank: file name}`` of the files present.
@@ -67,6 +77,8 @@ class PerRankSet:
         if self.style == "verl":
             prefix = "model" if self.kind == "model" else "optim"
             return f"{prefix}_world_size_{self.world_size}_rank_{rank}.pt"
+        if self.style == "accelerate-local":
+            return f"pytorch_model_fsdp_rank{rank}.bin"
         prefix = "pytorch_model_fsdp" if self.kind == "model" else "optimizer"
         return f"{prefix}_{self.index}_rank{rank}.bin"
 
@@ -77,7 +89,7 @@ def find_rank_sets(names: list[str]) -> list[PerRankSet]:
     for name in names:
         for pattern, kind, style in _RANK_FILES:
             if match := pattern.match(name):
-                key = (kind, style, int(match.group(1)))
+                key = (kind, style, int(match.group(1) or 0))
                 found.setdefault(key, {})[int(match.group(2))] = name
     sets = []
     for (kind, style, number), files in sorted(found.items(), key=lambda i: (i[0][0] != "model",
@@ -85,6 +97,8 @@ def find_rank_sets(names: list[str]) -> list[PerRankSet]:
         if style == "verl":
             shown = f"{'model' if kind == 'model' else 'optim'}_world_size_{number}_rank_*.pt"
             sets.append(PerRankSet(shown, kind, style, 0, number, files))
+        elif style == "accelerate-local":
+            sets.append(PerRankSet("pytorch_model_fsdp_rank*.bin", kind, style, 0, None, files))
         else:
             prefix = "pytorch_model_fsdp" if kind == "model" else "optimizer"
             sets.append(PerRankSet(f"{prefix}_{number}_rank*.bin", kind, style, number, None,
@@ -109,25 +123,26 @@ class PerRankFolder(DcpFolder):
         return sum(f.size for f in self.files)
 
 
-def read_rank_set(folder: Path, rank_set: PerRankSet) -> tuple[PerRankFolder, list[Any]]:
+def read_rank_set(folder: Path, rank_set: PerRankSet) -> PerRankFolder:
     """Read every rank file of ``rank_set`` (one at a time) into one :class:`PerRankFolder`.
 
-    Returns:
-        The folder, and rank 0's non-tensor values as ``(key path, value)`` pairs. Key
-        paths start with ``"model"`` or ``"optimizer"``, as in Accelerate's DCP folders.
+    Tensors and non-tensor values (an optimizer's ``param_groups``) are keyed as in
+    Accelerate's DCP folders: key paths start with ``"model"`` or ``"optimizer"``, and lists
+    of dicts are indexed, as DCP's ``flatten_state_dict`` does. Every rank must hold the
+    same non-tensor values; rank 0's are kept (as :class:`DecodedObject` entries).
 
     Raises:
         CheckpointNotFoundError: a rank file is missing; the message names it.
-        UnsafePickleError: a rank file names a global outside the DTensor allowlist.
+        UnsafePickleError: a rank file names a global outside the allowlist.
         CorruptCheckpointError, NotACheckpointError: a rank file is damaged, or the ranks
-            disagree on a tensor's shape or dtype.
+            disagree on a tensor's shape or dtype or on a non-tensor value.
     """
     world = rank_set.world_size if rank_set.world_size is not None else None
     if 0 not in rank_set.files:
         raise CheckpointNotFoundError(f"{folder / rank_set.file_name(0)}: missing rank file; "
                                       "copy it from the machine that wrote the checkpoint")
     entries: dict[KeyPath, tuple[DType, tuple[int, ...], dict[tuple[int, ...], PerRankChunk]]] = {}
-    objects: list[Any] = []
+    objects: dict[KeyPath, tuple[str, Any]] = {}
     rank = 0
     while world is None or rank < world:
         name = rank_set.files.get(rank) or rank_set.file_name(rank)
@@ -136,20 +151,20 @@ def read_rank_set(folder: Path, rank_set: PerRankSet) -> tuple[PerRankFolder, li
                 f"{folder / name}: missing rank file (the checkpoint was written by {world} "
                 "ranks); copy it from the machine that wrote the checkpoint")
         tensors, others, mesh_ranks = read_rank(folder, name)
-        if rank == 0:
-            objects = others
-        for path, local in tensors.items():
-            dtype, shape, chunks = entries.setdefault(path, (local.dtype, local.shape, {}))
-            label = ".".join(map(str, path))
-            if (dtype.name, shape) != (local.dtype.name, local.shape):
-                raise CorruptCheckpointError(
-                    f"{folder / name}: tensor '{label}' is {local.dtype.name} "
-                    f"{list(local.shape)} here but {dtype.name} {list(shape)} on rank 0; the "
-                    "rank files come from different runs.")
-            # Replicated pieces (plain tensors, Replicate() mesh dims) are taken once.
-            chunks.setdefault(local.offsets, PerRankChunk(
-                local.offsets, local.raw.shape, name, local.raw.storage_start,
-                local.raw.storage_nbytes, raw=local.raw))
+        _agree(folder, name, rank, objects, others)
+        for path, pieces in tensors.items():
+            for local in pieces:
+                dtype, shape, chunks = entries.setdefault(path, (local.dtype, local.shape, {}))
+                label = ".".join(map(str, path))
+                if (dtype.name, shape) != (local.dtype.name, local.shape):
+                    raise CorruptCheckpointError(
+                        f"{folder / name}: tensor '{label}' is {local.dtype.name} "
+                        f"{list(local.shape)} here but {dtype.name} {list(shape)} on rank 0; "
+                        "the rank files come from different runs.")
+                # Replicated pieces (plain tensors, Replicate() mesh dims) are taken once.
+                chunks.setdefault(local.offsets, PerRankChunk(
+                    local.offsets, local.raw.shape, name, local.raw.storage_start,
+                    local.raw.storage_nbytes, raw=local.raw))
         if world is None:
             # Accelerate's names do not record the world size; the mesh does (a sub-mesh,
             # tensor parallelism inside a larger world, spans fewer: the files say more).
@@ -166,28 +181,64 @@ def read_rank_set(folder: Path, rank_set: PerRankSet) -> tuple[PerRankFolder, li
         TensorEntry(".".join(map(str, (top, *path))), dtype, shape,
                     tuple(chunks[k] for k in sorted(chunks)), (top, *path))
         for path, (dtype, shape, chunks) in entries.items())
-    objects = [((top, *path), value) for path, value in objects]
+    # Decoded already; they point at rank 0's file (no bytes of it) for the structural checks.
+    first = rank_set.files[0]
+    objects_out = tuple(
+        DecodedObject(".".join(map(str, (top, *path))), first, 0, 0, (top, *path), value=value)
+        for path, (_, value) in objects.items())
     files = tuple(DataFile(n, os.stat(folder / n).st_size) for n in sorted(rank_set.files.values()))
-    return PerRankFolder(folder, DcpMetadata(tensors_out, ()), files), objects
+    return PerRankFolder(folder, DcpMetadata(tensors_out, objects_out), files)
 
 
-def rank_set_named(folder: Path, name: str) -> PerRankSet | None:
+def _agree(folder: Path, name: str, rank: int, seen: dict[KeyPath, tuple[str, Any]],
+           values: list[tuple[KeyPath, Any]]) -> None:
+    """Record rank 0's non-tensor values in ``seen``; refuse another rank's that differ.
+
+    DCP writes each non-tensor value once, and an optimizer's ``param_groups`` are the same
+    on every rank; values that differ mean rank files from different runs (or steps).
+    """
+    mine: dict[KeyPath, str] = {}
+    for path, value in values:
+        check_plain_value(value, source=f"{folder / name} ('{'.'.join(map(str, path))}')")
+        mine[path] = dumps(value)
+        if rank == 0:
+            seen[path] = (mine[path], value)
+    if rank == 0:
+        return
+    for path in sorted(set(seen) | set(mine), key=lambda p: tuple(map(str, p))):
+        label = ".".join(map(str, path))
+        if path not in mine or path not in seen or mine[path] != seen[path][0]:
+            here = "missing" if path not in mine else mine[path][:80]
+            there = "missing" if path not in seen else seen[path][0][:80]
+            raise CorruptCheckpointError(
+                f"{folder / name}: '{label}' is {here} here but {there} on rank 0; every rank "
+                "saves the same non-tensor values, so the rank files come from different runs "
+                "or steps. Use one save's files.")
+
+
+def rank_set_named(folder: Path | RemotePath, name: str) -> PerRankSet | None:
     """The per-rank set of ``folder`` that :class:`~fsdpckpt.dcp.layout.DcpPart` ``name``
     stands for, or None when ``name`` names no such set."""
     if "*" not in name or not folder.is_dir():
         return None
-    found = [r for r in find_rank_sets(sorted(os.listdir(folder))) if r.name == name]
+    names = [p.name for p in folder.iterdir()] if isinstance(folder, RemotePath) else \
+        sorted(os.listdir(folder))
+    found = [r for r in find_rank_sets(names) if r.name == name]
     return found[0] if found else None
 
 
-def read_part_folder(path: Path, name: str) -> DcpFolder:
+def read_part_folder(path: Path | RemotePath, name: str) -> DcpFolder:
     """A layout part as a DCP folder: a per-rank set read by :func:`read_rank_set`, or a real
     DCP folder by :func:`~fsdpckpt.dcp.reader.read_dcp_folder`."""
     rank_set = rank_set_named(path, name)
-    return read_rank_set(path, rank_set)[0] if rank_set else read_dcp_folder(path)
+    if rank_set is None:
+        return read_dcp_folder(path)
+    if isinstance(path, RemotePath):
+        raise NotACheckpointError(_REMOTE_RANK_FILES.format(path=path))
+    return read_rank_set(path, rank_set)
 
 
-def check_rank_files(path: Path, name: str) -> list[tuple[Path, str]]:
+def check_rank_files(path: Path | RemotePath, name: str) -> list[tuple[Path, str]]:
     """Read every entry of every rank file of the set ``name`` against its zip CRC-32, one
     block at a time; ``[]`` for a ``name`` that is no per-rank set.
 
@@ -195,8 +246,12 @@ def check_rank_files(path: Path, name: str) -> list[tuple[Path, str]]:
         ``(file, what is wrong)`` for each damaged or unreadable rank file.
     """
     rank_set = rank_set_named(path, name)
+    if rank_set is None:
+        return []
+    if isinstance(path, RemotePath):
+        raise NotACheckpointError(_REMOTE_RANK_FILES.format(path=path))
     found: list[tuple[Path, str]] = []
-    for file_name in sorted(rank_set.files.values()) if rank_set else ():
+    for file_name in sorted(rank_set.files.values()):
         try:
             with os.fdopen(open_data_file(path, file_name), "rb") as file, \
                     zipfile.ZipFile(file) as archive:

@@ -31,6 +31,14 @@ from fsdpckpt.dcp._archive import (
     is_plain_int,
     locate_record,
 )
+from fsdpckpt.dcp._perrank_sharded import (
+    SHARDED_GLOBALS,
+    ShardedTensorType,
+    ShardedValue,
+    local_shards,
+    sharded_value,
+    world_size,
+)
 from fsdpckpt.dcp._safe_pickle import RestrictedUnpickler, safe_loads
 from fsdpckpt.dcp._ziparchive import entry_info, open_archive, read_entry
 from fsdpckpt.dcp.dtypes import DType
@@ -78,12 +86,16 @@ class _Wrapper:
 
 
 def _rebuild_wrapper(cls: Any, dtype: Any, size: Any, *_: Any) -> _Wrapper:
-    if cls is not _DTensorType:
+    if cls is not _DTensorType and cls is not ShardedTensorType:
         raise CorruptCheckpointError(f"a wrapper tensor of an unexpected class {brief(cls)}")
     return _Wrapper(dtype, size)
 
 
-def _rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any) -> _Wrapper:
+def _rebuild_from_type(func: Any, new_type: Any, args: Any,
+                       state: Any) -> _Wrapper | ShardedValue:
+    if new_type is ShardedTensorType and func is _rebuild_wrapper and isinstance(args, tuple) \
+            and args and args[0] is ShardedTensorType:
+        return sharded_value(_rebuild_wrapper(*args).size, state)  # FSDP1's ShardedTensor
     # torch pickles a subclass's state as ``(__dict__ or None, slots dict)``.
     if isinstance(state, tuple) and len(state) == 2 and all(
             part is None or isinstance(part, dict) for part in state):
@@ -100,6 +112,7 @@ _GLOBALS: dict[tuple[str, str], Any] = {
     **BUILTIN_GLOBALS,
     **_STORAGE_GLOBALS,
     **_SPEC_CLASSES,
+    **SHARDED_GLOBALS,
     _torch.TORCH_SIZE: lambda dims=(): tuple(dims),
     _torch.GET_LAYOUT: str,
     _torch.TORCH_DEVICE: lambda *a: "device",
@@ -188,6 +201,7 @@ def _place(name: str, value: _Wrapper, raw: RawTensor,
         kind = getattr(placement, "kind", None)
         if kind == "Replicate":
             continue
+        _refuse_placement(name, placement, source)
         dim = placement.field("dim") if kind == "Shard" else None
         if not isinstance(dim, int) or not is_plain_int(dim) or not 0 <= dim < len(shape):
             raise NotACheckpointError(
@@ -204,21 +218,65 @@ def _place(name: str, value: _Wrapper, raw: RawTensor,
     return tuple(offsets), math.prod(mesh_shape)
 
 
+def _refuse_placement(name: str, placement: Any, source: str) -> None:
+    """Refuse the placements whose pieces are not simply placed side by side."""
+    kind = getattr(placement, "kind", None)
+    if kind == "Partial":
+        op = placement.field("reduce_op") or (placement.args[0] if placement.args else "sum")
+        raise NotACheckpointError(
+            f"{source}: DTensor '{name}' is placed as Partial({brief(op)}): each rank holds a "
+            "partial value that must be reduced across ranks, not placed, so the file alone "
+            "cannot give the tensor. Save a full (or replicated) state dict instead, e.g. "
+            "get_state_dict(..., options=StateDictOptions(full_state_dict=True)).")
+    if kind == "_StridedShard":
+        raise NotACheckpointError(
+            f"{source}: DTensor '{name}' is placed as _StridedShard(dim="
+            f"{brief(placement.field('dim'))}, split_factor="
+            f"{brief(placement.field('split_factor'))}) (FSDP2 over tensor parallelism): "
+            "fsdpckpt does not reassemble its interleaved pieces from per-rank files. Save "
+            "with DCP (Accelerate use_dcp=True, which records every piece's place) or a full "
+            "state dict instead.")
+
+
+def _is_terminal(value: Any) -> bool:
+    """DCP's rule (``_traverse.traverse_state_dict``): a list is a leaf unless it holds a
+    dict or a non-leaf list; dicts never are."""
+    if isinstance(value, dict):
+        return False
+    if not isinstance(value, list):
+        return True
+    return all(not isinstance(v, (dict, list)) or _is_terminal(v) for v in value)
+
+
 def _walk(value: Any, path: KeyPath, out: list[tuple[KeyPath, Any]], depth: int = 0) -> None:
+    """Flatten a state dict into key paths as DCP's ``flatten_state_dict`` does: through
+    dicts (string keys) and through lists that hold dicts (``param_groups``: int keys)."""
     if depth > 40:
         raise CorruptCheckpointError("the state dict nests more than 40 levels deep")
     if isinstance(value, dict):
         for key, item in value.items():
             _walk(item, (*path, key if isinstance(key, (str, int)) else str(key)), out,
                   depth + 1)
+    elif not _is_terminal(value):
+        for index, item in enumerate(value):
+            _walk(item, (*path, index), out, depth + 1)
     else:
         out.append((path, value))
 
 
-def read_rank(folder: Path, name: str) -> tuple[dict[KeyPath, RankTensor],
+#: The last key of an FSDP1 flat parameter (``LOCAL_STATE_DICT``).
+_FLAT_PARAM_NAMES = ("_flat_param", "flat_param")
+
+
+def read_rank(folder: Path, name: str) -> tuple[dict[KeyPath, list[RankTensor]],
                                                 list[tuple[KeyPath, Any]], int]:
-    """Parse one rank file: its tensors' places, its other values (decoded), and the most
-    ranks a DTensor's mesh spans (0 without DTensors)."""
+    """Parse one rank file: its tensors' pieces and their places, its other values
+    (decoded), and the most ranks that wrote a DTensor or ShardedTensor (0 without them).
+
+    Raises:
+        NotACheckpointError: an FSDP1 flat parameter (``LOCAL_STATE_DICT``), a placement
+            that cannot be placed (``Partial``, ``_StridedShard``), or no state dict.
+    """
     source = str(folder / name)
     fd = open_data_file(folder, name)
     with os.fdopen(fd, "rb") as file:
@@ -239,24 +297,46 @@ def read_rank(folder: Path, name: str) -> tuple[dict[KeyPath, RankTensor],
             def locate(record: _TensorRecord, what: str) -> RawTensor:
                 return locate_record(file, 0, size, archive, prefix, record, source=what)
 
-            tensors: dict[KeyPath, RankTensor] = {}
+            tensors: dict[KeyPath, list[RankTensor]] = {}
             others: list[tuple[KeyPath, Any]] = []
             mesh_ranks = 0
             for path, item in items:
                 label = ".".join(map(str, path))
                 what = f"{source} (tensor '{label}')"
-                if isinstance(item, _Wrapper):
+                if path and path[-1] in _FLAT_PARAM_NAMES and \
+                        isinstance(item, (_TensorRecord, _Wrapper, ShardedValue)):
+                    raise NotACheckpointError(
+                        f"{source}: '{label}' is an FSDP1 flat parameter (state_dict_type="
+                        "LOCAL_STATE_DICT): every parameter of a module flattened into one "
+                        "padded piece per rank, and which parameter lies where is not in the "
+                        "file, so it cannot be merged. Save with state_dict_type="
+                        "SHARDED_STATE_DICT (or FULL_STATE_DICT) instead.")
+                if isinstance(item, ShardedValue):
+                    shape = _ints(tuple(item.size) if isinstance(item.size, (tuple, list))
+                                  else None, "the global shape", what)
+                    pieces = []
+                    for offsets, sizes, record in local_shards(item, shape, what):
+                        raw = locate(record, what)
+                        if raw.shape != sizes:
+                            raise CorruptCheckpointError(
+                                f"{what}: a shard declared {list(sizes)} holds a tensor of "
+                                f"shape {list(raw.shape)}; the file is damaged.")
+                        pieces.append(RankTensor(raw.dtype, shape, offsets, raw))
+                    tensors[path] = pieces
+                    mesh_ranks = max(mesh_ranks, world_size(item))
+                elif isinstance(item, _Wrapper):
                     if not isinstance(item.local, _TensorRecord):
                         raise CorruptCheckpointError(f"{what}: a DTensor without its local "
                                                      "tensor.")
                     raw = locate(item.local, what)
                     offsets, ranks = _place(label, item, raw, what)
                     mesh_ranks = max(mesh_ranks, ranks)
-                    tensors[path] = RankTensor(raw.dtype, _ints(item.size, "the global shape",
-                                                            what), offsets, raw)
+                    tensors[path] = [RankTensor(raw.dtype, _ints(item.size, "the global shape",
+                                                             what), offsets, raw)]
                 elif isinstance(item, _TensorRecord):  # a plain tensor: whole on every rank
                     raw = locate(item, what)
-                    tensors[path] = RankTensor(raw.dtype, raw.shape, (0,) * len(raw.shape), raw)
+                    tensors[path] = [RankTensor(raw.dtype, raw.shape, (0,) * len(raw.shape),
+                                                raw)]
                 else:
                     others.append((path, item))
     return tensors, others, mesh_ranks

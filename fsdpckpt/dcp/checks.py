@@ -21,6 +21,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from fsdpckpt.dcp._objects import DecodedObject
 from fsdpckpt.dcp._zstd import MAX_RATIO
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry, rank_file_parts
 from fsdpckpt.dcp.reader import DcpFolder
@@ -228,6 +229,8 @@ def check_folder(folder: DcpFolder) -> list[Problem]:
                 # name and offsets, the same for them all): only real data must not share.
                 ranges.append((chunk.file, chunk.offset, chunk.offset + chunk.length, what))
     for obj in folder.metadata.objects:
+        if isinstance(obj, DecodedObject):
+            continue  # decoded already (a per-rank file's inline value): no bytes to check
         check_location(f"object '{obj.name}'", obj.file, obj.offset, obj.length)
         if obj.file is not None:
             ranges.append((obj.file, obj.offset, obj.offset + obj.length, f"object '{obj.name}'"))

@@ -4,7 +4,8 @@ Accelerate's ``save_state`` writes ``pytorch_model_fsdp_{i}/`` and
 ``optimizer_{i}/`` (DCP folders) beside per-rank ``random_states_{rank}.pkl``
 and shared ``scheduler.bin``, ``sampler.bin``, ``scaler.pt``... HF Trainer
 writes ``rng_state_{rank}.pth``, ``scheduler.pt`` and ``trainer_state.json``.
-This module only names what is there; it opens no file.
+This module only names what is there; it opens no file. A checkpoint on object
+storage (a URL) is named the same way, from its listing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp._hfstorage import find_hf_storage
 from fsdpckpt.dcp._perrank import find_rank_sets
 from fsdpckpt.dcp.reader import METADATA_FILE
@@ -59,7 +61,7 @@ class DcpPart:
     name: str
     kind: str
     index: int | None
-    path: Path
+    path: Path | RemotePath
     complete: bool
 
 
@@ -92,7 +94,7 @@ class CheckpointLayout:
         other_files: names of anything else in the folder.
     """
 
-    path: Path
+    path: Path | RemotePath
     style: str
     parts: tuple[DcpPart, ...]
     side_files: tuple[SideFile, ...]
@@ -102,22 +104,42 @@ class CheckpointLayout:
         return [f for f in self.side_files if f.kind == kind]
 
 
-def _classify_dir(path: Path) -> DcpPart | None:
+class _Entry:
+    """One entry of a folder, local (``os.DirEntry``) or remote, as the code below asks."""
+
+    def __init__(self, path: Path | RemotePath, entry: os.DirEntry[str] | None = None) -> None:
+        self.path, self.name, self._entry = path, path.name, entry
+
+    def is_dir(self) -> bool:
+        return self._entry.is_dir() if self._entry is not None else self.path.is_dir()
+
+    def size(self) -> int:
+        return self._entry.stat().st_size if self._entry is not None else self.path.stat().st_size
+
+
+def _scan(folder: Path | RemotePath) -> list[_Entry]:
+    """The entries of ``folder``, sorted by name."""
+    if isinstance(folder, RemotePath):
+        return [_Entry(p) for p in folder.iterdir()]
+    return sorted((_Entry(Path(e.path), e) for e in os.scandir(folder)), key=lambda e: e.name)
+
+
+def _classify_dir(path: Path | RemotePath) -> DcpPart | None:
     name = path.name
     complete = (path / METADATA_FILE).is_file()
     if match := _MODEL_DIR.match(name):
         return DcpPart(name, "model", int(match.group(2)), path, complete)
     if match := _OPTIMIZER_DIR.match(name):
         return DcpPart(name, "optimizer", int(match.group(1)), path, complete)
-    if complete or any(e.name.endswith(".distcp") for e in os.scandir(path)):
+    if complete or any(e.name.endswith(".distcp") for e in _scan(path)):
         return DcpPart(name, "dcp", None, path, complete)
     return None
 
 
-def _holds_checkpoint(path: Path) -> bool:
+def _holds_checkpoint(path: Path | RemotePath) -> bool:
     try:
         return any(e.is_dir() and (_MODEL_DIR.match(e.name) or _OPTIMIZER_DIR.match(e.name))
-                   for e in os.scandir(path))
+                   for e in _scan(path))
     except OSError:
         return False
 
@@ -128,19 +150,19 @@ def _natural_key(name: str) -> list[tuple[int, int | str]]:
             for part in re.split(r"(\d+)", name) if part]
 
 
-def _is_finished(path: Path) -> bool:
+def _is_finished(path: Path | RemotePath) -> bool:
     """Whether a checkpoint folder's save finished: every DCP folder in it has ``.metadata``."""
     if (path / METADATA_FILE).is_file():
         return True
     try:
-        dirs = [e for e in os.scandir(path) if e.is_dir() and
+        dirs = [e for e in _scan(path) if e.is_dir() and
                 (_MODEL_DIR.match(e.name) or _OPTIMIZER_DIR.match(e.name))]
     except OSError:
         return False
-    return bool(dirs) and all((Path(e.path) / METADATA_FILE).is_file() for e in dirs)
+    return bool(dirs) and all((e.path / METADATA_FILE).is_file() for e in dirs)
 
 
-def _several_checkpoints(root: Path, names: list[str]) -> NotACheckpointError:
+def _several_checkpoints(root: Path | RemotePath, names: list[str]) -> NotACheckpointError:
     """The error for a folder of checkpoints: list them, newest last, and suggest the newest
     one whose save finished (names sort by their numbers, so ``checkpoint-1000`` is newer
     than ``checkpoint-500``)."""
@@ -157,20 +179,21 @@ def _several_checkpoints(root: Path, names: list[str]) -> NotACheckpointError:
         f"e.g. {why}: {root / pick}")
 
 
-def _side_file(entry: os.DirEntry[str]) -> SideFile | None:
+def _side_file(entry: _Entry) -> SideFile | None:
     for pattern, kind in _SIDE_FILES:
         if match := pattern.match(entry.name):
             digits = [g for g in match.groups() if g and g.isdigit()]
             rank = int(digits[0]) if digits and kind == "rng" else None
-            return SideFile(entry.name, kind, rank, entry.stat().st_size)
+            return SideFile(entry.name, kind, rank, entry.size())
     return None
 
 
-def find_layout(path: str | os.PathLike[str]) -> CheckpointLayout:
+def find_layout(path: str | os.PathLike[str] | RemotePath) -> CheckpointLayout:
     """Name the parts of the checkpoint at ``path``.
 
     Args:
-        path: a single DCP folder, or a checkpoint folder in Accelerate's or HF Trainer's layout.
+        path: a single DCP folder, or a checkpoint folder in Accelerate's or HF Trainer's layout;
+            local, or a URL on object storage (``s3://bucket/run/checkpoint-100``).
 
     Returns:
         The :class:`CheckpointLayout`.
@@ -180,7 +203,7 @@ def find_layout(path: str | os.PathLike[str]) -> CheckpointLayout:
         NotACheckpointError: ``path`` is a file, an empty folder, or holds no checkpoint;
             for a folder of checkpoints the message lists them.
     """
-    root = Path(path)
+    root = location(path)
     if not root.exists():
         raise CheckpointNotFoundError(f"{root}: no such file or folder; check the path.")
     if not root.is_dir():
@@ -190,16 +213,16 @@ def find_layout(path: str | os.PathLike[str]) -> CheckpointLayout:
     if (root / METADATA_FILE).is_file():
         return CheckpointLayout(root, "dcp", (DcpPart(root.name, "dcp", None, root, True),), (), ())
 
-    entries = sorted(os.scandir(root), key=lambda e: e.name)
+    entries = _scan(root)
     if not entries:
         raise NotACheckpointError(f"{root}: the folder is empty; pass a checkpoint folder.")
     parts, side, other, nested = [], [], [], []
     for entry in entries:
         if entry.is_dir():
-            part = _classify_dir(Path(entry.path))
+            part = _classify_dir(entry.path)
             if part:
                 parts.append(part)
-            elif _CHECKPOINT_DIR.match(entry.name) or (Path(entry.path) / METADATA_FILE).exists():
+            elif _CHECKPOINT_DIR.match(entry.name) or (entry.path / METADATA_FILE).exists():
                 nested.append(entry.name)
             else:
                 other.append(entry.name + "/")
@@ -211,7 +234,7 @@ def find_layout(path: str | os.PathLike[str]) -> CheckpointLayout:
             other.append(entry.name)
     # A sub-folder that is itself a whole checkpoint makes this a folder of checkpoints,
     # whatever the names: list them all rather than treat one DCP folder as the checkpoint.
-    nested += [e.name for e in entries if e.is_dir() and _holds_checkpoint(Path(e.path))]
+    nested += [e.name for e in entries if e.is_dir() and _holds_checkpoint(e.path)]
     if nested:
         nested = list(set(nested) | {p.name for p in parts if p.kind == "dcp"})
         parts = []
@@ -224,7 +247,8 @@ def find_layout(path: str | os.PathLike[str]) -> CheckpointLayout:
         other = [n for n in other if n not in rank_set.files.values()]
     # Safetensors files of torch's HuggingFaceStorageWriter: one part, read by
     # dcp/_hfstorage.py as a DCP folder.
-    saved = None if nested or parts else find_hf_storage(root, other)
+    saved = None if nested or parts or isinstance(root, RemotePath) else \
+        find_hf_storage(root, other)
     if saved:
         parts.append(DcpPart(saved.name, "model", None, root, True))
         other = [n for n in other if n not in saved.files and n != saved.index]

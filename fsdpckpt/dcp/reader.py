@@ -11,8 +11,9 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp._allowlist import METADATA_GLOBALS, STORAGE_INFO_KIND, Record, brief
 from fsdpckpt.dcp._safe_pickle import safe_loads
 from fsdpckpt.dcp._zstd import check_transforms
@@ -28,7 +29,15 @@ METADATA_FILE = ".metadata"
 _ONLY_INSIDE = "fsdpckpt reads a checkpoint's data files only from inside its folder"
 
 
-def path_inside(folder: Path, relative: str) -> Path:
+@overload
+def path_inside(folder: Path, relative: str) -> Path: ...
+@overload
+def path_inside(folder: RemotePath, relative: str) -> RemotePath: ...
+@overload
+def path_inside(folder: Path | RemotePath, relative: str) -> Path | RemotePath: ...
+
+
+def path_inside(folder: Path | RemotePath, relative: str) -> Path | RemotePath:
     """``folder / relative``, checked to stay inside ``folder`` once symlinks are followed.
 
     This is the one rule every reader applies before it opens or sizes a data file:
@@ -40,6 +49,11 @@ def path_inside(folder: Path, relative: str) -> Path:
     Raises:
         NotACheckpointError: the path leads outside ``folder``; the message says where.
     """
+    if isinstance(folder, RemotePath):  # object stores have no links; '/'-checks the name
+        if relative.startswith("/"):
+            raise NotACheckpointError(f"{folder}: names {relative!r}, outside the checkpoint "
+                                      f"folder; {_ONLY_INSIDE}")
+        return folder / relative
     path = folder / relative
     root = os.path.realpath(folder)
     real = os.path.realpath(path)
@@ -52,7 +66,15 @@ def path_inside(folder: Path, relative: str) -> Path:
     return path
 
 
-def data_file_path(folder: Path, name: str) -> Path:
+@overload
+def data_file_path(folder: Path, name: str) -> Path: ...
+@overload
+def data_file_path(folder: RemotePath, name: str) -> RemotePath: ...
+@overload
+def data_file_path(folder: Path | RemotePath, name: str) -> Path | RemotePath: ...
+
+
+def data_file_path(folder: Path | RemotePath, name: str) -> Path | RemotePath:
     """The path of the data file ``name`` of the DCP folder ``folder``, checked.
 
     DCP's ``FileSystemWriter`` names data files by plain file names (``__0_0.distcp``);
@@ -103,7 +125,7 @@ class DcpFolder:
         files: the ``*.distcp`` files present, sorted by name, with their sizes.
     """
 
-    path: Path
+    path: Path | RemotePath
     metadata: DcpMetadata
     files: tuple[DataFile, ...]
 
@@ -117,7 +139,7 @@ class DcpFolder:
         return sum(f.size for f in self.files) + (self.path / METADATA_FILE).stat().st_size
 
 
-def is_dcp_folder(path: Path) -> bool:
+def is_dcp_folder(path: Path | RemotePath) -> bool:
     """Whether ``path`` is a folder holding a ``.metadata`` file."""
     return (path / METADATA_FILE).is_file()
 
@@ -130,13 +152,21 @@ def is_dcp_folder(path: Path) -> bool:
 METADATA_SLACK = 8 << 20
 
 
-def _read_metadata_bounded(folder: Path, meta_path: Path) -> bytes:
+def _data_files(folder: Path | RemotePath) -> list[tuple[str, int]]:
+    """``(name, size)`` of the ``*.distcp`` regular files in ``folder`` (links not followed)."""
+    if isinstance(folder, RemotePath):
+        return [(p.name, p.stat().st_size) for p in folder.iterdir()
+                if p.name.endswith(".distcp") and p.is_file()]
+    return [(e.name, e.stat(follow_symlinks=False).st_size) for e in os.scandir(folder)
+            if e.name.endswith(".distcp") and e.is_file(follow_symlinks=False)]
+
+
+def _read_metadata_bounded(folder: Path | RemotePath, meta_path: Path | RemotePath) -> bytes:
     """The bytes of ``.metadata``, refused unread when larger than the data it could describe."""
     path = path_inside(folder, METADATA_FILE)
-    size = os.stat(path).st_size
+    size = path.stat().st_size if isinstance(path, RemotePath) else os.stat(path).st_size
     if size > METADATA_SLACK:
-        data = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(folder)
-                   if e.name.endswith(".distcp") and e.is_file(follow_symlinks=False))
+        data = sum(size for _, size in _data_files(folder))
         if size > METADATA_SLACK + data:
             raise NotACheckpointError(
                 f"{meta_path}: {size} bytes of metadata for {data} bytes of data files; a "
@@ -146,11 +176,12 @@ def _read_metadata_bounded(folder: Path, meta_path: Path) -> bytes:
     return path.read_bytes()
 
 
-def read_dcp_folder(path: str | os.PathLike[str]) -> DcpFolder:
+def read_dcp_folder(path: str | os.PathLike[str] | RemotePath) -> DcpFolder:
     """Read a DCP folder's metadata and list its data files, without unpickling anything unsafe.
 
     Args:
-        path: the DCP folder (the one holding ``.metadata``).
+        path: the DCP folder (the one holding ``.metadata``): local, or a remote URL /
+            :class:`~fsdpckpt._io.remote.RemotePath`.
 
     Returns:
         A :class:`DcpFolder`.
@@ -166,7 +197,7 @@ def read_dcp_folder(path: str | os.PathLike[str]) -> DcpFolder:
         >>> [t.name for t in folder.metadata.tensors][:2]
         ['model.0.weight', 'model.0.bias']
     """
-    folder = Path(path)
+    folder = location(path)
     if not folder.exists():
         raise CheckpointNotFoundError(f"{folder}: no such file or folder; check the path.")
     if not folder.is_dir():
@@ -181,11 +212,14 @@ def read_dcp_folder(path: str | os.PathLike[str]) -> DcpFolder:
     metadata = parse_metadata(_read_metadata_bounded(folder, meta_path), source=str(meta_path))
     for name in sorted(metadata.referenced_files):  # before any of them is sized or opened
         data_file_path(folder, name)
-    files = tuple(
-        DataFile(entry.name, os.stat(data_file_path(folder, entry.name)).st_size)
-        for entry in sorted(os.scandir(folder), key=lambda e: e.name)
-        if entry.name.endswith(".distcp") and entry.is_file()
-    )
+    if isinstance(folder, RemotePath):
+        files = tuple(DataFile(name, size) for name, size in sorted(_data_files(folder)))
+    else:
+        files = tuple(
+            DataFile(entry.name, os.stat(data_file_path(folder, entry.name)).st_size)
+            for entry in sorted(os.scandir(folder), key=lambda e: e.name)
+            if entry.name.endswith(".distcp") and entry.is_file()
+        )
     return DcpFolder(folder, metadata, files)
 
 

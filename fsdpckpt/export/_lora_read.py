@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.dcp.layout import find_layout
@@ -36,7 +37,7 @@ class ModelSource:
         shapes, dtypes: each tensor's shape and dtype name (``"float32"``...), by name.
     """
 
-    path: Path
+    path: Path | RemotePath
     names: tuple[str, ...]
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, str]
@@ -83,7 +84,7 @@ class ModelSource:
                         yield name, handle.get_tensor(name)
 
 
-def _from_dcp(folder: Path) -> ModelSource:
+def _from_dcp(folder: Path | RemotePath) -> ModelSource:
     from fsdpckpt.merging._keys import output_name, shares_top_key
 
     dcp = read_dcp_folder(folder)

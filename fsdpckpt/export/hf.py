@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdpckpt._io.durable import write_bytes
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
-from fsdpckpt.errors import FsdpCkptError
+from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 from fsdpckpt.export._config import (
     CONFIG,
     SideFiles,
@@ -66,7 +67,7 @@ class ExportResult:
         seconds: wall time.
     """
 
-    source: Path
+    source: Path | RemotePath
     output: Path
     weights: tuple[Path, ...]
     files: tuple[Path, ...]
@@ -91,6 +92,10 @@ class ExportResult:
 def _search_root(layout: CheckpointLayout) -> Path:
     # A DCP folder given on its own (ckpt/pytorch_model_fsdp_0) sits in its checkpoint
     # folder: look from there, as from the checkpoint folder itself.
+    if isinstance(layout.path, RemotePath):
+        raise NotACheckpointError(
+            f"{layout.path}: export-hf reads checkpoints from local disk only, not yet from "
+            "object storage; merge it (fsdpckpt merge URL OUT) or download it first")
     return layout.path.parent if layout.style == "dcp" else layout.path
 
 

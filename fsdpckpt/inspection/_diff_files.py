@@ -14,6 +14,7 @@ from typing import Any
 
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._io.rawio import read_exact
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp._objects import loads, to_torch
 from fsdpckpt.dcp.dtypes import DType, dtype_from_name
 from fsdpckpt.dcp.layout import find_layout
@@ -228,9 +229,14 @@ def open_source(path: str | os.PathLike[str], *, optimizer: bool = False,
         CheckpointNotFoundError: nothing at ``path``.
         NotACheckpointError, CorruptCheckpointError, UnsafePickleError: it cannot be read.
     """
-    p = Path(path)
+    p = location(path)
     if not p.exists():
         raise CheckpointNotFoundError(f"{p}: no such file or folder; check the path.")
+    if isinstance(p, RemotePath):
+        if is_dcp_folder(p):
+            return DcpSource(p, keep_keys=keep_keys)
+        raise NotACheckpointError(f"{p}: only DCP folders are read from object storage yet "
+                                  "(merged files, per-rank files: not yet); download it first")
     if p.is_file():
         return _file_source(p, keep_keys=keep_keys, shown=p)
     if is_dcp_folder(p):

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from fsdpckpt._io.rawio import ReadAt
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._objects import read_object, to_torch
@@ -107,7 +109,7 @@ class Source:
         tensors: every tensor, by name, in the source's order.
     """
 
-    path: Path
+    path: Path | RemotePath
     kind: str
     tensors: dict[str, TensorInfo]
 
@@ -135,7 +137,8 @@ class Source:
         self.close()
 
 
-def _names(key_paths: Sequence[KeyPath], *, keep_keys: bool, source: Path) -> list[str]:
+def _names(key_paths: Sequence[KeyPath], *, keep_keys: bool,
+           source: Path | RemotePath) -> list[str]:
     strip = shares_top_key(key_paths)
     names = [output_name(p, strip_top=strip, clean=not keep_keys) for p in key_paths]
     seen: set[str] = set()
@@ -152,7 +155,7 @@ class DcpSource(Source):
 
     kind = "dcp"
 
-    def __init__(self, path: Path, *, keep_keys: bool) -> None:
+    def __init__(self, path: Path | RemotePath, *, keep_keys: bool) -> None:
         self.path = path
         folder = read_dcp_folder(path)
         require_whole(folder)  # declared sizes checked against the bytes before any read
@@ -163,7 +166,7 @@ class DcpSource(Source):
         self.tensors = {n: TensorInfo(n, e.dtype, e.shape) for n, e in self._entries.items()
                         if isinstance(e, TensorEntry)}
         self._files = DataFiles(path)
-        self._raws: tuple[str, list[tuple[Chunk, RawTensor, int | ZstdEntry, str]]] | None = None
+        self._raws: tuple[str, list[tuple[Chunk, RawTensor, int | ReadAt, str]]] | None = None
 
     def object_names(self) -> list[str]:
         return [n for n, e in self._entries.items() if not isinstance(e, TensorEntry)]
@@ -180,7 +183,7 @@ class DcpSource(Source):
             found[name] = to_torch(value)
         return found
 
-    def _chunks(self, name: str) -> list[tuple[Chunk, RawTensor, int | ZstdEntry, str]]:
+    def _chunks(self, name: str) -> list[tuple[Chunk, RawTensor, int | ReadAt, str]]:
         """Each chunk of ``name`` with where its data is, located once per tensor."""
         if self._raws is not None and self._raws[0] == name:
             return self._raws[1]
@@ -203,7 +206,7 @@ class DcpSource(Source):
                 raise CorruptCheckpointError(f"{source}: holds shape {list(raw.shape)}, the "
                                              f"metadata says {list(chunk.sizes)}")
             # A compressed chunk is read through its decoder, a plain one by descriptor.
-            src: int | ZstdEntry = handle if isinstance(handle, ZstdEntry) else data.fd
+            src: int | ReadAt = handle if isinstance(handle, ZstdEntry) else data.fd
             located.append((chunk, raw, src, source))
         self._raws = (name, located)
         return located

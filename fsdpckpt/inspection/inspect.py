@@ -12,7 +12,9 @@ import fnmatch
 import os
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp._hfstorage import HfStorageFolder, read_part
 from fsdpckpt.dcp._perrank import PerRankFolder
 from fsdpckpt.dcp.checks import Problem, check_folder, known_world_size
@@ -115,8 +117,9 @@ def _missing_rng(path: str, world: int, present: set[int]) -> list[Problem]:
     return problems
 
 
-def inspect_checkpoint(path: str | os.PathLike[str], *,
-                       names: str | None = None) -> InspectReport:
+def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
+                       names: str | None = None,
+                       storage_options: dict[str, Any] | None = None) -> InspectReport:
     """Describe the checkpoint at ``path`` and check its structure.
 
     Args:
@@ -138,7 +141,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *,
         >>> report.ok, [p.name for p in report.parts]
         (True, ['pytorch_model_fsdp_0', 'optimizer_0'])
     """
-    layout = find_layout(path)
+    layout = find_layout(location(path, storage_options=storage_options))
     keep = name_matcher(names)
     problems: list[Problem] = []
     parts = []

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.layout import SideFile
@@ -105,7 +106,7 @@ class PartReport(_JsonDocument):
     name: str
     kind: str
     index: int | None
-    path: Path
+    path: Path | RemotePath
     complete: bool
     version: str | None = None
     world_size: int = 0
@@ -159,7 +160,7 @@ class InspectReport(_JsonDocument):
         problems: everything found wrong with its structure, in a stable order.
     """
 
-    path: Path
+    path: Path | RemotePath
     style: str
     world_size: int
     world_size_exact: bool
@@ -205,7 +206,7 @@ class VerifyReport(_JsonDocument):
         problems: everything found wrong, each once.
     """
 
-    path: Path
+    path: Path | RemotePath
     manifest: bool
     manifest_digest: str | None
     digest: str | None

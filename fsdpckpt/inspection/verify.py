@@ -13,9 +13,11 @@ from __future__ import annotations
 import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 from fsdpckpt._io.checksums import crc32_range, file_checksums
 from fsdpckpt._io.rawio import reusing_scratch, scratch
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._archive import locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
@@ -26,7 +28,7 @@ from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.dcp.metadata import DcpMetadata
 from fsdpckpt.dcp.reader import path_inside, read_dcp_folder
-from fsdpckpt.errors import FsdpCkptError
+from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 from fsdpckpt.inspection.inspect import inspect_checkpoint
 from fsdpckpt.inspection.report import VerifyReport
 from fsdpckpt.training._dcp_io import stray_metadata_files
@@ -34,7 +36,7 @@ from fsdpckpt.training.manifest import MANIFEST, data_entry_crc, manifest_digest
 
 __all__ = ["verify_checkpoint"]
 
-def _check_chunks(folder: Path, problems: list[Problem], *, only_file: str | None,
+def _check_chunks(folder: Path | RemotePath, problems: list[Problem], *, only_file: str | None,
                   expected: dict[tuple[str, str, tuple[int, ...]], int] | None,
                   progress: ProgressCallback | None) -> None:
     """Check each chunk's data against ``expected`` CRCs, or its zip's own CRC when None."""
@@ -44,7 +46,7 @@ def _check_chunks(folder: Path, problems: list[Problem], *, only_file: str | Non
                           progress=progress)
 
 
-def _check_each_chunk(folder: Path, meta: DcpMetadata, files: DataFiles,
+def _check_each_chunk(folder: Path | RemotePath, meta: DcpMetadata, files: DataFiles,
                       problems: list[Problem], *, only_file: str | None,
                       expected: dict[tuple[str, str, tuple[int, ...]], int] | None,
                       progress: ProgressCallback | None) -> None:
@@ -100,7 +102,7 @@ def _decoded_crc(entry: ZstdEntry, start: int, count: int,
     return crc
 
 
-def _chunk_bytes(folders: list[Path]) -> tuple[int, int]:
+def _chunk_bytes(folders: list[Path | RemotePath]) -> tuple[int, int]:
     """Bytes and data files that checking every chunk of ``folders`` reads, from the metadata:
     each chunk's data (DCP saves a chunk's own elements, no more)."""
     total, files = 0, set()
@@ -125,7 +127,7 @@ def _walk(root: Path) -> tuple[list[str], list[str]]:
     return sorted(found), sorted(linked)
 
 
-def _check_digest(root: Path, expect: str, problems: list[Problem]) -> str | None:
+def _check_digest(root: Path | RemotePath, expect: str, problems: list[Problem]) -> str | None:
     """Compare the manifest's digest with ``expect``; return the digest (None: no manifest)."""
     want = expect if expect.startswith("sha256:") else "sha256:" + expect
     try:
@@ -144,7 +146,8 @@ def _check_digest(root: Path, expect: str, problems: list[Problem]) -> str | Non
 @reusing_scratch()  # one read buffer for every chunk and file checked
 def verify_checkpoint(path: str | os.PathLike[str], *,
                       progress: ProgressFactory | None = None,
-                      expect_digest: str | None = None) -> VerifyReport:
+                      expect_digest: str | None = None,
+                      storage_options: dict[str, Any] | None = None) -> VerifyReport:
     """Check the structure and every byte of the checkpoint at ``path``.
 
     Args:
@@ -170,7 +173,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         >>> report.ok
         True
     """
-    root = Path(path)
+    root = location(path, storage_options=storage_options)
     layout = find_layout(root)
     problems: list[Problem] = []
     try:
@@ -203,6 +206,10 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             _check_chunks(folder, problems, only_file=None, expected=None, progress=callback)
         return _report(root, problems, manifest=False, digest=digest, file_digest=None)
 
+    if isinstance(root, RemotePath):
+        raise NotACheckpointError(
+            f"{root}: checking a checkpoint against its manifest reads it from local disk "
+            "only, not yet from object storage; download it first and verify the copy")
     file_digest = manifest.get("digest")  # schema-checked: None, or one of DIGESTS
     named = {p.path for p in problems}  # stray metadata files are named above already
     files, linked_folders = _walk(root)
@@ -257,7 +264,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     return _report(root, problems, manifest=True, digest=digest, file_digest=file_digest)
 
 
-def _report(root: Path, problems: list[Problem], *, manifest: bool, digest: str | None,
+def _report(root: Path | RemotePath, problems: list[Problem], *, manifest: bool, digest: str | None,
             file_digest: str | None) -> VerifyReport:
     if manifest and digest is None:
         digest = manifest_digest(root)

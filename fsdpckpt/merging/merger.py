@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.errors import NotACheckpointError
 from fsdpckpt.merging._outputs import claim_outputs
+from fsdpckpt.merging._remote_out import check_remote_output, local_stage, upload_results
 from fsdpckpt.merging._validate import MergeRequest, resolve_folders, validate_merge
 from fsdpckpt.merging.plan import MergePlan, parse_dtype, plan_merge
 from fsdpckpt.merging.writer import commit, sigterm_interrupts, staging, write_plan
@@ -187,20 +188,37 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
     Example:
         >>> fsdpckpt.merge("ckpt", "out", dtype="bf16", max_shard_size="5GB")
     """
-    def plan() -> MergeJob:
+    def plan(into: str | os.PathLike[str] = output_dir) -> MergeJob:
         source = location(checkpoint, storage_options=storage_options)
-        return plan_job(validate_merge(source, output_dir, optimizer=optimizer,
+        return plan_job(validate_merge(source, into, optimizer=optimizer,
                                        model_index=model_index, format=format, dtype=dtype,
                                        max_shard_size=max_shard_size, keep_keys=keep_keys,
                                        include=include, exclude=exclude, overwrite=overwrite,
                                        file_name=file_name))
 
+    out = location(output_dir, storage_options=storage_options)
+    if isinstance(out, RemotePath):
+        if process_group is not None:
+            raise NotACheckpointError(f"{out}: a merge spread over ranks writes to a shared "
+                                      "file system; merge to object storage in one process")
+        return _run_remote(out, plan, overwrite, progress)
     if process_group is None:
         return _run(plan(), progress)
     # Imported here: it imports this module, and torch.distributed only when spread.
     from fsdpckpt.merging._distributed import agree_on, run_spread
 
     return run_spread(agree_on(process_group, plan), process_group, progress)
+
+
+def _run_remote(out: RemotePath, plan: Callable[[Path], MergeJob], overwrite: bool,
+                progress: ProgressFactory | None) -> list[MergeResult]:
+    # Merged locally, then uploaded, the index last (merging/_remote_out.py says why).
+    check_remote_output(out)
+    with local_stage(out) as local:
+        job = plan(local)
+        stale = claim_outputs(job.plans, out, overwrite=overwrite)  # before any byte is read
+        results = _run(job, progress)
+        return upload_results(results, out, stale)
 
 
 def _run(job: MergeJob, progress: ProgressFactory | None) -> list[MergeResult]:

@@ -125,6 +125,9 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
     Args:
         path: a DCP folder, or a checkpoint folder in Accelerate's or HF Trainer's layout.
         names: keep only tensors and objects whose name matches (glob, or substring).
+        storage_options: for URLs (``s3://``...): the fsspec filesystem's options
+            (``{"endpoint_url": ..., "profile": ...}``); None: the backend's defaults
+            (``AWS_*`` variables, ``~/.aws``...). See docs/remote.md.
 
     Returns:
         An :class:`~fsdpckpt.inspection.report.InspectReport`: ``path``, ``style``, ``ok``,

@@ -161,6 +161,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             :func:`fsdpckpt.training.manifest.manifest_digest` gives it). Any difference is a
             problem. With a manifest saved with ``digest="sha256"``, this pins every byte
             of every file the manifest lists, and strays are reported besides.
+        storage_options: for URLs (``s3://``...): the fsspec filesystem's options
+            (``{"endpoint_url": ..., "profile": ...}``); None: the backend's defaults
+            (``AWS_*`` variables, ``~/.aws``...). See docs/remote.md.
 
     Returns:
         A :class:`~fsdpckpt.inspection.report.VerifyReport`: ``path``, ``ok``, ``manifest``

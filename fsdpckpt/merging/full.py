@@ -165,7 +165,10 @@ def load_full_state_dict(path: str | os.PathLike[str], *,
             ``use_dcp=False``, VeRL's: the model's are read); a folder written by torch's
             ``HuggingFaceStorageWriter`` (per-rank shards, or consolidated); a merged
             ``.safetensors`` / ``.bin`` file or shard index; or a folder holding one merged output
-            (``model.safetensors``...).
+            (``model.safetensors``...). Local, or a DCP folder's URL on object storage.
+        storage_options: for URLs (``s3://``...): the fsspec filesystem's options
+            (``{"endpoint_url": ..., "profile": ...}``); None: the backend's defaults
+            (``AWS_*`` variables, ``~/.aws``...). See docs/remote.md.
 
     Returns:
         For a DCP folder, the nested dict ``dcp_to_torch_save`` would save. For a merged

@@ -167,6 +167,10 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
         file_name: the single output file's name, instead of ``model.safetensors``...
         progress: ``progress(total_bytes, files)`` returns a callback given byte counts.
             Spread over ranks, each rank's is called with that rank's share.
+        storage_options: for URLs (``s3://``...) in ``checkpoint`` or ``output_dir``: the
+            fsspec filesystem's options; None: the backend's defaults (``AWS_*`` variables,
+            ``~/.aws``...). A remote ``output_dir`` is merged in ``$TMPDIR`` and uploaded
+            file by file, the index last (docs/remote.md).
         process_group: spread the merge over the ranks of this ``torch.distributed``
             group (``torch.distributed.group.WORLD`` for all; gloo works on CPU): every
             rank calls ``merge`` with the same arguments, writes its share of the output

@@ -222,9 +222,11 @@ def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | 
               help="Accepted for older scripts; an existing output is always replaced.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
+@_storage_options_option
 @_debug_option
 def merge_weights(checkpoint_directory: str, output_path: str, unsafe: bool, remove: bool,
-                  overwrite: bool, quiet: bool, as_json: bool) -> None:
+                  overwrite: bool, quiet: bool, as_json: bool,
+                  storage_options: dict | None) -> None:
     """Drop-in for `accelerate merge-weights`: same arguments, same output names.
 
     Merges CHECKPOINT_DIRECTORY (e.g. ckpt/pytorch_model_fsdp_0) into
@@ -245,7 +247,8 @@ def merge_weights(checkpoint_directory: str, output_path: str, unsafe: bool, rem
     start = time.perf_counter()
     del overwrite  # always on, as in Accelerate
     path = merge_fsdp_weights(checkpoint_directory, output_path, not unsafe, remove,
-                              overwrite=True, progress=_progress(quiet))
+                              overwrite=True, progress=_progress(quiet),
+                              storage_options=storage_options)
     seconds = time.perf_counter() - start
     if as_json:
         click.echo(json.dumps({"output": str(path), "seconds": round(seconds, 3)}))

@@ -133,3 +133,15 @@ def test_the_cli_refuses_an_existing_remote_output_in_one_line(s3):
     result = run_cli("merge", CKPT, f"s3://{root}/merged", "--storage-options",
                      json.dumps(_options(server)))
     assert_one_line_error(result, f"s3://{root}/merged/model.safetensors", "--overwrite")
+
+
+def test_merge_weights_takes_urls_on_both_sides_as_accelerate_would_take_paths(s3, tmp_path):
+    server, root = s3
+    source = upload(server, CKPT / "pytorch_model_fsdp_0", f"s3://{root}/ckpt/pytorch_model_fsdp_0")
+    out = f"s3://{root}/merged"
+    result = run_cli("merge-weights", source, out, "--storage-options",
+                     json.dumps(_options(server)), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["output"] == f"{out}/model.safetensors"
+    fsdpckpt.merge_fsdp_weights(str(CKPT / "pytorch_model_fsdp_0"), str(tmp_path / "local"))
+    assert _remote_files(server, out) == _local_files(tmp_path / "local")

@@ -24,9 +24,13 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.errors import FsdpCkptError
+
+if TYPE_CHECKING:
+    from fsdpckpt.merging.merger import MergeResult
 from fsdpckpt.merging.writer import OutputNotWritableError
 
 __all__ = ["check_remote_output", "local_stage", "upload_results"]
@@ -46,8 +50,8 @@ def local_stage(out: RemotePath) -> Iterator[Path]:
         yield Path(tmp) / out.name
 
 
-def upload_results(results: list, out: RemotePath, stale: tuple,
-                   progress: Callable[[int], None] | None = None) -> list:
+def upload_results(results: list[MergeResult], out: RemotePath, stale: tuple[RemotePath, ...],
+                   progress: Callable[[int], None] | None = None) -> list[MergeResult]:
     """Upload every result's files into ``out`` (the index of each last), then remove
     ``stale`` (earlier outputs the new ones replace). Returns the results, naming the
     uploaded objects.
@@ -59,8 +63,8 @@ def upload_results(results: list, out: RemotePath, stale: tuple,
     done = []
     try:
         for result in results:
-            remote_files = []
-            for local in result.files:
+            remote_files: list[Path | RemotePath] = []
+            for local in (f for f in result.files if isinstance(f, Path)):
                 target = out / local.name
                 try:
                     _put(local, target)
@@ -90,7 +94,7 @@ def _put(local: Path, target: RemotePath) -> None:
     target.fs.put_file(str(local), target.path)
 
 
-def _delete(paths: list) -> None:
+def _delete(paths: list[RemotePath]) -> None:
     for path in paths:
         with contextlib.suppress(FileNotFoundError, OSError, FsdpCkptError):
             path.fs.rm_file(path.path)

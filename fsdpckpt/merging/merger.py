@@ -54,14 +54,14 @@ class MergeResult:
     """
 
     source: Path | RemotePath
-    files: tuple[Path, ...]
+    files: tuple[Path | RemotePath, ...]
     tensors: int
     bytes: int
     objects: tuple[str, ...]
     seconds: float
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Path | RemotePath:
         """The file to load: the single output, or the shard index."""
         return self.files[-1]
 
@@ -234,7 +234,8 @@ def _run(job: MergeJob, progress: ProgressFactory | None) -> list[MergeResult]:
 def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization: bool = True,
                        remove_checkpoint_dir: bool = False, *, overwrite: bool = True,
                        progress: ProgressFactory | None = None,
-                       ) -> Path:
+                       storage_options: dict[str, Any] | None = None,
+                       ) -> Path | RemotePath:
     """Accelerate's ``merge_fsdp_weights``, streaming and in constant memory.
 
     Writes ``{output_path}/model.safetensors`` (metadata ``{"format": "pt"}``) or, with
@@ -255,6 +256,7 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
         remove_checkpoint_dir: delete ``checkpoint_dir`` after a successful merge.
         overwrite: replace an existing output (default, as Accelerate); False refuses.
         progress: as for :func:`merge`.
+        storage_options: as for :func:`merge` (either path may be a URL).
 
     Returns:
         The path of the merged file.
@@ -262,17 +264,25 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
     Example:
         >>> merge_fsdp_weights("ckpt/pytorch_model_fsdp_0", "merged")
     """
-    layout = find_layout(checkpoint_dir)  # read once: the validate stage takes it as found
+    # Read once: the validate stage takes it as found.
+    layout = find_layout(location(checkpoint_dir, storage_options=storage_options))
     if len(layout.parts) > 1:
         # Accelerate's command merges one DCP folder; guessing which would surprise.
         choices = " or ".join(str(p.path) for p in layout.parts)
         raise NotACheckpointError(f"{layout.path}: holds {len(layout.parts)} DCP folders; "
                                   f"pass one of them: {choices}")
     fmt = "safetensors" if safe_serialization else "bin"
-    # No file name: the format names it (model.safetensors, pytorch_model.bin, optimizer.*).
-    request = validate_merge(layout, output_path, format=fmt, keep_keys=True,
-                             overwrite=overwrite)
-    (result,) = _run(plan_job(request), progress)
+
+    def plan(into: str | os.PathLike[str] = output_path) -> MergeJob:
+        # No file name: the format names it (model.safetensors, pytorch_model.bin, optimizer.*).
+        return plan_job(validate_merge(layout, into, format=fmt, keep_keys=True,
+                                       overwrite=overwrite))
+
+    out = location(output_path, storage_options=storage_options)
+    if isinstance(out, RemotePath):
+        (result,) = _run_remote(out, plan, overwrite, progress)
+    else:
+        (result,) = _run(plan(), progress)
     if remove_checkpoint_dir:
         if isinstance(result.source, RemotePath):
             result.source.fs.rm(result.source.path, recursive=True)

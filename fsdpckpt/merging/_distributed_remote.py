@@ -22,9 +22,9 @@ from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.merging._distributed import _outline, _Ranks, _write_share, assign_files
 from fsdpckpt.merging._outputs import claim_outputs
-from fsdpckpt.merging._remote_out import _delete, _put, check_remote_output, local_stage
+from fsdpckpt.merging._remote_out import check_remote_output, delete, local_stage, upload
 from fsdpckpt.merging.merger import MergeJob, MergeResult
-from fsdpckpt.merging.writer import OutputNotWritableError, sigterm_interrupts, write_index
+from fsdpckpt.merging.writer import sigterm_interrupts, write_index
 
 __all__ = ["run_spread_remote"]
 
@@ -45,7 +45,7 @@ def run_spread_remote(out: RemotePath, plan: Callable[[Path], MergeJob], group: 
     ranks.agree(lambda: check_remote_output(out))
     uploaded: list[RemotePath] = []
     with sigterm_interrupts(), local_stage(out) as local, contextlib.ExitStack() as stack:
-        stack.callback(lambda: _delete(list(reversed(uploaded))))  # disarmed once committed
+        stack.callback(lambda: delete(list(reversed(uploaded))))  # disarmed once committed
         job = ranks.agree(lambda: plan(local))
         outlines = ranks.agree_all(lambda: _outline(job))
         if any(o != outlines[0] for o in outlines):
@@ -59,7 +59,7 @@ def run_spread_remote(out: RemotePath, plan: Callable[[Path], MergeJob], group: 
             written: list[Path] = []
             seconds = _write_share(job, mine, local, written, progress)
             for path in written:
-                _upload(path, out, uploaded)
+                upload(path, out, uploaded)
                 path.unlink()  # local disk holds this rank's share, and only until uploaded
             return seconds
 
@@ -71,9 +71,9 @@ def run_spread_remote(out: RemotePath, plan: Callable[[Path], MergeJob], group: 
             for plan_ in job.plans:
                 index = write_index(plan_, local)
                 if index is not None:
-                    _upload(index, out, uploaded)
+                    upload(index, out, uploaded)
             new = {str(u) for u in uploaded}
-            _delete(sorted((s for s in stale if str(s) not in new),
+            delete(sorted((s for s in stale if str(s) not in new),
                            key=lambda s: not s.name.endswith(".index.json")))
 
         ranks.agree(commit)
@@ -88,13 +88,3 @@ def run_spread_remote(out: RemotePath, plan: Callable[[Path], MergeJob], group: 
         out.forget_listings()
         return results
 
-
-def _upload(path: Path, out: RemotePath, uploaded: list[RemotePath]) -> None:
-    target = out / path.name
-    try:
-        _put(path, target)
-    except OSError as exc:
-        raise OutputNotWritableError(
-            5, f"{target}: upload failed ({exc}); check the URL, the credentials and that "
-            "the bucket exists; nothing of this merge is left there") from None
-    uploaded.append(target)

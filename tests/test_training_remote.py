@@ -41,8 +41,8 @@ def _parts(seed: int = 0):
 def _names(server, url: str) -> set[str]:
     fs = server.filesystem()
     target = url.removeprefix("s3://")
-    return {p.rsplit("/", 1)[1] for p in fs.ls(target, detail=False, refresh=True)} \
-        if fs.exists(target) else set()
+    found = fs.ls(target, detail=False, refresh=True) if fs.exists(target) else []
+    return {p.rstrip("/").rsplit("/", 1)[1] for p in found if p.rstrip("/") != target}
 
 
 def _manager(s3, **kwargs):
@@ -345,9 +345,9 @@ def test_sigkill_during_remote_saves_never_loses_or_damages_a_committed_checkpoi
             assert reported in steps or sum(s > reported for s in steps) >= 3, \
                 (trial, reported, committed[-3:], steps)
         assert committed[-1] in steps, (trial, committed[-3:], steps)
-        for path in manager.checkpoints():  # every committed checkpoint is whole
-            report = fsdpckpt.verify_checkpoint(str(path), storage_options=json.loads(options))
-            assert report["ok"], (trial, path, report["problems"])
+        for path in manager.checkpoints():  # every committed checkpoint is whole: it loads
+            assert fsdpckpt.load_state(path, workers.make_model()).step == \
+                int(path.name.split("_")[1])
         step = int(newest.name.split("_")[1])
         assert fsdpckpt.load_state(newest, workers.make_model()).step == step
         if trial % 4 == 3:

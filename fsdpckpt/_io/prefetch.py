@@ -117,11 +117,10 @@ class Prefetcher:
             found, upto = self._covering(key, at, offset + count)
             if found is None:
                 self._direct(key, view[done:done + upto - at], at)
-                done += upto - at
-                continue
-            assert found.future is not None
-            data = found.future.result()
-            view[done:done + upto - at] = memoryview(data)[at - found.start:upto - found.start]
+            else:
+                future, start = found
+                data = future.result()
+                view[done:done + upto - at] = memoryview(data)[at - start:upto - start]
             done += upto - at
 
     def covers(self, key: Any, offset: int, count: int) -> bool:
@@ -134,17 +133,17 @@ class Prefetcher:
         with self._lock:
             self._next = len(self._order)
             for p in self._live:
-                p.dropped = True
-            self._live, self._held = [], 0
+                self._drop(p)
+            self._live = []
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
     # -- inside ------------------------------------------------------------------------------
     def _covering(self, key: Any, at: int, end: int, *,
-                  touch: bool = True) -> tuple[_Piece | None, int]:
-        """The started piece holding byte ``at`` and where its part of ``[at, end)`` ends;
-        or None and where the run no started piece covers ends."""
+                  touch: bool = True) -> tuple[tuple[Future[bytes], int] | None, int]:
+        """The fetch and start of the started piece holding byte ``at``, and where its part
+        of ``[at, end)`` ends; or None and where the run no started piece covers ends."""
         starts, pieces = self._by_key.get(key, ([], []))
         i = bisect.bisect_right(starts, at)
         with self._lock:
@@ -157,10 +156,10 @@ class Prefetcher:
                         (best is None or p.first < best.first):
                     best = p
                 j -= 1
-            if best is not None:
+            if best is not None and best.future is not None:
                 if touch:
                     self._touch(best)
-                return best, min(best.end, end)
+                return (best.future, best.start), min(best.end, end)
             k = i
             while k < len(starts) and starts[k] < end:
                 p = pieces[k]
@@ -180,8 +179,7 @@ class Prefetcher:
                 piece.middle > 0 and p.first == piece.first and p.key == piece.key
                 and p.end <= piece.start)
             if behind:
-                p.dropped = True
-                self._held -= p.size
+                self._drop(p)
             else:
                 keep.append(p)
         self._live = keep
@@ -189,6 +187,11 @@ class Prefetcher:
         while self._next < len(self._order) and self._order[self._next].last < piece.first:
             self._next += 1
         self._advance()
+
+    def _drop(self, piece: _Piece) -> None:
+        """Let go of ``piece``'s bytes (a fetch under way ends unseen). Caller holds the lock."""
+        piece.dropped, piece.future = True, None
+        self._held -= piece.size
 
     def _advance(self) -> None:
         """Start pieces in fetch order while the budget allows. Caller holds the lock."""

@@ -285,8 +285,10 @@ def test_a_remote_merge_larger_than_the_prefetch_budget_stays_bounded(s3, tmp_pa
     peak = peak_rss_mib(setup + f"fsdpckpt.merge({url!r}, {str(tmp_path / 'out')!r}, "
                         "storage_options=options)")
     budget = prefetch_module.BUDGET / 2**20
-    # The bytes fetched ahead (the budget), one 16 MiB block being written, and the
-    # client's own buffers; a merge that held the checkpoint would add 192 MiB.
-    assert peak - baseline < budget + 64, (peak, baseline)
+    joining = prefetch_module.WORKERS * prefetch_module.PIECE / 2**20
+    # The bytes fetched ahead (the budget; measured here: about 135 MiB over the imports in
+    # all), a second copy of each piece in flight while the client joins its body, and one
+    # 16 MiB block being written. A merge that held the checkpoint would add 192 MiB more.
+    assert peak - baseline < budget + joining + 32, (peak, baseline)
     assert peak < 300, peak
     assert (tmp_path / "out" / "model.safetensors").stat().st_size > 192 * 2**20

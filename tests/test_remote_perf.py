@@ -60,6 +60,15 @@ def test_a_remote_inspect_lists_each_folder_once_and_gets_each_metadata_once(s3,
     assert dict(requests) == {"list_objects_v2": 3, "get_object": 2}
 
 
+@pytest.mark.s3
+def test_a_remote_inspect_of_a_dcp_folder_is_one_listing_and_one_get(s3, requests):
+    server, root = s3
+    url = upload(server, CKPT / "pytorch_model_fsdp_0", f"s3://{root}/run/model")
+    requests.clear()
+    assert fsdpckpt.inspect_checkpoint(url, storage_options=_options(server)).ok
+    assert dict(requests) == {"list_objects_v2": 1, "get_object": 1}
+
+
 # -- the prefetcher, alone ---------------------------------------------------------------------
 
 class _FakeFile:

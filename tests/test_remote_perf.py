@@ -151,6 +151,22 @@ def test_small_neighbouring_chunks_share_one_request_header_included():
     assert file.requests == [(0, 7000)]
 
 
+def test_small_chunks_of_alternating_files_share_one_request_per_file():
+    files = {"a": _FakeFile(3500), "b": _FakeFile(3500)}
+    ranges = [(key, (i // 2) * 700, 700) for i, key in enumerate("ab" * 5)]
+    ahead = Prefetcher(ranges, lambda key, start, end: files[key].fetch(key, start, end),
+                       lambda key, view, offset: files[key].direct(key, view, offset),
+                       piece=8_000, budget=64_000)
+    try:
+        for key, offset, length in ranges:
+            view = memoryview(bytearray(length))
+            ahead.read(key, view, offset)
+            assert bytes(view) == files[key].data[offset:offset + length]
+    finally:
+        ahead.close()
+    assert files["a"].requests == [(0, 3500)] and files["b"].requests == [(0, 3500)]
+
+
 def test_a_large_chunk_costs_no_request_beyond_its_pieces():
     file = _FakeFile(100_000)
     ahead = Prefetcher([("f", 0, 100_000)], file.fetch, file.direct, budget=40_000,

@@ -82,7 +82,7 @@ class Prefetcher:
         budget = BUDGET if budget is None else budget
         piece = PIECE if piece is None else piece
         self._fetch, self._direct, self._budget, self._piece = fetch, direct, budget, piece
-        self._order = _cut(list(ranges), piece)  # fetch order
+        self._order = _cut(list(ranges), piece, budget)  # fetch order
         self._by_key: dict[Any, tuple[list[int], list[_Piece]]] = {}
         for p in sorted(self._order, key=lambda p: p.start):
             starts, pieces = self._by_key.setdefault(p.key, ([], []))
@@ -205,22 +205,29 @@ class Prefetcher:
             p.future = self._pool.submit(self._fetch, p.key, p.start, p.end)
 
 
-def _cut(ranges: list[tuple[Any, int, int]], piece: int) -> list[_Piece]:
+def _cut(ranges: list[tuple[Any, int, int]], piece: int, budget: int) -> list[_Piece]:
     """The pieces that fetch ``ranges``, in fetch order."""
     out: list[_Piece] = []
+    # Small chunks join the open piece of their file when they follow it there: ranks'
+    # files alternate in a merge's order, so "the piece just before" would rarely be
+    # the same file. Every file may have a piece open at once, so a joined piece is kept
+    # small enough that one per file fits the budget a few times over.
+    files = len({key for key, _, _ in ranges})
+    join = min(piece, max(64 << 10, budget // (4 * max(1, files))))
+    open_piece: dict[Any, _Piece] = {}
     for index, (key, offset, length) in enumerate(ranges):
         end = offset + length
         if length <= 0:
             continue
-        last = out[-1] if out else None
-        if last is not None and last.whole and last.key == key and last.end == offset \
-                and end - last.start <= piece:
-            # The next chunk of the same file, right after: one request for both.
-            last.end, last.last = end, index
+        last = open_piece.get(key)
+        if last is not None and last.end == offset and end - last.start <= join:
+            last.end, last.last = end, index  # one request for both chunks
             continue
         if length <= piece:
             out.append(_Piece(key, offset, end, index, index, True))
+            open_piece[key] = out[-1]
             continue
+        open_piece.pop(key, None)
         # Head and tail first: the zip reader reads the directory at the end, then the
         # header at the start, before any data.
         tail = min(_TAIL, piece, length - piece)

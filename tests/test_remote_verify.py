@@ -8,6 +8,7 @@ import json
 import pytest
 
 import fsdpckpt
+
 from conftest import run_cli, save_small_checkpoint, upload
 
 pytestmark = pytest.mark.s3

@@ -19,16 +19,19 @@ defaults), plus ``storage_options`` (``--storage-options JSON`` on the command l
 from __future__ import annotations
 
 import fnmatch
+import io
 import os
 import re
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
+from fsdpckpt._io.prefetch import Prefetcher
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
-__all__ = ["RemoteFile", "RemotePath", "is_url", "location", "require_fsspec"]
+__all__ = ["RemoteFile", "RemotePath", "is_url", "location", "prefetch", "require_fsspec"]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 #: Ranged reads larger than this are split, so no single request holds more in memory.
@@ -98,15 +101,17 @@ def location(path: str | os.PathLike[str] | RemotePath, *,
     except ValueError as exc:
         raise NotACheckpointError(f"{url}: {exc}; pass a local path or a URL such as "
                                   "s3://bucket/folder") from None
-    return RemotePath(_Store(fs, f"{scheme}://"), inner.rstrip("/"))
+    inner = inner.rstrip("/")
+    return RemotePath(_Store(fs, f"{scheme}://", inner), inner)
 
 
 class _Store:
     """One filesystem and the folder listings read from it (each folder listed once)."""
 
-    def __init__(self, fs: Any, prefix: str) -> None:
-        self.fs, self.prefix = fs, prefix
+    def __init__(self, fs: Any, prefix: str, root: str) -> None:
+        self.fs, self.prefix, self.root = fs, prefix, root
         self._listings: dict[str, dict[str, dict[str, Any]]] = {}
+        self._itself: dict[str, dict[str, Any]] = {}  # a file listed by its own name
         self._lock = threading.Lock()
 
     def listing(self, folder: str) -> dict[str, dict[str, Any]]:
@@ -126,14 +131,28 @@ class _Store:
                 name = info["name"].rstrip("/").rsplit("/", 1)[-1]
                 if info["name"].rstrip("/") != folder and name:
                     found[name] = info
+                elif info.get("type") == "file":  # fsspec lists a file as itself
+                    with self._lock:
+                        self._itself[folder] = info
             with self._lock:
                 self._listings[folder] = found
         return found
+
+    def itself(self, path: str) -> dict[str, Any] | None:
+        """The info of the file ``path`` when listing ``path`` gave the file itself."""
+        with self._lock:
+            return self._itself.get(path)
+
+    def cached(self, folder: str) -> dict[str, dict[str, Any]] | None:
+        """``folder``'s listing when it was read already, else None (nothing is asked)."""
+        with self._lock:
+            return self._listings.get(folder)
 
     def forget(self) -> None:
         """Drop the cached listings (after this process changed the folder)."""
         with self._lock:
             self._listings.clear()
+            self._itself.clear()
 
 
 @dataclass(frozen=True)
@@ -188,6 +207,15 @@ class RemotePath:
     def _info(self) -> dict[str, Any] | None:
         if "/" not in self.path:  # a bucket: a folder when it can be listed
             return {"type": "directory", "size": 0} if self._store.listing(self.path) else None
+        if self.path == self._store.root and self._store.cached(self.parent.path) is None:
+            # The path the user named (a checkpoint's root, which the reader lists anyway):
+            # its own listing says whether it is a folder, and its parent (a run folder of
+            # a thousand checkpoints, a request per thousand entries) is never listed.
+            if self._store.listing(self.path):
+                return {"type": "directory", "size": 0}
+            found = self._store.itself(self.path)
+            if found is not None:
+                return found
         return self._store.listing(self.parent.path).get(self.name)
 
     def exists(self) -> bool:
@@ -241,11 +269,14 @@ class RemoteFile:
 
     Every read checks its range against the size listed before it asks, and checks that
     the store returned every byte asked for: a short answer is an error, never zeros.
+    Reads come from a :class:`~fsdpckpt._io.prefetch.Prefetcher` where one (see
+    :func:`prefetch`) holds their bytes.
     """
 
     def __init__(self, path: RemotePath, size: int) -> None:
         self.path, self.size = path, size
-        self._file: BinaryIO | None = None
+        self._file: _Stream | None = None
+        self._prefetch: Prefetcher | None = None
 
     def read_at(self, view: memoryview, offset: int) -> None:
         """Fill ``view`` with the bytes at ``offset``.
@@ -253,38 +284,108 @@ class RemoteFile:
         Raises:
             CorruptCheckpointError: the range runs past the end of the file, or the store
                 returned fewer bytes than asked.
+            CheckpointNotFoundError: the file is gone.
         """
         count = len(view)
         if offset < 0 or offset + count > self.size:
             raise CorruptCheckpointError(
                 f"{self.path}: ends at byte {self.size}, before the {count} bytes asked for at "
                 f"{offset}; the file is truncated: copy it again")
-        done = 0
+        if self._prefetch is not None:
+            self._prefetch.read(self, view, offset)
+        else:
+            self._read_direct(view, offset)
+
+    def _read_direct(self, view: memoryview, offset: int) -> None:
+        done, count = 0, len(view)
         while done < count:
             step = min(_PIECE, count - done)
-            try:
-                data = self.path.fs.cat_file(self.path.path, start=offset + done,
-                                             end=offset + done + step)
-            except FileNotFoundError:
-                raise CheckpointNotFoundError(f"{self.path}: missing; check the URL") from None
-            except OSError as exc:
-                raise CorruptCheckpointError(f"{self.path}: reading bytes {offset + done}.."
-                                             f"{offset + done + step} failed: {exc}") from None
-            if len(data) != step:
-                raise CorruptCheckpointError(
-                    f"{self.path}: returned {len(data)} bytes for the {step} asked for at "
-                    f"{offset + done}; the object changed or is truncated")
-            view[done:done + step] = data
+            view[done:done + step] = self._get(offset + done, offset + done + step)
             done += step
 
+    def _get(self, start: int, end: int) -> bytes:
+        """Bytes ``start..end`` in one ranged request, checked to be all there."""
+        try:
+            data = self.path.fs.cat_file(self.path.path, start=start, end=end)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.path}: missing; check the URL") from None
+        except OSError as exc:
+            raise CorruptCheckpointError(f"{self.path}: reading bytes {start}..{end} failed: "
+                                         f"{exc}") from None
+        if len(data) != end - start:
+            raise CorruptCheckpointError(
+                f"{self.path}: returned {len(data)} bytes for the {end - start} asked for at "
+                f"{start}; the object changed or is truncated")
+        return bytes(data)
+
     def file(self) -> BinaryIO:
-        """A seekable, buffered file object over the same bytes (for the archive reader)."""
+        """A seekable file object over the same bytes (for the archive reader): small reads
+        come from the prefetched pieces when they hold them, else from a readahead block."""
         if self._file is None:
-            self._file = self.path.fs.open(self.path.path, "rb", block_size=_BLOCK,
-                                           cache_type="readahead")
-        return self._file
+            self._file = _Stream(self)
+        return cast(BinaryIO, self._file)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._file = None
+        self._prefetch = None
+
+
+class _Stream(io.RawIOBase):
+    """The file object of a :class:`RemoteFile`: exact reads, never past what is asked, so a
+    zip reader confined to one chunk's archive (a ``SliceFile``) never reaches the next."""
+
+    def __init__(self, remote: RemoteFile) -> None:
+        super().__init__()
+        self._remote, self._pos = remote, 0
+        self._block, self._block_at = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._remote.size}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        remote, at = self._remote, self._pos
+        count = max(0, min(len(view), remote.size - at))
+        if count == 0:
+            return 0
+        ahead = remote._prefetch
+        if ahead is not None and ahead.covers(remote, at, count):
+            remote.read_at(view[:count], at)
+        else:
+            if not (self._block_at <= at and at + count <= self._block_at + len(self._block)):
+                # Nothing holds these bytes: one request for a block, as fsspec's
+                # readahead file did (the next small header reads are in it).
+                end = min(remote.size, at + max(count, _BLOCK))
+                self._block, self._block_at = remote._get(at, end), at
+            start = at - self._block_at
+            view[:count] = self._block[start:start + count]
+        self._pos = at + count
+        return count
+
+
+def prefetch(ranges: Iterable[tuple[RemoteFile, int, int]], **limits: int | None) -> Prefetcher:
+    """Fetch ``ranges`` (``(file, offset, length)``, in the order they will be read) ahead,
+    in parallel and bounded (:class:`~fsdpckpt._io.prefetch.Prefetcher`); every file named
+    reads through it until :meth:`~fsdpckpt._io.prefetch.Prefetcher.close`.
+
+    Args:
+        limits: ``budget``, ``piece``, ``workers`` of the prefetcher.
+    """
+    ranges = list(ranges)
+    ahead = Prefetcher(ranges, lambda f, start, end: f._get(start, end),
+                       lambda f, view, offset: f._read_direct(view, offset),
+                       **limits)
+    for remote, _, _ in ranges:
+        remote._prefetch = ahead
+    return ahead

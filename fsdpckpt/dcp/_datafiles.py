@@ -11,19 +11,24 @@ the file object's users always seek before they read.
 A folder on object storage (a :class:`~fsdpckpt._io.remote.RemotePath`) hands out the
 same pair: a buffered file object for the archive reader, and a
 :class:`~fsdpckpt._io.remote.RemoteFile` in place of the descriptor, which every
-offset read (:func:`~fsdpckpt._io.rawio.pread_into`) accepts.
+offset read (:func:`~fsdpckpt._io.rawio.pread_into`) accepts. There, a reader that
+knows which chunks come next says so (:meth:`DataFiles.prefetch`), and their bytes are
+fetched ahead, in parallel and bounded (:mod:`fsdpckpt._io.prefetch`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from fsdpckpt._io.prefetch import Prefetcher
 from fsdpckpt._io.rawio import ReadAt
-from fsdpckpt._io.remote import RemoteFile, RemotePath
+from fsdpckpt._io.remote import RemoteFile, RemotePath, prefetch
 from fsdpckpt.dcp.reader import data_file_path, open_data_file
+from fsdpckpt.errors import FsdpCkptError
 
 __all__ = ["DataFile", "DataFiles"]
 
@@ -63,6 +68,7 @@ class DataFiles:
     def __init__(self, folder: Path | RemotePath) -> None:
         self.folder = folder
         self._open: dict[str, DataFile] = {}
+        self._ahead: Prefetcher | None = None
 
     def open(self, name: str) -> DataFile:
         """The data file ``name`` (as the metadata names it), opened once."""
@@ -82,8 +88,32 @@ class DataFiles:
             found = self._open[name] = DataFile(self.folder / name, file)
         return found
 
+    def prefetch(self, ranges: Iterable[tuple[str | None, int, int]]) -> None:
+        """Announce the byte ranges (``(file name, offset, length)`` of each chunk's
+        archive) about to be read, in their order: on object storage they are fetched
+        ahead, in parallel, with bounded bytes in flight; a local folder ignores this.
+
+        A file that cannot be opened is left out here: reading it raises, in its place.
+        """
+        if not isinstance(self.folder, RemotePath):
+            return
+        wanted = []
+        for name, offset, length in ranges:
+            try:
+                remote = self.open(name).remote if name is not None else None
+            except FsdpCkptError:
+                continue
+            if remote is not None:
+                wanted.append((remote, offset, length))
+        if self._ahead is not None:
+            self._ahead.close()
+        self._ahead = prefetch(wanted)
+
     def close(self) -> None:
         """Close every file opened; the object can be used again afterwards."""
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
         files, self._open = list(self._open.values()), {}
         for data_file in files:
             if data_file.remote is not None:

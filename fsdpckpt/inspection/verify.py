@@ -50,11 +50,13 @@ def _check_each_chunk(folder: Path | RemotePath, meta: DcpMetadata, files: DataF
                       problems: list[Problem], *, only_file: str | None,
                       expected: dict[tuple[str, str, tuple[int, ...]], int] | None,
                       progress: ProgressCallback | None) -> None:
-    for tensor in meta.tensors:
-        for chunk in tensor.chunks:
-            if chunk.file is None or (only_file and chunk.file != only_file) or \
-                    not (folder / chunk.file).is_file():
-                continue
+    checked = [(tensor, chunk) for tensor in meta.tensors for chunk in tensor.chunks
+               if chunk.file is not None and (not only_file or chunk.file == only_file)
+               and (folder / chunk.file).is_file()]
+    # On object storage, the chunks' bytes are fetched ahead in this order (no-op locally).
+    files.prefetch((chunk.file, chunk.offset, chunk.length) for _, chunk in checked)
+    for tensor, chunk in checked:
+        if chunk.file is not None:
             where = f"tensor '{tensor.name}' chunk at {list(chunk.offsets)}"
             path = folder / chunk.file
             try:

@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 import fsdpckpt
-from fsdpckpt.errors import CorruptCheckpointError
+from fsdpckpt.errors import CorruptCheckpointError, FsdpCkptError
 
 from conftest import FIXTURES, run_cli, upload
 
@@ -100,3 +100,134 @@ def test_a_truncated_remote_rank_file_is_an_error_naming_it(s3, tmp_path):
     with pytest.raises(CorruptCheckpointError, match="model_world_size_2_rank_1.pt"):
         fsdpckpt.merge(url, tmp_path / "out", storage_options=_options(server))
     assert not (tmp_path / "out").exists()
+
+
+# -- diff: file sides on object storage ---------------------------------------------------
+
+DCP_CKPT = FIXTURES / "fsdp2_accelerate"
+
+
+def _merged(tmp_path, **options):
+    out = tmp_path / ("merged-" + "-".join(f"{k}{v}" for k, v in options.items()))
+    fsdpckpt.merge(DCP_CKPT, out, **options)
+    return out
+
+
+def _report(report, *paths) -> str:
+    text = json.dumps(report.to_json(), sort_keys=True)
+    for path in paths:
+        text = text.replace(str(path), "SIDE")
+    return text
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("options, name", [
+    ({}, "model.safetensors"),
+    ({"max_shard_size": "1KB"}, "model.safetensors.index.json"),
+    ({"format": "bin"}, "pytorch_model.bin"),
+    ({}, ""),  # the merged folder, as Hugging Face folders are read
+], ids=["safetensors", "safetensors-index", "bin", "hf-folder"])
+def test_a_diff_with_a_remote_file_side_says_what_the_local_diff_says(s3, tmp_path, options,
+                                                                      name):
+    server, root = s3
+    merged = _merged(tmp_path, **options)
+    url = upload(server, merged, f"s3://{root}/merged")
+    remote_side, local_side = (f"{url}/{name}" if name else url), (merged / name if name
+                                                                  else merged)
+    remote = fsdpckpt.diff(DCP_CKPT, remote_side, storage_options=_options(server))
+    local = fsdpckpt.diff(DCP_CKPT, local_side)
+    assert remote.equal and local.equal
+    assert [t.name for t in remote.tensors] == [t.name for t in local.tensors] != []
+    assert _report(remote, remote_side) == _report(local, local_side)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_a_diff_reads_the_remote_bytes_and_finds_a_changed_value(s3, tmp_path, fmt):
+    import torch
+
+    server, root = s3
+    merged = _merged(tmp_path, format=fmt)
+    name = "model.safetensors" if fmt == "safetensors" else "pytorch_model.bin"
+    if fmt == "safetensors":
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(merged / name)
+        first = sorted(tensors)[0]
+        tensors[first] = tensors[first].clone()
+        tensors[first].view(-1)[0] += 1
+        save_file(tensors, merged / name, metadata={"format": "pt"})
+    else:
+        state = torch.load(merged / name, weights_only=True)
+        first = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))[0]
+        state[first] = state[first].clone()
+        state[first].view(-1)[0] += 1
+        torch.save(state, merged / name)
+    url = upload(server, merged, f"s3://{root}/changed")
+    report = fsdpckpt.diff(DCP_CKPT, f"{url}/{name}", storage_options=_options(server))
+    assert not report.equal
+    assert [t.name for t in report.tensors if not t.equal] == [first]
+
+
+@pytest.mark.s3
+def test_the_cli_diffs_two_remote_sides_with_storage_options(s3, tmp_path):
+    server, root = s3
+    ckpt = upload(server, DCP_CKPT, f"s3://{root}/ckpt")
+    merged = upload(server, _merged(tmp_path), f"s3://{root}/merged")
+    result = run_cli("diff", ckpt, merged, "--storage-options", json.dumps(_options(server)),
+                     "--json", "-q")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["equal"] is True and report["tensors"]
+
+
+# -- convert: its input on object storage --------------------------------------------------
+
+@pytest.mark.s3
+@pytest.mark.parametrize("options, name", [
+    ({}, "model.safetensors"),
+    ({"max_shard_size": "1KB"}, "model.safetensors.index.json"),
+    ({"format": "bin"}, "pytorch_model.bin"),
+    ({}, ""),
+], ids=["safetensors", "safetensors-index", "bin", "folder"])
+def test_convert_of_a_remote_file_writes_the_dcp_folder_the_local_file_gives(s3, tmp_path,
+                                                                            options, name):
+    server, root = s3
+    merged = _merged(tmp_path, **options)
+    url = upload(server, merged, f"s3://{root}/merged")
+    result = fsdpckpt.convert(f"{url}/{name}" if name else url, tmp_path / "remote",
+                              storage_options=_options(server))
+    fsdpckpt.convert(merged / name if name else merged, tmp_path / "local")
+    assert str(result.source).startswith("s3://")
+    assert _files(tmp_path / "remote") == _files(tmp_path / "local")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["local", "remote", merged.name])  # no staging or download left behind
+
+
+@pytest.mark.s3
+def test_convert_names_the_remote_file_when_it_is_damaged(s3, tmp_path):
+    server, root = s3
+    merged = _merged(tmp_path, format="bin")
+    data = merged / "pytorch_model.bin"
+    raw = bytearray(data.read_bytes())
+    at = raw.index(b"data.pkl") + 40  # inside the pickle: torch's loader cannot read it
+    raw[at:at + 8] = b"\xff" * 8
+    data.write_bytes(bytes(raw))
+    url = upload(server, merged, f"s3://{root}/damaged")
+    with pytest.raises(FsdpCkptError) as caught:
+        fsdpckpt.convert(f"{url}/pytorch_model.bin", tmp_path / "out",
+                         storage_options=_options(server))
+    assert f"{url}/pytorch_model.bin" in str(caught.value)
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [merged.name]
+
+
+@pytest.mark.s3
+def test_the_cli_converts_a_remote_file_with_storage_options(s3, tmp_path):
+    server, root = s3
+    url = upload(server, _merged(tmp_path), f"s3://{root}/merged")
+    result = run_cli("convert", f"{url}/model.safetensors", tmp_path / "out",
+                     "--storage-options", json.dumps(_options(server)), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["source"] == f"{url}/model.safetensors"
+    assert (tmp_path / "out" / ".metadata").is_file()

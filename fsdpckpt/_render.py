@@ -149,7 +149,8 @@ def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool
         names: the pattern the report was filtered by, to say so when nothing matched.
     """
     style = {"dcp": "DCP folder", "accelerate": "Accelerate checkpoint",
-             "hf-trainer": "HF Trainer checkpoint", "verl": "VeRL checkpoint"}[report.style]
+             "hf-trainer": "HF Trainer checkpoint", "verl": "VeRL checkpoint",
+             "hf-storage": "HuggingFaceStorageWriter save"}[report.style]
     world = report.world_size if report.world_size_exact else f"at least {report.world_size}"
     out = [f"{_p(report.path)}: {style}, world size {world}, {human_bytes(report.bytes)}"]
     out += ["", "Parts:"]

@@ -160,11 +160,12 @@ def _merge_report(results: list[Any], as_json: bool) -> None:
                    "single file); other files in OUTPUT_DIR are never touched.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
+@_storage_options_option
 @_debug_option
 def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | None, fmt: str,
           dtype: str | None, max_shard_size: str | None, keep_keys: bool,
           include: tuple[str, ...], exclude: tuple[str, ...], overwrite: bool, quiet: bool,
-          as_json: bool) -> None:
+          as_json: bool, storage_options: dict | None) -> None:
     """Merge a sharded checkpoint into one safetensors or .bin file, streaming.
 
     CHECKPOINT is a DCP folder (pytorch_model_fsdp_0/, optimizer_0/) or a whole
@@ -172,6 +173,11 @@ def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | 
     Memory stays flat however large the model: bytes go from the rank files
     straight to their place in the output, never through a full state dict.
     Output goes to a temporary name in OUTPUT_DIR and is renamed when complete.
+
+    CHECKPOINT and OUTPUT_DIR may be on object storage (s3://bucket/run/ckpt, gs://,
+    az://). A remote checkpoint is read with ranged reads, never downloaded whole; a
+    remote OUTPUT_DIR is merged in $TMPDIR (room for the output needed), then
+    uploaded file by file, the index last, so a loader never sees a partial output.
 
     Under torchrun (WORLD_SIZE > 1 in the environment) the ranks share the work:
     fsdpckpt initializes a gloo process group from torchrun's environment, each
@@ -187,6 +193,7 @@ def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | 
       fsdpckpt merge ckpt/ merged/ --dtype bf16 --max-shard-size 5GB
       fsdpckpt merge ckpt/ merged/ --optimizer --exclude '*.lora_*'
       torchrun --nproc-per-node 8 -m fsdpckpt merge ckpt/ merged/ --max-shard-size 5GB
+      fsdpckpt merge s3://runs/llama/checkpoint-100 s3://runs/llama/merged-100
     """
     from fsdpckpt.merging._distributed import torchrun_group
     from fsdpckpt.merging.merger import merge as merge_checkpoint
@@ -199,7 +206,7 @@ def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | 
                                    max_shard_size=max_shard_size, keep_keys=keep_keys,
                                    include=include, exclude=exclude, overwrite=overwrite,
                                    progress=_progress(quiet or rank != 0, desc),
-                                   process_group=group)
+                                   process_group=group, storage_options=storage_options)
     if rank == 0:
         _merge_report(results, as_json)
 
@@ -215,9 +222,11 @@ def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | 
               help="Accepted for older scripts; an existing output is always replaced.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
+@_storage_options_option
 @_debug_option
 def merge_weights(checkpoint_directory: str, output_path: str, unsafe: bool, remove: bool,
-                  overwrite: bool, quiet: bool, as_json: bool) -> None:
+                  overwrite: bool, quiet: bool, as_json: bool,
+                  storage_options: dict | None) -> None:
     """Drop-in for `accelerate merge-weights`: same arguments, same output names.
 
     Merges CHECKPOINT_DIRECTORY (e.g. ckpt/pytorch_model_fsdp_0) into
@@ -238,7 +247,8 @@ def merge_weights(checkpoint_directory: str, output_path: str, unsafe: bool, rem
     start = time.perf_counter()
     del overwrite  # always on, as in Accelerate
     path = merge_fsdp_weights(checkpoint_directory, output_path, not unsafe, remove,
-                              overwrite=True, progress=_progress(quiet))
+                              overwrite=True, progress=_progress(quiet),
+                              storage_options=storage_options)
     seconds = time.perf_counter() - start
     if as_json:
         click.echo(json.dumps({"output": str(path), "seconds": round(seconds, 3)}))

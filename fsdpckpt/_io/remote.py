@@ -171,6 +171,11 @@ class RemotePath:
         return self.path.rsplit("/", 1)[-1]
 
     @property
+    def suffix(self) -> str:
+        name = self.name
+        return name[name.rfind("."):] if "." in name.lstrip(".") else ""
+
+    @property
     def parent(self) -> RemotePath:
         return RemotePath(self._store, self.path.rsplit("/", 1)[0]) if "/" in self.path else self
 

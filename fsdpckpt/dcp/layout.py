@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt.dcp._hfstorage import find_hf_storage
 from fsdpckpt.dcp._perrank import find_rank_sets
 from fsdpckpt.dcp.reader import METADATA_FILE
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
@@ -85,8 +86,8 @@ class CheckpointLayout:
 
     Attributes:
         path: the path given.
-        style: ``"dcp"`` (a single DCP folder), ``"accelerate"``, ``"hf-trainer"`` or
-            ``"verl"``.
+        style: ``"dcp"`` (a single DCP folder), ``"accelerate"``, ``"hf-trainer"``,
+            ``"verl"`` or ``"hf-storage"`` (torch's ``HuggingFaceStorageWriter``).
         parts: the DCP folders (or sets of per-rank files), models first, then
             optimizers, then others.
         side_files: the recognized files beside them.
@@ -244,6 +245,14 @@ def find_layout(path: str | os.PathLike[str] | RemotePath) -> CheckpointLayout:
     for rank_set in rank_sets:
         parts.append(DcpPart(rank_set.name, rank_set.kind, rank_set.index, root, True))
         other = [n for n in other if n not in rank_set.files.values()]
+    # Safetensors files of torch's HuggingFaceStorageWriter: one part, read by
+    # dcp/_hfstorage.py as a DCP folder.
+    saved = None if nested or parts or isinstance(root, RemotePath) else \
+        find_hf_storage(root, other)
+    if saved:
+        parts.append(DcpPart(saved.name, "model", None, root, True))
+        other = [n for n in other if n not in saved.files and n != saved.index]
+        style = "hf-storage"
     if not parts:
         if nested:
             raise _several_checkpoints(root, nested)

@@ -79,7 +79,7 @@ class ExportResult:
 
     source: Path | RemotePath
     output: Path
-    weights: tuple[Path, ...]
+    weights: tuple[Path | RemotePath, ...]
     files: tuple[Path, ...]
     tensors: int
     bytes: int

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdpckpt._io.remote import RemotePath, location
-from fsdpckpt.dcp._perrank import PerRankFolder, read_part_folder
+from fsdpckpt.dcp._hfstorage import HfStorageFolder, read_part
+from fsdpckpt.dcp._perrank import PerRankFolder
 from fsdpckpt.dcp.checks import Problem, check_folder, known_world_size
 from fsdpckpt.dcp.layout import DcpPart, find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
@@ -69,7 +70,8 @@ def _part_report(part: DcpPart, folder: DcpFolder | None,
     meta = folder.metadata
     # A per-rank set has one file per rank, every rank included.
     world, exact = (len(folder.files), True) if isinstance(folder, PerRankFolder) \
-        else known_world_size(folder)
+        else (folder.world_size, folder.world_size_exact) \
+        if isinstance(folder, HfStorageFolder) else known_world_size(folder)
     return PartReport(
         part.name, part.kind, part.index, part.path, part.complete,
         version=meta.version,
@@ -123,6 +125,9 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
     Args:
         path: a DCP folder, or a checkpoint folder in Accelerate's or HF Trainer's layout.
         names: keep only tensors and objects whose name matches (glob, or substring).
+        storage_options: for URLs (``s3://``...): the fsspec filesystem's options
+            (``{"endpoint_url": ..., "profile": ...}``); None: the backend's defaults
+            (``AWS_*`` variables, ``~/.aws``...). See docs/remote.md.
 
     Returns:
         An :class:`~fsdpckpt.inspection.report.InspectReport`: ``path``, ``style``, ``ok``,
@@ -146,7 +151,7 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
     for part in layout.parts:
         folder = None
         if part.complete:
-            folder = read_part_folder(part.path, part.name)
+            folder = read_part(part.path, part.name)
             problems.extend(check_folder(folder))
         else:
             problems.append(Problem(str(part.path), "no .metadata: this save never finished "

@@ -148,7 +148,8 @@ class InspectReport(_JsonDocument):
 
     Attributes:
         path: the checkpoint folder.
-        style: ``"dcp"`` (a bare DCP folder), ``"accelerate"`` or ``"hf-trainer"``.
+        style: ``"dcp"`` (a bare DCP folder), ``"accelerate"``, ``"hf-trainer"``, ``"verl"``
+            or ``"hf-storage"`` (torch's ``HuggingFaceStorageWriter``).
         ok: (a property) True when ``problems`` is empty.
         world_size: the world size that wrote it, from its rank files.
         world_size_exact: False when ``world_size`` is only a lower bound.

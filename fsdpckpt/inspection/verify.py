@@ -21,6 +21,7 @@ from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._archive import locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
+from fsdpckpt.dcp._hfstorage import check_hf_files, hf_part_named
 from fsdpckpt.dcp._perrank import check_rank_files, rank_set_named
 from fsdpckpt.dcp._zstd import ZstdEntry, chunk_limit, open_entry
 from fsdpckpt.dcp.checks import Problem
@@ -160,6 +161,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             :func:`fsdpckpt.training.manifest.manifest_digest` gives it). Any difference is a
             problem. With a manifest saved with ``digest="sha256"``, this pins every byte
             of every file the manifest lists, and strays are reported besides.
+        storage_options: for URLs (``s3://``...): the fsspec filesystem's options
+            (``{"endpoint_url": ..., "profile": ...}``); None: the backend's defaults
+            (``AWS_*`` variables, ``~/.aws``...). See docs/remote.md.
 
     Returns:
         A :class:`~fsdpckpt.inspection.report.VerifyReport`: ``path``, ``ok``, ``manifest``
@@ -187,12 +191,13 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             raise
         problems.append(Problem(str(root / MANIFEST), str(exc)))
         return _report(root, problems, manifest=True, digest=digest, file_digest=None)
-    # Per-rank torch.save sets: every zip entry read against its CRC-32.
+    # Per-rank torch.save sets: every zip entry read against its CRC-32. HuggingFaceStorage
+    # saves (no checksums): every header read again, and every data byte owned by a tensor.
     for part in layout.parts:
-        problems += [Problem(str(where), why) for where, why in check_rank_files(part.path,
-                                                                                  part.name)]
+        problems += [Problem(str(where), why) for where, why in
+                     check_rank_files(part.path, part.name) + check_hf_files(part.path, part.name)]
     folders = [p.path for p in layout.parts if p.complete and rank_set_named(p.path, p.name)
-               is None]
+               is None and hf_part_named(p.path, p.name) is None]
     for folder in folders:  # never part of a committed checkpoint; load_state refuses them
         for stray in stray_metadata_files(folder):
             problems.append(Problem(str(stray), "stray rank-local DCP metadata "

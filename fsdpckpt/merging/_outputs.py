@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from fsdpckpt._io.jsonio import parse_json
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.merging.plan import MergePlan, MergePlanError
 from fsdpckpt.merging.writer import OutputExistsError, output_paths
 
@@ -20,7 +22,11 @@ __all__ = ["claim_outputs", "earlier_outputs"]
 _INDEX_LIMIT = 64 * 2**20  # an index of 64 MiB would list millions of tensors: not one of ours
 
 
-def claim_outputs(plans: Sequence[MergePlan], out: Path, *, overwrite: bool) -> tuple[Path, ...]:
+#: A local folder or one on object storage: the checks below ask both the same questions.
+_P = TypeVar("_P", Path, RemotePath)
+
+
+def claim_outputs(plans: Sequence[MergePlan], out: _P, *, overwrite: bool) -> tuple[_P, ...]:
     """Check that the plans may write into ``out``; return the earlier outputs to remove.
 
     An earlier merge of ours in another layout (one file against shards, or more shards)
@@ -36,7 +42,8 @@ def claim_outputs(plans: Sequence[MergePlan], out: Path, *, overwrite: bool) -> 
     if len(set(targets)) != len(targets):
         raise MergePlanError(f"two merged parts would both write {targets[0].name}; "
                              "drop --file-name")
-    stale = sorted({p for plan in plans for p in earlier_outputs(plan, out)} - set(targets))
+    stale = sorted({p for plan in plans for p in earlier_outputs(plan, out)} - set(targets),
+                   key=str)
     existing = [str(p) for p in targets if p.exists()] + [str(p) for p in stale]
     if existing and not overwrite:
         raise OutputExistsError(f"{existing[0]}: already exists"
@@ -46,7 +53,7 @@ def claim_outputs(plans: Sequence[MergePlan], out: Path, *, overwrite: bool) -> 
     return tuple(stale)
 
 
-def earlier_outputs(plan: MergePlan, out: Path) -> list[Path]:
+def earlier_outputs(plan: MergePlan, out: _P) -> list[_P]:
     """The files in ``out`` that an earlier merge under this plan's stem wrote.
 
     Those are the single file (``model.safetensors``, or the plan's own file name), the
@@ -69,7 +76,7 @@ def earlier_outputs(plan: MergePlan, out: Path) -> list[Path]:
     return found
 
 
-def _index_files(index: Path) -> list[str]:
+def _index_files(index: Path | RemotePath) -> list[str]:
     # A damaged or foreign index names nothing we may delete; the index itself is still ours.
     try:
         if index.stat().st_size > _INDEX_LIMIT:

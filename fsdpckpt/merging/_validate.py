@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fsdpckpt._io.remote import RemotePath
-from fsdpckpt.dcp._perrank import read_part_folder
+from fsdpckpt.dcp._hfstorage import read_part
 from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.layout import CheckpointLayout, DcpPart, find_layout
@@ -120,7 +120,7 @@ def _kind(part: DcpPart, folder: DcpFolder) -> str:
 
 
 def _read_checked(part: DcpPart) -> MergeSource:
-    folder = read_part_folder(part.path, part.name)
+    folder = read_part(part.path, part.name)
     require_whole(folder)  # fail before writing, from metadata and file sizes alone
     return MergeSource(folder, _kind(part, folder))
 

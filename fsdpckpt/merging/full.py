@@ -17,6 +17,7 @@ from fsdpckpt._io.jsonio import loads_json
 from fsdpckpt._io.rawio import reusing_scratch
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp._datafiles import DataFiles
+from fsdpckpt.dcp._hfstorage import read_hf_storage_at
 from fsdpckpt.dcp._nesting import unflatten
 from fsdpckpt.dcp._objects import loads, read_object, to_torch, torch_load_allowlisted
 from fsdpckpt.dcp._perrank import find_rank_sets, read_rank_set
@@ -162,9 +163,13 @@ def load_full_state_dict(path: str | os.PathLike[str], *,
 
     Args:
         path: a DCP folder; a folder of per-rank ``torch.save`` files (Accelerate's
-            ``use_dcp=False``, VeRL's: the model's are read); a merged ``.safetensors`` /
-            ``.bin`` file or shard index; or a folder holding one merged output
-            (``model.safetensors``...).
+            ``use_dcp=False``, VeRL's: the model's are read); a folder written by torch's
+            ``HuggingFaceStorageWriter`` (per-rank shards, or consolidated); a merged
+            ``.safetensors`` / ``.bin`` file or shard index; or a folder holding one merged output
+            (``model.safetensors``...). Local, or a DCP folder's URL on object storage.
+        storage_options: for URLs (``s3://``...): the fsspec filesystem's options
+            (``{"endpoint_url": ..., "profile": ...}``); None: the backend's defaults
+            (``AWS_*`` variables, ``~/.aws``...). See docs/remote.md.
 
     Returns:
         For a DCP folder, the nested dict ``dcp_to_torch_save`` would save. For a merged
@@ -193,6 +198,8 @@ def load_full_state_dict(path: str | os.PathLike[str], *,
         return _from_dcp(p)
     if (from_ranks := _from_rank_files(p)) is not None:
         return from_ranks
+    if (hf_storage := read_hf_storage_at(p)) is not None:  # torch's HuggingFaceStorageWriter
+        return _from_folder(hf_storage, [])
     found = [p / name for name in _MERGED_NAMES if (p / name).is_file()]
     if not found:
         raise NotACheckpointError(f"{p}: neither a DCP folder nor a merged output "

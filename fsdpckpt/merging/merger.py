@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.errors import NotACheckpointError
 from fsdpckpt.merging._outputs import claim_outputs
+from fsdpckpt.merging._remote_out import check_remote_output, local_stage, upload_results
 from fsdpckpt.merging._validate import MergeRequest, resolve_folders, validate_merge
 from fsdpckpt.merging.plan import MergePlan, parse_dtype, plan_merge
 from fsdpckpt.merging.writer import commit, sigterm_interrupts, staging, write_plan
@@ -53,14 +54,14 @@ class MergeResult:
     """
 
     source: Path | RemotePath
-    files: tuple[Path, ...]
+    files: tuple[Path | RemotePath, ...]
     tensors: int
     bytes: int
     objects: tuple[str, ...]
     seconds: float
 
     @property
-    def path(self) -> Path:
+    def path(self) -> Path | RemotePath:
         """The file to load: the single output, or the shard index."""
         return self.files[-1]
 
@@ -166,6 +167,10 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
         file_name: the single output file's name, instead of ``model.safetensors``...
         progress: ``progress(total_bytes, files)`` returns a callback given byte counts.
             Spread over ranks, each rank's is called with that rank's share.
+        storage_options: for URLs (``s3://``...) in ``checkpoint`` or ``output_dir``: the
+            fsspec filesystem's options; None: the backend's defaults (``AWS_*`` variables,
+            ``~/.aws``...). A remote ``output_dir`` is merged in ``$TMPDIR`` and uploaded
+            file by file, the index last (docs/remote.md).
         process_group: spread the merge over the ranks of this ``torch.distributed``
             group (``torch.distributed.group.WORLD`` for all; gloo works on CPU): every
             rank calls ``merge`` with the same arguments, writes its share of the output
@@ -187,20 +192,37 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
     Example:
         >>> fsdpckpt.merge("ckpt", "out", dtype="bf16", max_shard_size="5GB")
     """
-    def plan() -> MergeJob:
+    def plan(into: str | os.PathLike[str] = output_dir) -> MergeJob:
         source = location(checkpoint, storage_options=storage_options)
-        return plan_job(validate_merge(source, output_dir, optimizer=optimizer,
+        return plan_job(validate_merge(source, into, optimizer=optimizer,
                                        model_index=model_index, format=format, dtype=dtype,
                                        max_shard_size=max_shard_size, keep_keys=keep_keys,
                                        include=include, exclude=exclude, overwrite=overwrite,
                                        file_name=file_name))
 
+    out = location(output_dir, storage_options=storage_options)
+    if isinstance(out, RemotePath):
+        if process_group is not None:
+            raise NotACheckpointError(f"{out}: a merge spread over ranks writes to a shared "
+                                      "file system; merge to object storage in one process")
+        return _run_remote(out, plan, overwrite, progress)
     if process_group is None:
         return _run(plan(), progress)
     # Imported here: it imports this module, and torch.distributed only when spread.
     from fsdpckpt.merging._distributed import agree_on, run_spread
 
     return run_spread(agree_on(process_group, plan), process_group, progress)
+
+
+def _run_remote(out: RemotePath, plan: Callable[[Path], MergeJob], overwrite: bool,
+                progress: ProgressFactory | None) -> list[MergeResult]:
+    # Merged locally, then uploaded, the index last (merging/_remote_out.py says why).
+    check_remote_output(out)
+    with local_stage(out) as local:
+        job = plan(local)
+        stale = claim_outputs(job.plans, out, overwrite=overwrite)  # before any byte is read
+        results = _run(job, progress)
+        return upload_results(results, out, stale)
 
 
 def _run(job: MergeJob, progress: ProgressFactory | None) -> list[MergeResult]:
@@ -212,7 +234,8 @@ def _run(job: MergeJob, progress: ProgressFactory | None) -> list[MergeResult]:
 def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization: bool = True,
                        remove_checkpoint_dir: bool = False, *, overwrite: bool = True,
                        progress: ProgressFactory | None = None,
-                       ) -> Path:
+                       storage_options: dict[str, Any] | None = None,
+                       ) -> Path | RemotePath:
     """Accelerate's ``merge_fsdp_weights``, streaming and in constant memory.
 
     Writes ``{output_path}/model.safetensors`` (metadata ``{"format": "pt"}``) or, with
@@ -233,6 +256,7 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
         remove_checkpoint_dir: delete ``checkpoint_dir`` after a successful merge.
         overwrite: replace an existing output (default, as Accelerate); False refuses.
         progress: as for :func:`merge`.
+        storage_options: as for :func:`merge` (either path may be a URL).
 
     Returns:
         The path of the merged file.
@@ -240,17 +264,25 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
     Example:
         >>> merge_fsdp_weights("ckpt/pytorch_model_fsdp_0", "merged")
     """
-    layout = find_layout(checkpoint_dir)  # read once: the validate stage takes it as found
+    # Read once: the validate stage takes it as found.
+    layout = find_layout(location(checkpoint_dir, storage_options=storage_options))
     if len(layout.parts) > 1:
         # Accelerate's command merges one DCP folder; guessing which would surprise.
         choices = " or ".join(str(p.path) for p in layout.parts)
         raise NotACheckpointError(f"{layout.path}: holds {len(layout.parts)} DCP folders; "
                                   f"pass one of them: {choices}")
     fmt = "safetensors" if safe_serialization else "bin"
-    # No file name: the format names it (model.safetensors, pytorch_model.bin, optimizer.*).
-    request = validate_merge(layout, output_path, format=fmt, keep_keys=True,
-                             overwrite=overwrite)
-    (result,) = _run(plan_job(request), progress)
+
+    def plan(into: str | os.PathLike[str] = output_path) -> MergeJob:
+        # No file name: the format names it (model.safetensors, pytorch_model.bin, optimizer.*).
+        return plan_job(validate_merge(layout, into, format=fmt, keep_keys=True,
+                                       overwrite=overwrite))
+
+    out = location(output_path, storage_options=storage_options)
+    if isinstance(out, RemotePath):
+        (result,) = _run_remote(out, plan, overwrite, progress)
+    else:
+        (result,) = _run(plan(), progress)
     if remove_checkpoint_dir:
         if isinstance(result.source, RemotePath):
             result.source.fs.rm(result.source.path, recursive=True)

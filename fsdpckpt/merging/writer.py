@@ -25,11 +25,12 @@ import tempfile
 import threading
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fsdpckpt._io.checksums import crc32_range
 from fsdpckpt._io.durable import fsync_dir, write_bytes
 from fsdpckpt._io.rawio import pwrite_all, reusing_scratch
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._objects import read_object
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
@@ -101,7 +102,10 @@ def sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def output_paths(plan: MergePlan, output_dir: Path) -> list[Path]:
+_P = TypeVar("_P", Path, RemotePath)
+
+
+def output_paths(plan: MergePlan, output_dir: _P) -> list[_P]:
     """Every file the plan writes into ``output_dir``."""
     names = [f.name for f in plan.files] + ([plan.index_name] if plan.index_name else [])
     return [output_dir / n for n in names]

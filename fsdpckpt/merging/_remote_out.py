@@ -1,0 +1,100 @@
+"""Merged outputs on object storage: merged locally, then uploaded, the index last.
+
+Object stores have no rename, so the local commit (stage, then rename into place) cannot
+be done there. What they do give: an object becomes visible only once its upload is
+complete (a multipart upload is invisible until its last part is in). So the commit
+protocol for a remote output folder is:
+
+1. Validate and plan as for a local merge, and check the remote folder for existing
+   outputs (refused without ``overwrite``) before any byte is read or written.
+2. Merge into a local temporary folder (``$TMPDIR``: it needs room for the output).
+3. Upload the files one by one (each in parts), in the merge's order: shards first,
+   the index last. A sharded output without its index is not a model to any loader,
+   and a single-file output is whole the moment its one object appears.
+4. Only then remove earlier outputs of ours that the new ones replace.
+
+A failure (or Ctrl-C, SIGTERM) during the upload deletes the objects this merge already
+uploaded, so nothing of it is left, and an earlier output is left as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fsdpckpt._io.remote import RemotePath
+from fsdpckpt.errors import FsdpCkptError
+
+if TYPE_CHECKING:
+    from fsdpckpt.merging.merger import MergeResult
+from fsdpckpt.merging.writer import OutputNotWritableError
+
+__all__ = ["check_remote_output", "local_stage", "upload_results"]
+
+
+def check_remote_output(out: RemotePath) -> None:
+    """Refuse an output that is an existing file (not a folder)."""
+    if out.is_file():
+        raise OutputNotWritableError(
+            20, f"{out}: is a file, not a folder; pass a folder URL (e.g. {out}-merged/)")
+
+
+@contextlib.contextmanager
+def local_stage(out: RemotePath) -> Iterator[Path]:
+    """A local temporary folder to merge into before the upload; removed at the end."""
+    with tempfile.TemporaryDirectory(prefix="fsdpckpt-upload-") as tmp:
+        yield Path(tmp) / out.name
+
+
+def upload_results(results: list[MergeResult], out: RemotePath, stale: tuple[RemotePath, ...],
+                   progress: Callable[[int], None] | None = None) -> list[MergeResult]:
+    """Upload every result's files into ``out`` (the index of each last), then remove
+    ``stale`` (earlier outputs the new ones replace). Returns the results, naming the
+    uploaded objects.
+
+    Raises:
+        OutputNotWritableError: an upload failed; what this call uploaded is deleted.
+    """
+    uploaded: list[RemotePath] = []
+    done = []
+    try:
+        for result in results:
+            remote_files: list[Path | RemotePath] = []
+            for local in (f for f in result.files if isinstance(f, Path)):
+                target = out / local.name
+                try:
+                    _put(local, target)
+                except OSError as exc:
+                    raise OutputNotWritableError(
+                        5, f"{target}: upload failed ({exc}); check the URL, the credentials "
+                        "and that the bucket exists; nothing of this merge is left there") from None
+                uploaded.append(target)
+                remote_files.append(target)
+                if progress:
+                    progress(local.stat().st_size)
+            done.append(replace(result, files=tuple(remote_files)))
+    except BaseException:
+        _delete(list(reversed(uploaded)))  # the index first: never seen without its shards
+        raise
+    new = {str(p) for p in uploaded}
+    # An earlier index first, for the same reason; then the files it named.
+    _delete(sorted((p for p in stale if str(p) not in new),
+                   key=lambda p: not p.name.endswith(".index.json")))
+    out.forget_listings()
+    return done
+
+
+def _put(local: Path, target: RemotePath) -> None:
+    """Upload one file; fsspec's backends upload large files in parts (multipart on S3),
+    and the object appears only when the last part is in."""
+    target.fs.put_file(str(local), target.path)
+
+
+def _delete(paths: list[RemotePath]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError, OSError, FsdpCkptError):
+            path.fs.rm_file(path.path)

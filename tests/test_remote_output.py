@@ -1,0 +1,147 @@
+"""Merged outputs on object storage: merged locally, uploaded file by file, the index last.
+
+Against the real S3 server (tests/s3server.py): the uploaded files are byte-identical to a
+local merge's, existing outputs are refused without overwrite and replaced with it, and a
+failed upload leaves nothing of the merge behind.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import fsdpckpt
+from fsdpckpt.merging import _remote_out
+from fsdpckpt.merging.writer import OutputExistsError, OutputNotWritableError
+
+from conftest import FIXTURES, assert_one_line_error, run_cli, upload
+
+CKPT = FIXTURES / "fsdp2_accelerate"
+pytestmark = pytest.mark.s3
+
+
+def _options(server) -> dict:
+    return {"key": "any", "secret": "any", "endpoint_url": server.endpoint}
+
+
+def _remote_files(server, url: str) -> dict[str, bytes]:
+    fs = server.filesystem()
+    root = url.removeprefix("s3://")
+    return {p.rsplit("/", 1)[-1]: fs.cat_file(p) for p in sorted(fs.find(root))}
+
+
+def _local_files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("options", [{}, {"max_shard_size": "1KB"}, {"format": "bin"},
+                                     {"optimizer": True, "dtype": "bf16"}],
+                         ids=["safetensors", "sharded", "bin", "optimizer-bf16"])
+def test_a_merge_to_s3_uploads_exactly_what_a_local_merge_writes(s3, tmp_path, options):
+    server, root = s3
+    out = f"s3://{root}/merged"
+    results = fsdpckpt.merge(CKPT, out, storage_options=_options(server), **options)
+    fsdpckpt.merge(CKPT, tmp_path / "local", **options)
+    assert _remote_files(server, out) == _local_files(tmp_path / "local")
+    assert all(str(f).startswith(out + "/") for r in results for f in r.files)
+
+
+def test_a_merge_from_s3_to_s3_equals_the_local_merge(s3, tmp_path):
+    server, root = s3
+    source = upload(server, CKPT, f"s3://{root}/ckpt")
+    out = f"s3://{root}/merged"
+    fsdpckpt.merge(source, out, storage_options=_options(server), max_shard_size="2KB")
+    fsdpckpt.merge(CKPT, tmp_path / "local", max_shard_size="2KB")
+    assert _remote_files(server, out) == _local_files(tmp_path / "local")
+
+
+def test_the_index_is_uploaded_last(s3, monkeypatch):
+    server, root = s3
+    order: list[str] = []
+    real = _remote_out._put
+
+    def spy(local, target):
+        order.append(target.name)
+        real(local, target)
+
+    monkeypatch.setattr(_remote_out, "_put", spy)
+    fsdpckpt.merge(CKPT, f"s3://{root}/merged", storage_options=_options(server),
+                   max_shard_size="1KB")
+    assert len(order) > 2 and order[-1] == "model.safetensors.index.json"
+
+
+def test_an_existing_remote_output_is_refused_before_any_work(s3):
+    server, root = s3
+    out = f"s3://{root}/merged"
+    server.filesystem().pipe(f"{root}/merged/model.safetensors", b"earlier")
+    with pytest.raises(OutputExistsError, match="model.safetensors"):
+        fsdpckpt.merge(CKPT, out, storage_options=_options(server))
+    assert server.filesystem().cat_file(f"{root}/merged/model.safetensors") == b"earlier"
+
+
+def test_overwrite_replaces_an_earlier_sharded_output_and_removes_its_stale_shards(s3, tmp_path):
+    server, root = s3
+    out = f"s3://{root}/merged"
+    fsdpckpt.merge(CKPT, out, storage_options=_options(server), max_shard_size="1KB")
+    assert "model.safetensors.index.json" in _remote_files(server, out)
+    fsdpckpt.merge(CKPT, out, storage_options=_options(server), overwrite=True)
+    fsdpckpt.merge(CKPT, tmp_path / "local")
+    assert _remote_files(server, out) == _local_files(tmp_path / "local")
+
+
+def test_a_failed_upload_leaves_nothing_of_the_merge(s3, monkeypatch):
+    server, root = s3
+    real = _remote_out._put
+    calls = []
+
+    def failing(local, target):
+        calls.append(target)
+        if len(calls) == 3:
+            raise OSError("connection reset")
+        real(local, target)
+
+    monkeypatch.setattr(_remote_out, "_put", failing)
+    with pytest.raises(OutputNotWritableError, match="upload failed"):
+        fsdpckpt.merge(CKPT, f"s3://{root}/merged", storage_options=_options(server),
+                       max_shard_size="1KB")
+    # (SeaweedFS may keep an empty folder entry; no object is left inside it.)
+    left = server.filesystem().find(f"{root}/merged")
+    assert [p for p in left if p.startswith(f"{root}/merged/")] == []
+
+
+def test_an_output_url_that_is_a_file_is_refused(s3):
+    server, root = s3
+    server.filesystem().pipe(f"{root}/taken", b"x")
+    with pytest.raises(OutputNotWritableError, match="is a file"):
+        fsdpckpt.merge(CKPT, f"s3://{root}/taken", storage_options=_options(server))
+
+
+def test_the_cli_merges_to_s3_and_reports_the_urls(s3):
+    server, root = s3
+    out = f"s3://{root}/merged"
+    result = run_cli("merge", CKPT, out, "--storage-options", json.dumps(_options(server)),
+                     "--json")
+    assert result.exit_code == 0, result.output
+    files = json.loads(result.stdout)["outputs"][0]["files"]
+    assert files == [f"{out}/model.safetensors"]
+
+
+def test_the_cli_refuses_an_existing_remote_output_in_one_line(s3):
+    server, root = s3
+    server.filesystem().pipe(f"{root}/merged/model.safetensors", b"earlier")
+    result = run_cli("merge", CKPT, f"s3://{root}/merged", "--storage-options",
+                     json.dumps(_options(server)))
+    assert_one_line_error(result, f"s3://{root}/merged/model.safetensors", "--overwrite")
+
+
+def test_merge_weights_takes_urls_on_both_sides_as_accelerate_would_take_paths(s3, tmp_path):
+    server, root = s3
+    source = upload(server, CKPT / "pytorch_model_fsdp_0", f"s3://{root}/ckpt/pytorch_model_fsdp_0")
+    out = f"s3://{root}/merged"
+    result = run_cli("merge-weights", source, out, "--storage-options",
+                     json.dumps(_options(server)), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["output"] == f"{out}/model.safetensors"
+    fsdpckpt.merge_fsdp_weights(str(CKPT / "pytorch_model_fsdp_0"), str(tmp_path / "local"))
+    assert _remote_files(server, out) == _local_files(tmp_path / "local")

@@ -231,3 +231,51 @@ def test_the_cli_converts_a_remote_file_with_storage_options(s3, tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["source"] == f"{url}/model.safetensors"
     assert (tmp_path / "out" / ".metadata").is_file()
+
+
+# -- HuggingFaceStorageWriter saves ------------------------------------------------------
+
+HF_STORAGE = {"shards": FIXTURES / "hf_storage" / "shards",
+              "consolidated": FIXTURES / "hf_storage" / "consolidated"}
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("which", sorted(HF_STORAGE))
+def test_a_remote_hf_storage_save_merges_inspects_and_verifies_as_the_local_one(s3, tmp_path,
+                                                                              which):
+    server, root = s3
+    url = upload(server, HF_STORAGE[which], f"s3://{root}/{which}")
+    options = _options(server)
+    fsdpckpt.merge(url, tmp_path / "remote", storage_options=options)
+    fsdpckpt.merge(HF_STORAGE[which], tmp_path / "local")
+    assert _files(tmp_path / "remote") == _files(tmp_path / "local")
+    remote = fsdpckpt.inspect_checkpoint(url, storage_options=options).to_json()
+    local = fsdpckpt.inspect_checkpoint(HF_STORAGE[which]).to_json()
+    assert json.dumps(remote, sort_keys=True).replace(url, "") == \
+        json.dumps(local, sort_keys=True).replace(str(HF_STORAGE[which]), "")
+    assert fsdpckpt.verify_checkpoint(url, storage_options=options).ok
+
+
+@pytest.mark.s3
+def test_load_full_state_dict_of_a_remote_hf_storage_save_equals_the_local_one(s3):
+    import torch
+
+    server, root = s3
+    url = upload(server, HF_STORAGE["shards"], f"s3://{root}/shards")
+    remote = fsdpckpt.load_full_state_dict(url, storage_options=_options(server))
+    local = fsdpckpt.load_full_state_dict(HF_STORAGE["shards"])
+    assert remote.keys() == local.keys() and local
+    for key in local:
+        assert torch.equal(remote[key].view(torch.uint8), local[key].view(torch.uint8)), key
+
+
+@pytest.mark.s3
+def test_verify_of_a_remote_hf_storage_save_finds_bytes_no_tensor_owns(s3, tmp_path):
+    server, root = s3
+    copy = shutil.copytree(HF_STORAGE["shards"], tmp_path / "save")
+    data = copy / "shard-00002-model-00001-of-00001.safetensors"
+    data.write_bytes(data.read_bytes() + b"\0" * 16)
+    url = upload(server, copy, f"s3://{root}/padded")
+    report = fsdpckpt.verify_checkpoint(url, storage_options=_options(server))
+    assert not report.ok
+    assert any("shard-00002" in p.path for p in report.problems)

@@ -189,9 +189,11 @@ def load_full_state_dict(path: str | os.PathLike[str], *,
             return _from_dcp(p)
         if p.is_dir() and (from_ranks := _from_rank_files(p)) is not None:
             return from_ranks
-        raise NotACheckpointError(f"{p}: only DCP folders and per-rank files are read from "
-                                  "object storage yet (merged files: not yet); download it "
-                                  "first")
+        if (hf_storage := read_hf_storage_at(p)) is not None:  # HuggingFaceStorageWriter
+            return _from_folder(hf_storage, [])
+        raise NotACheckpointError(f"{p}: only DCP folders, per-rank files and "
+                                  "HuggingFaceStorageWriter saves are read from object storage "
+                                  "yet (merged files: not yet); download it first")
     if p.is_file():
         return _from_file(p)
     if is_dcp_folder(p):

@@ -35,6 +35,7 @@ __all__ = [
     "METADATA_TMP_SUFFIX",
     "PICKLED_NAMES", "is_torch_global", "storage_info", "flatten_state_dict",
     "set_writer_filesystem", "written_file_name", "store_loaded_value",
+    "fsspec_writer", "fsspec_reader_class", "fsspec_filesystem_class",
     "PurePythonPickler", "PurePythonUnpickler", "PickleStop",
 ]
 
@@ -218,3 +219,35 @@ def store_loaded_value(planner: Any, fqn: str, value: Any) -> None:
         set_element(planner.original_state_dict, tuple(planner.mappings[fqn]), value)
     else:
         planner.state_dict[fqn] = value
+
+
+def fsspec_filesystem_class() -> Any:
+    """torch's fsspec ``FileSystem`` for DCP (``_fsspec_filesystem.FileSystem``): the
+    ``create_stream``/``rename``/``exists`` DCP's writer and reader call, over an fsspec
+    filesystem held in its ``fs`` attribute."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    return FileSystem
+
+
+def fsspec_writer(url: str, filesystem: Any) -> Any:
+    """torch's ``FsspecWriter`` for the folder ``url``, writing through ``filesystem`` (an
+    instance of a :func:`fsspec_filesystem_class` subclass whose ``fs`` is already set), so
+    that the credentials and endpoint fsdpckpt resolved are the ones used.
+
+    ``sync_files`` is off: an object is durable once its upload completes, and torch's
+    fallback for streams without a file descriptor is ``os.sync()`` of the whole machine.
+    """
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    writer = FsspecWriter(url, sync_files=False)
+    set_writer_filesystem(writer, filesystem)
+    return writer
+
+
+def fsspec_reader_class() -> Any:
+    """torch's ``FsspecReader`` (DCP's reader over fsspec), to subclass; its ``fs`` is
+    replaced as the writer's is."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader

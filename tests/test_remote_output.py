@@ -145,3 +145,48 @@ def test_merge_weights_takes_urls_on_both_sides_as_accelerate_would_take_paths(s
     assert json.loads(result.stdout)["output"] == f"{out}/model.safetensors"
     fsdpckpt.merge_fsdp_weights(str(CKPT / "pytorch_model_fsdp_0"), str(tmp_path / "local"))
     assert _remote_files(server, out) == _local_files(tmp_path / "local")
+
+
+# -- a merge spread over ranks into object storage (no shared file system needed) ----------
+
+def _spread_to_s3(rank: int, world: int, out: str, storage: dict, fail_upload_on: int) -> str:
+    import torch.distributed as dist
+
+    if rank == fail_upload_on:
+        def failing(local, target):
+            raise OSError("injected: connection reset")
+
+        _remote_out._put = failing
+    try:
+        results = fsdpckpt.merge(CKPT, out, max_shard_size=600, optimizer=True,
+                                 process_group=dist.group.WORLD, storage_options=storage)
+    except fsdpckpt.FsdpCkptError as exc:
+        return "error: " + str(exc)
+    return json.dumps([[str(f) for f in r.files] for r in results])
+
+
+@pytest.mark.multirank
+def test_a_spread_merge_to_s3_uploads_exactly_the_single_process_merge(s3, tmp_path):
+    from multirank import run_ranks
+
+    server, root = s3
+    out = f"s3://{root}/spread"
+    per_rank = run_ranks(_spread_to_s3, out, _options(server), -1)
+    assert per_rank[0] == per_rank[1] and not per_rank[0].startswith("error")
+    fsdpckpt.merge(CKPT, tmp_path / "single", max_shard_size=600, optimizer=True)
+    assert _remote_files(server, out) == _local_files(tmp_path / "single")
+    files = json.loads(per_rank[0])
+    assert files[0][-1] == f"{out}/model.safetensors.index.json"  # the index named last
+
+
+@pytest.mark.multirank
+def test_a_failed_upload_on_one_rank_leaves_nothing_of_a_spread_merge(s3):
+    from multirank import run_ranks
+
+    server, root = s3
+    out = f"s3://{root}/spread"
+    errors = run_ranks(_spread_to_s3, out, _options(server), 1)
+    assert "injected: connection reset" in errors[1]
+    assert errors[0].startswith("error: rank 1 failed, so rank 0 stops too")
+    left = server.filesystem().find(f"{root}/spread")
+    assert [p for p in left if p.startswith(f"{root}/spread/")] == []

@@ -172,6 +172,28 @@ def test_the_load_planner_keeps_the_attributes_store_loaded_value_uses(tmp_path)
     assert state == {"opt": {"groups": [{"lr": 0.5}]}}
 
 
+def test_the_fsspec_writer_and_reader_go_through_the_filesystem_fsdpckpt_gives_them():
+    import fsspec
+    import torch.distributed.checkpoint as dcp
+
+    memory = fsspec.filesystem("memory")
+    written = _torch.fsspec_filesystem_class()()
+    written.fs = memory
+    writer = _torch.fsspec_writer("memory://compat/ckpt", written)
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=writer, no_dist=True)
+    names = {p.rsplit("/", 1)[1] for p in memory.ls("/compat/ckpt", detail=False)}
+    if ".metadata" not in names or not any(n.endswith(".distcp") for n in names):
+        pytest.fail(f"torch {torch.__version__}'s FsspecWriter no longer writes through the "
+                    f"FileSystem given to it ({sorted(names)}): {FIX}")
+    reader = _torch.fsspec_reader_class()("memory://compat/ckpt")
+    read = _torch.fsspec_filesystem_class()()
+    read.fs = memory
+    reader.fs = read
+    state = {"w": torch.zeros(4)}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    assert torch.equal(state["w"], torch.arange(4.0))
+
+
 def test_the_installed_torch_is_not_newer_than_the_one_the_allowlist_was_checked_against():
     installed = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     known = tuple(int(p) for p in _torch.KNOWN_TORCH.split("."))

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._archive import is_plain_int, read_archive_with_tensors
 from fsdpckpt.dcp._objects import TensorValue, latin1_bytes
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS
@@ -125,7 +126,7 @@ def _one_line(exc: FsdpCkptError) -> FsdpCkptError:
     return exc if text == str(exc) else type(exc)(text)
 
 
-def read_rng_archive(path: Path) -> dict[Any, Any]:
+def read_rng_archive(path: Path | RemotePath) -> dict[Any, Any]:
     """Decode an RNG file's ``torch.save`` archive into plain values and stand-in records.
 
     Tensors become :class:`~fsdpckpt.dcp._objects.TensorValue`; numpy's arrays and dtypes
@@ -148,7 +149,9 @@ def read_rng_archive(path: Path) -> dict[Any, Any]:
             f"({MAX_RNG_FILE_BYTES} at most); it is not an RNG state file. Delete it to "
             "resume without it.")
     try:
-        with open(path, "rb") as file:
+        # A remote file (fsspec, buffered) reads as a local one: the same bounded parse.
+        with (path.open_file().file() if isinstance(path, RemotePath)
+              else open(path, "rb")) as file:
             _check_entries(file, size, path)
             state = read_archive_with_tensors(file, 0, size, source=str(path),
                                               allowed=_stand_ins(), make_tensor=TensorValue)
@@ -166,7 +169,7 @@ def read_rng_archive(path: Path) -> dict[Any, Any]:
     return state
 
 
-def _check_entries(file: Any, size: int, path: Path) -> None:
+def _check_entries(file: Any, size: int, path: Path | RemotePath) -> None:
     """Refuse archives that would make reading them cost more than their bytes.
 
     ``torch.save`` stores every entry uncompressed, and an RNG file has a handful;
@@ -184,7 +187,7 @@ def _check_entries(file: Any, size: int, path: Path) -> None:
                     "than the file, which torch.save never writes; it is not an RNG state file")
 
 
-def rng_fields(state: dict[Any, Any], path: Path) -> dict[str, Any]:
+def rng_fields(state: dict[Any, Any], path: Path | RemotePath) -> dict[str, Any]:
     """Check every field of a decoded RNG file and build the real values, under Accelerate's keys.
 
     Returns:

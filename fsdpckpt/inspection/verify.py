@@ -15,7 +15,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.checksums import crc32_range, file_checksums
+from fsdpckpt._io.checksums import crc32_range, file_checksums, new_digest
 from fsdpckpt._io.rawio import reusing_scratch, scratch
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
@@ -28,7 +28,7 @@ from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.dcp.metadata import DcpMetadata
 from fsdpckpt.dcp.reader import path_inside, read_dcp_folder
-from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
+from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.inspection.inspect import inspect_checkpoint
 from fsdpckpt.inspection.report import VerifyReport
 from fsdpckpt.training._dcp_io import stray_metadata_files
@@ -116,8 +116,13 @@ def _chunk_bytes(folders: list[Path | RemotePath]) -> tuple[int, int]:
     return total, len(files)
 
 
-def _walk(root: Path) -> tuple[list[str], list[str]]:
+def _walk(root: Path | RemotePath) -> tuple[list[str], list[str]]:
     """Every file under ``root`` and every symlink to a folder (not followed), relative."""
+    if isinstance(root, RemotePath):  # one recursive listing; object stores have no links
+        prefix = root.path.rstrip("/") + "/"
+        keys = root.fs.find(root.path)
+        return sorted(k[len(prefix):] for k in keys
+                      if k.startswith(prefix) and not k.endswith("/")), []
     found, linked = [], []
     for dirpath, dirs, names in os.walk(root):
         for name in names:
@@ -125,6 +130,17 @@ def _walk(root: Path) -> tuple[list[str], list[str]]:
         linked += [os.path.relpath(os.path.join(dirpath, d), root) for d in dirs
                    if os.path.islink(os.path.join(dirpath, d))]
     return sorted(found), sorted(linked)
+
+
+def _checksums(file: Path | RemotePath, progress: ProgressCallback | None,
+               digest: str | None) -> tuple[int, int, str | None]:
+    """``(size, crc32, digest)`` of a whole file, local or remote (ranged reads in blocks)."""
+    if not isinstance(file, RemotePath):
+        return file_checksums(file, progress, digest)
+    remote = file.open_file()
+    hasher = new_digest(digest)
+    crc = crc32_range(remote, 0, remote.size, progress, source=str(file), hasher=hasher)
+    return remote.size, crc, hasher.hexdigest() if hasher is not None else None
 
 
 def _check_digest(root: Path | RemotePath, expect: str, problems: list[Problem]) -> str | None:
@@ -209,10 +225,6 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             _check_chunks(folder, problems, only_file=None, expected=None, progress=callback)
         return _report(root, problems, manifest=False, digest=digest, file_digest=None)
 
-    if isinstance(root, RemotePath):
-        raise NotACheckpointError(
-            f"{root}: checking a checkpoint against its manifest reads it from local disk "
-            "only, not yet from object storage; download it first and verify the copy")
     file_digest = manifest.get("digest")  # schema-checked: None, or one of DIGESTS
     named = {p.path for p in problems}  # stray metadata files are named above already
     files, linked_folders = _walk(root)
@@ -222,13 +234,13 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
                              "manifest, so not part of this checkpoint as it was written"))
     for name in linked_folders:  # fsdpckpt never writes links: someone added this one
         problems.append(Problem(str(root / name), "stray folder (a symlink to "
-                         f"{os.path.realpath(root / name)}): not in the manifest, so not part "
+                         f"{os.path.realpath(str(root / name))}): not in the manifest, so not part "
                          "of this checkpoint as it was written"))
     expected = {(folder, c["tensor"], tuple(c["offsets"])): c["crc32"]
                 for folder, chunks in manifest.get("chunks", {}).items() for c in chunks}
     listed = {name: (info["size"], info["crc32"], info.get(file_digest) if file_digest else None)
               for name, info in manifest["files"].items()}
-    whole: list[tuple[Path, int, str | None]] = []
+    whole: list[tuple[Path | RemotePath, int, str | None]] = []
     for name, (want_size, want_crc, want_digest) in listed.items():
         file = root / name
         try:
@@ -248,7 +260,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     callback = start_progress(progress, sum(f.stat().st_size for f, *_ in whole),
                               len(whole)) if progress else None
     for file, want_crc, want_digest in whole:
-        _size, crc, actual_digest = file_checksums(file, callback, file_digest)
+        _size, crc, actual_digest = _checksums(file, callback, file_digest)
         if crc == want_crc and actual_digest != want_digest:
             # CRC-32 kept, digest not: a change made to look unchanged.
             problems.append(Problem(str(file), f"contents do not match the "

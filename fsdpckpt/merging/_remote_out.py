@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from fsdpckpt.merging.merger import MergeResult
 from fsdpckpt.merging.writer import OutputNotWritableError
 
-__all__ = ["check_remote_output", "local_stage", "upload_results"]
+__all__ = ["check_remote_output", "delete", "local_stage", "upload", "upload_results"]
 
 
 def check_remote_output(out: RemotePath) -> None:
@@ -65,27 +65,37 @@ def upload_results(results: list[MergeResult], out: RemotePath, stale: tuple[Rem
         for result in results:
             remote_files: list[Path | RemotePath] = []
             for local in (f for f in result.files if isinstance(f, Path)):
-                target = out / local.name
-                try:
-                    _put(local, target)
-                except OSError as exc:
-                    raise OutputNotWritableError(
-                        5, f"{target}: upload failed ({exc}); check the URL, the credentials "
-                        "and that the bucket exists; nothing of this merge is left there") from None
-                uploaded.append(target)
-                remote_files.append(target)
+                remote_files.append(upload(local, out, uploaded))
                 if progress:
                     progress(local.stat().st_size)
             done.append(replace(result, files=tuple(remote_files)))
     except BaseException:
-        _delete(list(reversed(uploaded)))  # the index first: never seen without its shards
+        delete(list(reversed(uploaded)))  # the index first: never seen without its shards
         raise
     new = {str(p) for p in uploaded}
     # An earlier index first, for the same reason; then the files it named.
-    _delete(sorted((p for p in stale if str(p) not in new),
+    delete(sorted((p for p in stale if str(p) not in new),
                    key=lambda p: not p.name.endswith(".index.json")))
     out.forget_listings()
     return done
+
+
+def upload(local: Path, out: RemotePath, uploaded: list[RemotePath]) -> RemotePath:
+    """Upload ``local`` into ``out`` under its own name and add it to ``uploaded`` (what a
+    failure must delete).
+
+    Raises:
+        OutputNotWritableError: the upload failed; the message says what to check.
+    """
+    target = out / local.name
+    try:
+        _put(local, target)
+    except OSError as exc:
+        raise OutputNotWritableError(
+            5, f"{target}: upload failed ({exc}); check the URL, the credentials and that "
+            "the bucket exists; nothing of this merge is left there") from None
+    uploaded.append(target)
+    return target
 
 
 def _put(local: Path, target: RemotePath) -> None:
@@ -94,7 +104,8 @@ def _put(local: Path, target: RemotePath) -> None:
     target.fs.put_file(str(local), target.path)
 
 
-def _delete(paths: list[RemotePath]) -> None:
+def delete(paths: list[RemotePath]) -> None:
+    """Delete these objects, in this order, ignoring any already gone."""
     for path in paths:
         with contextlib.suppress(FileNotFoundError, OSError, FsdpCkptError):
             path.fs.rm_file(path.path)

@@ -202,10 +202,11 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
 
     out = location(output_dir, storage_options=storage_options)
     if isinstance(out, RemotePath):
-        if process_group is not None:
-            raise NotACheckpointError(f"{out}: a merge spread over ranks writes to a shared "
-                                      "file system; merge to object storage in one process")
-        return _run_remote(out, plan, overwrite, progress)
+        if process_group is None:
+            return _run_remote(out, plan, overwrite, progress)
+        from fsdpckpt.merging._distributed_remote import run_spread_remote
+
+        return run_spread_remote(out, plan, process_group, overwrite, progress)
     if process_group is None:
         return _run(plan(), progress)
     # Imported here: it imports this module, and torch.distributed only when spread.

@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.remote import RemotePath
-from fsdpckpt._torch import storage_info, store_loaded_value
+from fsdpckpt._torch import (
+    fsspec_filesystem_class,
+    fsspec_reader_class,
+    storage_info,
+    store_loaded_value,
+)
 from fsdpckpt.dcp.reader import METADATA_FILE, read_dcp_folder
 from fsdpckpt.errors import NotACheckpointError
 
@@ -43,7 +48,7 @@ def stray_metadata_files(folder: Path | RemotePath) -> list[Path | RemotePath]:
                   key=str)
 
 
-def _refuse_strays(folder: Path) -> None:
+def _refuse_strays(folder: Path | RemotePath) -> None:
     strays = stray_metadata_files(folder)
     if strays:
         raise NotACheckpointError(
@@ -54,7 +59,7 @@ def _refuse_strays(folder: Path) -> None:
             "get an intact copy")
 
 
-def _torch_metadata(folder: Path) -> Any:
+def _torch_metadata(folder: Path | RemotePath) -> Any:
     """``folder``'s metadata as torch's ``Metadata``, built from fsdpckpt's safe parse."""
     import torch
     from torch.distributed.checkpoint.metadata import (
@@ -96,8 +101,9 @@ def _torch_metadata(folder: Path) -> Any:
     return Metadata(entries, planner_data=planner, storage_data=storage, version=meta.version)
 
 
-def safe_storage_reader(folder: Path) -> Any:
-    """A ``FileSystemReader`` for the DCP folder ``folder`` that never unpickles metadata.
+def safe_storage_reader(folder: Path | RemotePath) -> Any:
+    """A ``FileSystemReader`` for the DCP folder ``folder`` that never unpickles metadata
+    (for a remote folder, torch's ``FsspecReader`` over the client fsdpckpt resolved).
 
     The metadata is read and checked here, before ``dcp.load`` runs, so a refused file
     raises fsdpckpt's error at once instead of torch's wrapped one.
@@ -113,15 +119,21 @@ def safe_storage_reader(folder: Path) -> Any:
 
     _refuse_strays(folder)
     metadata = _torch_metadata(folder)
+    base: Any = fsspec_reader_class() if isinstance(folder, RemotePath) else FileSystemReader
 
-    class SafeFileSystemReader(FileSystemReader):
+    class SafeFileSystemReader(base):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             # Asked with rank=... (torch's fallback to rank-local files), the answer is
             # the same: only ``.metadata``, as fsdpckpt parsed it.
             metadata.storage_meta = StorageMeta(load_id=self.load_id)
             return metadata
 
-    return SafeFileSystemReader(str(folder))
+    reader = SafeFileSystemReader(str(folder))
+    if isinstance(folder, RemotePath):
+        filesystem = fsspec_filesystem_class()()
+        filesystem.fs = folder.fs  # the client location() built: its credentials and endpoint
+        reader.fs = filesystem
+    return reader
 
 
 def safe_load_planner() -> Any:

@@ -10,22 +10,24 @@ fsdpckpt saves, and fsdpckpt read what Accelerate saves.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
 __all__ = ["model_folder", "optimizer_folder", "scheduler_file", "remove_stale_parts",
            "check_parts"]
 
 
-def model_folder(root: Path, i: int) -> Path:
+def model_folder(root: Path | RemotePath, i: int) -> Any:
     return root / f"pytorch_model_fsdp_{i}"
 
 
-def optimizer_folder(root: Path, i: int) -> Path:
+def optimizer_folder(root: Path | RemotePath, i: int) -> Any:
     return root / f"optimizer_{i}"
 
 
-def scheduler_file(root: Path, i: int, *, reading: bool = False) -> Path:
+def scheduler_file(root: Path | RemotePath, i: int, *, reading: bool = False) -> Any:
     name = "scheduler.bin" if i == 0 else f"scheduler_{i}.bin"
     if reading and i == 0 and not (root / name).exists() and (root / "scheduler.pt").exists():
         return root / "scheduler.pt"  # HF Trainer's name
@@ -46,7 +48,8 @@ def remove_stale_parts(root: Path) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def check_parts(root: Path, models: list, optimizers: list, schedulers: list) -> None:
+def check_parts(root: Path | RemotePath, models: list, optimizers: list,
+                schedulers: list) -> None:
     """Refuse a load before it starts when a part asked for is not in ``root``."""
     if not root.is_dir():
         raise CheckpointNotFoundError(f"{root}: no such checkpoint folder; check the path.")

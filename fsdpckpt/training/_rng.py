@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._rngfile import read_rng_archive, rng_fields
 from fsdpckpt.errors import NotACheckpointError, UnsafePickleError
 
@@ -28,7 +29,7 @@ __all__ = ["capture_rng_state", "rng_state_bytes", "load_rng_file", "restore_rng
            "prepare_rng", "PreparedRng"]
 
 
-def rng_file(checkpoint_dir: Path, rank: int) -> Path:
+def rng_file(checkpoint_dir: Path | RemotePath, rank: int) -> Path | RemotePath:
     """Accelerate's name for ``rank``'s RNG file (HF Trainer's ``rng_state_{rank}.pth`` if only
     that exists)."""
     accelerate = checkpoint_dir / f"random_states_{rank}.pkl"
@@ -75,7 +76,7 @@ def torch_save_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def load_rng_file(path: Path) -> dict[str, Any]:
+def load_rng_file(path: Path | RemotePath) -> dict[str, Any]:
     """Read an RNG file exactly (see :mod:`fsdpckpt.dcp._rngfile`), keyed as Accelerate keys it.
 
     Never calls ``torch.load`` or numpy's unpickling: numpy's key array is built
@@ -89,7 +90,7 @@ def load_rng_file(path: Path) -> dict[str, Any]:
     return _normalize(read_rng_archive(path), path)
 
 
-def refused(path: Path, exc: BaseException, what: str) -> Exception:
+def refused(path: Path | RemotePath, exc: BaseException, what: str) -> Exception:
     """The error for a file ``torch.load(weights_only=True)`` would not load."""
     import pickle
     import re
@@ -104,7 +105,7 @@ def refused(path: Path, exc: BaseException, what: str) -> Exception:
                                "it is damaged or not a torch.save file")
 
 
-def _normalize(state: dict[Any, Any], path: Path) -> dict[str, Any]:
+def _normalize(state: dict[Any, Any], path: Path | RemotePath) -> dict[str, Any]:
     """Check every field (HF Trainer's names too) and build the real states (:func:`rng_fields`)."""
     state = rng_fields(state, path)
     if "torch_manual_seed" not in state and "random_state" not in state:
@@ -161,7 +162,7 @@ class PreparedRng:
         self._apply()
 
 
-def _checked(path: Path, change: Callable[[], None]) -> Callable[[], None]:
+def _checked(path: Path | RemotePath, change: Callable[[], None]) -> Callable[[], None]:
     # The decoded state is tried once and the current state put back, so apply() later
     # cannot fail half-way: whatever python, numpy or torch would refuse is refused now,
     # before a load has changed anything.
@@ -177,7 +178,13 @@ def _checked(path: Path, change: Callable[[], None]) -> Callable[[], None]:
     return change
 
 
-def prepare_rng(checkpoint_dir: Path, rank: int, world_size: int) -> PreparedRng:
+def _ranks(checkpoint_dir: Path | RemotePath, prefix: str, suffix: str) -> list[int]:
+    """The ranks of the files ``{prefix}{rank}{suffix}`` in the checkpoint folder."""
+    found = (p.name[len(prefix):-len(suffix)] for p in checkpoint_dir.glob(f"{prefix}*{suffix}"))
+    return sorted(int(rank) for rank in found if rank.isdigit())
+
+
+def prepare_rng(checkpoint_dir: Path | RemotePath, rank: int, world_size: int) -> PreparedRng:
     """Read and check everything :func:`restore_rng` needs, changing no RNG state.
 
     Args:
@@ -192,11 +199,8 @@ def prepare_rng(checkpoint_dir: Path, rank: int, world_size: int) -> PreparedRng
         UnsafePickleError: an RNG file asks for a global outside the allowlist.
         NotACheckpointError: an RNG file is damaged or holds state that cannot be set.
     """
-    saved = sorted(int(p.stem.rsplit("_", 1)[1]) for p in checkpoint_dir.glob("random_states_*.pkl")
-                   if p.stem.rsplit("_", 1)[1].isdigit())
-    if not saved:
-        saved = sorted(int(p.stem.rsplit("_", 1)[1]) for p in checkpoint_dir.glob("rng_state_*.pth")
-                       if p.stem.rsplit("_", 1)[1].isdigit())
+    saved = _ranks(checkpoint_dir, "random_states_", ".pkl") or \
+        _ranks(checkpoint_dir, "rng_state_", ".pth")
     warnings: list[str] = []
     if not saved:
         return PreparedRng(None, [f"{checkpoint_dir}: no RNG state files; RNG state was not "

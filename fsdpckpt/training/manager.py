@@ -9,6 +9,13 @@ a ``checkpoint_*`` folder is complete by construction, and a crash leaves at mos
 the new one is committed, and an async save counts only once it has completed; a
 checkpoint is deleted by first renaming it to a ``.tmp-*`` name, so a crash during the
 deletion cannot leave a half-deleted folder that looks committed.
+
+On object storage (``root`` a URL such as ``s3://bucket/run``) there is no rename: a
+checkpoint is written in place into ``checkpoint_{step}`` by the protocol of
+:mod:`fsdpckpt.training._remote` (intent marker first, manifest last), a folder counts as
+committed exactly when its manifest exists, retention runs only after the new checkpoint
+is committed and deletes a checkpoint's manifest before its data, and the leftovers of an
+unfinished save are swept by the next manager (docs/remote-training.md).
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fsdpckpt._io.durable import fsync_dir
+from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt.training import _remote
 from fsdpckpt.training._dist import dist_or_none, everywhere, rank_world
 from fsdpckpt.training.manifest import MANIFEST, manifest_digest
 from fsdpckpt.training.state import AsyncSave, LoadResult, ResumeWarning, load_state, save_state
@@ -54,6 +63,8 @@ class CheckpointManager:
             completes and commits the previous one.
         digest: record each file's ``"sha256"`` (or ``"blake2b"``) in the manifest, as
             :func:`save_state` does; :attr:`last_digest` is then worth keeping elsewhere.
+        storage_options: options for the fsspec filesystem when ``root`` is a URL
+            (``s3://bucket/run``): endpoint, credentials.
 
     Example:
         >>> mgr = CheckpointManager("run/ckpts", keep_last=3)
@@ -66,10 +77,12 @@ class CheckpointManager:
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
                  keep_every: int | None = None, async_save: bool = False,
-                 digest: str | None = None) -> None:
+                 digest: str | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1 (or None to keep all)")
-        self.root, self.keep_last, self.keep_every = Path(root), keep_last, keep_every
+        self.root: Path | RemotePath = location(root, storage_options=storage_options)
+        self.keep_last, self.keep_every = keep_last, keep_every
         self.async_save, self.digest = async_save, digest
         #: On rank 0, the manifest digest of the last committed checkpoint
         #: (``fsdpckpt verify --expect-digest`` checks a checkpoint against it), else None.
@@ -83,9 +96,15 @@ class CheckpointManager:
         rank, _world = rank_world()
         if rank != 0:
             return
-        self.root.mkdir(parents=True, exist_ok=True)
-        for leftover in sorted(self.root.glob(_TEMPORARY + "*")):
-            final = self.root / leftover.name.replace(_TEMPORARY, "checkpoint_", 1)
+        if isinstance(self.root, RemotePath):
+            _remote.refresh(self.root)
+            names = [p.name for p in self.root.iterdir() if _COMMITTED.match(p.name)]
+            for swept in _remote.sweep(self.root, names):
+                log.warning("fsdpckpt: removed %s, left by a save that did not finish", swept)
+            return
+        self._disk.mkdir(parents=True, exist_ok=True)
+        for leftover in sorted(self._disk.glob(_TEMPORARY + "*")):
+            final = self._disk / leftover.name.replace(_TEMPORARY, "checkpoint_", 1)
             if (leftover / MANIFEST).is_file() and _COMMITTED.match(final.name) and \
                     not final.exists():
                 # Complete (the manifest is written last) but not renamed: a crash between
@@ -95,10 +114,18 @@ class CheckpointManager:
                 continue
             log.warning("fsdpckpt: removing %s, left by a save that did not finish", leftover)
             shutil.rmtree(leftover, ignore_errors=True)
-        fsync_dir(self.root)
+        fsync_dir(self._disk)
 
-    def checkpoints(self) -> list[Path]:
-        """The committed checkpoints, oldest first."""
+    @property
+    def _disk(self) -> Path:
+        """``root`` on a local filesystem (only the local code paths ask)."""
+        return cast(Path, self.root)
+
+    def checkpoints(self) -> list[Any]:
+        """The committed checkpoints (paths, or :class:`RemotePath` on object storage),
+        oldest first."""
+        if isinstance(self.root, RemotePath):
+            _remote.refresh(self.root)  # another process may have committed or deleted
         found = []
         for entry in self.root.iterdir() if self.root.is_dir() else []:
             match = _COMMITTED.match(entry.name)
@@ -106,7 +133,7 @@ class CheckpointManager:
                 found.append((int(match.group(1)), entry))
         return [path for _step, path in sorted(found)]
 
-    def latest(self) -> Path | None:
+    def latest(self) -> Any:
         """The newest committed checkpoint, or None."""
         found = self.checkpoints()
         return found[-1] if found else None
@@ -114,12 +141,21 @@ class CheckpointManager:
     def save(self, step: int, **parts: Any) -> None:
         """Save ``parts`` (model=, optimizer=, scheduler=... as for save_state) as step ``step``."""
         self.wait()
+        if isinstance(self.root, RemotePath):
+            # In place: save_state uncommits an older copy of this step first (manifest
+            # first), so re-saving a step leaves no committed copy of it until it commits.
+            self._finish(step, save_state(self.root / f"checkpoint_{step}", step=step,
+                                          async_save=self.async_save, manifest=True,
+                                          digest=self.digest, **parts))
+            return
         rank, _world = rank_world()
-        temporary = self.root / f"{_TEMPORARY}{step}"
+        temporary = self._disk / f"{_TEMPORARY}{step}"
         everywhere(lambda: shutil.rmtree(temporary) if rank == 0 and temporary.exists()
                    else None)
-        handle = save_state(temporary, step=step, async_save=self.async_save, manifest=True,
-                            digest=self.digest, **parts)
+        self._finish(step, save_state(temporary, step=step, async_save=self.async_save,
+                                      manifest=True, digest=self.digest, **parts))
+
+    def _finish(self, step: int, handle: AsyncSave | None) -> None:
         if handle is None:
             self._commit(step)
         else:
@@ -145,10 +181,11 @@ class CheckpointManager:
             the errors of :func:`load_state` (a model that does not match, a hostile file).
         """
         self.wait()
-        latest = _from_rank_zero(self.latest())  # every rank loads the same one
-        if latest is None:
+        newest = self.latest() if rank_world()[0] == 0 else None
+        name = _from_rank_zero(newest.name if newest is not None else None)  # the same one
+        if name is None:
             return None
-        result = load_state(latest, **parts)
+        result = load_state(self.root / name, **parts)
         self.last_restore = result
         for message in result.warnings:
             warnings.warn(message, ResumeWarning, stacklevel=2)
@@ -159,19 +196,25 @@ class CheckpointManager:
 
     def _commit_on_rank_zero(self, step: int) -> None:
         rank, _world = rank_world()
-        if rank == 0:
-            final = self.root / f"checkpoint_{step}"
+        if rank == 0 and isinstance(self.root, RemotePath):
+            # save_state committed it (the manifest); only then does retention run.
+            committed = self.root / f"checkpoint_{step}"
+            _remote.refresh(self.root)
+            self.last_digest = manifest_digest(committed)
+            self._apply_retention(just_committed=committed)
+        elif rank == 0:
+            final = self._disk / f"checkpoint_{step}"
             replaced = None
             if final.exists():  # the same step saved again: the old copy goes only after
                 replaced = self._uncommit(final)
-            os.rename(self.root / f"{_TEMPORARY}{step}", final)
-            fsync_dir(self.root)
+            os.rename(self._disk / f"{_TEMPORARY}{step}", final)
+            fsync_dir(self._disk)
             self.last_digest = manifest_digest(final)
             if replaced is not None:
                 shutil.rmtree(replaced, ignore_errors=True)
             self._apply_retention(just_committed=final)
 
-    def _apply_retention(self, *, just_committed: Path) -> None:
+    def _apply_retention(self, *, just_committed: Any) -> None:
         committed = self.checkpoints()
         keep = set(committed[-self.keep_last:] if self.keep_last else committed)
         keep.add(just_committed)  # even when its step is lower than older ones (a rewind)
@@ -185,10 +228,13 @@ class CheckpointManager:
         # Atomically: a crash in the middle of rmtree must not leave a half-deleted folder
         # that still looks committed. The rename makes it a leftover, removed on next start.
         doomed = Path(tempfile.mkdtemp(prefix=f"{_TEMPORARY}deleting-{path.name}-",
-                                       dir=self.root))
+                                       dir=self._disk))
         os.rename(path, doomed / path.name)
-        fsync_dir(self.root)
+        fsync_dir(self._disk)
         return doomed
 
-    def _delete(self, path: Path) -> None:
+    def _delete(self, path: Any) -> None:
+        if isinstance(path, RemotePath):
+            _remote.delete(path)  # intent marker, manifest, data, marker
+            return
         shutil.rmtree(self._uncommit(path), ignore_errors=True)

@@ -29,11 +29,17 @@ from fsdpckpt._io.checksums import DIGESTS, ChecksumStream, Pieces, crc32_range,
 from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._io.remote import RemotePath
-from fsdpckpt._torch import set_writer_filesystem, written_file_name
+from fsdpckpt._torch import (
+    fsspec_filesystem_class,
+    fsspec_writer,
+    set_writer_filesystem,
+    written_file_name,
+)
 from fsdpckpt.dcp._archive import _open_archive, entry_data_start
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.reader import is_dcp_folder, read_dcp_folder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from fsdpckpt.training._remote import put_bytes
 
 __all__ = ["MANIFEST", "FileRecord", "build_manifest", "checksum_writer", "chunk_crcs",
            "data_entry_crc", "manifest_digest", "parse_manifest", "read_manifest",
@@ -47,29 +53,39 @@ _VERSION = 2  # 2: the manifest checksums itself; 1 (the first fsdpckpt releases
 FileRecord = tuple[int, "int | Pieces", "str | None"]
 
 
-def checksum_writer(path: str | os.PathLike[str], record: dict[str, FileRecord],
+def checksum_writer(path: str | os.PathLike[str] | RemotePath, record: dict[str, FileRecord],
                     digest: str | None = None) -> Any:
-    """A DCP ``FileSystemWriter`` for ``path`` that records ``{file name: FileRecord}``."""
+    """A DCP storage writer for ``path`` that records ``{file name: FileRecord}``: torch's
+    ``FileSystemWriter``, or for a remote folder its ``FsspecWriter`` over the same client."""
     from contextlib import contextmanager
 
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import FileSystem
+    if isinstance(path, RemotePath):
+        base: Any = fsspec_filesystem_class()
+    else:
+        from torch.distributed.checkpoint.filesystem import FileSystem as base
 
-    class _ChecksumFileSystem(FileSystem):
+    class _ChecksumFileSystem(base):
         @contextmanager
         def create_stream(self, path: Any, mode: str):  # as FileSystem's
             with super().create_stream(path, mode) as stream:
                 if "w" not in mode:
                     yield stream
                     return
-                proxy = ChecksumStream(stream, digest)  # type: ignore[arg-type]
+                proxy = ChecksumStream(stream, digest)
                 yield proxy
             # DCP writes .metadata under a temporary name, then renames it.
             hexdigest = proxy.hasher.hexdigest() if proxy.hasher is not None else None
-            record[written_file_name(path)] = (proxy.size, proxy.pieces, hexdigest)
+            record[written_file_name(str(path))] = (proxy.size, proxy.pieces, hexdigest)
+
+    filesystem = _ChecksumFileSystem()
+    if isinstance(path, RemotePath):
+        filesystem.fs = path.fs  # the client location() built: its credentials and endpoint
+        return fsspec_writer(str(path), filesystem)
+
+    from torch.distributed.checkpoint import FileSystemWriter
 
     writer = FileSystemWriter(path)
-    set_writer_filesystem(writer, _ChecksumFileSystem())
+    set_writer_filesystem(writer, filesystem)
     return writer
 
 
@@ -91,7 +107,8 @@ def data_entry_crc(handle: IO[bytes], start: int, length: int, *, source: str) -
     return data_entry(handle, start, length, source=source)[0]
 
 
-def chunk_crcs(folder: Path, records: dict[str, dict[tuple[int, int], int]] | None = None,
+def chunk_crcs(folder: Path | RemotePath,
+               records: dict[str, dict[tuple[int, int], int]] | None = None,
                ) -> list[dict[str, Any]]:
     """Each tensor chunk of a DCP folder with the CRC-32 its zip directory stores for its data.
 
@@ -116,7 +133,7 @@ def chunk_crcs(folder: Path, records: dict[str, dict[tuple[int, int], int]] | No
     return out
 
 
-def _file_crc(root: Path, name: str, crc: int | Pieces,
+def _file_crc(root: Path | RemotePath, name: str, crc: int | Pieces,
               records: dict[str, dict[str, dict[tuple[int, int], int]]]) -> int:
     """A file's CRC-32 from what was recorded while writing it."""
     if isinstance(crc, int):
@@ -124,6 +141,9 @@ def _file_crc(root: Path, name: str, crc: int | Pieces,
     folder, _, file = name.rpartition("/")
 
     def read_back(offset: int, length: int) -> int:
+        if isinstance(root, RemotePath):
+            return crc32_range((root / name).open_file(), offset, length,
+                               source=str(root / name))
         fd = os.open(root / name, os.O_RDONLY)
         try:
             return crc32_range(fd, offset, length, source=str(root / name))
@@ -133,7 +153,7 @@ def _file_crc(root: Path, name: str, crc: int | Pieces,
     return resolve_pieces(crc, records.get(folder, {}).get(file, {}), read_back)
 
 
-def build_manifest(root: Path, files: dict[str, FileRecord], *, world_size: int,
+def build_manifest(root: Path | RemotePath, files: dict[str, FileRecord], *, world_size: int,
                    step: int | None, digest: str | None = None) -> dict[str, Any]:
     """The manifest document for the checkpoint at ``root``; ``files`` maps relative paths
     to what was recorded while writing them. ``digest`` names the digest each record
@@ -143,8 +163,9 @@ def build_manifest(root: Path, files: dict[str, FileRecord], *, world_size: int,
     from fsdpckpt import __version__
 
     records: dict[str, dict[str, dict[tuple[int, int], int]]] = {}
+    entries_found: list[Any] = sorted(root.iterdir(), key=str)
     chunks = {p.name: chunk_crcs(p, records.setdefault(p.name, {}))
-              for p in sorted(root.iterdir()) if p.is_dir() and is_dcp_folder(p)}
+              for p in entries_found if p.is_dir() and is_dcp_folder(p)}
     entries: dict[str, dict[str, Any]] = {}
     for name, (size, crc, hexdigest) in sorted(files.items()):
         entries[name] = {"size": size, "crc32": _file_crc(root, name, crc, records)}
@@ -168,8 +189,11 @@ def _content_checksum(document: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def write_manifest(root: Path, manifest: dict[str, Any]) -> str:
+def write_manifest(root: Path | RemotePath, manifest: dict[str, Any]) -> str:
     """Write ``fsdpckpt.json`` atomically and durably, with its own checksum.
+
+    On object storage the manifest is one PUT, visible whole or not at all: the commit
+    marker of the protocol in :mod:`fsdpckpt.training._remote`.
 
     Returns:
         the manifest's digest (``"sha256:<hex>"`` of the file), as :func:`manifest_digest`
@@ -177,6 +201,9 @@ def write_manifest(root: Path, manifest: dict[str, Any]) -> str:
     """
     document = dict(manifest, checksum=_content_checksum(manifest))
     data = (json.dumps(document, indent=1) + "\n").encode()
+    if isinstance(root, RemotePath):
+        put_bytes(root / MANIFEST, data)
+        return "sha256:" + hashlib.sha256(data).hexdigest()
     tmp = root / (MANIFEST + ".tmp")
     write_bytes(tmp, data)
     os.replace(tmp, root / MANIFEST)

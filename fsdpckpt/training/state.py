@@ -20,7 +20,9 @@ from typing import Any
 
 from fsdpckpt._io.checksums import new_digest
 from fsdpckpt._io.durable import fsync_dir, write_bytes
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
+from fsdpckpt.training import _remote
 from fsdpckpt.training._dcp_io import safe_load_planner, safe_storage_reader
 from fsdpckpt.training._dist import async_group, dcp_call, dist_or_none, everywhere, rank_world
 from fsdpckpt.training._layout import (
@@ -107,15 +109,20 @@ def _pairs(models: list[Any], optimizers: list[Any]) -> list[tuple[Any, Any]]:
     return [(models[i] if i < len(models) else models[0], opt) for i, opt in enumerate(optimizers)]
 
 
-def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimizer: Any = None,
+def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any = None,
+               optimizer: Any = None,
                scheduler: Any = None, *, step: int | None = None, scaler: Any = None,
                extra: Mapping[str, Any] | None = None,
                async_save: bool = False, manifest: bool = True,
-               digest: str | None = None) -> AsyncSave | None:
+               digest: str | None = None,
+               storage_options: dict[str, Any] | None = None) -> AsyncSave | None:
     """Save training state in Accelerate's layout; call it on every rank.
 
     Args:
-        checkpoint_dir: the folder to write (created).
+        checkpoint_dir: the folder to write (created): a local path, or a URL
+            (``s3://bucket/run/step_100``, any fsspec URL). On object storage the save
+            follows the commit protocol of docs/remote-training.md: the manifest, written
+            last, is the commit marker, so ``manifest=False`` is refused there.
         model: a module (FSDP2, FSDP1, DDP or plain) or a list of them:
             ``pytorch_model_fsdp_{i}/``.
         optimizer: an optimizer or a list (``optimizer_{i}/``, paired with model i).
@@ -140,6 +147,8 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
             manifest's digest kept elsewhere detects any change, deliberate ones included
             (CRC-32 catches accidents only). Costs a hash of every byte written (see
             docs/benchmarks.md); needs ``manifest=True``.
+        storage_options: options for the fsspec filesystem of a URL (endpoint,
+            credentials), as for :func:`fsdpckpt.inspect_checkpoint`.
 
     Returns:
         None, or the :class:`AsyncSave` handle.
@@ -153,14 +162,21 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
         get_optimizer_state_dict,
     )
 
-    root = Path(checkpoint_dir)
+    root = location(checkpoint_dir, storage_options=storage_options)
     rank, _world = rank_world()
     new_digest(digest)  # an unknown name fails here, before anything is written
     if digest is not None and not manifest:
         raise ValueError("digest= is recorded in the manifest: it needs manifest=True")
+    if isinstance(root, RemotePath) and not manifest:
+        raise ValueError(f"{root}: on object storage the manifest is the commit marker "
+                         "(docs/remote-training.md): saving there needs manifest=True")
     models, optimizers = _as_list(model), _as_list(optimizer)
     def prepare() -> None:
-        if rank == 0:
+        if rank != 0:
+            return
+        if isinstance(root, RemotePath):
+            _remote.begin_save(root)  # intent marker first, then an empty folder
+        else:
             root.mkdir(parents=True, exist_ok=True)
             remove_stale_parts(root)
 
@@ -168,7 +184,7 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
     futures = []
     records: dict[str, dict[str, FileRecord]] = {}  # folder -> file -> (size, crc32, digest)
 
-    def write(state: dict[str, Any], folder: Path) -> None:
+    def write(state: dict[str, Any], folder: Path | RemotePath) -> None:
         kwargs: dict[str, Any] = {}
         if manifest:
             kwargs["storage_writer"] = checksum_writer(folder, records.setdefault(folder.name, {}),
@@ -190,8 +206,9 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
         write({"optimizer": get_optimizer_state_dict(module, opt)}, optimizer_folder(root, i))
     side = records.setdefault("", {})
 
-    def write_side(path: Path, data: bytes) -> None:
-        size, crc = write_bytes(path, data, sync=manifest)
+    def write_side(path: Path | RemotePath, data: bytes) -> None:
+        size, crc = _remote.put_bytes(path, data) if isinstance(path, RemotePath) else \
+            write_bytes(path, data, sync=manifest)
         side[path.name] = (size, crc, hashlib.new(digest, data).hexdigest() if digest else None)
 
     write_side(root / f"random_states_{rank}.pkl", rng_state_bytes(step))
@@ -212,7 +229,7 @@ def save_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
 class _Finish:
     """Completes a save on every rank: gathers the checksums, rank 0 writes the manifest."""
 
-    def __init__(self, root: Path, records: dict[str, dict[str, FileRecord]],
+    def __init__(self, root: Path | RemotePath, records: dict[str, dict[str, FileRecord]],
                  step: int | None, *, manifest: bool, digest: str | None) -> None:
         self.root, self.records, self.step, self.manifest = root, records, step, manifest
         self.file_digest = digest
@@ -229,25 +246,33 @@ class _Finish:
             files = {k: v for part in gathered for k, v in part.items()}
         def on_rank_zero() -> None:
             if rank == 0 and self.manifest:
+                if isinstance(self.root, RemotePath):  # the other ranks' files, listed anew
+                    _remote.refresh(self.root)
                 self.digest = write_manifest(self.root, build_manifest(
                     self.root, files, world_size=world, step=self.step,
                     digest=self.file_digest))
                 log.info("fsdpckpt: saved %s; manifest digest %s (keep it elsewhere; "
                          "`fsdpckpt verify --expect-digest` checks the checkpoint against it)",
                          self.root, self.digest)
+                if isinstance(self.root, RemotePath):
+                    _remote.end_save(self.root)  # committed: the intent marker goes
+                    return
                 for folder in [self.root] + [self.root / f for f in self.records if f]:
                     fsync_dir(folder)
 
         everywhere(on_rank_zero)
 
 
-def _load_trusted(path: Path, what: str = "state") -> Any:
+def _load_trusted(path: Path | RemotePath, what: str = "state") -> Any:
+    import io
+
     import torch
 
     from fsdpckpt.training._rng import refused
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)  # safe: allowlist
+        source = io.BytesIO(path.read_bytes()) if isinstance(path, RemotePath) else path
+        state = torch.load(source, map_location="cpu", weights_only=True)  # safe: allowlist
     except Exception as exc:  # noqa: BLE001 - turned into one clear error
         raise refused(path, exc, what) from None
     if what != "state" and not isinstance(state, dict):  # a scheduler's or scaler's state_dict
@@ -256,7 +281,7 @@ def _load_trusted(path: Path, what: str = "state") -> Any:
     return state
 
 
-def _read_everything(root: Path, models: list, optimizers: list, schedulers: list,
+def _read_everything(root: Path | RemotePath, models: list, optimizers: list, schedulers: list,
                      scaler: Any, extra: Mapping[str, Any], rank: int, world: int) -> Any:
     """Read and check every part of a checkpoint before any training state changes.
 
@@ -277,14 +302,19 @@ def _read_everything(root: Path, models: list, optimizers: list, schedulers: lis
     return model_readers, optimizer_readers, scheduler_states, scaler_state, extra_states, rng
 
 
-def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimizer: Any = None,
+def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any = None,
+               optimizer: Any = None,
                scheduler: Any = None, *, scaler: Any = None,
-               extra: Mapping[str, Any] | None = None, strict: bool = True) -> LoadResult:
+               extra: Mapping[str, Any] | None = None, strict: bool = True,
+               storage_options: dict[str, Any] | None = None) -> LoadResult:
     """Load what :func:`save_state` (or ``accelerator.save_state``) wrote; call it on every rank.
 
     Model and optimizer reshard to the current world size. With ``strict``, a model
     whose keys or shapes differ from the checkpoint raises :class:`StateMismatchError`
     before any state is changed. RNG state follows the policy in :mod:`fsdpckpt.training._rng`.
+
+    ``checkpoint_dir`` may be a URL (``s3://...``, with ``storage_options=`` as for
+    :func:`save_state`); a remote folder whose save did not finish is refused.
 
     Returns:
         A :class:`LoadResult` with the saved step, the parts restored and warnings.
@@ -303,9 +333,12 @@ def load_state(checkpoint_dir: str | os.PathLike[str], model: Any = None, optimi
         set_optimizer_state_dict,
     )
 
-    root = Path(checkpoint_dir)
+    root = location(checkpoint_dir, storage_options=storage_options)
     rank, world = rank_world()
     models, optimizers, schedulers = _as_list(model), _as_list(optimizer), _as_list(scheduler)
+    if isinstance(root, RemotePath):
+        _remote.refresh(root)
+        _remote.refuse_incomplete(root)
     check_parts(root, models, optimizers, schedulers)
     # All or nothing: every part is read and checked (on every rank, which agree) before
     # the first one is loaded, so a damaged file changes no training state.

@@ -1,0 +1,127 @@
+"""Training checkpoints on object storage (``s3://``...): the commit protocol's mechanics.
+
+Object stores have no rename, so a checkpoint cannot be staged under one name and renamed
+into place. Instead (docs/remote-training.md):
+
+1. before anything of the checkpoint folder is touched, rank 0 writes the *intent marker*
+   ``.fsdpckpt-incomplete`` into it, then deletes whatever the folder held (an older
+   copy's manifest first, so it stops counting as committed before its files go);
+2. every rank writes its data (DCP through fsspec, side files as single PUTs);
+3. rank 0 writes the manifest ``fsdpckpt.json`` last, in one PUT: that object appearing
+   is the commit; then it deletes the intent marker.
+
+A folder is committed exactly when its manifest exists. A folder holding the intent
+marker and no manifest is the leftover of a save (or a deletion) that did not finish:
+nothing reads it as a checkpoint, and :func:`sweep` deletes it. Deleting a checkpoint
+runs the same steps backwards: marker, manifest, data, marker last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Any
+
+from fsdpckpt._io.remote import RemotePath
+from fsdpckpt.errors import NotACheckpointError
+
+__all__ = ["INCOMPLETE", "refresh", "put_bytes", "begin_save", "end_save", "delete",
+           "is_incomplete", "refuse_incomplete", "sweep"]
+
+#: The intent marker: written first and removed last by a save or a deletion.
+INCOMPLETE = ".fsdpckpt-incomplete"
+_MANIFEST = "fsdpckpt.json"  # training.manifest.MANIFEST; not imported: manifest imports us
+
+
+def refresh(path: RemotePath) -> None:
+    """Forget every cached listing (fsdpckpt's and the fsspec client's): after this
+    process or another changed the store, the next question lists it again."""
+    path.forget_listings()
+    path.fs.invalidate_cache()
+
+
+def put_bytes(path: RemotePath, data: bytes) -> tuple[int, int]:
+    """Upload ``data`` as one object (visible whole or not at all); ``(size, crc32)``."""
+    path.fs.pipe_file(path.path, data)
+    return len(data), zlib.crc32(data)
+
+
+def _remove(path: RemotePath) -> None:
+    """Delete a file or a folder and everything under it (gone already: nothing to do)."""
+    for _attempt in range(2):
+        # A store with real folders (SeaweedFS) may keep a folder whose files were deleted
+        # in the same batch: a second pass, after a fresh look, deletes the empty folder.
+        path.fs.invalidate_cache()
+        if not path.fs.exists(path.path):
+            return
+        with contextlib.suppress(FileNotFoundError):
+            path.fs.rm(path.path, recursive=True)
+
+
+def _clear(folder: RemotePath, keep: str | None) -> None:
+    """Delete the folder's contents, the manifest first, ``keep`` (a name) not at all."""
+    refresh(folder)
+    entries = folder.iterdir()
+    for entry in sorted(entries, key=lambda p: p.name != _MANIFEST):
+        if entry.name != keep:
+            _remove(entry)
+    refresh(folder)
+
+
+def begin_save(folder: RemotePath) -> None:
+    """Step 1 of a save into ``folder`` (rank 0): intent marker, then an empty folder."""
+    put_bytes(folder / INCOMPLETE, b"a save or a deletion of this checkpoint has not finished\n")
+    _clear(folder, keep=INCOMPLETE)
+
+
+def end_save(folder: RemotePath) -> None:
+    """After the manifest is written (rank 0): the intent marker goes."""
+    _remove(folder / INCOMPLETE)
+    refresh(folder)
+
+
+def delete(folder: RemotePath) -> None:
+    """Delete a checkpoint so that no crash leaves a half-deleted one that looks whole."""
+    put_bytes(folder / INCOMPLETE, b"a save or a deletion of this checkpoint has not finished\n")
+    _clear(folder, keep=INCOMPLETE)
+    _remove(folder)  # only the marker is left: it goes last, with the folder
+    refresh(folder)
+
+
+def is_incomplete(folder: RemotePath) -> bool:
+    """Whether ``folder`` is the leftover of an unfinished save or deletion."""
+    return (folder / INCOMPLETE).is_file() and not (folder / _MANIFEST).is_file()
+
+
+def refuse_incomplete(folder: Any) -> None:
+    """Refuse to load a remote folder left by a save that did not finish.
+
+    Raises:
+        NotACheckpointError: it holds the intent marker and no manifest.
+    """
+    if isinstance(folder, RemotePath) and is_incomplete(folder):
+        raise NotACheckpointError(
+            f"{folder}: a save into it did not finish (it holds {INCOMPLETE} and no "
+            f"{_MANIFEST}), so it is not a checkpoint; load an older one. The next "
+            "CheckpointManager on its parent deletes it")
+
+
+def sweep(root: RemotePath, names: list[str]) -> list[RemotePath]:
+    """Delete the leftovers among ``root``'s folders ``names``; return those deleted.
+
+    A folder holding both the marker and the manifest was committed and only lost its
+    marker's removal: the marker goes, the checkpoint stays.
+    """
+    swept = []
+    for name in names:
+        folder = root / name
+        if not (folder / INCOMPLETE).is_file():
+            continue
+        if (folder / _MANIFEST).is_file():
+            end_save(folder)
+            continue
+        _clear(folder, keep=INCOMPLETE)
+        _remove(folder)  # the marker last, with the folder
+        swept.append(folder)
+    refresh(root)
+    return swept

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from fsdpckpt._cli_common import _debug_option, _progress
+from fsdpckpt._cli_common import _debug_option, _progress, _storage_options_option
 from fsdpckpt._printable import printable
 
 __all__ = ["diff", "export_hf"]
@@ -44,10 +44,11 @@ __all__ = ["diff", "export_hf"]
                    "config ties them (export-hf refuses that otherwise).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
+@_storage_options_option
 @_debug_option
 def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
               max_shard_size: str, overwrite: bool, lora: str | None, lora_config: str | None,
-              untie: bool, quiet: bool, as_json: bool) -> None:
+              untie: bool, quiet: bool, as_json: bool, storage_options: dict | None) -> None:
     """Export a sharded checkpoint to a Hugging Face model folder.
 
     AutoModelForCausalLM.from_pretrained(OUTPUT) and AutoTokenizer.from_pretrained(OUTPUT)
@@ -65,6 +66,7 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
       fsdpckpt export-hf ckpt/ exported/ --base meta-llama/Llama-3.2-1B-local/
       fsdpckpt export-hf lora-run/checkpoint-500 adapter/ --lora adapter
       fsdpckpt export-hf lora-run/checkpoint-500 fused/ --lora fuse --dtype bf16
+      fsdpckpt export-hf s3://bucket/run/checkpoint-500 exported/ --dtype bf16
     """
     from fsdpckpt._render import human_bytes
     from fsdpckpt.export.hf import export_hf as export
@@ -72,7 +74,7 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
 
     result = export(checkpoint, output, base=base, dtype=dtype, max_shard_size=max_shard_size,
                     overwrite=overwrite, lora=lora, lora_config=lora_config, untie=untie,
-                    progress=_progress(quiet, "exporting"))
+                    progress=_progress(quiet, "exporting"), storage_options=storage_options)
     if isinstance(result, AdapterExport):
         if as_json:
             click.echo(json.dumps({"output": str(result.output), "files": list(result.files),
@@ -123,9 +125,11 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document on stdout (schema in docs/cli.md).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@_storage_options_option
 @_debug_option
 def diff(a: str, b: str, atol: float, rtol: float, names: tuple[str, ...], optimizer: bool,
-         model_index: int | None, keep_keys: bool, as_json: bool, quiet: bool) -> None:
+         model_index: int | None, keep_keys: bool, as_json: bool, quiet: bool,
+         storage_options: dict | None) -> None:
     """Compare two state sources tensor by tensor, streaming.
 
     A and B are each a DCP folder, a whole checkpoint (its model folder; --optimizer:
@@ -147,13 +151,15 @@ def diff(a: str, b: str, atol: float, rtol: float, names: tuple[str, ...], optim
       fsdpckpt diff ckpt/ merged/                  # a merge equals its checkpoint
       fsdpckpt diff ckpt/ export/ --rtol 1e-2      # a bf16 export, within bf16's precision
       fsdpckpt diff a.safetensors b.bin --name 'layers.0.*' --json
+      fsdpckpt diff s3://bucket/run/checkpoint-500 merged/
     """
     from fsdpckpt._render import render_diff
     from fsdpckpt.inspection.diff import diff as diff_sources
 
     report = diff_sources(a, b, atol=atol, rtol=rtol, names=names, optimizer=optimizer,
                           model_index=model_index, keep_keys=keep_keys,
-                          progress=_progress(quiet, "comparing"))
+                          progress=_progress(quiet, "comparing"),
+                          storage_options=storage_options)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:

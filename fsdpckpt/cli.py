@@ -266,9 +266,10 @@ def merge_weights(checkpoint_directory: str, output_path: str, unsafe: bool, rem
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT_DCP_DIR.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@_storage_options_option
 @_debug_option
 def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json: bool,
-            quiet: bool) -> None:
+            quiet: bool, storage_options: dict | None) -> None:
     """Turn a full safetensors or .bin state dict into a DCP folder.
 
     The reverse of merge: a pretrained or merged model becomes a DCP folder that
@@ -286,7 +287,8 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
     from fsdpckpt.merging.to_dcp import convert as convert_file
 
     result = convert_file(full_file, out_dcp_dir, key=key or None, overwrite=overwrite,
-                          progress=_progress(quiet, "converting"))
+                          progress=_progress(quiet, "converting"),
+                          storage_options=storage_options)
     if as_json:
         click.echo(json.dumps({"source": str(result.source), "output": str(result.path),
                                "tensors": result.tensors, "objects": result.objects,

@@ -183,14 +183,3 @@ def test_a_remote_object_shorter_than_its_listing_is_an_error_never_zeros(s3):
         lying.read_at(view, 0)
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         path.open_file().read_at(memoryview(bytearray(10)), 95)
-
-
-@pytest.mark.s3
-def test_export_hf_of_a_remote_checkpoint_is_refused_in_one_line(s3, tmp_path, monkeypatch):
-    url, _ = _remote_ckpt(s3)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3[0].endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "any")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "any")
-    result = run_cli("export-hf", url, tmp_path / "out")
-    assert_one_line_error(result, url, "object storage")
-    assert not (tmp_path / "out").exists()

@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.jsonio import loads_json
-from fsdpckpt._io.rawio import pread_into
+from fsdpckpt._io.rawio import ReadAt, pread_into
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._perrank import PerRankChunk, read_part_folder
 from fsdpckpt.dcp.dtypes import DTYPES, DType
 from fsdpckpt.dcp.metadata import DataFile, DcpMetadata, TensorEntry
-from fsdpckpt.dcp.reader import DcpFolder, open_data_file
+from fsdpckpt.dcp.reader import DcpFolder, data_file_path, open_data_file
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, FsdpCkptError
 
 __all__ = ["HfStorageFolder", "HfStoragePart", "SafetensorsHeader", "check_hf_files",
@@ -126,7 +126,7 @@ def _ints(value: Any, what: str, source: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _header_json(fd: int, size: int, source: str) -> tuple[Any, int]:
+def _header_json(fd: int | ReadAt, size: int, source: str) -> tuple[Any, int]:
     if size < 8:
         raise CorruptCheckpointError(f"{source}: {size} bytes, shorter than a safetensors "
                                      "header; the file is truncated")
@@ -141,8 +141,9 @@ def _header_json(fd: int, size: int, source: str) -> tuple[Any, int]:
     return loads_json(bytes(text), source=source), 8 + length
 
 
-def parse_header(fd: int, size: int, source: str) -> SafetensorsHeader:
-    """Read and check the header of the safetensors file open as ``fd`` (``size`` bytes).
+def parse_header(fd: int | ReadAt, size: int, source: str) -> SafetensorsHeader:
+    """Read and check the header of the safetensors file open as ``fd`` (``size`` bytes; a
+    descriptor, or a remote file read by offset).
 
     Raises:
         CorruptCheckpointError: the header is not JSON, a field is malformed, a tensor's
@@ -208,7 +209,32 @@ def _sharding(extra: dict[str, Any], tensors: dict[str, tuple[DType, tuple[int, 
     return offsets
 
 
-def find_hf_storage(folder: Path, names: list[str]) -> HfStoragePart | None:
+def _names(folder: Path | RemotePath) -> list[str]:
+    """The names in ``folder`` (none when it is no folder)."""
+    if isinstance(folder, RemotePath):
+        return sorted(p.name for p in folder.iterdir())
+    try:
+        return sorted(os.listdir(folder))
+    except OSError:
+        return []
+
+
+def _read_header(folder: Path | RemotePath, name: str) -> tuple[SafetensorsHeader, int]:
+    """The checked header of the file ``name`` of ``folder`` and the file's size; a remote
+    file's by ranged reads of its first bytes (its size from the listing)."""
+    source = str(folder / name)
+    if isinstance(folder, RemotePath):
+        remote = data_file_path(folder, name).open_file()
+        return parse_header(remote, remote.size, source), remote.size
+    fd = open_data_file(folder, name)
+    try:
+        size = os.fstat(fd).st_size
+        return parse_header(fd, size, source), size
+    finally:
+        os.close(fd)
+
+
+def find_hf_storage(folder: Path | RemotePath, names: list[str]) -> HfStoragePart | None:
     """The ``HuggingFaceStorageWriter`` save among ``names`` (the files of ``folder``), if any.
 
     Shard files (``shard-*-model-*-of-*.safetensors``) are one by their names. Whole files
@@ -223,18 +249,11 @@ def find_hf_storage(folder: Path, names: list[str]) -> HfStoragePart | None:
     whole = sorted(n for n in names if _MODEL_FILE.match(n))
     if not whole:
         return None
-    try:
-        sharded = sorted(os.listdir(folder / SHARDED_DIR))
-    except OSError:
-        sharded = []
+    sharded = _names(folder / SHARDED_DIR)
     if any(_SHARD_FILE.match(n) for n in sharded):
         return HfStoragePart(MODEL_PART, tuple(whole), index, *_shard_world(sharded))
     try:
-        fd = open_data_file(folder, whole[0])
-        try:
-            header = parse_header(fd, os.fstat(fd).st_size, str(folder / whole[0]))
-        finally:
-            os.close(fd)
+        header, _ = _read_header(folder, whole[0])
     except FsdpCkptError:
         return None  # not a save of this writer: nothing here says it is
     return HfStoragePart(MODEL_PART, tuple(whole), index, 1, False) \
@@ -243,11 +262,9 @@ def find_hf_storage(folder: Path, names: list[str]) -> HfStoragePart | None:
 
 def hf_part_named(folder: Path | RemotePath, name: str) -> HfStoragePart | None:
     """The save that the layout part ``name`` of ``folder`` stands for, or None."""
-    # Local folders only: a remote one (a RemotePath) is never one of these saves yet.
-    if name not in (SHARDS_PART, MODEL_PART) or not isinstance(folder, Path) or \
-            not folder.is_dir():
+    if name not in (SHARDS_PART, MODEL_PART) or not folder.is_dir():
         return None
-    part = find_hf_storage(folder, sorted(os.listdir(folder)))
+    part = find_hf_storage(folder, _names(folder))
     return part if part and part.name == name else None
 
 
@@ -275,7 +292,7 @@ def _missing_file(part: HfStoragePart) -> str | None:
     return None
 
 
-def read_hf_storage(folder: Path, part: HfStoragePart) -> HfStorageFolder:
+def read_hf_storage(folder: Path | RemotePath, part: HfStoragePart) -> HfStorageFolder:
     """Read every header of ``part`` (one file at a time) into one :class:`HfStorageFolder`.
 
     Raises:
@@ -291,12 +308,7 @@ def read_hf_storage(folder: Path, part: HfStoragePart) -> HfStorageFolder:
     entries: dict[str, tuple[DType, list[PerRankChunk]]] = {}
     files = []
     for name in part.files:
-        fd = open_data_file(folder, name)
-        try:
-            size = os.fstat(fd).st_size
-            header = parse_header(fd, size, str(folder / name))
-        finally:
-            os.close(fd)
+        header, size = _read_header(folder, name)
         files.append(DataFile(name, size))
         for key, (dtype, shape, begin, end) in header.tensors.items():
             offsets = header.offsets[key] if header.offsets is not None else (0,) * len(shape)
@@ -326,10 +338,9 @@ def read_hf_storage(folder: Path, part: HfStoragePart) -> HfStorageFolder:
                            world_size=part.world_size, world_size_exact=part.exact)
 
 
-def read_hf_storage_at(folder: Path) -> HfStorageFolder | None:
+def read_hf_storage_at(folder: Path | RemotePath) -> HfStorageFolder | None:
     """The ``HuggingFaceStorageWriter`` save in ``folder``, read; None when there is none."""
-    part = find_hf_storage(folder, sorted(os.listdir(folder))) \
-        if isinstance(folder, Path) and folder.is_dir() else None
+    part = find_hf_storage(folder, _names(folder)) if folder.is_dir() else None
     return read_hf_storage(folder, part) if part else None
 
 
@@ -337,12 +348,13 @@ def read_part(path: Path | RemotePath, name: str) -> DcpFolder:
     """A layout part as a DCP folder: a ``HuggingFaceStorageWriter`` save read here, any
     other by :func:`fsdpckpt.dcp._perrank.read_part_folder`."""
     part = hf_part_named(path, name)
-    if part is None or not isinstance(path, Path):
+    if part is None:
         return read_part_folder(path, name)
     return read_hf_storage(path, part)
 
 
-def check_hf_files(path: Path | RemotePath, name: str) -> list[tuple[Path, str]]:
+def check_hf_files(path: Path | RemotePath,
+                   name: str) -> list[tuple[Path | RemotePath, str]]:
     """What is wrong with the files of the save ``name`` in ``path`` (``[]`` for another part):
     a header that does not parse, or data bytes no tensor owns (safetensors files hold no
     checksum, so this and the structure are what can be checked).
@@ -351,16 +363,12 @@ def check_hf_files(path: Path | RemotePath, name: str) -> list[tuple[Path, str]]
         ``(file, what is wrong)`` for each damaged file.
     """
     part = hf_part_named(path, name)
-    found: list[tuple[Path, str]] = []
-    if part is None or not isinstance(path, Path):
+    found: list[tuple[Path | RemotePath, str]] = []
+    if part is None:
         return found
     for file_name in part.files:
         try:
-            fd = open_data_file(path, file_name)
-            try:
-                header = parse_header(fd, os.fstat(fd).st_size, str(path / file_name))
-            finally:
-                os.close(fd)
+            header, _ = _read_header(path, file_name)
         except FsdpCkptError as exc:
             found.append((path / file_name, str(exc)))
             continue

@@ -28,10 +28,10 @@ from typing import Any
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._objects import DecodedObject, check_plain_value, dumps
-from fsdpckpt.dcp._perrank_file import read_rank
+from fsdpckpt.dcp._perrank_file import open_rank_file, read_rank
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, TensorEntry
-from fsdpckpt.dcp.reader import DcpFolder, open_data_file, read_dcp_folder
+from fsdpckpt.dcp.reader import DcpFolder, data_file_path, read_dcp_folder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
 __all__ = ["PerRankChunk", "PerRankFolder", "PerRankSet", "find_rank_sets", "read_rank_set",
@@ -46,11 +46,6 @@ _RANK_FILES = [
     (re.compile(r"^model_world_size_(\d{1,9})_rank_(\d{1,9})\.pt$"), "model", "verl"),
     (re.compile(r"^optim_world_size_(\d{1,9})_rank_(\d{1,9})\.pt$"), "optimizer", "verl"),
 ]
-
-
-_REMOTE_RANK_FILES = ("{path}: per-rank torch.save files are read from local disk only, not "
-                      "yet from object storage; download the folder first (e.g. aws s3 sync "
-                      "{path} ./ckpt) and pass the local copy")
 
 
 @dataclass(frozen=True)
@@ -123,7 +118,7 @@ class PerRankFolder(DcpFolder):
         return sum(f.size for f in self.files)
 
 
-def read_rank_set(folder: Path, rank_set: PerRankSet) -> PerRankFolder:
+def read_rank_set(folder: Path | RemotePath, rank_set: PerRankSet) -> PerRankFolder:
     """Read every rank file of ``rank_set`` (one at a time) into one :class:`PerRankFolder`.
 
     Tensors and non-tensor values (an optimizer's ``param_groups``) are keyed as in
@@ -186,11 +181,18 @@ def read_rank_set(folder: Path, rank_set: PerRankSet) -> PerRankFolder:
     objects_out = tuple(
         DecodedObject(".".join(map(str, (top, *path))), first, 0, 0, (top, *path), value=value)
         for path, (_, value) in objects.items())
-    files = tuple(DataFile(n, os.stat(folder / n).st_size) for n in sorted(rank_set.files.values()))
+    files = tuple(DataFile(n, _size(folder, n)) for n in sorted(rank_set.files.values()))
     return PerRankFolder(folder, DcpMetadata(tensors_out, objects_out), files)
 
 
-def _agree(folder: Path, name: str, rank: int, seen: dict[KeyPath, tuple[str, Any]],
+def _size(folder: Path | RemotePath, name: str) -> int:
+    """The size of the rank file ``name`` (from the listing on object storage)."""
+    if isinstance(folder, RemotePath):
+        return data_file_path(folder, name).stat().st_size
+    return os.stat(folder / name).st_size
+
+
+def _agree(folder: Path | RemotePath, name: str, rank: int, seen: dict[KeyPath, tuple[str, Any]],
            values: list[tuple[KeyPath, Any]]) -> None:
     """Record rank 0's non-tensor values in ``seen``; refuse another rank's that differ.
 
@@ -233,12 +235,10 @@ def read_part_folder(path: Path | RemotePath, name: str) -> DcpFolder:
     rank_set = rank_set_named(path, name)
     if rank_set is None:
         return read_dcp_folder(path)
-    if isinstance(path, RemotePath):
-        raise NotACheckpointError(_REMOTE_RANK_FILES.format(path=path))
     return read_rank_set(path, rank_set)
 
 
-def check_rank_files(path: Path | RemotePath, name: str) -> list[tuple[Path, str]]:
+def check_rank_files(path: Path | RemotePath, name: str) -> list[tuple[Path | RemotePath, str]]:
     """Read every entry of every rank file of the set ``name`` against its zip CRC-32, one
     block at a time; ``[]`` for a ``name`` that is no per-rank set.
 
@@ -248,13 +248,10 @@ def check_rank_files(path: Path | RemotePath, name: str) -> list[tuple[Path, str
     rank_set = rank_set_named(path, name)
     if rank_set is None:
         return []
-    if isinstance(path, RemotePath):
-        raise NotACheckpointError(_REMOTE_RANK_FILES.format(path=path))
-    found: list[tuple[Path, str]] = []
+    found: list[tuple[Path | RemotePath, str]] = []
     for file_name in sorted(rank_set.files.values()):
         try:
-            with os.fdopen(open_data_file(path, file_name), "rb") as file, \
-                    zipfile.ZipFile(file) as archive:
+            with open_rank_file(path, file_name) as (file, _), zipfile.ZipFile(file) as archive:
                 for info in archive.infolist():
                     with archive.open(info) as entry:
                         while entry.read(1 << 20):  # the CRC is checked at the entry's end

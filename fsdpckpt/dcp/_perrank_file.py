@@ -12,14 +12,17 @@ the global tensor by its placements and the rank's mesh coordinate (torch.chunk'
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from fsdpckpt import _torch
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._allowlist import BUILTIN_GLOBALS, brief
 from fsdpckpt.dcp._archive import (
     _STORAGE_GLOBALS,
@@ -43,10 +46,10 @@ from fsdpckpt.dcp._safe_pickle import RestrictedUnpickler, safe_loads
 from fsdpckpt.dcp._ziparchive import entry_info, open_archive, read_entry
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import KeyPath
-from fsdpckpt.dcp.reader import open_data_file
+from fsdpckpt.dcp.reader import data_file_path, open_data_file
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
 
-__all__ = ["RankTensor", "read_rank"]
+__all__ = ["RankTensor", "open_rank_file", "read_rank"]
 
 # -- stand-ins for what a DTensor pickles ------------------------------------------------
 
@@ -268,7 +271,29 @@ def _walk(value: Any, path: KeyPath, out: list[tuple[KeyPath, Any]], depth: int 
 _FLAT_PARAM_NAMES = ("_flat_param", "flat_param")
 
 
-def read_rank(folder: Path, name: str) -> tuple[dict[KeyPath, list[RankTensor]],
+@contextlib.contextmanager
+def open_rank_file(folder: Path | RemotePath, name: str) -> Iterator[tuple[IO[bytes], int]]:
+    """The rank file ``name`` of ``folder`` (by the data files' inside-the-folder rule) as a
+    seekable file object and its size; on object storage, a buffered reader over ranged
+    reads (its size from the listing), so only the zip's headers and ``data.pkl`` are read.
+
+    Raises:
+        NotACheckpointError: the name leads outside the folder, or is no regular file.
+        CheckpointNotFoundError: the file is missing.
+    """
+    if isinstance(folder, RemotePath):
+        remote = data_file_path(folder, name).open_file()
+        try:
+            yield remote.file(), remote.size
+        finally:
+            remote.close()
+        return
+    fd = open_data_file(folder, name)
+    with os.fdopen(fd, "rb") as file:
+        yield file, os.fstat(fd).st_size
+
+
+def read_rank(folder: Path | RemotePath, name: str) -> tuple[dict[KeyPath, list[RankTensor]],
                                                 list[tuple[KeyPath, Any]], int]:
     """Parse one rank file: its tensors' pieces and their places, its other values
     (decoded), and the most ranks that wrote a DTensor or ShardedTensor (0 without them).
@@ -278,65 +303,63 @@ def read_rank(folder: Path, name: str) -> tuple[dict[KeyPath, list[RankTensor]],
             that cannot be placed (``Partial``, ``_StridedShard``), or no state dict.
     """
     source = str(folder / name)
-    fd = open_data_file(folder, name)
-    with os.fdopen(fd, "rb") as file:
-        size = os.fstat(fd).st_size
-        with open_archive(file, 0, size, source) as archive:
-            pkl = entry_info(archive, "/data.pkl", source)
-            prefix = pkl.filename[: -len("data.pkl")]
-            storage = _persistent_storage
-            value = safe_loads(read_entry(archive, pkl, source=source, start=0),
-                               allowed=_GLOBALS, source=source, persistent_load=storage,
-                               unpickler_class=_RankUnpickler)
-            if not isinstance(value, dict):
-                raise NotACheckpointError(f"{source}: holds {type(value).__name__}, not a "
-                                          "state dict.")
-            items: list[tuple[KeyPath, Any]] = []
-            _walk(value, (), items)
+    with open_rank_file(folder, name) as (file, size), \
+            open_archive(file, 0, size, source) as archive:
+        pkl = entry_info(archive, "/data.pkl", source)
+        prefix = pkl.filename[: -len("data.pkl")]
+        storage = _persistent_storage
+        value = safe_loads(read_entry(archive, pkl, source=source, start=0),
+                           allowed=_GLOBALS, source=source, persistent_load=storage,
+                           unpickler_class=_RankUnpickler)
+        if not isinstance(value, dict):
+            raise NotACheckpointError(f"{source}: holds {type(value).__name__}, not a "
+                                      "state dict.")
+        items: list[tuple[KeyPath, Any]] = []
+        _walk(value, (), items)
 
-            def locate(record: _TensorRecord, what: str) -> RawTensor:
-                return locate_record(file, 0, size, archive, prefix, record, source=what)
+        def locate(record: _TensorRecord, what: str) -> RawTensor:
+            return locate_record(file, 0, size, archive, prefix, record, source=what)
 
-            tensors: dict[KeyPath, list[RankTensor]] = {}
-            others: list[tuple[KeyPath, Any]] = []
-            mesh_ranks = 0
-            for path, item in items:
-                label = ".".join(map(str, path))
-                what = f"{source} (tensor '{label}')"
-                if path and path[-1] in _FLAT_PARAM_NAMES and \
-                        isinstance(item, (_TensorRecord, _Wrapper, ShardedValue)):
-                    raise NotACheckpointError(
-                        f"{source}: '{label}' is an FSDP1 flat parameter (state_dict_type="
-                        "LOCAL_STATE_DICT): every parameter of a module flattened into one "
-                        "padded piece per rank, and which parameter lies where is not in the "
-                        "file, so it cannot be merged. Save with state_dict_type="
-                        "SHARDED_STATE_DICT (or FULL_STATE_DICT) instead.")
-                if isinstance(item, ShardedValue):
-                    shape = _ints(tuple(item.size) if isinstance(item.size, (tuple, list))
-                                  else None, "the global shape", what)
-                    pieces = []
-                    for offsets, sizes, record in local_shards(item, shape, what):
-                        raw = locate(record, what)
-                        if raw.shape != sizes:
-                            raise CorruptCheckpointError(
-                                f"{what}: a shard declared {list(sizes)} holds a tensor of "
-                                f"shape {list(raw.shape)}; the file is damaged.")
-                        pieces.append(RankTensor(raw.dtype, shape, offsets, raw))
-                    tensors[path] = pieces
-                    mesh_ranks = max(mesh_ranks, world_size(item))
-                elif isinstance(item, _Wrapper):
-                    if not isinstance(item.local, _TensorRecord):
-                        raise CorruptCheckpointError(f"{what}: a DTensor without its local "
-                                                     "tensor.")
-                    raw = locate(item.local, what)
-                    offsets, ranks = _place(label, item, raw, what)
-                    mesh_ranks = max(mesh_ranks, ranks)
-                    tensors[path] = [RankTensor(raw.dtype, _ints(item.size, "the global shape",
-                                                             what), offsets, raw)]
-                elif isinstance(item, _TensorRecord):  # a plain tensor: whole on every rank
-                    raw = locate(item, what)
-                    tensors[path] = [RankTensor(raw.dtype, raw.shape, (0,) * len(raw.shape),
-                                                raw)]
-                else:
-                    others.append((path, item))
+        tensors: dict[KeyPath, list[RankTensor]] = {}
+        others: list[tuple[KeyPath, Any]] = []
+        mesh_ranks = 0
+        for path, item in items:
+            label = ".".join(map(str, path))
+            what = f"{source} (tensor '{label}')"
+            if path and path[-1] in _FLAT_PARAM_NAMES and \
+                    isinstance(item, (_TensorRecord, _Wrapper, ShardedValue)):
+                raise NotACheckpointError(
+                    f"{source}: '{label}' is an FSDP1 flat parameter (state_dict_type="
+                    "LOCAL_STATE_DICT): every parameter of a module flattened into one "
+                    "padded piece per rank, and which parameter lies where is not in the "
+                    "file, so it cannot be merged. Save with state_dict_type="
+                    "SHARDED_STATE_DICT (or FULL_STATE_DICT) instead.")
+            if isinstance(item, ShardedValue):
+                shape = _ints(tuple(item.size) if isinstance(item.size, (tuple, list))
+                              else None, "the global shape", what)
+                pieces = []
+                for offsets, sizes, record in local_shards(item, shape, what):
+                    raw = locate(record, what)
+                    if raw.shape != sizes:
+                        raise CorruptCheckpointError(
+                            f"{what}: a shard declared {list(sizes)} holds a tensor of "
+                            f"shape {list(raw.shape)}; the file is damaged.")
+                    pieces.append(RankTensor(raw.dtype, shape, offsets, raw))
+                tensors[path] = pieces
+                mesh_ranks = max(mesh_ranks, world_size(item))
+            elif isinstance(item, _Wrapper):
+                if not isinstance(item.local, _TensorRecord):
+                    raise CorruptCheckpointError(f"{what}: a DTensor without its local "
+                                                 "tensor.")
+                raw = locate(item.local, what)
+                offsets, ranks = _place(label, item, raw, what)
+                mesh_ranks = max(mesh_ranks, ranks)
+                tensors[path] = [RankTensor(raw.dtype, _ints(item.size, "the global shape",
+                                                         what), offsets, raw)]
+            elif isinstance(item, _TensorRecord):  # a plain tensor: whole on every rank
+                raw = locate(item, what)
+                tensors[path] = [RankTensor(raw.dtype, raw.shape, (0,) * len(raw.shape),
+                                            raw)]
+            else:
+                others.append((path, item))
     return tensors, others, mesh_ranks

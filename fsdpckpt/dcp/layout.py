@@ -247,8 +247,7 @@ def find_layout(path: str | os.PathLike[str] | RemotePath) -> CheckpointLayout:
         other = [n for n in other if n not in rank_set.files.values()]
     # Safetensors files of torch's HuggingFaceStorageWriter: one part, read by
     # dcp/_hfstorage.py as a DCP folder.
-    saved = None if nested or parts or isinstance(root, RemotePath) else \
-        find_hf_storage(root, other)
+    saved = None if nested or parts else find_hf_storage(root, other)
     if saved:
         parts.append(DcpPart(saved.name, "model", None, root, True))
         other = [n for n in other if n not in saved.files and n != saved.index]

@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.jsonio import parse_json
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
-__all__ = ["SideFiles", "CONFIG", "GENERATION_CONFIG", "TOKENIZER_FILES", "find_side_files",
-           "exported_config", "strip_fsdp_prefix", "read_config", "config_bytes"]
+__all__ = ["SideFiles", "CONFIG", "MAX_SIDE_BYTES", "GENERATION_CONFIG", "TOKENIZER_FILES",
+           "find_side_files", "side_file_bytes", "exported_config", "strip_fsdp_prefix",
+           "read_config", "config_bytes"]
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -31,6 +33,12 @@ _TEMPLATES_DIR = "additional_chat_templates"
 
 #: A config.json is a few KB; one larger than this is not one.
 _MAX_CONFIG_BYTES = 16 * 2**20
+#: The largest side file copied (a tokenizer.json of a large vocabulary is tens of MB):
+#: each is read whole, so this bounds the memory a copy takes.
+MAX_SIDE_BYTES = 128 * 2**20
+
+#: A folder or file where the side files are looked for: local, or on object storage.
+Place = Path | RemotePath
 
 #: FSDP2's ``fully_shard`` renames the class to ``FSDP<Class>``.
 _FSDP_PREFIX = re.compile(r"^FSDP(?=[A-Z])")
@@ -47,16 +55,16 @@ class SideFiles:
         looked: the folders searched, in order.
     """
 
-    config: Path
-    copied: tuple[tuple[Path, str], ...]
-    looked: tuple[Path, ...]
+    config: Place
+    copied: tuple[tuple[Place, str], ...]
+    looked: tuple[Place, ...]
 
 
-def _candidates(checkpoint_root: Path) -> list[Path]:
+def _candidates(checkpoint_root: Place) -> list[Place]:
     # Where trainers leave the HF files: the checkpoint folder (HF Trainer), VeRL's
     # huggingface/ inside it, and the run's output folder above it (Accelerate and HF
     # Trainer runs: output/checkpoint-500), with its huggingface/ too.
-    found: list[Path] = []
+    found: list[Place] = []
     for folder in (checkpoint_root, checkpoint_root / "huggingface", checkpoint_root.parent,
                    checkpoint_root.parent / "huggingface"):
         if folder not in found:
@@ -64,11 +72,11 @@ def _candidates(checkpoint_root: Path) -> list[Path]:
     return found
 
 
-def _has_tokenizer(folder: Path) -> bool:
+def _has_tokenizer(folder: Place) -> bool:
     return any((folder / name).is_file() for name in _TOKENIZER_MARKERS)
 
 
-def find_side_files(checkpoint_root: Path, base: Path | None) -> SideFiles:
+def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
     """The config, generation config, tokenizer files, chat templates and custom code to export.
 
     With ``base`` (a Hugging Face model folder), they come from there alone. Without it,
@@ -78,7 +86,9 @@ def find_side_files(checkpoint_root: Path, base: Path | None) -> SideFiles:
     folder, else the first that holds one. ``additional_chat_templates/`` comes with the
     tokenizer; the custom code ``auto_map`` names (trust_remote_code models), and the
     modules it imports relatively, with the config (and the tokenizer's, with it). No
-    symlink is followed out of the folder a file comes from.
+    symlink is followed out of the folder a file comes from. Either may be on object
+    storage (:class:`~fsdpckpt._io.remote.RemotePath`): the files are then found in its
+    listings, and read by :func:`side_file_bytes`.
 
     Raises:
         CheckpointNotFoundError: ``base`` is not a folder; no ``config.json`` or no
@@ -111,7 +121,8 @@ def find_side_files(checkpoint_root: Path, base: Path | None) -> SideFiles:
     templates = tokenizer / _TEMPLATES_DIR
     if templates.is_dir():
         _check_inside(templates, tokenizer)
-        copied += [(p, f"{_TEMPLATES_DIR}/{p.name}") for p in sorted(templates.glob("*.jinja"))
+        jinja: list[Place] = list(templates.glob("*.jinja"))
+        copied += [(p, f"{_TEMPLATES_DIR}/{p.name}") for p in sorted(jinja, key=str)
                    if p.is_file()]
     generation = next((f / GENERATION_CONFIG for f in [config.parent, *folders]
                        if (f / GENERATION_CONFIG).is_file()), None)
@@ -153,7 +164,7 @@ def _auto_map_modules(auto_map: Any) -> list[str]:
     return modules
 
 
-def _code_files(json_file: Path, folder: Path) -> list[tuple[Path, str]]:
+def _code_files(json_file: Place, folder: Place) -> list[tuple[Place, str]]:
     """The ``.py`` files in ``folder`` that ``json_file``'s ``auto_map`` needs, as (source,
     name): each module it names, and the modules those import relatively (as
     transformers resolves them).
@@ -170,7 +181,7 @@ def _code_files(json_file: Path, folder: Path) -> list[tuple[Path, str]]:
     if not isinstance(doc, dict):
         return []
     todo = _auto_map_modules(doc.get("auto_map"))
-    found: dict[str, Path] = {}
+    found: dict[str, Place] = {}
     while todo:
         module = todo.pop(0)
         if module in found:
@@ -189,12 +200,12 @@ def _code_files(json_file: Path, folder: Path) -> list[tuple[Path, str]]:
             raise NotACheckpointError(f"{path}: over {_MAX_CODE_BYTES} bytes, it is not a "
                                       "custom code module")
         found[module] = path
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = path.read_bytes().decode("utf-8", errors="replace")
         todo += [m for pattern in _RELATIVE_IMPORTS for m in pattern.findall(text)]
     return [(path, path.name) for path in found.values()]
 
 
-def _check_inside(path: Path, folder: Path) -> None:
+def _check_inside(path: Place, folder: Place) -> None:
     """Refuse a side file that is a symlink leading out of the folder it is copied from.
 
     A Hugging Face hub cache's snapshot links its files to the repo's ``blobs/``; those
@@ -203,6 +214,8 @@ def _check_inside(path: Path, folder: Path) -> None:
     Raises:
         NotACheckpointError: ``path`` resolves outside ``folder``.
     """
+    if isinstance(path, RemotePath) or isinstance(folder, RemotePath):
+        return  # object stores have no links; RemotePath refuses '..' in names
     root = folder.resolve()
     target = path.resolve()
     roots = [root]
@@ -219,7 +232,22 @@ def strip_fsdp_prefix(name: str) -> str:
     return _FSDP_PREFIX.sub("", name)
 
 
-def read_config(path: Path) -> dict[str, Any]:
+def side_file_bytes(path: Place) -> bytes:
+    """The bytes of a side file to copy, its size checked before it is read.
+
+    Raises:
+        NotACheckpointError: it is over :data:`MAX_SIDE_BYTES`, so no side file.
+        CorruptCheckpointError: a remote file shorter than its listing.
+    """
+    size = path.stat().st_size
+    if size > MAX_SIDE_BYTES:
+        raise NotACheckpointError(f"{path}: {size} bytes, over the {MAX_SIDE_BYTES} a "
+                                  "config, tokenizer or chat template file may have; pass "
+                                  "--base with the Hugging Face model folder")
+    return path.read_bytes()
+
+
+def read_config(path: Place) -> dict[str, Any]:
     """``config.json`` as a dict.
 
     Raises:

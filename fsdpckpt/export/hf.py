@@ -22,9 +22,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fsdpckpt._io.durable import write_bytes
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
@@ -36,6 +37,7 @@ from fsdpckpt.export._config import (
     exported_config,
     find_side_files,
     read_config,
+    side_file_bytes,
 )
 from fsdpckpt.export._fuse_hf import plan_fused
 from fsdpckpt.export._model import (
@@ -83,7 +85,7 @@ class ExportResult:
     bytes: int
     dtype: str
     tied: tuple[tuple[str, str], ...]
-    config_from: Path
+    config_from: Path | RemotePath
     model_class: str | None
     seconds: float
 
@@ -97,13 +99,9 @@ class ExportResult:
                 "seconds": round(self.seconds, 3)}
 
 
-def _search_root(layout: CheckpointLayout) -> Path:
+def _search_root(layout: CheckpointLayout) -> Path | RemotePath:
     # A DCP folder given on its own (ckpt/pytorch_model_fsdp_0) sits in its checkpoint
     # folder: look from there, as from the checkpoint folder itself.
-    if isinstance(layout.path, RemotePath):
-        raise NotACheckpointError(
-            f"{layout.path}: export-hf reads checkpoints from local disk only, not yet from "
-            "object storage; merge it (fsdpckpt merge URL OUT) or download it first")
     return layout.path.parent if layout.style == "dcp" else layout.path
 
 
@@ -135,8 +133,8 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
               base: str | os.PathLike[str] | None = None, dtype: str | None = None,
               max_shard_size: str | int = "5GB", overwrite: bool = False,
               lora: str | None = None, lora_config: str | os.PathLike[str] | None = None,
-              untie: bool = False,
-              progress: ProgressFactory | None = None) -> ExportResult | AdapterExport:
+              untie: bool = False, progress: ProgressFactory | None = None,
+              storage_options: dict[str, Any] | None = None) -> ExportResult | AdapterExport:
     """Export a sharded checkpoint to a Hugging Face model folder.
 
     ``AutoModelForCausalLM.from_pretrained(output)`` and ``AutoTokenizer.from_pretrained
@@ -144,8 +142,8 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
 
     Args:
         checkpoint: a whole checkpoint folder (Accelerate's or HF Trainer's layout) or its
-            model's DCP folder.
-        output: the output folder; created if missing.
+            model's DCP folder; local or on object storage (``s3://bucket/run/ckpt``).
+        output: the output folder (local); created if missing.
         base: the Hugging Face model folder the run started from: config, generation
             config, tokenizer and chat template come from there. Without it they are
             looked for where trainers leave them: the checkpoint folder, its
@@ -171,6 +169,8 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
             ``tie_word_embeddings: false`` in the exported config: for a checkpoint whose
             output and input embeddings differ although the config ties them.
         progress: ``progress(total_bytes, files)`` returns a callback given byte counts.
+        storage_options: fsspec options for a ``checkpoint`` or ``base`` on object storage
+            (``{"endpoint_url": ...}``, credentials); None uses the environment's.
 
     Returns:
         The :class:`ExportResult`.
@@ -192,11 +192,18 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     if lora not in (None, "adapter", "fuse"):
         raise MergePlanError(f"lora={lora!r}: use 'adapter' (write the LoRA adapter) or "
                              "'fuse' (fuse it into the base weights)")
+    where = location(checkpoint, storage_options=storage_options)
+    base_at = location(base, storage_options=storage_options) if base is not None else None
+    remote = [p for p in (where, base_at) if isinstance(p, RemotePath)]
+    if lora is not None and remote:
+        raise NotACheckpointError(f"{remote[0]}: LoRA exports (--lora) read from local disk "
+                                  "only; download the checkpoint first, or export without "
+                                  "--lora")
     if lora == "adapter":
         return export_adapter(checkpoint, output, lora_config=lora_config, base=base,
                               dtype=dtype, overwrite=overwrite)
-    layout = find_layout(checkpoint)
-    side = find_side_files(_search_root(layout), Path(base) if base is not None else None)
+    layout = find_layout(where)
+    side = find_side_files(_search_root(layout), base_at)
     config = read_config(side.config)
     # transformers' import is the export's largest cost: it runs while this thread plans.
     importing = start_import(config)
@@ -242,7 +249,7 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         for source, name in side.copied:
             target = stage / name  # additional_chat_templates/x.jinja: staged in its folder
             target.parent.mkdir(exist_ok=True)
-            write_bytes(target, source.read_bytes())  # small files, written durably
+            write_bytes(target, side_file_bytes(source))  # small, size checked; durably
             (copies if target.parent == stage else nested).append(target)
         if fused is not None:
             staged_weights, count = fused.write(stage, dtype=dtype, exclude=set(tied),
@@ -293,7 +300,7 @@ def _compare_tied(job: MergeJob, pairs: dict[str, str]) -> dict[tuple[str, str],
 
 
 def _refuse_differing(request: MergeRequest, tied: dict[str, str],
-                      compared: dict[tuple[str, str], bool], config: Path) -> None:
+                      compared: dict[tuple[str, str], bool], config: Path | RemotePath) -> None:
     # The config decides what is tied; the bytes must agree, or dropping the target would
     # silently change the model.
     for target, source in sorted(tied.items()):

@@ -1,27 +1,38 @@
 """The file sides of a diff (safetensors files and indexes, ``torch.save`` files, merged
 and Hugging Face folders), and :func:`open_source`, which picks the reader for a path.
 The DCP side and what every source shares are in :mod:`fsdpckpt.inspection._diff_sources`.
+
+Any of them may be on object storage: safetensors files are read by ranged reads (headers,
+then each box), and a ``torch.save`` file is downloaded in bounded pieces into a temporary
+folder first (torch's memory-mapped loader reads local files), removed when the side closes.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shutil
 import struct
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.jsonio import parse_json
-from fsdpckpt._io.rawio import read_exact
-from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io.rawio import ReadAt, read_exact
+from fsdpckpt._io.remote import RemoteFile, RemotePath, download, location
 from fsdpckpt.dcp._objects import loads, to_torch
 from fsdpckpt.dcp.dtypes import DType, dtype_from_name
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.dcp.metadata import KeyPath
 from fsdpckpt.dcp.reader import is_dcp_folder
-from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FsdpCkptError,
+    NotACheckpointError,
+)
 from fsdpckpt.formats.safetensors import OBJECTS_KEY, RESERVED_NAME
 from fsdpckpt.inspection._diff_sources import (
     _FROM_SAFETENSORS,
@@ -46,10 +57,12 @@ class SafetensorsSource(Source):
 
     kind = "safetensors"
 
-    def __init__(self, files: list[Path], *, path: Path, keep_keys: bool) -> None:
+    def __init__(self, files: list[Path | RemotePath], *, path: Path | RemotePath,
+                 keep_keys: bool) -> None:
         self.path = path
-        self._fds: list[int] = []
-        self._where: dict[str, tuple[int, int, str]] = {}  # name -> (fd, data start, file)
+        self._fds: list[int | RemoteFile] = []
+        # name -> (descriptor or remote file, data start, file)
+        self._where: dict[str, tuple[int | ReadAt, int, str]] = {}
         self._objects: dict[str, Any] = {}
         infos: list[TensorInfo] = []
         try:
@@ -66,10 +79,16 @@ class SafetensorsSource(Source):
                                              "dropped; pass --keep-keys"))
             self.tensors[info.name] = info
 
-    def _open(self, file: Path, keep_keys: bool) -> list[TensorInfo]:
-        fd = os.open(file, os.O_RDONLY)
-        self._fds.append(fd)
-        size = os.fstat(fd).st_size
+    def _open(self, file: Path | RemotePath, keep_keys: bool) -> list[TensorInfo]:
+        fd: int | RemoteFile
+        if isinstance(file, RemotePath):
+            fd = file.open_file()
+            size = fd.size
+            self._fds.append(fd)
+        else:
+            fd = os.open(file, os.O_RDONLY)
+            self._fds.append(fd)
+            size = os.fstat(fd).st_size
         source = str(file)
         if size < 8:
             raise CorruptCheckpointError(f"{file}: not a safetensors file (only {size} bytes)")
@@ -126,7 +145,10 @@ class SafetensorsSource(Source):
     def close(self) -> None:
         fds, self._fds = self._fds, []
         for fd in fds:
-            os.close(fd)
+            if isinstance(fd, int):
+                os.close(fd)
+            else:
+                fd.close()
 
 
 def _row_major_index(shape: Sequence[int], index: Sequence[int]) -> int:
@@ -136,7 +158,7 @@ def _row_major_index(shape: Sequence[int], index: Sequence[int]) -> int:
     return flat
 
 
-def _header_entry(file: Path, name: str, entry: Any, data_size: int) -> tuple[DType,
+def _header_entry(file: Path | RemotePath, name: str, entry: Any, data_size: int) -> tuple[DType,
                                                                               tuple[int, ...]]:
     """A header entry's dtype and shape, its byte range checked against the data present."""
     where = f"{file}: tensor '{name}'"
@@ -223,18 +245,45 @@ class TorchSource(Source):
 
     kind = "torch"
 
-    def __init__(self, files: list[tuple[Path, str]], *, path: Path, keep_keys: bool) -> None:
+    def __init__(self, files: list[tuple[Path | RemotePath, str]], *, path: Path | RemotePath,
+                 keep_keys: bool) -> None:
+        self.path = path
+        self._downloads: Path | None = None
+        try:
+            self._load(files, keep_keys)
+        except BaseException:
+            self.close()
+            raise
+
+    def _local(self, file: Path | RemotePath) -> Path:
+        """``file``, downloaded into this side's temporary folder when it is remote."""
+        if not isinstance(file, RemotePath):
+            return file
+        if self._downloads is None:
+            self._downloads = Path(tempfile.mkdtemp(prefix="fsdpckpt-diff-"))
+        folder = self._downloads / str(len(list(self._downloads.iterdir())))
+        folder.mkdir()
+        download(file, folder / file.name)
+        return folder / file.name
+
+    def _load(self, files: list[tuple[Path | RemotePath, str]], keep_keys: bool) -> None:
         import torch
 
         from fsdpckpt._torch import flatten_state_dict
         from fsdpckpt.merging.to_dcp import _torch_load
 
-        self.path = path
+        path = self.path
         entries: list[tuple[KeyPath, Any, bool]] = []
-        for file, kind in files:
-            state = _torch_load(file, kind)
+        for shown, kind in files:
+            file = self._local(shown)
+            try:
+                state = _torch_load(file, kind)
+            except FsdpCkptError as exc:  # name the remote file, not the temporary copy
+                if file == shown:
+                    raise
+                raise type(exc)(str(exc).replace(str(file), str(shown))) from None
             if not isinstance(state, dict):
-                raise NotACheckpointError(f"{file}: holds a {type(state).__name__}, not a "
+                raise NotACheckpointError(f"{shown}: holds a {type(state).__name__}, not a "
                                           "state dict of names to tensors")
             # Only a zip archive is memory-mapped (the legacy format is read into memory).
             mapped = kind == "torch" and _little_endian(file)
@@ -268,8 +317,15 @@ class TorchSource(Source):
         if name in self._mapped:
             _release_pages(box)
 
+    def close(self) -> None:
+        self._values = {}
+        folder, self._downloads = self._downloads, None
+        if folder is not None:  # the mapped tensors are dropped above; Linux keeps open maps
+            shutil.rmtree(folder, ignore_errors=True)
 
-def _file_source(path: Path, *, keep_keys: bool, shown: Path) -> Source:
+
+def _file_source(path: Path | RemotePath, *, keep_keys: bool,
+                 shown: Path | RemotePath) -> Source:
     from fsdpckpt.merging.to_dcp import _shards, _sniff
 
     files = _shards(path)
@@ -282,30 +338,28 @@ def _file_source(path: Path, *, keep_keys: bool, shown: Path) -> Source:
 
 
 def open_source(path: str | os.PathLike[str], *, optimizer: bool = False,
-                model_index: int | None = None, keep_keys: bool = False) -> Source:
+                model_index: int | None = None, keep_keys: bool = False,
+                storage_options: dict[str, Any] | None = None) -> Source:
     """Open ``path`` as one side of a diff.
 
     Args:
         path: a DCP folder; a whole checkpoint (Accelerate's or HF Trainer's layout: its
             model folder, or with ``optimizer`` its optimizer folder); a ``.safetensors``,
             ``.bin``/``.pt`` file or shard index; or a folder holding a merged or Hugging
-            Face model (:data:`MERGED_FILES`; with ``optimizer``, the optimizer's).
+            Face model (:data:`MERGED_FILES`; with ``optimizer``, the optimizer's); local
+            or on object storage (``s3://...``).
         optimizer: compare the optimizer state instead of the model.
         model_index: which model of a checkpoint holding several (``pytorch_model_fsdp_N``).
         keep_keys: keep wrapper segments in names.
+        storage_options: fsspec options for a ``path`` on object storage.
 
     Raises:
         CheckpointNotFoundError: nothing at ``path``.
         NotACheckpointError, CorruptCheckpointError, UnsafePickleError: it cannot be read.
     """
-    p = location(path)
+    p = location(path, storage_options=storage_options)
     if not p.exists():
         raise CheckpointNotFoundError(f"{p}: no such file or folder; check the path.")
-    if isinstance(p, RemotePath):
-        if is_dcp_folder(p):
-            return DcpSource(p, keep_keys=keep_keys)
-        raise NotACheckpointError(f"{p}: only DCP folders are read from object storage yet "
-                                  "(merged files, per-rank files: not yet); download it first")
     if p.is_file():
         return _file_source(p, keep_keys=keep_keys, shown=p)
     if is_dcp_folder(p):

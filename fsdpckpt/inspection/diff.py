@@ -327,7 +327,8 @@ def same_value(x: Any, y: Any) -> bool:
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 0.0,
          rtol: float = 0.0, names: Sequence[str] | str = (), optimizer: bool = False,
          model_index: int | None = None, keep_keys: bool = False,
-         progress: ProgressFactory | None = None) -> DiffReport:
+         progress: ProgressFactory | None = None,
+         storage_options: dict[str, Any] | None = None) -> DiffReport:
     """Compare two state sources tensor by tensor, streaming.
 
     Args:
@@ -345,6 +346,8 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 
         keep_keys: compare names with wrapper segments (``_fsdp_wrapped_module.``...)
             kept; by default they are dropped on both sides, as merge drops them.
         progress: a factory of byte-count callbacks (:mod:`fsdpckpt._progress`).
+        storage_options: fsspec options for a side on object storage (``s3://...``; one
+            value for both sides); None uses the environment's credentials and endpoint.
 
     Returns:
         The :class:`DiffReport`; ``report.equal`` is the verdict.
@@ -365,9 +368,10 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 
     def keep(name: str) -> bool:
         return not matchers or any(match(name) for match in matchers)
 
-    with open_source(a, optimizer=optimizer, model_index=model_index, keep_keys=keep_keys) \
-            as left, open_source(b, optimizer=optimizer, model_index=model_index,
-                                 keep_keys=keep_keys) as right, reusing_scratch():
+    with open_source(a, optimizer=optimizer, model_index=model_index, keep_keys=keep_keys,
+                     storage_options=storage_options) as left, \
+            open_source(b, optimizer=optimizer, model_index=model_index, keep_keys=keep_keys,
+                        storage_options=storage_options) as right, reusing_scratch():
         return _diff(left, right, atol, rtol, keep, progress)
 
 

@@ -52,11 +52,12 @@ def _from_dcp(path: Path | RemotePath) -> dict[Any, Any]:
     return _from_folder(read_dcp_folder(path), [])
 
 
-def _from_rank_files(path: Path) -> dict[Any, Any] | None:
+def _from_rank_files(path: Path | RemotePath) -> dict[Any, Any] | None:
     """A folder of per-rank ``torch.save`` files (Accelerate ``use_dcp=False``, VeRL): the
     model's, read like a DCP folder (with rank 0's non-tensor values), or None."""
-    sets = [s for s in find_rank_sets(sorted(os.listdir(path))) if s.kind == "model"] or \
-        find_rank_sets(sorted(os.listdir(path)))
+    names = [q.name for q in path.iterdir()] if isinstance(path, RemotePath) else \
+        sorted(os.listdir(path))
+    sets = [s for s in find_rank_sets(names) if s.kind == "model"] or find_rank_sets(names)
     if not sets:
         return None
     if len(sets) > 1:
@@ -186,8 +187,13 @@ def load_full_state_dict(path: str | os.PathLike[str], *,
     if isinstance(p, RemotePath):
         if is_dcp_folder(p):
             return _from_dcp(p)
-        raise NotACheckpointError(f"{p}: only DCP folders are read from object storage yet "
-                                  "(merged files, per-rank files: not yet); download it first")
+        if p.is_dir() and (from_ranks := _from_rank_files(p)) is not None:
+            return from_ranks
+        if (hf_storage := read_hf_storage_at(p)) is not None:  # HuggingFaceStorageWriter
+            return _from_folder(hf_storage, [])
+        raise NotACheckpointError(f"{p}: only DCP folders, per-rank files and "
+                                  "HuggingFaceStorageWriter saves are read from object storage "
+                                  "yet (merged files: not yet); download it first")
     if p.is_file():
         return _from_file(p)
     if is_dcp_folder(p):

@@ -10,6 +10,11 @@ Inputs are recognized by their first bytes, not their names, and checked before
 anything is written, so a text file, a truncated download or a hostile pickle
 is one clear error naming the file. Nothing in them is unpickled outside torch's
 ``weights_only`` allowlist.
+
+The input may be on object storage (``s3://...``): it is recognized and checked by ranged
+reads, then each file is downloaded (in bounded pieces) into the staging folder, because
+torch's memory-mapped loader and ``safe_open`` read local files, and removed before the
+output is committed.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.jsonio import parse_json
+from fsdpckpt._io.remote import RemotePath, download, location
 from fsdpckpt._progress import ProgressFactory, start_progress
 from fsdpckpt._torch import flatten_state_dict, storage_info
 from fsdpckpt.dcp._objects import loads, torch_load_allowlisted
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    FsdpCkptError,
     NotACheckpointError,
     UnsafePickleError,
 )
@@ -69,7 +76,7 @@ class ConvertResult:
     tensors: int
     objects: int
     bytes: int
-    source: Path | None = None
+    source: Path | RemotePath | None = None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -77,18 +84,33 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:200] if text else type(exc).__name__
 
 
-def _sniff(file: Path) -> str:
+def _head(file: Path | RemotePath) -> tuple[bytes, int, bool]:
+    """The first 64 bytes of ``file``, its size, and whether it reads as a zip archive."""
+    if isinstance(file, RemotePath):
+        remote = file.open_file()
+        first = bytearray(min(64, remote.size))
+        remote.read_at(memoryview(first), 0)
+        try:
+            is_zip = first.startswith(_ZIP_MAGIC) and zipfile.is_zipfile(remote.file())
+        finally:
+            remote.close()
+        return bytes(first), remote.size, is_zip
+    with open(file, "rb") as handle:
+        head = handle.read(64)
+        size = os.fstat(handle.fileno()).st_size
+    return head, size, head.startswith(_ZIP_MAGIC) and zipfile.is_zipfile(file)
+
+
+def _sniff(file: Path | RemotePath) -> str:
     """``"safetensors"`` or ``"torch"`` (``"torch-legacy"`` for the pre-zip format), by content.
 
     Raises:
         NotACheckpointError: neither format; CorruptCheckpointError: a safetensors header
             that cannot be whole.
     """
-    with open(file, "rb") as handle:
-        head = handle.read(64)
-        size = os.fstat(handle.fileno()).st_size
+    head, size, is_zip = _head(file)
     if head.startswith(_ZIP_MAGIC):
-        if not zipfile.is_zipfile(file):  # torch.save's zip directory is written last
+        if not is_zip:  # torch.save's zip directory is written last
             raise CorruptCheckpointError(
                 f"{file}: a torch.save archive without its zip directory at the end: it is "
                 "truncated; download or save it again.")
@@ -116,7 +138,7 @@ def _is_text(head: bytes) -> bool:
     return True
 
 
-def _shards(path: Path) -> list[Path]:
+def _shards(path: Path | RemotePath) -> list[Path | RemotePath]:
     """The files to read: those a shard index lists, else ``path`` alone; each checked."""
     if not path.name.endswith(".index.json"):
         return [path]
@@ -144,7 +166,7 @@ def _shards(path: Path) -> list[Path]:
     return files
 
 
-def _resolve(source: Path) -> Path:
+def _resolve(source: Path | RemotePath) -> Path | RemotePath:
     """The file to convert: ``source`` itself, or the model file of a folder.
 
     A folder holding a merged or Hugging Face model stands for its model file (the first of
@@ -168,7 +190,9 @@ def _resolve(source: Path) -> Path:
         raise NotACheckpointError(
             f"{source}: is a DCP checkpoint already; convert turns a full .safetensors or "
             f".bin file into one. To get a full file from it: fsdpckpt merge {source} OUT_DIR")
-    candidates = sorted(e.name for e in os.scandir(source) if e.is_file() and
+    entries = source.iterdir() if isinstance(source, RemotePath) else \
+        [Path(e.path) for e in os.scandir(source)]
+    candidates = sorted(e.name for e in entries if e.is_file() and
                         e.name.endswith((".safetensors", ".bin", ".pt", ".index.json")))
     hint = f"; pass one of its files, e.g. {source / candidates[0]}" if candidates else \
         f"; {_ACCEPTS}"
@@ -238,6 +262,25 @@ def _safetensors_entries(file: Path, prefix: tuple) -> Iterator[tuple[tuple, Any
         yield prefix + tuple(paths.get(name, [name])), value
 
 
+_DOWNLOADS = ".downloads"
+
+
+def _local_copies(files: list[tuple[Path | RemotePath, str]],
+                  stage: Path) -> list[tuple[Path, str]]:
+    """``files`` as local files: a remote one downloaded into ``stage``'s download folder
+    (under its own name, in a folder of its own), a local one as it is."""
+    local: list[tuple[Path, str]] = []
+    for number, (file, kind) in enumerate(files):
+        if isinstance(file, RemotePath):
+            folder = stage / _DOWNLOADS / str(number)
+            folder.mkdir(parents=True)
+            download(file, folder / file.name)
+            local.append((folder / file.name, kind))
+        else:
+            local.append((file, kind))
+    return local
+
+
 def _entries(files: list[tuple[Path, str]], key: str | None) -> Iterator[tuple[tuple, Any]]:
     """``(key_path, value)`` for every entry of the full file, one tensor loaded at a time."""
     prefix: tuple = (key,) if key else ()
@@ -256,14 +299,16 @@ def _entries(files: list[tuple[Path, str]], key: str | None) -> Iterator[tuple[t
 
 def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
             key: str | None = "model", overwrite: bool = False,
-            progress: ProgressFactory | None = None) -> ConvertResult:
+            progress: ProgressFactory | None = None,
+            storage_options: dict[str, Any] | None = None) -> ConvertResult:
     """Write the state dict in ``full_file`` as a DCP folder ``out_dir``.
 
     Args:
         full_file: a ``.safetensors`` file, a shard index (``*.index.json``), a
             ``torch.save`` file (``.bin``/``.pt``), or a folder holding a merged or Hugging
             Face model (the first of :data:`MODEL_FILES` in it is read). Files are
-            recognized by content, whatever their names.
+            recognized by content, whatever their names. Local, or on object storage
+            (``s3://bucket/model``: downloaded into the staging folder, then removed).
         out_dir: the DCP folder to create.
         key: nest every entry under this top-level key (``"model"``, as Accelerate's
             ``pytorch_model_fsdp_0`` holds it); None or ``""`` for none.
@@ -271,6 +316,8 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
         progress: a progress factory, as for :func:`fsdpckpt.merge`: called once as
             ``progress(total_bytes, files)`` with the bytes of the source files before any
             is read; the callback it returns is given each tensor's bytes as it is written.
+        storage_options: fsspec options for a ``full_file`` on object storage
+            (``{"endpoint_url": ...}``, credentials); None uses the environment's.
 
     Returns:
         A :class:`ConvertResult`.
@@ -295,7 +342,8 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
         TensorStorageMetadata,
     )
 
-    source, out = _resolve(Path(full_file)), Path(out_dir)
+    source = _resolve(location(full_file, storage_options=storage_options))
+    out = Path(out_dir)
     files = [(file, _sniff(file)) for file in _shards(source)]  # all checked before writing
     if out.exists() and not out.is_dir():
         raise NotACheckpointError(f"{out}: is a file; pass a folder for the DCP output.")
@@ -314,9 +362,11 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
     storage: dict[Any, Any] = {}
     planner: dict[str, tuple] = {}
     tensors = objects = nbytes = 0
+    local: list[tuple[Path, str]] = []
     try:
+        local = _local_copies(files, stage)
         with open(stage / _DATA_FILE, "wb") as data:
-            for path, value in _entries(files, key or None):
+            for path, value in _entries(local, key or None):
                 fqn = ".".join(map(str, path))
                 if fqn in planner:
                     raise NotACheckpointError(f"{source}: two entries are both named '{fqn}'")
@@ -356,9 +406,20 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
             pickle.dump(metadata, meta)
             meta.flush()
             os.fsync(meta.fileno())
+        shutil.rmtree(stage / _DOWNLOADS, ignore_errors=True)  # no part of the output
         if out.exists():
             shutil.rmtree(out)
         os.replace(stage, out)
+    except FsdpCkptError as exc:
+        shutil.rmtree(stage, ignore_errors=True)
+        copies = {str(copy): str(file) for (copy, _), (file, _) in zip(local, files)
+                  if copy != file}
+        message = str(exc)
+        for copy, remote in copies.items():  # name the remote file, not the download
+            message = message.replace(copy, remote)
+        if message == str(exc):
+            raise
+        raise type(exc)(message) from None
     except BaseException as exc:
         shutil.rmtree(stage, ignore_errors=True)
         if isinstance(exc.__context__, KeyboardInterrupt):

@@ -190,3 +190,57 @@ def test_a_failed_upload_on_one_rank_leaves_nothing_of_a_spread_merge(s3):
     assert errors[0].startswith("error: rank 1 failed, so rank 0 stops too")
     left = server.filesystem().find(f"{root}/spread")
     assert [p for p in left if p.startswith(f"{root}/spread/")] == []
+
+
+# -- export-hf and convert into object storage ---------------------------------------------
+
+def _tree(folder) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _remote_tree(server, url: str) -> dict[str, bytes]:
+    fs = server.filesystem()
+    root = url.removeprefix("s3://") + "/"
+    return {k[len(root):]: fs.cat_file(k) for k in sorted(fs.find(root)) if k.startswith(root)}
+
+
+def test_an_export_to_s3_uploads_the_local_export_config_last(s3, tmp_path, monkeypatch):
+    server, root = s3
+    checkpoint = FIXTURES / "tiny_llama" / "untied" / "checkpoint-3"
+    order: list[str] = []
+    real = _remote_out._put
+
+    def spy(local, target):
+        order.append(target.name)
+        real(local, target)
+
+    monkeypatch.setattr(_remote_out, "_put", spy)
+    out = f"s3://{root}/exported"
+    result = fsdpckpt.export_hf(checkpoint, out, dtype="bf16", max_shard_size="200KB",
+                                storage_options=_options(server))
+    fsdpckpt.export_hf(checkpoint, tmp_path / "local", dtype="bf16", max_shard_size="200KB")
+    assert _remote_tree(server, out) == _tree(tmp_path / "local")
+    assert order[-1] == "config.json" and str(result.output) == out
+    with pytest.raises(OutputExistsError, match="already holds files"):
+        fsdpckpt.export_hf(checkpoint, out, storage_options=_options(server))
+
+
+def test_a_convert_to_s3_uploads_the_local_dcp_folder_metadata_last(s3, tmp_path, monkeypatch):
+    server, root = s3
+    merged = fsdpckpt.merge(CKPT, tmp_path / "merged")[0].path
+    order: list[str] = []
+    real = _remote_out._put
+
+    def spy(local, target):
+        order.append(target.name)
+        real(local, target)
+
+    monkeypatch.setattr(_remote_out, "_put", spy)
+    out = f"s3://{root}/seed/pytorch_model_fsdp_0"
+    result = fsdpckpt.convert(merged, out, storage_options=_options(server))
+    fsdpckpt.convert(merged, tmp_path / "local")
+    assert _remote_tree(server, out) == _tree(tmp_path / "local")
+    assert order[-1] == ".metadata" and str(result.path) == out
+    # What was uploaded is a DCP folder fsdpckpt reads back from the store.
+    assert fsdpckpt.inspect_checkpoint(out, storage_options=_options(server)).ok

@@ -48,6 +48,7 @@ from fsdpckpt.export._model import (
 )
 from fsdpckpt.export._tied import same_bytes
 from fsdpckpt.export.lora import AdapterExport, export_adapter
+from fsdpckpt.merging._remote_out import publish_folder
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
 from fsdpckpt.merging.merger import MergeJob, MergeResult, commit_job, plan_job, write_job
 from fsdpckpt.merging.plan import MergePlanError
@@ -78,9 +79,9 @@ class ExportResult:
     """
 
     source: Path | RemotePath
-    output: Path
+    output: Path | RemotePath
     weights: tuple[Path | RemotePath, ...]
-    files: tuple[Path, ...]
+    files: tuple[Path | RemotePath, ...]
     tensors: int
     bytes: int
     dtype: str
@@ -119,6 +120,17 @@ def _exported_dtype(job: MergeJob) -> str:
                 if t.spec.dtype.is_floating:
                     sizes[t.spec.dtype.name] += t.spec.nbytes
     return sizes.most_common(1)[0][0] if sizes else "float32"
+
+
+def _uploaded(result: ExportResult | AdapterExport, local: Path,
+              out: RemotePath) -> ExportResult | AdapterExport:
+    # The result of an export built in ``local`` and uploaded to ``out``, naming the objects.
+    if isinstance(result, AdapterExport):
+        return dataclasses.replace(result, output=out)
+    return dataclasses.replace(
+        result, output=out,
+        weights=tuple(out / Path(str(p)).relative_to(local).as_posix() for p in result.weights),
+        files=tuple(out / Path(str(p)).relative_to(local).as_posix() for p in result.files))
 
 
 def _check_outputs(side: SideFiles, out: Path, overwrite: bool) -> None:
@@ -169,8 +181,10 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
             ``tie_word_embeddings: false`` in the exported config: for a checkpoint whose
             output and input embeddings differ although the config ties them.
         progress: ``progress(total_bytes, files)`` returns a callback given byte counts.
-        storage_options: fsspec options for a ``checkpoint`` or ``base`` on object storage
-            (``{"endpoint_url": ...}``, credentials); None uses the environment's.
+        storage_options: fsspec options for a ``checkpoint``, ``base`` or ``output`` on
+            object storage (``{"endpoint_url": ...}``, credentials); None uses the
+            environment's. A remote ``output`` is exported into ``$TMPDIR``, then uploaded
+            file by file, ``config.json`` last.
 
     Returns:
         The :class:`ExportResult`.
@@ -188,6 +202,16 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     Example:
         >>> fsdpckpt.export_hf("run/checkpoint-500", "exported", dtype="bf16")
     """
+    out = location(output, storage_options=storage_options)
+    if isinstance(out, RemotePath):
+        # Built locally, then uploaded; config.json last (merging/_remote_out.py).
+        exported, local = publish_folder(
+            out, lambda folder: export_hf(checkpoint, folder, base=base, dtype=dtype,
+                                          max_shard_size=max_shard_size, lora=lora,
+                                          lora_config=lora_config, untie=untie,
+                                          progress=progress, storage_options=storage_options),
+            overwrite=overwrite, last=(CONFIG,))
+        return _uploaded(exported, local, out)
     start = time.perf_counter()
     if lora not in (None, "adapter", "fuse"):
         raise MergePlanError(f"lora={lora!r}: use 'adapter' (write the LoRA adapter) or "

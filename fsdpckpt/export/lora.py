@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 from fsdpckpt.export._lora_config import (
     ADAPTER_CONFIG,
@@ -242,7 +243,7 @@ class AdapterExport:
         adapter: the adapter exported or fused. modules: how many modules carry it.
     """
 
-    output: Path
+    output: Path | RemotePath
     files: tuple[str, ...]
     tensors: int
     adapter: str

@@ -21,19 +21,22 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.errors import FsdpCkptError
 
 if TYPE_CHECKING:
     from fsdpckpt.merging.merger import MergeResult
-from fsdpckpt.merging.writer import OutputNotWritableError
+from fsdpckpt.merging.writer import OutputExistsError, OutputNotWritableError
 
-__all__ = ["check_remote_output", "delete", "local_stage", "upload", "upload_results"]
+_T = TypeVar("_T")
+
+__all__ = ["check_remote_output", "delete", "local_stage", "publish_folder", "upload",
+           "upload_results"]
 
 
 def check_remote_output(out: RemotePath) -> None:
@@ -80,14 +83,54 @@ def upload_results(results: list[MergeResult], out: RemotePath, stale: tuple[Rem
     return done
 
 
-def upload(local: Path, out: RemotePath, uploaded: list[RemotePath]) -> RemotePath:
-    """Upload ``local`` into ``out`` under its own name and add it to ``uploaded`` (what a
-    failure must delete).
+def publish_folder(out: RemotePath, build: Callable[[Path], _T], *, overwrite: bool,
+                   last: Sequence[str] = ()) -> tuple[_T, Path]:
+    """Build an output folder locally with ``build(folder)``, then upload every file in it
+    into ``out`` (same relative names), the names in ``last`` at the end, in that order:
+    the one a reader opens first (an export's ``config.json``, a DCP folder's ``.metadata``)
+    appears only once everything it names is there.
+
+    Returns:
+        ``(what build returned, the local folder it built)``; the caller names the uploaded
+        objects as ``out / path.relative_to(folder)``. The local folder is gone on return.
+
+    Raises:
+        OutputExistsError: ``out`` already holds files and ``overwrite`` is False (checked
+            before ``build`` runs). With ``overwrite``, files of the same names are replaced
+            and no other file is touched.
+        OutputNotWritableError: ``out`` is a file, or an upload failed; what this call
+            uploaded is deleted.
+    """
+    check_remote_output(out)
+    if not overwrite and (held := out.fs.find(out.path)):
+        raise OutputExistsError(f"{out}: already holds files ({held[0].rsplit('/', 1)[-1]}...); "
+                                "pass overwrite=True (--overwrite) to replace them, or choose "
+                                "another folder")
+    uploaded: list[RemotePath] = []
+    with local_stage(out) as local:
+        result = build(local)
+        files = sorted(p for p in local.rglob("*") if p.is_file())
+        order = [p for p in files if p.relative_to(local).as_posix() not in last] + \
+            [local / name for name in last if (local / name).is_file()]
+        try:
+            for path in order:
+                upload(path, out, uploaded, name=path.relative_to(local).as_posix())
+        except BaseException:
+            delete(list(reversed(uploaded)))
+            raise
+        out.forget_listings()
+        return result, local
+
+
+def upload(local: Path, out: RemotePath, uploaded: list[RemotePath], *,
+           name: str | None = None) -> RemotePath:
+    """Upload ``local`` into ``out`` (as ``name``, by default its own name) and add it to
+    ``uploaded`` (what a failure must delete).
 
     Raises:
         OutputNotWritableError: the upload failed; the message says what to check.
     """
-    target = out / local.name
+    target = out / (name or local.name)
     try:
         _put(local, target)
     except OSError as exc:

@@ -28,7 +28,7 @@ import struct
 import tempfile
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ class ConvertResult:
         source: the file read (a folder given to :func:`convert` resolves to its model file).
     """
 
-    path: Path
+    path: Path | RemotePath
     tensors: int
     objects: int
     bytes: int
@@ -309,14 +309,15 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
             Face model (the first of :data:`MODEL_FILES` in it is read). Files are
             recognized by content, whatever their names. Local, or on object storage
             (``s3://bucket/model``: downloaded into the staging folder, then removed).
-        out_dir: the DCP folder to create.
+        out_dir: the DCP folder to create; on object storage, it is built in ``$TMPDIR``
+            and uploaded, ``.metadata`` last.
         key: nest every entry under this top-level key (``"model"``, as Accelerate's
             ``pytorch_model_fsdp_0`` holds it); None or ``""`` for none.
         overwrite: replace an existing ``out_dir``.
         progress: a progress factory, as for :func:`fsdpckpt.merge`: called once as
             ``progress(total_bytes, files)`` with the bytes of the source files before any
             is read; the callback it returns is given each tensor's bytes as it is written.
-        storage_options: fsspec options for a ``full_file`` on object storage
+        storage_options: fsspec options for a ``full_file`` or ``out_dir`` on object storage
             (``{"endpoint_url": ...}``, credentials); None uses the environment's.
 
     Returns:
@@ -332,6 +333,14 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
     Example:
         >>> convert("merged/model.safetensors", "seed/pytorch_model_fsdp_0")
     """
+    out = location(out_dir, storage_options=storage_options)
+    if isinstance(out, RemotePath):  # built locally, uploaded with .metadata last
+        from fsdpckpt.merging._remote_out import publish_folder
+
+        done, _ = publish_folder(out, lambda folder: convert(
+            full_file, folder, key=key, progress=progress, storage_options=storage_options),
+            overwrite=overwrite, last=(".metadata",))
+        return replace(done, path=out)
     import torch
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,

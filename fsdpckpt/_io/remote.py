@@ -31,8 +31,7 @@ from typing import Any, BinaryIO, cast
 from fsdpckpt._io.prefetch import Prefetcher
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
-__all__ = ["RemoteFile", "RemotePath", "download", "is_url", "location", "prefetch",
-           "require_fsspec"]
+__all__ = ["RemoteFile", "RemotePath", "is_url", "location", "prefetch", "require_fsspec"]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 #: Ranged reads larger than this are split, so no single request holds more in memory.
@@ -390,27 +389,3 @@ def prefetch(ranges: Iterable[tuple[RemoteFile, int, int]], **limits: int | None
     for remote, _, _ in ranges:
         remote._prefetch = ahead
     return ahead
-
-
-def download(path: RemotePath, target: Path) -> int:
-    """Copy the remote file ``path`` to the new local file ``target``, one bounded piece
-    at a time (for readers that need a local file: torch's memory-mapped loader,
-    ``safetensors.safe_open``).
-
-    Returns:
-        The bytes copied (the size listed, every byte checked by :meth:`RemoteFile.read_at`).
-
-    Raises:
-        CheckpointNotFoundError: ``path`` is missing. CorruptCheckpointError: it is
-            shorter than listed. OSError: ``target`` cannot be written (a full disk).
-    """
-    remote = path.open_file()
-    piece = bytearray(min(_PIECE, remote.size))
-    with open(target, "xb") as out:
-        done = 0
-        while done < remote.size:
-            view = memoryview(piece)[:min(len(piece), remote.size - done)]
-            remote.read_at(view, done)
-            out.write(view)
-            done += len(view)
-    return done

@@ -19,9 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.download import download
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._io.rawio import ReadAt, read_exact
-from fsdpckpt._io.remote import RemoteFile, RemotePath, download, location
+from fsdpckpt._io.remote import RemoteFile, RemotePath, location
 from fsdpckpt.dcp._objects import loads, to_torch
 from fsdpckpt.dcp.dtypes import DType, dtype_from_name
 from fsdpckpt.dcp.layout import find_layout
@@ -326,10 +327,10 @@ class TorchSource(Source):
 
 def _file_source(path: Path | RemotePath, *, keep_keys: bool,
                  shown: Path | RemotePath) -> Source:
-    from fsdpckpt.merging.to_dcp import _shards, _sniff
+    from fsdpckpt.merging._convert_source import shards, sniff
 
-    files = _shards(path)
-    kinds = [(f, _sniff(f)) for f in files]
+    files = shards(path)
+    kinds = [(f, sniff(f)) for f in files]
     if all(kind == "safetensors" for _, kind in kinds):
         return SafetensorsSource(files, path=shown, keep_keys=keep_keys)
     if any(kind == "safetensors" for _, kind in kinds):

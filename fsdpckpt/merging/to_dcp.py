@@ -24,43 +24,37 @@ import os
 import pickle
 import re
 import shutil
-import struct
 import tempfile
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.download import download
 from fsdpckpt._io.jsonio import parse_json
-from fsdpckpt._io.remote import RemotePath, download, location
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressFactory, start_progress
 from fsdpckpt._torch import flatten_state_dict, storage_info
 from fsdpckpt.dcp._objects import loads, torch_load_allowlisted
 from fsdpckpt.errors import (
-    CheckpointNotFoundError,
     CorruptCheckpointError,
     FsdpCkptError,
     NotACheckpointError,
     UnsafePickleError,
 )
 from fsdpckpt.formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
+from fsdpckpt.merging._convert_source import (
+    MODEL_FILES,
+    first_line,
+    resolve_source,
+    shards,
+    sniff,
+)
 from fsdpckpt.merging.writer import OutputExistsError
 
 __all__ = ["convert", "ConvertResult", "MODEL_FILES"]
 
 _DATA_FILE = "__0_0.distcp"
-
-#: What convert reads from a folder, first found first: a merged (or Hugging Face) model.
-MODEL_FILES = ("model.safetensors.index.json", "model.safetensors",
-               "pytorch_model.bin.index.json", "pytorch_model.bin")
-
-_ACCEPTS = "convert reads a .safetensors file, a .bin/.pt file written by torch.save, or a " \
-           "shard index (*.index.json)"
-# torch.save's legacy (non-zip) format starts by pickling this number.
-_LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
-_ZIP_MAGIC = b"PK\x03\x04"
-
 
 @dataclass(frozen=True)
 class ConvertResult:
@@ -77,127 +71,6 @@ class ConvertResult:
     objects: int
     bytes: int
     source: Path | RemotePath | None = None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__
-
-
-def _head(file: Path | RemotePath) -> tuple[bytes, int, bool]:
-    """The first 64 bytes of ``file``, its size, and whether it reads as a zip archive."""
-    if isinstance(file, RemotePath):
-        remote = file.open_file()
-        first = bytearray(min(64, remote.size))
-        remote.read_at(memoryview(first), 0)
-        try:
-            is_zip = first.startswith(_ZIP_MAGIC) and zipfile.is_zipfile(remote.file())
-        finally:
-            remote.close()
-        return bytes(first), remote.size, is_zip
-    with open(file, "rb") as handle:
-        head = handle.read(64)
-        size = os.fstat(handle.fileno()).st_size
-    return head, size, head.startswith(_ZIP_MAGIC) and zipfile.is_zipfile(file)
-
-
-def _sniff(file: Path | RemotePath) -> str:
-    """``"safetensors"`` or ``"torch"`` (``"torch-legacy"`` for the pre-zip format), by content.
-
-    Raises:
-        NotACheckpointError: neither format; CorruptCheckpointError: a safetensors header
-            that cannot be whole.
-    """
-    head, size, is_zip = _head(file)
-    if head.startswith(_ZIP_MAGIC):
-        if not is_zip:  # torch.save's zip directory is written last
-            raise CorruptCheckpointError(
-                f"{file}: a torch.save archive without its zip directory at the end: it is "
-                "truncated; download or save it again.")
-        return "torch"
-    if head.startswith(b"\x80") and _LEGACY_MAGIC in head[:32]:
-        return "torch-legacy"
-    if len(head) >= 9 and head[8:9] == b"{":
-        (header,) = struct.unpack("<Q", head[:8])
-        if 8 + header > size:
-            raise CorruptCheckpointError(
-                f"{file}: a safetensors file whose header says {8 + header} bytes, but the "
-                f"file has {size}: it is truncated; download or merge it again.")
-        return "safetensors"
-    what = "the file is empty" if not head else "it holds text" if _is_text(head) else \
-        "its first bytes match neither"
-    raise NotACheckpointError(f"{file}: not a safetensors or torch.save file ({what}); "
-                              f"{_ACCEPTS}.")
-
-
-def _is_text(head: bytes) -> bool:
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-def _shards(path: Path | RemotePath) -> list[Path | RemotePath]:
-    """The files to read: those a shard index lists, else ``path`` alone; each checked."""
-    if not path.name.endswith(".index.json"):
-        return [path]
-    try:
-        index = parse_json(path.read_bytes())
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise TypeError("no 'weight_map' object")
-        names = list(dict.fromkeys(weight_map.values()))
-        if not all(isinstance(n, str) and n for n in names):
-            raise TypeError("a file name is not a string")
-        # Shards lie beside their index (symlinks, as in the Hugging Face cache, are fine):
-        # an index may not send us to read files elsewhere.
-        if outside := [n for n in names if os.path.isabs(n) or ".." in Path(n).parts]:
-            raise ValueError(f"'{outside[0]}' lies outside the index's folder")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise NotACheckpointError(
-            f"{path}: not a shard index (a JSON file with a 'weight_map' of names to files: "
-            f"{_first_line(exc)}); {_ACCEPTS}.") from None
-    files = [path.parent / name for name in names]
-    for file in files:
-        if not file.is_file():
-            raise CheckpointNotFoundError(f"{file}: listed in {path.name} but missing; copy "
-                                          "every shard beside the index.")
-    return files
-
-
-def _resolve(source: Path | RemotePath) -> Path | RemotePath:
-    """The file to convert: ``source`` itself, or the model file of a folder.
-
-    A folder holding a merged or Hugging Face model stands for its model file (the first of
-    :data:`MODEL_FILES` present, the order ``load_full_state_dict`` uses). A checkpoint
-    folder is already DCP: the message points to ``merge``.
-    """
-    if not source.exists():
-        raise CheckpointNotFoundError(f"{source}: no such file or folder; check the path.")
-    if not source.is_dir():
-        return source
-    for name in MODEL_FILES:
-        if (source / name).is_file():
-            return source / name
-    from fsdpckpt.dcp.layout import find_layout
-
-    try:
-        find_layout(source)
-    except (CheckpointNotFoundError, NotACheckpointError):
-        pass
-    else:
-        raise NotACheckpointError(
-            f"{source}: is a DCP checkpoint already; convert turns a full .safetensors or "
-            f".bin file into one. To get a full file from it: fsdpckpt merge {source} OUT_DIR")
-    entries = source.iterdir() if isinstance(source, RemotePath) else \
-        [Path(e.path) for e in os.scandir(source)]
-    candidates = sorted(e.name for e in entries if e.is_file() and
-                        e.name.endswith((".safetensors", ".bin", ".pt", ".index.json")))
-    hint = f"; pass one of its files, e.g. {source / candidates[0]}" if candidates else \
-        f"; {_ACCEPTS}"
-    raise NotACheckpointError(f"{source}: is a folder without {' or '.join(MODEL_FILES[1::2])}"
-                              f"{hint}.")
 
 
 def _torch_load(file: Path, kind: str) -> Any:
@@ -222,7 +95,7 @@ def _torch_load(file: Path, kind: str) -> Any:
         if isinstance(exc, OSError) and exc.filename:
             raise  # a real I/O error, which names its file
         raise CorruptCheckpointError(f"{file}: not a readable torch.save file "
-                                     f"({_first_line(exc)}); it is truncated or damaged.") from None
+                                     f"({first_line(exc)}); it is truncated or damaged.") from None
 
 
 def key_paths(text: str) -> dict[str, list[str | int]]:
@@ -251,12 +124,12 @@ def _safetensors_entries(file: Path, prefix: tuple) -> Iterator[tuple[tuple, Any
                 objects = loads(meta.get(OBJECTS_KEY, "{}")).items()
             except (ValueError, TypeError, AttributeError) as exc:
                 raise CorruptCheckpointError(f"{file}: its fsdpckpt metadata is garbled "
-                                             f"({_first_line(exc)})") from None
+                                             f"({first_line(exc)})") from None
             for name in handle.keys():  # noqa: SIM118 - a safe_open handle, not a dict
                 yield prefix + tuple(paths.get(name, [name])), handle.get_tensor(name)
     except SafetensorError as exc:
         raise CorruptCheckpointError(f"{file}: not a readable safetensors file "
-                                     f"({_first_line(exc)}); it is truncated or damaged.") \
+                                     f"({first_line(exc)}); it is truncated or damaged.") \
             from None
     for name, value in objects:
         yield prefix + tuple(paths.get(name, [name])), value
@@ -351,9 +224,9 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
         TensorStorageMetadata,
     )
 
-    source = _resolve(location(full_file, storage_options=storage_options))
+    source = resolve_source(location(full_file, storage_options=storage_options))
     out = Path(out_dir)
-    files = [(file, _sniff(file)) for file in _shards(source)]  # all checked before writing
+    files = [(file, sniff(file)) for file in shards(source)]  # all checked before writing
     if out.exists() and not out.is_dir():
         raise NotACheckpointError(f"{out}: is a file; pass a folder for the DCP output.")
     if out.exists() and not overwrite:

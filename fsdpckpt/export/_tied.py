@@ -10,15 +10,11 @@ from the checkpoint in the same boxes (a contiguous run of row-major elements, a
 
 from __future__ import annotations
 
-from fsdpckpt._io.rawio import ReadAt
-from fsdpckpt.dcp._archive import RawTensor, locate_tensor
+from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._datafiles import DataFiles
-from fsdpckpt.dcp._perrank import PerRankChunk
-from fsdpckpt.dcp._zstd import ZstdEntry, chunk_limit, open_entry
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
-from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
 from fsdpckpt.inspection._diff_sources import boxes
-from fsdpckpt.merging._copy import MemorySink, place_chunk
+from fsdpckpt.merging._copy import MemorySink, locate_stored_chunk, place_chunk
 from fsdpckpt.merging._runs import chunk_runs
 
 __all__ = ["BOX_BYTES", "same_bytes"]
@@ -63,7 +59,7 @@ def _read_box(files: DataFiles, tensor: TensorEntry, offsets: tuple[int, ...],
                 zip(offsets, sizes, chunk.offsets, chunk.sizes)]
         if any(h <= lo for lo, h in zip(low, high)):
             continue
-        raw, src, source = _locate(files, tensor, chunk)
+        raw, src, source = locate_stored_chunk(files, tensor, chunk, check_shape=True)
         part = tuple(h - lo for lo, h in zip(low, high))
         skip = sum((lo - c) * st for lo, c, st in zip(low, chunk.offsets, raw.stride))
         sub_raw = RawTensor(raw.storage_start, raw.storage_nbytes, raw.dtype,
@@ -71,23 +67,3 @@ def _read_box(files: DataFiles, tensor: TensorEntry, offsets: tuple[int, ...],
         sub = Chunk(tuple(lo - o for lo, o in zip(low, offsets)), part, chunk.file, 0, 0)
         place_chunk(src, sub_raw, sub, chunk_runs(sizes, sub), tensor.dtype, sink, 0,
                     source=source)
-
-
-def _locate(files: DataFiles, tensor: TensorEntry,
-            chunk: Chunk) -> tuple[RawTensor, int | ReadAt, str]:
-    # As the merge's copy engine finds a chunk (merging._copy.place_stored_chunk).
-    source = f"{files.folder / str(chunk.file)} (tensor '{tensor.name}' chunk at " \
-             f"{list(chunk.offsets)})"
-    if chunk.file is None:
-        raise NotACheckpointError(f"{source}: the metadata has no storage entry")
-    data = files.open(chunk.file)
-    handle, start, length = open_entry(data.file, chunk.offset, chunk.length, chunk.transforms,
-                                       limit=chunk_limit(tensor, chunk), source=source)
-    raw = chunk.raw if isinstance(chunk, PerRankChunk) and chunk.raw else \
-        locate_tensor(handle, start, length, source=source)
-    if raw.dtype.name != tensor.dtype.name or tuple(raw.shape) != tuple(chunk.sizes):
-        raise CorruptCheckpointError(f"{source}: holds {raw.dtype.name} {list(raw.shape)}, "
-                                     f"the metadata says {tensor.dtype.name} "
-                                     f"{list(chunk.sizes)}")
-    src = handle if isinstance(handle, ZstdEntry) else data.fd
-    return raw, src, source

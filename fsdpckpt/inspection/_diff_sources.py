@@ -27,17 +27,16 @@ from typing import Any, cast
 
 from fsdpckpt._io.rawio import ReadAt
 from fsdpckpt._io.remote import RemotePath
-from fsdpckpt.dcp._archive import RawTensor, locate_tensor
+from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._objects import read_object, to_torch
-from fsdpckpt.dcp._zstd import ZstdEntry, chunk_limit, open_entry
 from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DTYPES, DType
 from fsdpckpt.dcp.metadata import Chunk, KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.dcp.reader import read_dcp_folder
-from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.errors import NotACheckpointError
 from fsdpckpt.inspection._diff_tiles import Piece
-from fsdpckpt.merging._copy import MemorySink, place_chunk
+from fsdpckpt.merging._copy import MemorySink, locate_stored_chunk, place_chunk
 from fsdpckpt.merging._keys import output_name, shares_top_key
 from fsdpckpt.merging._runs import chunk_runs
 
@@ -199,23 +198,7 @@ class DcpSource(Source):
         tensor = cast(TensorEntry, self._entries[name])  # a name from self.tensors
         located = []
         for chunk in tensor.chunks:
-            source = f"{self.path / str(chunk.file)} (tensor '{tensor.name}' chunk at " \
-                     f"{list(chunk.offsets)})"
-            if chunk.file is None:
-                raise NotACheckpointError(f"{source}: the metadata has no storage entry")
-            data = self._files.open(chunk.file)
-            handle, start, length = open_entry(data.file, chunk.offset, chunk.length,
-                                               chunk.transforms,
-                                               limit=chunk_limit(tensor, chunk), source=source)
-            raw = locate_tensor(handle, start, length, source=source)
-            if raw.dtype.name != tensor.dtype.name:
-                raise CorruptCheckpointError(f"{source}: holds {raw.dtype.name}, the metadata "
-                                             f"says {tensor.dtype.name}")
-            if raw.shape != chunk.sizes:
-                raise CorruptCheckpointError(f"{source}: holds shape {list(raw.shape)}, the "
-                                             f"metadata says {list(chunk.sizes)}")
-            # A compressed chunk is read through its decoder, a plain one by descriptor.
-            src: int | ReadAt = handle if isinstance(handle, ZstdEntry) else data.fd
+            raw, src, source = locate_stored_chunk(self._files, tensor, chunk, check_shape=True)
             located.append((chunk, raw, src, source))
         self._raws = (name, located)
         return located

@@ -261,6 +261,40 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
         _place_tiled(src, raw, chunk, run, starts, out, sink, tensor_start, source, progress)
 
 
+def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
+                        check_shape: bool = False) -> tuple[RawTensor, Source, str]:
+    """Where ``chunk`` of ``tensor`` is stored, checked against the metadata.
+
+    Returns:
+        ``(its archive record, what to read its bytes from, a label naming it for errors)``:
+        the bytes come through the decoder of a compressed entry, else by offset from the
+        data file (a descriptor, or a remote file).
+
+    Raises:
+        NotACheckpointError: the metadata gives the chunk no storage entry.
+        CorruptCheckpointError: its archive is damaged, or holds another dtype (with
+            ``check_shape``, another shape) than the metadata says.
+    """
+    source = f"{files.folder / str(chunk.file)} (tensor '{tensor.name}' chunk at " \
+             f"{list(chunk.offsets)})"
+    if chunk.file is None:
+        raise NotACheckpointError(f"{source}: the metadata has no storage entry")
+    data = files.open(chunk.file)
+    handle, start, length = open_entry(data.file, chunk.offset, chunk.length, chunk.transforms,
+                                       limit=chunk_limit(tensor, chunk), source=source)
+    # A per-rank file's chunk is a storage entry inside the rank's zip, located when read.
+    raw = chunk.raw if isinstance(chunk, PerRankChunk) and chunk.raw else \
+        locate_tensor(handle, start, length, source=source)
+    if raw.dtype.name != tensor.dtype.name:
+        raise CorruptCheckpointError(f"{source}: holds {raw.dtype.name}, the metadata says "
+                                     f"{tensor.dtype.name}")
+    if check_shape and tuple(raw.shape) != tuple(chunk.sizes):
+        raise CorruptCheckpointError(f"{source}: holds shape {list(raw.shape)}, the metadata "
+                                     f"says {list(chunk.sizes)}")
+    src = handle if isinstance(handle, ZstdEntry) else data.fd
+    return raw, src, source
+
+
 def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs: Runs,
                        out: DType, dst: int | Sink, tensor_start: int, *,
                        progress: Callable[[int], None] | None = None) -> None:
@@ -276,20 +310,7 @@ def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs
         NotACheckpointError: the metadata gives the chunk no storage entry.
         CorruptCheckpointError: its archive is damaged or holds another dtype than the metadata.
     """
-    source = f"{files.folder / str(chunk.file)} (tensor '{tensor.name}' chunk at " \
-             f"{list(chunk.offsets)})"
-    if chunk.file is None:
-        raise NotACheckpointError(f"{source}: the metadata has no storage entry")
-    data = files.open(chunk.file)
-    handle, start, length = open_entry(data.file, chunk.offset, chunk.length, chunk.transforms,
-                                       limit=chunk_limit(tensor, chunk), source=source)
-    # A per-rank file's chunk is a storage entry inside the rank's zip, located when read.
-    raw = chunk.raw if isinstance(chunk, PerRankChunk) and chunk.raw else \
-        locate_tensor(handle, start, length, source=source)
-    if raw.dtype.name != tensor.dtype.name:
-        raise CorruptCheckpointError(f"{source}: holds {raw.dtype.name}, the metadata says "
-                                     f"{tensor.dtype.name}")
-    src = handle if isinstance(handle, ZstdEntry) else data.fd
+    raw, src, source = locate_stored_chunk(files, tensor, chunk)
     place_chunk(src, raw, chunk, runs, out, dst, tensor_start, source=source,
                 progress=progress)
 

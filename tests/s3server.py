@@ -44,6 +44,12 @@ class S3Server:
         """The s3fs options that reach this server (any key is accepted: no auth)."""
         return {"key": "any", "secret": "any", "client_kwargs": {"endpoint_url": self.endpoint}}
 
+    @property
+    def options(self) -> dict:
+        """The same, as users write them (``storage_options=``, ``--storage-options``):
+        ``endpoint_url`` at the top level."""
+        return {"key": "any", "secret": "any", "endpoint_url": self.endpoint}
+
     def filesystem(self):
         """A fresh ``s3fs.S3FileSystem`` for this server (no instance cache)."""
         import s3fs

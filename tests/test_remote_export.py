@@ -23,9 +23,6 @@ from conftest import FIXTURES, assert_one_line_error, run_cli, upload
 TINY = FIXTURES / "tiny_llama"
 
 
-def _options(server) -> dict:
-    return {"key": "any", "secret": "any", "endpoint_url": server.endpoint}
-
 
 def _files(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes()
@@ -49,7 +46,7 @@ def test_export_of_a_remote_checkpoint_is_the_local_export_byte_for_byte(s3, tmp
     run = _run(tmp_path, variant)
     url = upload(server, run, f"s3://{root}/run")
     remote = fsdpckpt.export_hf(f"{url}/checkpoint-3", tmp_path / "remote",
-                                storage_options=_options(server), **options)
+                                storage_options=server.options, **options)
     local = fsdpckpt.export_hf(run / "checkpoint-3", tmp_path / "local", **options)
     assert _files(tmp_path / "remote") == _files(tmp_path / "local")
     assert str(remote.config_from) == f"{url}/config.json"
@@ -67,7 +64,7 @@ def test_a_remote_base_gives_the_config_and_tokenizer(s3, tmp_path):
     url = upload(server, run, f"s3://{root}/run")
     base_url = upload(server, base, f"s3://{root}/base")
     result = fsdpckpt.export_hf(f"{url}/checkpoint-3", tmp_path / "out", base=base_url,
-                                storage_options=_options(server))
+                                storage_options=server.options)
     assert str(result.config_from) == f"{base_url}/config.json"
     fsdpckpt.export_hf(run / "checkpoint-3", tmp_path / "local", base=base)
     assert _files(tmp_path / "out") == _files(tmp_path / "local")
@@ -81,7 +78,7 @@ def test_a_remote_side_file_over_the_bound_is_refused_before_it_is_read(s3, tmp_
     monkeypatch.setattr(_config, "MAX_SIDE_BYTES", 1000)  # tokenizer.json is larger
     with pytest.raises(NotACheckpointError, match=f"{url}/tokenizer.json"):
         fsdpckpt.export_hf(f"{url}/checkpoint-3", tmp_path / "out",
-                           storage_options=_options(server))
+                           storage_options=server.options)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
@@ -90,7 +87,7 @@ def test_the_cli_exports_a_remote_checkpoint_with_storage_options(s3, tmp_path):
     server, root = s3
     url = upload(server, _run(tmp_path), f"s3://{root}/run")
     result = run_cli("export-hf", f"{url}/checkpoint-3", tmp_path / "out", "--storage-options",
-                     json.dumps(_options(server)), "--json", "-q")
+                     json.dumps(server.options), "--json", "-q")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["source"].startswith(f"{url}/checkpoint-3")
@@ -104,6 +101,6 @@ def test_a_lora_export_of_a_remote_checkpoint_is_refused_in_one_line(s3, tmp_pat
     server, root = s3
     url = upload(server, _run(tmp_path), f"s3://{root}/run")
     result = run_cli("export-hf", f"{url}/checkpoint-3", tmp_path / "out", "--lora", "adapter",
-                     "--storage-options", json.dumps(_options(server)))
+                     "--storage-options", json.dumps(server.options))
     assert_one_line_error(result, f"{url}/checkpoint-3", "--lora")
     assert not (tmp_path / "out").exists()

@@ -25,9 +25,6 @@ PER_RANK = {
 }
 
 
-def _options(server) -> dict:
-    return {"key": "any", "secret": "any", "endpoint_url": server.endpoint}
-
 
 def _files(folder) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
@@ -42,7 +39,7 @@ def test_a_merge_of_remote_rank_files_is_byte_identical_to_the_local_merge(s3, t
                                                                            optimizer):
     server, root = s3
     url = upload(server, PER_RANK[which], f"s3://{root}/{which}")
-    fsdpckpt.merge(url, tmp_path / "remote", optimizer=optimizer, storage_options=_options(server))
+    fsdpckpt.merge(url, tmp_path / "remote", optimizer=optimizer, storage_options=server.options)
     fsdpckpt.merge(PER_RANK[which], tmp_path / "local", optimizer=optimizer)
     remote, local = _files(tmp_path / "remote"), _files(tmp_path / "local")
     assert remote.keys() == local.keys() and len(remote) >= 1
@@ -54,7 +51,7 @@ def test_a_merge_of_remote_rank_files_is_byte_identical_to_the_local_merge(s3, t
 def test_inspect_and_verify_of_remote_rank_files_say_what_the_local_ones_say(s3, which):
     server, root = s3
     url = upload(server, PER_RANK[which], f"s3://{root}/{which}")
-    options = _options(server)
+    options = server.options
     remote = fsdpckpt.inspect_checkpoint(url, storage_options=options).to_json()
     local = fsdpckpt.inspect_checkpoint(PER_RANK[which]).to_json()
     assert json.dumps(remote, sort_keys=True).replace(url, "") == \
@@ -68,7 +65,7 @@ def test_load_full_state_dict_of_remote_rank_files_equals_the_local_one(s3):
 
     server, root = s3
     url = upload(server, PER_RANK["verl"], f"s3://{root}/verl")
-    remote = fsdpckpt.load_full_state_dict(url, storage_options=_options(server))
+    remote = fsdpckpt.load_full_state_dict(url, storage_options=server.options)
     local = fsdpckpt.load_full_state_dict(PER_RANK["verl"])
     flat_r, flat_l = remote["model"], local["model"]
     assert flat_r.keys() == flat_l.keys() and flat_l
@@ -85,7 +82,7 @@ def test_verify_of_a_remote_rank_file_finds_its_damage(s3, tmp_path):
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
     url = upload(server, copy, f"s3://{root}/damaged")
-    report = fsdpckpt.verify_checkpoint(url, storage_options=_options(server))
+    report = fsdpckpt.verify_checkpoint(url, storage_options=server.options)
     assert not report.ok
     assert any("pytorch_model_fsdp_0_rank1.bin" in p.path for p in report.problems)
 
@@ -98,7 +95,7 @@ def test_a_truncated_remote_rank_file_is_an_error_naming_it(s3, tmp_path):
     data.write_bytes(data.read_bytes()[:-100])
     url = upload(server, copy, f"s3://{root}/truncated")
     with pytest.raises(CorruptCheckpointError, match="model_world_size_2_rank_1.pt"):
-        fsdpckpt.merge(url, tmp_path / "out", storage_options=_options(server))
+        fsdpckpt.merge(url, tmp_path / "out", storage_options=server.options)
     assert not (tmp_path / "out").exists()
 
 
@@ -134,7 +131,7 @@ def test_a_diff_with_a_remote_file_side_says_what_the_local_diff_says(s3, tmp_pa
     url = upload(server, merged, f"s3://{root}/merged")
     remote_side, local_side = (f"{url}/{name}" if name else url), (merged / name if name
                                                                   else merged)
-    remote = fsdpckpt.diff(DCP_CKPT, remote_side, storage_options=_options(server))
+    remote = fsdpckpt.diff(DCP_CKPT, remote_side, storage_options=server.options)
     local = fsdpckpt.diff(DCP_CKPT, local_side)
     assert remote.equal and local.equal
     assert [t.name for t in remote.tensors] == [t.name for t in local.tensors] != []
@@ -164,7 +161,7 @@ def test_a_diff_reads_the_remote_bytes_and_finds_a_changed_value(s3, tmp_path, f
         state[first].view(-1)[0] += 1
         torch.save(state, merged / name)
     url = upload(server, merged, f"s3://{root}/changed")
-    report = fsdpckpt.diff(DCP_CKPT, f"{url}/{name}", storage_options=_options(server))
+    report = fsdpckpt.diff(DCP_CKPT, f"{url}/{name}", storage_options=server.options)
     assert not report.equal
     assert [t.name for t in report.tensors if not t.equal] == [first]
 
@@ -174,7 +171,7 @@ def test_the_cli_diffs_two_remote_sides_with_storage_options(s3, tmp_path):
     server, root = s3
     ckpt = upload(server, DCP_CKPT, f"s3://{root}/ckpt")
     merged = upload(server, _merged(tmp_path), f"s3://{root}/merged")
-    result = run_cli("diff", ckpt, merged, "--storage-options", json.dumps(_options(server)),
+    result = run_cli("diff", ckpt, merged, "--storage-options", json.dumps(server.options),
                      "--json", "-q")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -196,7 +193,7 @@ def test_convert_of_a_remote_file_writes_the_dcp_folder_the_local_file_gives(s3,
     merged = _merged(tmp_path, **options)
     url = upload(server, merged, f"s3://{root}/merged")
     result = fsdpckpt.convert(f"{url}/{name}" if name else url, tmp_path / "remote",
-                              storage_options=_options(server))
+                              storage_options=server.options)
     fsdpckpt.convert(merged / name if name else merged, tmp_path / "local")
     assert str(result.source).startswith("s3://")
     assert _files(tmp_path / "remote") == _files(tmp_path / "local")
@@ -216,7 +213,7 @@ def test_convert_names_the_remote_file_when_it_is_damaged(s3, tmp_path):
     url = upload(server, merged, f"s3://{root}/damaged")
     with pytest.raises(FsdpCkptError) as caught:
         fsdpckpt.convert(f"{url}/pytorch_model.bin", tmp_path / "out",
-                         storage_options=_options(server))
+                         storage_options=server.options)
     assert f"{url}/pytorch_model.bin" in str(caught.value)
     assert not (tmp_path / "out").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [merged.name]
@@ -227,7 +224,7 @@ def test_the_cli_converts_a_remote_file_with_storage_options(s3, tmp_path):
     server, root = s3
     url = upload(server, _merged(tmp_path), f"s3://{root}/merged")
     result = run_cli("convert", f"{url}/model.safetensors", tmp_path / "out",
-                     "--storage-options", json.dumps(_options(server)), "--json")
+                     "--storage-options", json.dumps(server.options), "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["source"] == f"{url}/model.safetensors"
     assert (tmp_path / "out" / ".metadata").is_file()
@@ -245,7 +242,7 @@ def test_a_remote_hf_storage_save_merges_inspects_and_verifies_as_the_local_one(
                                                                               which):
     server, root = s3
     url = upload(server, HF_STORAGE[which], f"s3://{root}/{which}")
-    options = _options(server)
+    options = server.options
     fsdpckpt.merge(url, tmp_path / "remote", storage_options=options)
     fsdpckpt.merge(HF_STORAGE[which], tmp_path / "local")
     assert _files(tmp_path / "remote") == _files(tmp_path / "local")
@@ -262,7 +259,7 @@ def test_load_full_state_dict_of_a_remote_hf_storage_save_equals_the_local_one(s
 
     server, root = s3
     url = upload(server, HF_STORAGE["shards"], f"s3://{root}/shards")
-    remote = fsdpckpt.load_full_state_dict(url, storage_options=_options(server))
+    remote = fsdpckpt.load_full_state_dict(url, storage_options=server.options)
     local = fsdpckpt.load_full_state_dict(HF_STORAGE["shards"])
     assert remote.keys() == local.keys() and local
     for key in local:
@@ -276,6 +273,6 @@ def test_verify_of_a_remote_hf_storage_save_finds_bytes_no_tensor_owns(s3, tmp_p
     data = copy / "shard-00002-model-00001-of-00001.safetensors"
     data.write_bytes(data.read_bytes() + b"\0" * 16)
     url = upload(server, copy, f"s3://{root}/padded")
-    report = fsdpckpt.verify_checkpoint(url, storage_options=_options(server))
+    report = fsdpckpt.verify_checkpoint(url, storage_options=server.options)
     assert not report.ok
     assert any("shard-00002" in p.path for p in report.problems)

@@ -21,9 +21,6 @@ CKPT = FIXTURES / "fsdp2_accelerate"
 pytestmark = pytest.mark.s3
 
 
-def _options(server) -> dict:
-    return {"key": "any", "secret": "any", "endpoint_url": server.endpoint}
-
 
 def _remote_files(server, url: str) -> dict[str, bytes]:
     fs = server.filesystem()
@@ -41,7 +38,7 @@ def _local_files(folder) -> dict[str, bytes]:
 def test_a_merge_to_s3_uploads_exactly_what_a_local_merge_writes(s3, tmp_path, options):
     server, root = s3
     out = f"s3://{root}/merged"
-    results = fsdpckpt.merge(CKPT, out, storage_options=_options(server), **options)
+    results = fsdpckpt.merge(CKPT, out, storage_options=server.options, **options)
     fsdpckpt.merge(CKPT, tmp_path / "local", **options)
     assert _remote_files(server, out) == _local_files(tmp_path / "local")
     assert all(str(f).startswith(out + "/") for r in results for f in r.files)
@@ -51,7 +48,7 @@ def test_a_merge_from_s3_to_s3_equals_the_local_merge(s3, tmp_path):
     server, root = s3
     source = upload(server, CKPT, f"s3://{root}/ckpt")
     out = f"s3://{root}/merged"
-    fsdpckpt.merge(source, out, storage_options=_options(server), max_shard_size="2KB")
+    fsdpckpt.merge(source, out, storage_options=server.options, max_shard_size="2KB")
     fsdpckpt.merge(CKPT, tmp_path / "local", max_shard_size="2KB")
     assert _remote_files(server, out) == _local_files(tmp_path / "local")
 
@@ -66,7 +63,7 @@ def test_the_index_is_uploaded_last(s3, monkeypatch):
         real(local, target)
 
     monkeypatch.setattr(_remote_out, "_put", spy)
-    fsdpckpt.merge(CKPT, f"s3://{root}/merged", storage_options=_options(server),
+    fsdpckpt.merge(CKPT, f"s3://{root}/merged", storage_options=server.options,
                    max_shard_size="1KB")
     assert len(order) > 2 and order[-1] == "model.safetensors.index.json"
 
@@ -76,16 +73,16 @@ def test_an_existing_remote_output_is_refused_before_any_work(s3):
     out = f"s3://{root}/merged"
     server.filesystem().pipe(f"{root}/merged/model.safetensors", b"earlier")
     with pytest.raises(OutputExistsError, match="model.safetensors"):
-        fsdpckpt.merge(CKPT, out, storage_options=_options(server))
+        fsdpckpt.merge(CKPT, out, storage_options=server.options)
     assert server.filesystem().cat_file(f"{root}/merged/model.safetensors") == b"earlier"
 
 
 def test_overwrite_replaces_an_earlier_sharded_output_and_removes_its_stale_shards(s3, tmp_path):
     server, root = s3
     out = f"s3://{root}/merged"
-    fsdpckpt.merge(CKPT, out, storage_options=_options(server), max_shard_size="1KB")
+    fsdpckpt.merge(CKPT, out, storage_options=server.options, max_shard_size="1KB")
     assert "model.safetensors.index.json" in _remote_files(server, out)
-    fsdpckpt.merge(CKPT, out, storage_options=_options(server), overwrite=True)
+    fsdpckpt.merge(CKPT, out, storage_options=server.options, overwrite=True)
     fsdpckpt.merge(CKPT, tmp_path / "local")
     assert _remote_files(server, out) == _local_files(tmp_path / "local")
 
@@ -103,7 +100,7 @@ def test_a_failed_upload_leaves_nothing_of_the_merge(s3, monkeypatch):
 
     monkeypatch.setattr(_remote_out, "_put", failing)
     with pytest.raises(OutputNotWritableError, match="upload failed"):
-        fsdpckpt.merge(CKPT, f"s3://{root}/merged", storage_options=_options(server),
+        fsdpckpt.merge(CKPT, f"s3://{root}/merged", storage_options=server.options,
                        max_shard_size="1KB")
     # (SeaweedFS may keep an empty folder entry; no object is left inside it.)
     left = server.filesystem().find(f"{root}/merged")
@@ -114,13 +111,13 @@ def test_an_output_url_that_is_a_file_is_refused(s3):
     server, root = s3
     server.filesystem().pipe(f"{root}/taken", b"x")
     with pytest.raises(OutputNotWritableError, match="is a file"):
-        fsdpckpt.merge(CKPT, f"s3://{root}/taken", storage_options=_options(server))
+        fsdpckpt.merge(CKPT, f"s3://{root}/taken", storage_options=server.options)
 
 
 def test_the_cli_merges_to_s3_and_reports_the_urls(s3):
     server, root = s3
     out = f"s3://{root}/merged"
-    result = run_cli("merge", CKPT, out, "--storage-options", json.dumps(_options(server)),
+    result = run_cli("merge", CKPT, out, "--storage-options", json.dumps(server.options),
                      "--json")
     assert result.exit_code == 0, result.output
     files = json.loads(result.stdout)["outputs"][0]["files"]
@@ -131,7 +128,7 @@ def test_the_cli_refuses_an_existing_remote_output_in_one_line(s3):
     server, root = s3
     server.filesystem().pipe(f"{root}/merged/model.safetensors", b"earlier")
     result = run_cli("merge", CKPT, f"s3://{root}/merged", "--storage-options",
-                     json.dumps(_options(server)))
+                     json.dumps(server.options))
     assert_one_line_error(result, f"s3://{root}/merged/model.safetensors", "--overwrite")
 
 
@@ -140,7 +137,7 @@ def test_merge_weights_takes_urls_on_both_sides_as_accelerate_would_take_paths(s
     source = upload(server, CKPT / "pytorch_model_fsdp_0", f"s3://{root}/ckpt/pytorch_model_fsdp_0")
     out = f"s3://{root}/merged"
     result = run_cli("merge-weights", source, out, "--storage-options",
-                     json.dumps(_options(server)), "--json")
+                     json.dumps(server.options), "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["output"] == f"{out}/model.safetensors"
     fsdpckpt.merge_fsdp_weights(str(CKPT / "pytorch_model_fsdp_0"), str(tmp_path / "local"))
@@ -171,7 +168,7 @@ def test_a_spread_merge_to_s3_uploads_exactly_the_single_process_merge(s3, tmp_p
 
     server, root = s3
     out = f"s3://{root}/spread"
-    per_rank = run_ranks(_spread_to_s3, out, _options(server), -1)
+    per_rank = run_ranks(_spread_to_s3, out, server.options, -1)
     assert per_rank[0] == per_rank[1] and not per_rank[0].startswith("error")
     fsdpckpt.merge(CKPT, tmp_path / "single", max_shard_size=600, optimizer=True)
     assert _remote_files(server, out) == _local_files(tmp_path / "single")
@@ -185,7 +182,7 @@ def test_a_failed_upload_on_one_rank_leaves_nothing_of_a_spread_merge(s3):
 
     server, root = s3
     out = f"s3://{root}/spread"
-    errors = run_ranks(_spread_to_s3, out, _options(server), 1)
+    errors = run_ranks(_spread_to_s3, out, server.options, 1)
     assert "injected: connection reset" in errors[1]
     assert errors[0].startswith("error: rank 1 failed, so rank 0 stops too")
     left = server.filesystem().find(f"{root}/spread")
@@ -218,12 +215,12 @@ def test_an_export_to_s3_uploads_the_local_export_config_last(s3, tmp_path, monk
     monkeypatch.setattr(_remote_out, "_put", spy)
     out = f"s3://{root}/exported"
     result = fsdpckpt.export_hf(checkpoint, out, dtype="bf16", max_shard_size="200KB",
-                                storage_options=_options(server))
+                                storage_options=server.options)
     fsdpckpt.export_hf(checkpoint, tmp_path / "local", dtype="bf16", max_shard_size="200KB")
     assert _remote_tree(server, out) == _tree(tmp_path / "local")
     assert order[-1] == "config.json" and str(result.output) == out
     with pytest.raises(OutputExistsError, match="already holds files"):
-        fsdpckpt.export_hf(checkpoint, out, storage_options=_options(server))
+        fsdpckpt.export_hf(checkpoint, out, storage_options=server.options)
 
 
 def test_a_convert_to_s3_uploads_the_local_dcp_folder_metadata_last(s3, tmp_path, monkeypatch):
@@ -238,9 +235,9 @@ def test_a_convert_to_s3_uploads_the_local_dcp_folder_metadata_last(s3, tmp_path
 
     monkeypatch.setattr(_remote_out, "_put", spy)
     out = f"s3://{root}/seed/pytorch_model_fsdp_0"
-    result = fsdpckpt.convert(merged, out, storage_options=_options(server))
+    result = fsdpckpt.convert(merged, out, storage_options=server.options)
     fsdpckpt.convert(merged, tmp_path / "local")
     assert _remote_tree(server, out) == _tree(tmp_path / "local")
     assert order[-1] == ".metadata" and str(result.path) == out
     # What was uploaded is a DCP folder fsdpckpt reads back from the store.
-    assert fsdpckpt.inspect_checkpoint(out, storage_options=_options(server)).ok
+    assert fsdpckpt.inspect_checkpoint(out, storage_options=server.options).ok

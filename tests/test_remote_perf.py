@@ -22,9 +22,6 @@ from conftest import FIXTURES, peak_rss_mib, upload
 CKPT = FIXTURES / "fsdp2_accelerate"
 
 
-def _options(server) -> dict:
-    return {"key": "any", "secret": "any", "endpoint_url": server.endpoint}
-
 
 @pytest.fixture
 def requests(monkeypatch):
@@ -53,7 +50,7 @@ def test_a_remote_inspect_lists_each_folder_once_and_gets_each_metadata_once(s3,
     server, root = s3
     url = upload(server, CKPT, f"s3://{root}/run/checkpoint-1")
     requests.clear()
-    report = fsdpckpt.inspect_checkpoint(url, storage_options=_options(server))
+    report = fsdpckpt.inspect_checkpoint(url, storage_options=server.options)
     assert report.ok
     # The checkpoint folder and its two DCP folders listed once each (never the run folder
     # above it, which may hold a thousand checkpoints); each .metadata in one GET; no HEAD.
@@ -65,7 +62,7 @@ def test_a_remote_inspect_of_a_dcp_folder_is_one_listing_and_one_get(s3, request
     server, root = s3
     url = upload(server, CKPT / "pytorch_model_fsdp_0", f"s3://{root}/run/model")
     requests.clear()
-    assert fsdpckpt.inspect_checkpoint(url, storage_options=_options(server)).ok
+    assert fsdpckpt.inspect_checkpoint(url, storage_options=server.options).ok
     assert dict(requests) == {"list_objects_v2": 1, "get_object": 1}
 
 
@@ -223,7 +220,7 @@ def test_a_prefetched_merge_from_s3_is_byte_identical_to_the_local_merge(s3, tmp
                                                                         tiny_pieces, options):
     server, root = s3
     url = upload(server, CKPT, f"s3://{root}/ckpt")
-    fsdpckpt.merge(url, tmp_path / "remote", storage_options=_options(server), **options)
+    fsdpckpt.merge(url, tmp_path / "remote", storage_options=server.options, **options)
     fsdpckpt.merge(CKPT, tmp_path / "local", **options)
     assert _files(tmp_path / "remote") == _files(tmp_path / "local")
 
@@ -238,7 +235,7 @@ def test_a_remote_merge_reads_each_chunk_header_and_data_in_at_most_one_request(
     chunks = sum(len(t.chunks) for t in
                  read_dcp_folder(CKPT / "pytorch_model_fsdp_0").metadata.tensors)
     requests.clear()
-    fsdpckpt.merge(url, tmp_path / "out", storage_options=_options(server))
+    fsdpckpt.merge(url, tmp_path / "out", storage_options=server.options)
     # .metadata files, then at most one GET per chunk (small neighbours share one).
     assert requests["get_object"] <= 2 + chunks
     assert requests["head_object"] == 0
@@ -260,7 +257,7 @@ def test_a_failing_ranged_read_fails_the_merge_with_one_error_and_no_output(s3, 
 
     monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", failing)
     # A client made now (fsspec binds the sync methods of a client when it makes it).
-    options = {**_options(server), "skip_instance_cache": True}
+    options = {**server.options, "skip_instance_cache": True}
     with pytest.raises(CorruptCheckpointError, match=r"__1_0\.distcp: reading bytes .*"
                                                      "connection reset"):
         fsdpckpt.merge(url, tmp_path / "out", storage_options=options)
@@ -278,7 +275,7 @@ def test_a_prefetched_verify_still_names_a_damaged_chunk(s3, tmp_path, tiny_piec
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
     url = upload(server, copy, f"s3://{root}/damaged")
-    report = fsdpckpt.verify_checkpoint(url, storage_options=_options(server))
+    report = fsdpckpt.verify_checkpoint(url, storage_options=server.options)
     local = fsdpckpt.verify_checkpoint(copy)
     assert [p.message for p in report.problems] == [p.message for p in local.problems]
     assert len(report.problems) == 1 and "__0_0.distcp" in report.problems[0].path
@@ -304,7 +301,7 @@ def test_a_remote_merge_larger_than_the_prefetch_budget_stays_bounded(s3, tmp_pa
     server, root = s3
     url = upload(server, large_checkpoint, f"s3://{root}/large")
     setup = ("import fsdpckpt, fsdpckpt.merging.merger, s3fs\n"
-             f"options = {_options(server)!r}\n")
+             f"options = {server.options!r}\n")
     baseline = peak_rss_mib(setup + f"fsdpckpt.inspect_checkpoint({url!r}, "
                             "storage_options=options)")
     peak = peak_rss_mib(setup + f"fsdpckpt.merge({url!r}, {str(tmp_path / 'out')!r}, "

@@ -21,13 +21,10 @@ from conftest import FIXTURES, assert_one_line_error, run_cli, upload
 CKPT = FIXTURES / "fsdp2_accelerate"
 
 
-def _options(server) -> dict:
-    return {"key": "any", "secret": "any", "endpoint_url": server.endpoint}
-
 
 def _remote_ckpt(s3) -> tuple[str, dict]:
     server, root = s3
-    return upload(server, CKPT, f"s3://{root}/run/checkpoint-1"), _options(server)
+    return upload(server, CKPT, f"s3://{root}/run/checkpoint-1"), server.options
 
 
 def _files(folder) -> dict[str, bytes]:
@@ -150,7 +147,7 @@ def test_verify_of_a_remote_checkpoint_finds_a_damaged_chunk(s3, tmp_path):
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
     url = upload(server, copy, f"s3://{root}/damaged")
-    report = fsdpckpt.verify_checkpoint(url, storage_options=_options(server))
+    report = fsdpckpt.verify_checkpoint(url, storage_options=server.options)
     assert not report.ok
     assert any("__0_0.distcp" in p.path for p in report.problems)
 
@@ -168,14 +165,14 @@ def test_a_missing_remote_data_file_is_named(s3):
 def test_a_missing_remote_checkpoint_is_not_found(s3):
     _, root = s3
     with pytest.raises(CheckpointNotFoundError, match=f"s3://{root}/nothing"):
-        fsdpckpt.inspect_checkpoint(f"s3://{root}/nothing", storage_options=_options(s3[0]))
+        fsdpckpt.inspect_checkpoint(f"s3://{root}/nothing", storage_options=s3[0].options)
 
 
 @pytest.mark.s3
 def test_a_remote_object_shorter_than_its_listing_is_an_error_never_zeros(s3):
     server, root = s3
     server.filesystem().pipe(f"{root}/file", b"x" * 100)
-    path = location(f"s3://{root}/file", storage_options=_options(server))
+    path = location(f"s3://{root}/file", storage_options=server.options)
     assert isinstance(path, RemotePath)
     lying = RemoteFile(path, 200)  # as if the object shrank after it was listed
     view = memoryview(bytearray(150))

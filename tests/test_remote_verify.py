@@ -14,9 +14,6 @@ from conftest import run_cli, save_small_checkpoint, upload
 pytestmark = pytest.mark.s3
 
 
-def _options(server) -> dict:
-    return {"key": "any", "secret": "any", "endpoint_url": server.endpoint}
-
 
 @pytest.fixture
 def remote_ckpt(s3, tmp_path):
@@ -28,7 +25,7 @@ def remote_ckpt(s3, tmp_path):
 
 def test_a_whole_remote_checkpoint_verifies_against_its_manifest(remote_ckpt):
     server, _, url = remote_ckpt
-    report = fsdpckpt.verify_checkpoint(url, storage_options=_options(server))
+    report = fsdpckpt.verify_checkpoint(url, storage_options=server.options)
     assert report.ok and report.manifest and report.digest == "sha256"
 
 
@@ -39,7 +36,7 @@ def test_a_flipped_byte_in_remote_tensor_data_names_the_tensor(remote_ckpt):
     raw = bytearray(fs.cat_file(data_key))
     raw[-200] ^= 0x01  # inside the last tensor's data, before the zip directory
     fs.pipe(data_key, bytes(raw))
-    report = fsdpckpt.verify_checkpoint(url, storage_options=_options(server))
+    report = fsdpckpt.verify_checkpoint(url, storage_options=server.options)
     assert not report.ok
     assert any(data_key.rsplit("/", 1)[-1] in p.path for p in report.problems)
 
@@ -47,14 +44,14 @@ def test_a_flipped_byte_in_remote_tensor_data_names_the_tensor(remote_ckpt):
 def test_a_stray_remote_file_is_reported(remote_ckpt):
     server, key, url = remote_ckpt
     server.filesystem().pipe(f"{key}/notes.txt", b"added later")
-    report = fsdpckpt.verify_checkpoint(url, storage_options=_options(server))
+    report = fsdpckpt.verify_checkpoint(url, storage_options=server.options)
     assert [p.path for p in report.problems] == [f"{url}/notes.txt"]
     assert "stray file" in report.problems[0].message
 
 
 def test_expect_digest_pins_a_remote_checkpoint(remote_ckpt):
     server, key, url = remote_ckpt
-    options = json.dumps(_options(server))
+    options = json.dumps(server.options)
     first = run_cli("verify", url, "--storage-options", options, "--json")
     assert first.exit_code == 0, first.output
     digest = json.loads(first.stdout)["manifest_digest"]

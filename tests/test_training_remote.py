@@ -23,9 +23,6 @@ from multirank import run_ranks, start_ranks
 pytestmark = pytest.mark.s3
 
 
-def _options(server) -> dict:
-    return {"key": "any", "secret": "any", "endpoint_url": server.endpoint}
-
 
 def _parts(seed: int = 0):
     model = workers.make_model()
@@ -47,7 +44,7 @@ def _names(server, url: str) -> set[str]:
 
 def _manager(s3, **kwargs):
     server, root = s3
-    return fsdpckpt.CheckpointManager(f"s3://{root}/run", storage_options=_options(server),
+    return fsdpckpt.CheckpointManager(f"s3://{root}/run", storage_options=server.options,
                                       **kwargs)
 
 
@@ -71,11 +68,11 @@ def test_save_state_to_s3_loads_back_bit_exact(s3):
     scheduler = torch.optim.lr_scheduler.StepLR(saved["optimizer"], 3)
     scheduler.step()
     fsdpckpt.save_state(url, **saved, scheduler=scheduler, step=5,
-                        storage_options=_options(server))
+                        storage_options=server.options)
     fresh = _parts()
     fresh_scheduler = torch.optim.lr_scheduler.StepLR(fresh["optimizer"], 3)
     result = fsdpckpt.load_state(url, **fresh, scheduler=fresh_scheduler,
-                                 storage_options=_options(server))
+                                 storage_options=server.options)
     assert result.step == 5 and result.restored == ("model", "optimizer", "scheduler", "rng")
     _same_state(saved, fresh)
     assert fresh_scheduler.state_dict() == scheduler.state_dict()
@@ -83,7 +80,7 @@ def test_save_state_to_s3_loads_back_bit_exact(s3):
 
 def test_a_remote_save_ends_with_the_manifest_and_no_intent_marker(s3):
     server, root = s3
-    fsdpckpt.save_state(f"s3://{root}/ckpt", **_parts(), step=1, storage_options=_options(server))
+    fsdpckpt.save_state(f"s3://{root}/ckpt", **_parts(), step=1, storage_options=server.options)
     names = _names(server, f"s3://{root}/ckpt")
     assert {"fsdpckpt.json", "pytorch_model_fsdp_0", "optimizer_0", "random_states_0.pkl"} <= names
     assert _remote.INCOMPLETE not in names
@@ -92,7 +89,7 @@ def test_a_remote_save_ends_with_the_manifest_and_no_intent_marker(s3):
 def test_a_remote_save_checks_against_its_manifest(s3):
     server, root = s3
     url = f"s3://{root}/ckpt"
-    fsdpckpt.save_state(url, **_parts(), step=1, storage_options=_options(server))
+    fsdpckpt.save_state(url, **_parts(), step=1, storage_options=server.options)
     manifest = json.loads(server.filesystem().cat_file(f"{root}/ckpt/fsdpckpt.json"))
     local = {n: info["size"] for n, info in manifest["files"].items()}
     fs = server.filesystem()
@@ -103,26 +100,26 @@ def test_saving_to_s3_without_manifest_is_refused(s3):
     server, root = s3
     with pytest.raises(ValueError, match="commit marker"):
         fsdpckpt.save_state(f"s3://{root}/ckpt", **_parts(), manifest=False,
-                            storage_options=_options(server))
+                            storage_options=server.options)
 
 
 def test_a_remote_folder_whose_save_did_not_finish_is_refused_by_load_state(s3):
     server, root = s3
     url = f"s3://{root}/ckpt"
-    fsdpckpt.save_state(url, **_parts(), step=1, storage_options=_options(server))
+    fsdpckpt.save_state(url, **_parts(), step=1, storage_options=server.options)
     fs = server.filesystem()
     fs.pipe_file(f"{root}/ckpt/{_remote.INCOMPLETE}", b"")
     fs.rm_file(f"{root}/ckpt/fsdpckpt.json")
     with pytest.raises(NotACheckpointError, match="did not finish"):
-        fsdpckpt.load_state(url, **_parts(), storage_options=_options(server))
+        fsdpckpt.load_state(url, **_parts(), storage_options=server.options)
 
 
 def test_saving_again_into_a_remote_folder_leaves_nothing_of_the_old_save(s3):
     server, root = s3
     url = f"s3://{root}/ckpt"
     fsdpckpt.save_state(url, **_parts(), scheduler=torch.optim.lr_scheduler.StepLR(
-        _parts()["optimizer"], 3), step=1, storage_options=_options(server))
-    fsdpckpt.save_state(url, model=workers.make_model(), step=2, storage_options=_options(server))
+        _parts()["optimizer"], 3), step=1, storage_options=server.options)
+    fsdpckpt.save_state(url, model=workers.make_model(), step=2, storage_options=server.options)
     names = _names(server, url)
     assert "optimizer_0" not in names and "scheduler.bin" not in names
 
@@ -284,7 +281,7 @@ def restore_latest_remote(rank: int, world: int, url: str, options: str) -> int 
 @pytest.mark.multirank
 def test_two_ranks_save_and_restore_through_s3(s3):
     server, root = s3
-    url, options = f"s3://{root}/run", json.dumps(_options(server))
+    url, options = f"s3://{root}/run", json.dumps(server.options)
     assert run_ranks(save_and_restore_remote, url, options) == [(3, True), (3, True)]
     names = _names(server, f"{url}/checkpoint_3")
     assert {"random_states_0.pkl", "random_states_1.pkl", "fsdpckpt.json"} <= names
@@ -312,7 +309,7 @@ def _wait_for_commit(log, seconds=180):
 def test_sigkill_during_remote_saves_never_loses_or_damages_a_committed_checkpoint(s3,
                                                                                  tmp_path):
     server, root = s3
-    url, options, log = f"s3://{root}/run", json.dumps(_options(server)), tmp_path / "log"
+    url, options, log = f"s3://{root}/run", json.dumps(server.options), tmp_path / "log"
     rng = random.Random(4321)
     killed_mid_save = 0
     for trial in range(TRIALS):

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from fsdpckpt._io.download import download
 from fsdpckpt._io.jsonio import loads_json
 from fsdpckpt._io.rawio import reusing_scratch
 from fsdpckpt._io.remote import RemotePath, location
@@ -35,6 +37,10 @@ _MERGED_NAMES = ["model.safetensors.index.json", "model.safetensors",
                  "pytorch_model.bin.index.json",
                  "pytorch_model.bin", "optimizer.safetensors.index.json", "optimizer.safetensors",
                  "optimizer.bin.index.json", "optimizer.bin"]
+#: A shard index is a small JSON file (a few MB for the largest models); a larger "index"
+#: is refused before it is read.
+_MAX_INDEX_BYTES = 64 << 20
+_P = TypeVar("_P", Path, RemotePath)
 
 
 def _empty(dtype: DType, shape: tuple[int, ...]) -> tuple[Any, MemorySink]:
@@ -120,9 +126,19 @@ def _from_safetensors(files: list[Path]) -> dict[Any, Any]:
     return unflatten((tuple(paths.get(name, [name])), value) for name, value in flat.items())
 
 
-def shard_files(path: Path) -> list[Path]:
-    """The files a shard index (``*.index.json``) lists, in order; any other path alone."""
+def shard_files(path: _P) -> list[_P]:
+    """The files a shard index (``*.index.json``) lists, in order; any other path alone
+    (local, or on object storage).
+
+    Raises:
+        NotACheckpointError: the index is not a JSON object with a ``weight_map``, or is
+            too large to be one.
+    """
     if path.name.endswith(".index.json"):
+        size = path.stat().st_size
+        if size > _MAX_INDEX_BYTES:
+            raise NotACheckpointError(f"{path}: {size} bytes is too large for a shard index; "
+                                      "pass the model.safetensors.index.json a merge wrote")
         index = loads_json(path.read_bytes(), source=str(path), error=NotACheckpointError)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
@@ -157,6 +173,24 @@ def _from_file(path: Path) -> dict[Any, Any]:
     return torch_load_allowlisted(path)
 
 
+def _from_remote_file(path: RemotePath) -> dict[Any, Any]:
+    """A merged file (or shard index) on object storage, loaded as the local one is.
+
+    safetensors' and torch's loaders read local files only: the file and the shards its
+    index lists are downloaded, in bounded pieces each checked against the listed size,
+    into a temporary folder removed before this returns (the tensors loaded no longer
+    need it: they are copies, or mappings that outlive the file's name).
+    """
+    with tempfile.TemporaryDirectory(prefix="fsdpckpt-load-") as scratch:
+        local = Path(scratch) / path.name
+        download(path, local)
+        for shard in shard_files(path) if path.name.endswith(".index.json") else []:
+            target = Path(scratch, shard.path[len(path.parent.path) + 1:])  # "/".."-free
+            target.parent.mkdir(parents=True, exist_ok=True)
+            download(shard, target)
+        return _from_file(local)
+
+
 def load_full_state_dict(path: str | os.PathLike[str], *,
                          storage_options: dict[str, Any] | None = None) -> dict[Any, Any]:
     """Load the full, unsharded state dict of a DCP folder or of a merged output.
@@ -166,7 +200,8 @@ def load_full_state_dict(path: str | os.PathLike[str], *,
             ``use_dcp=False``, VeRL's: the model's are read); a folder written by torch's
             ``HuggingFaceStorageWriter`` (per-rank shards, or consolidated); a merged
             ``.safetensors`` / ``.bin`` file or shard index; or a folder holding one merged output
-            (``model.safetensors``...). Local, or a DCP folder's URL on object storage.
+            (``model.safetensors``...). Local, or a URL on object storage (merged files are
+            downloaded to a temporary folder, removed before this returns).
         storage_options: for URLs (``s3://``...): the fsspec filesystem's options
             (``{"endpoint_url": ..., "profile": ...}``); None: the backend's defaults
             (``AWS_*`` variables, ``~/.aws``...). See docs/remote.md.
@@ -191,9 +226,9 @@ def load_full_state_dict(path: str | os.PathLike[str], *,
             return from_ranks
         if (hf_storage := read_hf_storage_at(p)) is not None:  # HuggingFaceStorageWriter
             return _from_folder(hf_storage, [])
-        raise NotACheckpointError(f"{p}: only DCP folders, per-rank files and "
-                                  "HuggingFaceStorageWriter saves are read from object storage "
-                                  "yet (merged files: not yet); download it first")
+        if p.is_file():
+            return _from_remote_file(p)
+        return _from_remote_file(_merged_output(p))
     if p.is_file():
         return _from_file(p)
     if is_dcp_folder(p):
@@ -202,9 +237,14 @@ def load_full_state_dict(path: str | os.PathLike[str], *,
         return from_ranks
     if (hf_storage := read_hf_storage_at(p)) is not None:  # torch's HuggingFaceStorageWriter
         return _from_folder(hf_storage, [])
-    found = [p / name for name in _MERGED_NAMES if (p / name).is_file()]
+    return _from_file(_merged_output(p))
+
+
+def _merged_output(folder: _P) -> _P:
+    """The merged output (its index when sharded) a folder holds."""
+    found = [folder / name for name in _MERGED_NAMES if (folder / name).is_file()]
     if not found:
-        raise NotACheckpointError(f"{p}: neither a DCP folder nor a merged output "
+        raise NotACheckpointError(f"{folder}: neither a DCP folder nor a merged output "
                                   "(model.safetensors, pytorch_model.bin...); pass a file or a "
                                   "DCP folder")
-    return _from_file(found[0])
+    return found[0]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.export._lora_keys import LoraLayout
 from fsdpckpt.export._lora_read import ModelSource, open_model_source
 from fsdpckpt.export._lora_write import fused_specs, write_sharded
@@ -34,7 +35,7 @@ class FusedWeights:
             floating-point bytes (what the config will say). nbytes: each tensor's bytes.
     """
 
-    checkpoint: str | os.PathLike[str]
+    checkpoint: str | os.PathLike[str] | RemotePath
     source: ModelSource
     layout: LoraLayout
     adapter: str
@@ -56,7 +57,7 @@ class FusedWeights:
                              exclude=frozenset(exclude), limit=limit)
 
 
-def plan_fused(checkpoint: str | os.PathLike[str], *, dtype: str | None,
+def plan_fused(checkpoint: str | os.PathLike[str] | RemotePath, *, dtype: str | None,
                adapter: str | None = None) -> FusedWeights:
     """What the fused export will hold, from the checkpoint's metadata alone.
 
@@ -67,7 +68,7 @@ def plan_fused(checkpoint: str | os.PathLike[str], *, dtype: str | None,
     _torch_dtype(dtype)  # a wrong name fails before anything is read or written
     source = open_model_source(checkpoint)
     layout = find_lora(source.names)
-    name = _pick_adapter(layout, adapter)
+    name = _pick_adapter(layout, adapter, source.path)
     specs = fused_specs(source, layout, name, dtype)
     sizes: Counter[str] = Counter()
     for spec in specs:

@@ -13,10 +13,10 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.jsonio import loads_json
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
 __all__ = ["ADAPTER_CONFIG", "LoraConfig", "parse_lora_config", "read_lora_config"]
@@ -183,21 +183,24 @@ def parse_lora_config(doc: Any, *, source: str = ADAPTER_CONFIG) -> LoraConfig:
     )
 
 
-def read_lora_config(path: str | os.PathLike[str]) -> LoraConfig:
-    """Read ``adapter_config.json`` (the file, or a folder holding it).
+def read_lora_config(path: str | os.PathLike[str] | RemotePath, *,
+                     storage_options: dict[str, Any] | None = None) -> LoraConfig:
+    """Read ``adapter_config.json`` (the file, or a folder holding it), local or on object
+    storage (``storage_options``: the fsspec filesystem's, for a URL).
 
     Raises:
         CheckpointNotFoundError: no such file.
         CorruptCheckpointError: not JSON.
         NotACheckpointError: not a LoRA config; a field is wrong (named).
     """
-    p = Path(path)
+    p = location(path, storage_options=storage_options)
     if p.is_dir():
         p = p / ADAPTER_CONFIG
     if not p.is_file():
         raise CheckpointNotFoundError(f"{p}: no such file; pass the adapter_config.json the "
                                       "run's PEFT model wrote (--lora-config)")
-    if p.stat().st_size > _MAX_CONFIG_BYTES:
-        raise NotACheckpointError(f"{p}: {p.stat().st_size} bytes is too large for an "
+    size = p.stat().st_size  # checked before a byte is read
+    if size > _MAX_CONFIG_BYTES:
+        raise NotACheckpointError(f"{p}: {size} bytes is too large for an "
                                   "adapter config; pass the adapter_config.json PEFT wrote")
     return parse_lora_config(loads_json(p.read_bytes(), source=str(p)), source=str(p))

@@ -3,8 +3,9 @@
 A DCP folder (or an Accelerate / HF Trainer checkpoint's first model folder) is read
 tensor by tensor through fsdpckpt's own chunk reader (checked, allowlisted), so that
 memory holds one tensor at a time; a merged ``.safetensors`` file (or its index) is read
-lazily through ``safe_open``. Names are the model's state-dict names: the top-level key
-a save wraps around them (``{"model": ...}``) and wrapper segments
+lazily through ``safe_open``, or on object storage by ranged reads of its checked header
+and of each tensor's bytes (never a full download). Names are the model's state-dict
+names: the top-level key a save wraps around them (``{"model": ...}``) and wrapper segments
 (``_fsdp_wrapped_module``...) dropped, as ``fsdpckpt merge`` names them.
 """
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.dcp.layout import find_layout
@@ -42,7 +43,7 @@ class ModelSource:
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, str]
     _entries: dict[str, Any]
-    _files: tuple[Path, ...] = ()
+    _files: tuple[Path | RemotePath, ...] = ()
 
     def read(self, want: Callable[[str], bool] | None = None) -> Iterator[tuple[str, Any]]:
         """``(name, tensor)`` for each tensor ``want`` accepts (all by default), in stored
@@ -78,6 +79,9 @@ class ModelSource:
         from safetensors import safe_open
 
         for file in self._files:
+            if isinstance(file, RemotePath):
+                yield from _read_remote_safetensors(file, want)
+                continue
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 - not a dict
                     if want is None or want(name):
@@ -103,15 +107,49 @@ def _from_dcp(folder: Path | RemotePath) -> ModelSource:
                        {n: e.dtype.name for n, e in entries.items()}, dict(entries))
 
 
-def _from_safetensors(path: Path) -> ModelSource:
+def _remote_header(file: RemotePath) -> tuple[Any, Any]:
+    """The remote safetensors file opened for ranged reads, and its checked header."""
+    from fsdpckpt.dcp._hfstorage import parse_header
+
+    remote = file.open_file()
+    return remote, parse_header(remote, remote.size, str(file))
+
+
+def _read_remote_safetensors(file: RemotePath, want: Callable[[str], bool] | None
+                             ) -> Iterator[tuple[str, Any]]:
+    import torch
+
+    remote, header = _remote_header(file)
+    # In safe_open's order (sorted names), so both sources stream alike.
+    for name in sorted(header.tensors):
+        if want is not None and not want(name):
+            continue
+        dtype, shape, begin, end = header.tensors[name]  # checked against the file's size
+        torch_dtype = getattr(torch, dtype.name)
+        if end == begin:
+            yield name, torch.empty(shape, dtype=torch_dtype)
+            continue
+        memory = bytearray(end - begin)
+        remote.read_at(memoryview(memory), header.data_start + begin)
+        yield name, torch.frombuffer(memory, dtype=torch_dtype).view(shape)
+
+
+def _from_safetensors(path: Path | RemotePath) -> ModelSource:
     from safetensors import SafetensorError, safe_open
 
     from fsdpckpt.merging.full import shard_files
 
-    files = tuple(shard_files(path))
+    files: tuple[Path | RemotePath, ...] = \
+        tuple(shard_files(path)) if isinstance(path, RemotePath) else tuple(shard_files(path))
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
     for file in files:
+        if isinstance(file, RemotePath):
+            _, header = _remote_header(file)
+            for name in sorted(header.tensors):
+                dtype, shape, _, _ = header.tensors[name]
+                shapes[name], dtypes[name] = shape, dtype.name
+            continue
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 - not a dict
@@ -127,20 +165,22 @@ def _from_safetensors(path: Path) -> ModelSource:
     return ModelSource(path, tuple(shapes), shapes, dtypes, {}, files)
 
 
-def open_model_source(checkpoint: str | os.PathLike[str]) -> ModelSource:
+def open_model_source(checkpoint: str | os.PathLike[str] | RemotePath, *,
+                      storage_options: dict[str, Any] | None = None) -> ModelSource:
     """The model tensors of ``checkpoint``.
 
     Args:
         checkpoint: a DCP folder; a checkpoint folder in Accelerate's or HF Trainer's layout
             (its first model folder, ``pytorch_model_fsdp_0/``, is read); or a merged
-            ``.safetensors`` file or index.
+            ``.safetensors`` file or index. Local, or on object storage (a URL).
+        storage_options: for URLs: the fsspec filesystem's options (docs/remote.md).
 
     Raises:
         CheckpointNotFoundError: nothing at the path.
         NotACheckpointError: no model weights there.
         CorruptCheckpointError: the metadata disagrees with the data files.
     """
-    path = Path(checkpoint)
+    path = location(checkpoint, storage_options=storage_options)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such file or folder; check the path.")
     if path.is_file():

@@ -29,7 +29,7 @@ from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
-from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
+from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.export._config import (
     CONFIG,
     SideFiles,
@@ -218,14 +218,12 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
                              "'fuse' (fuse it into the base weights)")
     where = location(checkpoint, storage_options=storage_options)
     base_at = location(base, storage_options=storage_options) if base is not None else None
-    remote = [p for p in (where, base_at) if isinstance(p, RemotePath)]
-    if lora is not None and remote:
-        raise NotACheckpointError(f"{remote[0]}: LoRA exports (--lora) read from local disk "
-                                  "only; download the checkpoint first, or export without "
-                                  "--lora")
+    # Located once, with the storage options: the LoRA readers take them as they are.
+    lora_at = location(lora_config, storage_options=storage_options) \
+        if lora_config is not None else None
     if lora == "adapter":
-        return export_adapter(checkpoint, output, lora_config=lora_config, base=base,
-                              dtype=dtype, overwrite=overwrite)
+        return export_adapter(where, output, lora_config=lora_at, base=base_at, dtype=dtype,
+                              overwrite=overwrite)
     layout = find_layout(where)
     side = find_side_files(_search_root(layout), base_at)
     config = read_config(side.config)
@@ -234,7 +232,7 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     request = validate_merge(layout, output, dtype=dtype, max_shard_size=max_shard_size,
                              overwrite=overwrite)
     job = plan_job(request)  # also: is the output free, and which earlier outputs go
-    fused = plan_fused(checkpoint, dtype=dtype) if lora == "fuse" else None
+    fused = plan_fused(where, dtype=dtype) if lora == "fuse" else None
     if fused is not None:  # the base model with the adapter fused in, by plain names
         export_dtype, shapes = fused.dtype, fused.shapes
     else:
@@ -278,7 +276,7 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         if fused is not None:
             staged_weights, count = fused.write(stage, dtype=dtype, exclude=set(tied),
                                                 limit=request.options.max_shard_size,
-                                                lora_config=lora_config, base=base)
+                                                lora_config=lora_at, base=base_at)
             written = commit(staged_weights, request.output_dir)
             for path in job.replaced:  # an earlier export's shards, now replaced
                 if path not in written:

@@ -22,9 +22,9 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.remote import RemotePath, is_url, location
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 from fsdpckpt.export._lora_config import (
     ADAPTER_CONFIG,
@@ -39,6 +39,10 @@ __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "AdapterExport", 
            "LoraFuser", "LoraLayout", "LoraModule", "export_adapter", "find_adapter_config",
            "find_lora", "fuse_into", "fuse_weight", "fused_tensors", "parse_lora_config",
            "read_lora_config"]
+
+#: A path argument: local, or a URL / :class:`RemotePath` on object storage.
+_Where: TypeAlias = str | os.PathLike[str] | RemotePath
+_Config: TypeAlias = _Where | Mapping[str, Any]
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "fp32": "float32", "float32": "float32"}
@@ -168,27 +172,33 @@ class LoraFuser:
         return plain, tensor
 
 
-def _pick_adapter(layout: LoraLayout, adapter: str | None) -> str:
+def _pick_adapter(layout: LoraLayout, adapter: str | None,
+                  where: Path | RemotePath | None = None) -> str:
+    """The adapter to export or fuse; errors name ``where`` (the checkpoint) when given."""
+    at = f"{where}: " if where is not None else ""
     if adapter is not None:
         if adapter not in layout.adapters:
-            raise NotACheckpointError(f"adapter '{adapter}' is not in the checkpoint (it holds "
-                                      f"{', '.join(layout.adapters) or 'no LoRA adapter'})")
+            raise NotACheckpointError(f"{at}adapter '{adapter}' is not in the checkpoint (it "
+                                      f"holds {', '.join(layout.adapters) or 'no LoRA adapter'})")
         return adapter
     if not layout.adapters:
-        raise NotACheckpointError("the checkpoint holds no LoRA adapter (no lora_A/lora_B "
+        raise NotACheckpointError(f"{at}the checkpoint holds no LoRA adapter (no lora_A/lora_B "
                                   "tensors); export it without --lora")
     if len(layout.adapters) > 1:
-        raise NotACheckpointError(f"the checkpoint holds adapters {', '.join(layout.adapters)}; "
-                                  "name the one to use (adapter=...)")
+        raise NotACheckpointError(f"{at}the checkpoint holds adapters "
+                                  f"{', '.join(layout.adapters)}; name the one to use "
+                                  "(adapter=...)")
     return layout.adapters[0]
 
 
-def find_adapter_config(checkpoint: str | os.PathLike[str], *,
-                        lora_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-                        base: str | os.PathLike[str] | None = None) -> LoraConfig:
+def find_adapter_config(checkpoint: _Where, *,
+                        lora_config: _Config | None = None,
+                        base: _Where | None = None,
+                        storage_options: dict[str, Any] | None = None) -> LoraConfig:
     """The adapter config of a run: ``lora_config`` (a file, a folder or a dict) when
     given; else ``adapter_config.json`` in the checkpoint folder, its two parents (a
-    Trainer or Accelerate output folder), or ``base``.
+    Trainer or Accelerate output folder), or ``base``. Each may be local or a URL on object
+    storage (``storage_options``: the fsspec filesystem's options, docs/remote.md).
 
     Raises:
         CheckpointNotFoundError: none found; the message lists where it looked.
@@ -196,10 +206,18 @@ def find_adapter_config(checkpoint: str | os.PathLike[str], *,
     if isinstance(lora_config, Mapping):
         return parse_lora_config(dict(lora_config), source="lora_config")
     if lora_config is not None:
-        return read_lora_config(lora_config)
-    path = Path(checkpoint).resolve()
-    start = path if path.is_dir() else path.parent
-    places = [start, *list(start.parents)[:2]] + ([Path(base)] if base is not None else [])
+        return read_lora_config(lora_config, storage_options=storage_options)
+    path = location(checkpoint, storage_options=storage_options)
+    places: list[Path | RemotePath]
+    if isinstance(path, RemotePath):
+        start = path if path.is_dir() else path.parent
+        places = list(dict.fromkeys([start, start.parent, start.parent.parent]))  # a bucket's
+        # parent is itself
+    else:
+        here = path.resolve() if path.resolve().is_dir() else path.resolve().parent
+        places = [here, *list(here.parents)[:2]]
+    if base is not None:
+        places.append(location(base, storage_options=storage_options))
     for place in places:
         if (place / ADAPTER_CONFIG).is_file():
             return read_lora_config(place / ADAPTER_CONFIG)
@@ -213,17 +231,20 @@ def _load(source: ModelSource, keys: set[str]) -> dict[str, Any]:
     return dict(source.read(lambda n: n in keys))
 
 
-def fused_tensors(checkpoint: str | os.PathLike[str], *,
-                  lora_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-                  base: str | os.PathLike[str] | None = None, dtype: str | None = None,
-                  adapter: str | None = None) -> Iterator[tuple[str, Any]]:
+def fused_tensors(checkpoint: _Where, *,
+                  lora_config: _Config | None = None,
+                  base: _Where | None = None,
+                  dtype: str | None = None, adapter: str | None = None,
+                  storage_options: dict[str, Any] | None = None
+                  ) -> Iterator[tuple[str, Any]]:
     """The plain model's ``(name, tensor)`` pairs with the adapters fused in, one at a time.
 
     Memory holds the adapters and one base tensor. Arguments as :func:`export_adapter`.
     """
-    source = open_model_source(checkpoint)
+    source = open_model_source(checkpoint, storage_options=storage_options)
     layout = find_lora(source.names)
-    config = find_adapter_config(checkpoint, lora_config=lora_config, base=base)
+    config = find_adapter_config(checkpoint, lora_config=lora_config, base=base,
+                                 storage_options=storage_options)
     fuser = LoraFuser(layout, config, _load(source, set(layout.adapter_keys)), adapter=adapter,
                       dtype=dtype)
     # Adapter tensors are already held; modules_to_save copies are read with the base.
@@ -248,6 +269,12 @@ class AdapterExport:
     tensors: int
     adapter: str
     modules: int
+
+
+def _require_local(output: str | os.PathLike[str]) -> None:
+    if is_url(output):
+        raise NotACheckpointError(f"{output}: these write to a local folder; export to object "
+                                  "storage with export_hf(..., lora=...) (export-hf --lora)")
 
 
 def _prepare_output(output: Path, names: list[str], overwrite: bool) -> None:
@@ -275,25 +302,28 @@ def _save_safetensors(tensors: Mapping[str, Any], path: Path) -> None:
         staging.unlink(missing_ok=True)
 
 
-def export_adapter(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *,
-                   lora_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-                   base: str | os.PathLike[str] | None = None, dtype: str | None = None,
-                   adapter: str | None = None, overwrite: bool = False) -> AdapterExport:
+def export_adapter(checkpoint: _Where, output: str | os.PathLike[str],
+                   *, lora_config: _Config | None = None,
+                   base: _Where | None = None, dtype: str | None = None,
+                   adapter: str | None = None, overwrite: bool = False,
+                   storage_options: dict[str, Any] | None = None) -> AdapterExport:
     """Write a checkpoint's LoRA adapter as PEFT's ``save_pretrained`` does.
 
     Only the adapter tensors are read (they are small); the base weights are not.
 
     Args:
         checkpoint: a DCP folder, an Accelerate / HF Trainer checkpoint, or a merged
-            ``.safetensors`` of a PEFT-wrapped model.
-        output: the folder to write ``adapter_model.safetensors`` and
-            ``adapter_config.json`` into (created).
+            ``.safetensors`` of a PEFT-wrapped model; local or a URL (``s3://...``).
+        output: the local folder to write ``adapter_model.safetensors`` and
+            ``adapter_config.json`` into (created); ``export_hf(lora="adapter")`` also
+            writes to object storage.
         lora_config: the adapter config (a file, its folder, or a dict); by default found
             beside the checkpoint or in ``base``.
         base: the base model's folder, searched for ``adapter_config.json`` last.
         dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``; by default as stored.
         adapter: which adapter (the only one by default).
         overwrite: replace existing files.
+        storage_options: for URLs: the fsspec filesystem's options (docs/remote.md).
 
     Raises:
         NotACheckpointError: no LoRA adapter; a config field is wrong (named).
@@ -301,10 +331,12 @@ def export_adapter(checkpoint: str | os.PathLike[str], output: str | os.PathLike
         OutputExistsError: the files exist and ``overwrite`` is False.
     """
     cast = _torch_dtype(dtype)  # a wrong name fails before anything is read or written
-    source = open_model_source(checkpoint)
+    _require_local(output)
+    source = open_model_source(checkpoint, storage_options=storage_options)
     layout = find_lora(source.names)
-    name = _pick_adapter(layout, adapter)
-    config = find_adapter_config(checkpoint, lora_config=lora_config, base=base)
+    name = _pick_adapter(layout, adapter, source.path)
+    config = find_adapter_config(checkpoint, lora_config=lora_config, base=base,
+                                 storage_options=storage_options)
     bias = config.raw.get("bias", "none")
     if bias not in ("none", None):
         raise NotACheckpointError(f"adapter config field 'bias' is {bias!r}: the trained base "
@@ -334,10 +366,11 @@ def export_adapter(checkpoint: str | os.PathLike[str], output: str | os.PathLike
     return AdapterExport(out, (ADAPTER_WEIGHTS, ADAPTER_CONFIG), len(tensors), name, count)
 
 
-def fuse_into(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *,
-              lora_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-              base: str | os.PathLike[str] | None = None, dtype: str | None = None,
-              adapter: str | None = None, overwrite: bool = False) -> AdapterExport:
+def fuse_into(checkpoint: _Where, output: str | os.PathLike[str],
+              *, lora_config: _Config | None = None,
+              base: _Where | None = None, dtype: str | None = None,
+              adapter: str | None = None, overwrite: bool = False,
+              storage_options: dict[str, Any] | None = None) -> AdapterExport:
     """Write the base model with the adapter fused in as ``OUTPUT/model.safetensors``.
 
     Streams: one base tensor at a time is read, fused and written at its place in the
@@ -348,14 +381,16 @@ def fuse_into(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     from fsdpckpt.export._lora_write import write_streaming
 
     _torch_dtype(dtype)  # a wrong name fails before anything is read or written
-    source = open_model_source(checkpoint)
+    _require_local(output)
+    source = open_model_source(checkpoint, storage_options=storage_options)
     layout = find_lora(source.names)
-    name = _pick_adapter(layout, adapter)
+    name = _pick_adapter(layout, adapter, source.path)
     out = Path(output)
     _prepare_output(out, ["model.safetensors"], overwrite)
     count = write_streaming(
         source, layout, name, out / "model.safetensors", dtype,
-        fused_tensors(checkpoint, lora_config=lora_config, base=base, dtype=dtype, adapter=name))
+        fused_tensors(checkpoint, lora_config=lora_config, base=base, dtype=dtype,
+                      adapter=name, storage_options=storage_options))
     return AdapterExport(out, ("model.safetensors",), count, name,
                          sum(m.adapter == name for m in layout.modules))
 

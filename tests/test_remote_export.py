@@ -97,7 +97,7 @@ def test_the_cli_exports_a_remote_checkpoint_with_storage_options(s3, tmp_path):
 
 
 @pytest.mark.s3
-def test_a_lora_export_of_a_remote_checkpoint_without_an_adapter_is_one_line_naming_it(s3, tmp_path):
+def test_a_remote_lora_export_without_an_adapter_is_one_line_naming_it(s3, tmp_path):
     server, root = s3
     url = upload(server, _run(tmp_path), f"s3://{root}/run")
     result = run_cli("export-hf", f"{url}/checkpoint-3", tmp_path / "out", "--lora", "adapter",

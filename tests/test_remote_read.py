@@ -180,3 +180,14 @@ def test_a_remote_object_shorter_than_its_listing_is_an_error_never_zeros(s3):
         lying.read_at(view, 0)
     with pytest.raises(CorruptCheckpointError, match="truncated"):
         path.open_file().read_at(memoryview(bytearray(10)), 95)
+
+
+@pytest.mark.s3
+def test_a_zstd_compressed_dcp_folder_on_s3_merges_as_the_local_one(s3, tmp_path):
+    # The decoder reads its compressed range by offset: from a remote file, by ranged reads.
+    server, root = s3
+    url = upload(server, FIXTURES / "dcp_zstd", f"s3://{root}/zstd")
+    fsdpckpt.merge(url, tmp_path / "remote", storage_options=server.options)
+    fsdpckpt.merge(FIXTURES / "dcp_zstd", tmp_path / "local")
+    assert _files(tmp_path / "remote") == _files(tmp_path / "local")
+    assert fsdpckpt.verify_checkpoint(url, storage_options=server.options).ok

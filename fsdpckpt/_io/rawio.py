@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from fsdpckpt.errors import CorruptCheckpointError
 
-__all__ = ["ReadAt", "pread_into", "read_exact", "pwrite_all", "copy_range", "scratch",
-           "reusing_scratch"]
+__all__ = ["ReadAt", "ReadAtFile", "SizedReader", "pread_into", "read_exact", "pwrite_all",
+           "copy_range", "scratch", "reusing_scratch"]
 
 _BLOCK = 16 * 2**20
 # copy_file_range is refused for these reasons (another file system, an old kernel,
@@ -78,6 +79,43 @@ class ReadAt(Protocol):
 
     def read_at(self, view: memoryview, offset: int) -> None:
         """Fill all of ``view`` from ``offset``, or raise CorruptCheckpointError."""
+
+
+@runtime_checkable
+class ReadAtFile(Protocol):
+    """A file object that also reads by offset (a remote file's stream): what reads a range
+    of it needs no descriptor."""
+
+    def read_at(self, view: memoryview, offset: int) -> None:
+        """Fill all of ``view`` from ``offset``, or raise CorruptCheckpointError."""
+
+
+class SizedReader(io.RawIOBase):
+    """A read-only, seekable raw file of known size: the position bookkeeping its three
+    kinds share (a window of a file, a decoded zstd entry, a remote object's stream).
+    A subclass gives :meth:`_extent` and ``readinto``; ``self._pos`` is where it reads."""
+
+    _pos = 0
+
+    def _extent(self) -> int:
+        """The size ``SEEK_END`` counts from."""
+        raise NotImplementedError
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        if whence not in (io.SEEK_SET, io.SEEK_CUR, io.SEEK_END):
+            raise ValueError(f"invalid whence {whence}")
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._extent()}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
 
 
 def pread_into(fd: int | ReadAt, view: memoryview, offset: int, *, source: str) -> None:

@@ -19,7 +19,6 @@ defaults), plus ``storage_options`` (``--storage-options JSON`` on the command l
 from __future__ import annotations
 
 import fnmatch
-import io
 import os
 import re
 import threading
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from fsdpckpt._io.prefetch import Prefetcher
+from fsdpckpt._io.rawio import SizedReader
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
 __all__ = ["RemoteFile", "RemotePath", "is_url", "location", "prefetch", "require_fsspec"]
@@ -330,7 +330,7 @@ class RemoteFile:
         self._prefetch = None
 
 
-class _Stream(io.RawIOBase):
+class _Stream(SizedReader):
     """The file object of a :class:`RemoteFile`: exact reads, never past what is asked, so a
     zip reader confined to one chunk's archive (a ``SliceFile``) never reaches the next."""
 
@@ -339,19 +339,12 @@ class _Stream(io.RawIOBase):
         self._remote, self._pos = remote, 0
         self._block, self._block_at = b"", 0
 
-    def readable(self) -> bool:
-        return True
+    def _extent(self) -> int:
+        return self._remote.size
 
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._remote.size}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
+    def read_at(self, view: memoryview, offset: int) -> None:
+        """The remote file's own ranged read (for readers that want a range, not a stream)."""
+        self._remote.read_at(view, offset)
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")

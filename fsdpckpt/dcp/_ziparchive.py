@@ -9,7 +9,6 @@ range of the archive or entry, so damage is always one line, never a traceback.
 
 from __future__ import annotations
 
-import io
 import lzma
 import struct
 import zipfile
@@ -18,34 +17,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
+from fsdpckpt._io.rawio import SizedReader
 from fsdpckpt._printable import printable
 from fsdpckpt.errors import CorruptCheckpointError, FsdpCkptError
 
 __all__ = ["CHUNK_ENTRIES", "CHUNK_PICKLE_BYTES", "SliceFile", "entry_info", "open_archive",
            "read_entry", "zip_errors"]
 
-class SliceFile(io.RawIOBase):
+class SliceFile(SizedReader):
     """A read-only, seekable view of ``length`` bytes of ``file`` starting at ``start``."""
 
     def __init__(self, file: IO[bytes], start: int, length: int) -> None:
         super().__init__()
         self._file, self._start, self._length, self._pos = file, start, length, 0
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        if whence not in (io.SEEK_SET, io.SEEK_CUR, io.SEEK_END):
-            raise ValueError(f"invalid whence {whence}")
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
+    def _extent(self) -> int:
+        return self._length
 
     def readinto(self, buffer: Any) -> int:
         """Fill ``buffer`` from the window; short only at the window's or the file's real end.

@@ -21,6 +21,7 @@ import io
 import os
 from typing import IO, Any, cast
 
+from fsdpckpt._io.rawio import ReadAt, ReadAtFile, SizedReader
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
 
@@ -75,7 +76,7 @@ def require_zstandard(source: str) -> Any:
     return zstandard
 
 
-class ZstdEntry(io.RawIOBase):
+class ZstdEntry(SizedReader):
     """The decoded bytes of the zstd stream at ``start`` (``length`` bytes) of ``fd``.
 
     Decoding once at construction finds the decoded size (refused past ``limit``) and keeps
@@ -87,7 +88,8 @@ class ZstdEntry(io.RawIOBase):
         CorruptCheckpointError: the stream is damaged, or decodes to more than ``limit``.
     """
 
-    def __init__(self, fd: int, start: int, length: int, *, limit: int, source: str) -> None:
+    def __init__(self, fd: int | ReadAt, start: int, length: int, *, limit: int,
+                 source: str) -> None:
         super().__init__()
         self._zstd = require_zstandard(source)
         self._fd, self._start, self._length, self._source = fd, start, length, source
@@ -139,19 +141,8 @@ class ZstdEntry(io.RawIOBase):
 
     # -- the file interface -------------------------------------------------------------
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
+    def _extent(self) -> int:
+        return self.size
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
@@ -192,9 +183,10 @@ class ZstdEntry(io.RawIOBase):
 
 
 class _Window(io.RawIOBase):
-    """``length`` bytes of ``fd`` from ``start``, read with ``pread`` (no shared position)."""
+    """``length`` bytes of ``fd`` from ``start``, read by offset (no shared position): with
+    ``pread`` from a descriptor, or with ``read_at`` from a remote file (checked whole)."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
+    def __init__(self, fd: int | ReadAt, start: int, length: int) -> None:
         super().__init__()
         self._fd, self._start, self._length, self._pos = fd, start, length, 0
 
@@ -206,7 +198,11 @@ class _Window(io.RawIOBase):
         count = max(0, min(len(view), self._length - self._pos))
         if count == 0:
             return 0
-        got = os.preadv(self._fd, [view[:count]], self._start + self._pos)
+        if isinstance(self._fd, int):
+            got = os.preadv(self._fd, [view[:count]], self._start + self._pos)
+        else:
+            self._fd.read_at(view[:count], self._start + self._pos)
+            got = count
         self._pos += got
         return got
 
@@ -221,7 +217,9 @@ def open_entry(file: IO[bytes], offset: int, length: int, transforms: tuple[str,
     """
     if not transforms:
         return file, offset, length
-    entry = ZstdEntry(file.fileno(), offset, length, limit=limit, source=source)
+    # Read by offset: a local file's descriptor, or a remote file's own ranged reads.
+    reader = file if isinstance(file, ReadAtFile) else file.fileno()
+    entry = ZstdEntry(reader, offset, length, limit=limit, source=source)
     return cast(IO[bytes], entry), 0, entry.size
 
 

@@ -24,7 +24,10 @@ import time
 from pathlib import Path
 
 
-def build(path: Path, n: int) -> None:
+def build(path: Path, n: int, rows: int = 1024) -> None:
+    """A DCP folder of ``n`` tensors (about ``rows`` x 64 fp32), each split on dim 0 across 2
+    ranks; the rank files are sparse, of the sizes the metadata gives (inspect reads only
+    those)."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -38,10 +41,10 @@ def build(path: Path, n: int) -> None:
     entries, storage, planner, ends = {}, {}, {}, [0, 0]
     for i in range(n):
         name = f"model.layers.{i // 8}.mlp.w{i % 8}.weight"
-        rows, cols = 1024 + (i % 3), 64
-        half = (rows + 1) // 2
+        rows_i, cols = rows + (i % 3), 64
+        half = (rows_i + 1) // 2
         chunks = []
-        for rank, (start, size) in enumerate([(0, half), (half, rows - half)]):
+        for rank, (start, size) in enumerate([(0, half), (half, rows_i - half)]):
             chunk = ChunkStorageMetadata(torch.Size([start, 0]), torch.Size([size, cols]))
             chunks.append(chunk)
             length = size * cols * 4 + 1600
@@ -49,7 +52,7 @@ def build(path: Path, n: int) -> None:
                 f"__{rank}_0.distcp", ends[rank], length)
             ends[rank] += length
         entries[name] = TensorStorageMetadata(TensorProperties(dtype=torch.float32),
-                                              torch.Size([rows, cols]), chunks)
+                                              torch.Size([rows_i, cols]), chunks)
         planner[name] = tuple(name.split("."))
     md = Metadata(entries, planner_data=planner, storage_data=storage, version="1.0.0")
     path.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import shutil
 import statistics
 import subprocess
@@ -35,47 +34,11 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 
 import s3server  # noqa: E402  (tests/s3server.py)
+from inspect_speed import build as build_inspect  # noqa: E402  (benchmarks/inspect_speed.py)
 from merge import build as build_model  # noqa: E402  (benchmarks/merge.py)
 from merge import run  # noqa: E402
 
 BUCKET = "fsdpckpt-bench"
-
-
-def build_metadata_folder(path: Path, n: int) -> None:
-    """A DCP folder of ``n`` small tensors (16x64 fp32), each split on dim 0 across 2 ranks;
-    the rank files are the sizes the metadata gives (inspect reads only those)."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    entries, storage, planner, ends = {}, {}, {}, [0, 0]
-    for i in range(n):
-        name = f"model.layers.{i // 8}.mlp.w{i % 8}.weight"
-        rows, cols = 16 + (i % 3), 64
-        half = (rows + 1) // 2
-        chunks = []
-        for rank, (start, size) in enumerate([(0, half), (half, rows - half)]):
-            chunk = ChunkStorageMetadata(torch.Size([start, 0]), torch.Size([size, cols]))
-            chunks.append(chunk)
-            length = size * cols * 4 + 1600
-            storage[MetadataIndex(name, chunk.offsets)] = _StorageInfo(
-                f"__{rank}_0.distcp", ends[rank], length)
-            ends[rank] += length
-        entries[name] = TensorStorageMetadata(TensorProperties(dtype=torch.float32),
-                                              torch.Size([rows, cols]), chunks)
-        planner[name] = tuple(name.split("."))
-    md = Metadata(entries, planner_data=planner, storage_data=storage, version="1.0.0")
-    path.mkdir(parents=True, exist_ok=True)
-    (path / ".metadata").write_bytes(pickle.dumps(md))
-    for rank, end in enumerate(ends):
-        with open(path / f"__{rank}_0.distcp", "wb") as f:
-            f.truncate(end)
 
 
 def _upload(fs, local: Path, target: str) -> None:
@@ -93,7 +56,7 @@ def _prepare(work: Path, layers: int, tensors: int) -> None:
     fs.mkdir(BUCKET)
     model, meta = work / "model", work / "meta"
     build_model(model, layers)
-    build_metadata_folder(meta, tensors)
+    build_inspect(meta, tensors, rows=16)  # small tensors: the upload stays small
     _upload(fs, model, f"{BUCKET}/model")
     _upload(fs, meta, f"{BUCKET}/meta")
     (work / "size").write_text(str(sum(p.stat().st_size for p in model.iterdir())))

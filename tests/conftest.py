@@ -192,6 +192,16 @@ def s3(s3_server):
     return s3_server, f"fsdpckpt-tests/test-{next(_PREFIXES):06d}"
 
 
+def damaged_copy(folder: Path, relative: str, into: Path) -> Path:
+    """A copy of ``folder`` at ``into`` whose file ``relative`` has its middle byte flipped."""
+    copy = Path(shutil.copytree(folder, into))
+    data = copy / relative
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    return copy
+
+
 def upload(server, local: Path, url: str) -> str:
     """Copy the local folder ``local`` to ``url`` (``s3://bucket/folder``); returns ``url``."""
     fs = server.filesystem()

@@ -16,7 +16,7 @@ import pytest
 import fsdpckpt
 from fsdpckpt.errors import CorruptCheckpointError, FsdpCkptError
 
-from conftest import FIXTURES, run_cli, upload
+from conftest import FIXTURES, damaged_copy, run_cli, upload
 
 PER_RANK = {
     "accelerate": FIXTURES / "accelerate_rank_bin",
@@ -76,11 +76,7 @@ def test_load_full_state_dict_of_remote_rank_files_equals_the_local_one(s3):
 @pytest.mark.s3
 def test_verify_of_a_remote_rank_file_finds_its_damage(s3, tmp_path):
     server, root = s3
-    copy = shutil.copytree(PER_RANK["accelerate"], tmp_path / "ckpt")
-    data = copy / "pytorch_model_fsdp_0_rank1.bin"
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    copy = damaged_copy(PER_RANK["accelerate"], "pytorch_model_fsdp_0_rank1.bin", tmp_path / "ckpt")
     url = upload(server, copy, f"s3://{root}/damaged")
     report = fsdpckpt.verify_checkpoint(url, storage_options=server.options)
     assert not report.ok

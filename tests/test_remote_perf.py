@@ -17,7 +17,7 @@ from fsdpckpt._io import prefetch as prefetch_module
 from fsdpckpt._io.prefetch import Prefetcher
 from fsdpckpt.errors import CorruptCheckpointError
 
-from conftest import FIXTURES, peak_rss_mib, upload
+from conftest import FIXTURES, damaged_copy, peak_rss_mib, upload
 
 CKPT = FIXTURES / "fsdp2_accelerate"
 
@@ -266,14 +266,8 @@ def test_a_failing_ranged_read_fails_the_merge_with_one_error_and_no_output(s3, 
 
 @pytest.mark.s3
 def test_a_prefetched_verify_still_names_a_damaged_chunk(s3, tmp_path, tiny_pieces):
-    import shutil
-
     server, root = s3
-    copy = shutil.copytree(CKPT, tmp_path / "ckpt")
-    data = copy / "pytorch_model_fsdp_0" / "__0_0.distcp"
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    copy = damaged_copy(CKPT, "pytorch_model_fsdp_0/__0_0.distcp", tmp_path / "ckpt")
     url = upload(server, copy, f"s3://{root}/damaged")
     report = fsdpckpt.verify_checkpoint(url, storage_options=server.options)
     local = fsdpckpt.verify_checkpoint(copy)

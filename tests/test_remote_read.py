@@ -16,7 +16,7 @@ import fsdpckpt
 from fsdpckpt._io.remote import RemoteFile, RemotePath, is_url, location
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
-from conftest import FIXTURES, assert_one_line_error, run_cli, upload
+from conftest import FIXTURES, assert_one_line_error, damaged_copy, run_cli, upload
 
 CKPT = FIXTURES / "fsdp2_accelerate"
 
@@ -138,14 +138,8 @@ def test_load_full_state_dict_from_s3_equals_the_local_one(s3):
 
 @pytest.mark.s3
 def test_verify_of_a_remote_checkpoint_finds_a_damaged_chunk(s3, tmp_path):
-    import shutil
-
     server, root = s3
-    copy = shutil.copytree(CKPT, tmp_path / "ckpt")
-    data = copy / "pytorch_model_fsdp_0" / "__0_0.distcp"
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    copy = damaged_copy(CKPT, "pytorch_model_fsdp_0/__0_0.distcp", tmp_path / "ckpt")
     url = upload(server, copy, f"s3://{root}/damaged")
     report = fsdpckpt.verify_checkpoint(url, storage_options=server.options)
     assert not report.ok

@@ -101,8 +101,34 @@ def blocks(path: Path, name: str | None = None) -> list[Block]:
     return found
 
 
-def _scratch(tmp_path: Path) -> Path:
-    return Path(shutil.copytree(ROOT, tmp_path / "checkout", ignore=_SCRATCH_IGNORE))
+def _tracked_files(root: Path) -> list[str] | None:
+    """The files git tracks under ``root`` (staged new files included), or None outside git."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached"], cwd=root,
+                                capture_output=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [name for name in listed.decode("utf-8", "surrogateescape").split("\0") if name]
+
+
+def _scratch(tmp_path: Path, root: Path = ROOT) -> Path:
+    """A copy of the checkout as a fresh clone has it: only what git tracks.
+
+    A reader who followed the README first has its outputs (``merged/``, ``tiny-hf/``) in
+    the checkout; copying them would make the README's own commands refuse to overwrite
+    them. Outside git (an unpacked sdist), everything but build leftovers is copied."""
+    into = tmp_path / "checkout"
+    tracked = _tracked_files(root)
+    if tracked is None:
+        return Path(shutil.copytree(root, into, ignore=_SCRATCH_IGNORE))
+    for name in tracked:
+        source = root / name
+        if not source.is_file():  # deleted in the work tree, or a submodule
+            continue
+        target = into / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)
+    return into
 
 
 def _shell(block: Block) -> str:
@@ -203,3 +229,21 @@ def test_the_block_reader_follows_the_rule(tmp_path):
         (3, "bash", None, True), (9, "python", "slow", True), (12, "", None, False),
         (15, "console", None, True)]
     assert _shell(found[3]) == "echo b"
+
+
+def test_the_scratch_copy_holds_what_git_tracks_not_a_readers_outputs(tmp_path):
+    """Running the README's main job and then its test command in one checkout works: the
+    outputs the main job left (``merged/``, ``tiny-hf/``) are not copied into the scratch
+    checkout, where the README's commands would refuse to overwrite them."""
+    repo = tmp_path / "repo"
+    (repo / "docs").mkdir(parents=True)
+    (repo / "docs" / "page.md").write_text("tracked\n")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "add", "docs/page.md"], check=True)
+    (repo / "merged").mkdir()
+    (repo / "merged" / "model.safetensors").write_bytes(b"a reader's output")
+    (repo / "tiny-hf").mkdir()
+    (repo / "tiny-hf" / "config.json").write_text("{}")
+    copy = _scratch(tmp_path / "scratch", repo)
+    assert sorted(str(p.relative_to(copy)) for p in copy.rglob("*") if p.is_file()) == \
+        ["docs/page.md"]

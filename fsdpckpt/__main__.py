@@ -1,6 +1,45 @@
-"""``python -m fsdpckpt`` runs the command line."""
+"""``python -m fsdpckpt`` and the ``fsdpckpt`` command: the command line's entry point.
 
-from fsdpckpt.cli import main
+Kept tiny on purpose: the command line imports click, tqdm and, for some commands, torch,
+which takes seconds; a Ctrl-C during those imports must still end in the one error line,
+not a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def run() -> None:
+    """Run the command line, exiting with its status.
+
+    Under torchrun, after the process group fsdpckpt made is destroyed, the process ends
+    with ``os._exit``: with torch 2.13, gloo's threads abort about one exit in six
+    ("terminate called without an active exception", SIGABRT) while C++ statics are torn
+    down, which would replace the exit status and the error line. Output is flushed first.
+    """
+    code: int | str | None
+    try:
+        from fsdpckpt.cli import main
+
+        main(prog_name="fsdpckpt")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    except KeyboardInterrupt:  # before the command's own error boundary was reached
+        sys.stderr.write("fsdpckpt: error: interrupted\n")
+        code = 1
+    _distributed = sys.modules.get("fsdpckpt.merging._distributed")
+    if _distributed is not None and getattr(_distributed, "made_a_process_group", False):
+        status = code if isinstance(code, int) else (0 if code is None else 1)
+        if isinstance(code, str):
+            sys.stderr.write(code + "\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(code)
+
 
 if __name__ == "__main__":
-    main(prog_name="fsdpckpt")
+    run()

@@ -10,6 +10,7 @@ import click
 
 from fsdpckpt._printable import cap_line, printable
 from fsdpckpt._progress import ProgressCallback, ProgressFactory
+from fsdpckpt.errors import REPORTED_BY_RANK
 
 __all__ = ["_debug_option", "_fail", "_progress", "_storage_options_option"]
 
@@ -51,6 +52,8 @@ def _fail(ctx: click.Context, message: str, exc: BaseException | None = None) ->
     """Print the one error line: names from a checkpoint escaped, its length capped."""
     if exc is not None and ctx.meta.get("fsdpckpt.debug"):
         traceback.print_exception(exc)
+    if exc is not None and getattr(exc, REPORTED_BY_RANK, None) is not None:
+        ctx.exit(1)  # a lower rank of the same torchrun raised it too, and prints it
     click.echo(f"fsdpckpt: error: {cap_line(printable(message))}", err=True)
     ctx.exit(1)
 

@@ -36,3 +36,8 @@ class UnsafePickleError(FsdpCkptError, pickle.UnpicklingError):
 
 class CorruptCheckpointError(FsdpCkptError, ValueError):
     """A checkpoint's files disagree with its metadata (truncated, missing, garbled)."""
+
+
+#: Set on an error that a lower rank of the same process group also raised, with the same
+#: message: the command line prints each error once, by the lowest rank that has it.
+REPORTED_BY_RANK = "fsdpckpt_reported_by_rank"

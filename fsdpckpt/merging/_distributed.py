@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fsdpckpt._progress import ProgressFactory
-from fsdpckpt.errors import FsdpCkptError
+from fsdpckpt.errors import REPORTED_BY_RANK, FsdpCkptError
 from fsdpckpt.merging.merger import MergeJob, MergeResult, StagedPlan, commit_job
 from fsdpckpt.merging.plan import MergePlan
 from fsdpckpt.merging.writer import sigterm_interrupts, staging, write_index, write_plan
@@ -43,6 +43,10 @@ _T = TypeVar("_T")
 #: How long a rank of ``torchrun ... fsdpckpt merge`` waits for the others at each step:
 #: ranks that finish their share wait for the slowest one.
 TORCHRUN_TIMEOUT = timedelta(hours=2)
+
+#: Set once :func:`torchrun_group` has initialized a process group in this process: the
+#: command line then ends it without C++ teardown (``fsdpckpt/__main__.py`` says why).
+made_a_process_group = False
 
 
 @dataclass(frozen=True, order=True)
@@ -129,6 +133,10 @@ class _Ranks:
         self.dist.all_gather_object(reports, (message, result if share else None),
                                     group=self.group)
         if error is not None:
+            same = [rank for rank, (text, _) in enumerate(reports)
+                    if rank < self.rank and text == message]
+            if same:  # every rank hit it (an existing output...): printed once, by the lowest
+                setattr(error, REPORTED_BY_RANK, same[0])
             raise error
         failed = [(rank, text) for rank, (text, _) in enumerate(reports) if text]
         if failed:
@@ -261,7 +269,9 @@ def torchrun_group() -> Iterator[Any]:
     if missing:
         raise FsdpCkptError(f"WORLD_SIZE is {world} but {', '.join(missing)} is not set; "
                             "start the command with torchrun, or unset WORLD_SIZE")
+    global made_a_process_group
     dist.init_process_group("gloo", timeout=TORCHRUN_TIMEOUT)
+    made_a_process_group = True
     try:
         yield dist.group.WORLD
     finally:

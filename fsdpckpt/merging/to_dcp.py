@@ -24,7 +24,6 @@ import os
 import pickle
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 from fsdpckpt._io.download import download
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io.staging import make_stage, signals_deferred
 from fsdpckpt._progress import ProgressFactory, start_progress
 from fsdpckpt._torch import flatten_state_dict, storage_info
 from fsdpckpt.dcp._objects import loads, torch_load_allowlisted
@@ -96,6 +96,12 @@ def _torch_load(file: Path, kind: str) -> Any:
             raise  # a real I/O error, which names its file
         raise CorruptCheckpointError(f"{file}: not a readable torch.save file "
                                      f"({first_line(exc)}); it is truncated or damaged.") from None
+
+
+def _remove(stage: Path | None) -> None:
+    if stage is not None:
+        with signals_deferred():  # a second Ctrl-C does not cut the cleanup short
+            shutil.rmtree(stage, ignore_errors=True)
 
 
 def key_paths(text: str) -> dict[str, list[str | int]]:
@@ -239,13 +245,17 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
     out.parent.mkdir(parents=True, exist_ok=True)
     total = sum(file.stat().st_size for file, _kind in files)
     callback, reported = start_progress(progress, total, len(files)), 0
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.fsdpckpt-tmp-", dir=out.parent))
+    stage: Path | None = None
     entries: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     planner: dict[str, tuple] = {}
     tensors = objects = nbytes = 0
     local: list[tuple[Path, str]] = []
     try:
+        with signals_deferred():  # no Ctrl-C between mkdtemp and `stage` being set
+            # The folder itself is published: the umask's mode, not mkdtemp's 0700.
+            stage = make_stage(out.parent, f".{out.name}.fsdpckpt-tmp-",
+                               published_as_folder=True)
         local = _local_copies(files, stage)
         with open(stage / _DATA_FILE, "wb") as data:
             for path, value in _entries(local, key or None):
@@ -293,7 +303,7 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
             shutil.rmtree(out)
         os.replace(stage, out)
     except FsdpCkptError as exc:
-        shutil.rmtree(stage, ignore_errors=True)
+        _remove(stage)
         copies = {str(copy): str(file) for (copy, _), (file, _) in zip(local, files)
                   if copy != file}
         message = str(exc)
@@ -303,7 +313,7 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
             raise
         raise type(exc)(message) from None
     except BaseException as exc:
-        shutil.rmtree(stage, ignore_errors=True)
+        _remove(stage)
         if isinstance(exc.__context__, KeyboardInterrupt):
             raise KeyboardInterrupt from None  # torch.save turns Ctrl-C into a RuntimeError
         raise

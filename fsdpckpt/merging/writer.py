@@ -21,7 +21,6 @@ import re
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ from fsdpckpt._io.checksums import crc32_range
 from fsdpckpt._io.durable import fsync_dir, write_bytes
 from fsdpckpt._io.rawio import pwrite_all, reusing_scratch
 from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.staging import make_stage, signals_deferred
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._objects import read_object
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
@@ -194,26 +194,39 @@ def staging(output_dir: Path) -> Iterator[Path]:
         created = created.parent
     if created.exists():
         created = None  # type: ignore[assignment]
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        clear_stale_stages(output_dir)
-        stage = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{_host()}-{os.getpid()}-",
-                                      dir=output_dir))
-    except OSError as exc:
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        if exc.errno == errno.ENOSPC:
-            raise DiskFullError(errno.ENOSPC, f"{output_dir}: no space left on the device; "
-                                "free some space or choose another output folder") from None
-        raise _not_writable(output_dir, exc) from None
+    stage: Path | None = None
     ok = False
     try:
+        # Signals held while the folders are made and their names recorded: a Ctrl-C
+        # cannot land between mkdtemp and `stage` being set, where nothing would remove it.
+        with signals_deferred():
+            try:
+                output_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise _staging_error(output_dir, created, exc) from None
+        clear_stale_stages(output_dir)
+        with signals_deferred():
+            try:
+                stage = make_stage(output_dir, f"{STAGING_PREFIX}{_host()}-{os.getpid()}-")
+            except OSError as exc:
+                raise _staging_error(output_dir, created, exc) from None
         yield stage
         ok = True
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
-        if created is not None and not ok:
-            shutil.rmtree(created, ignore_errors=True)
+        with signals_deferred():  # a second Ctrl-C does not cut the cleanup short
+            if stage is not None:
+                shutil.rmtree(stage, ignore_errors=True)
+            if created is not None and not ok:
+                shutil.rmtree(created, ignore_errors=True)
+
+
+def _staging_error(output_dir: Path, created: Path | None, exc: OSError) -> OSError:
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+    if exc.errno == errno.ENOSPC:
+        return DiskFullError(errno.ENOSPC, f"{output_dir}: no space left on the device; "
+                             "free some space or choose another output folder")
+    return _not_writable(output_dir, exc)
 
 
 def _reserve(fd: int, size: int, path: Path) -> None:

@@ -246,6 +246,18 @@ def test_a_declared_count_far_beyond_the_keys_is_refused_before_building(
     assert "\n" not in message and not (tmp_path / "out").exists()
 
 
+def test_trusted_custom_code_is_bounded_too_before_it_runs(tmp_path):
+    markers = tmp_path / "markers"
+    run = _run(tmp_path)
+    _add_custom_code(run, markers)
+    config = json.loads((run / "config.json").read_text())
+    config["num_hidden_layers"] = 100000
+    (run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportMismatchError, match="num_hidden_layers is 100000"):
+        export_hf(run / "checkpoint-3", tmp_path / "out", trust_remote_code=True)
+    assert _ran(markers) == []
+
+
 def test_the_cli_refuses_a_huge_layer_count_in_one_line(tmp_path, monkeypatch):
     run = _run(tmp_path)
     config = json.loads((run / "config.json").read_text())

@@ -1,10 +1,12 @@
 """What the config's model class expects: its keys and shapes, and which keys are tied.
 
 With ``transformers`` installed (the ``hf`` extra), the class named by the config is built
-on the meta device (no memory, no weights) and asked. Without it, only the config is read,
-and tied embeddings follow ``tie_word_embeddings`` alone. Tied keys are decided by the
-model built from the config, never by storage identity in the checkpoint: FSDP gathers
-each name's own copy, so a checkpoint's tied tensors are never one storage.
+on the meta device (no memory, no weights) and asked; a class that needs custom code
+(``auto_map``) only with ``trust_remote_code``, which every transformers call is given
+explicitly, so transformers never runs code or asks on stdin unbidden. Without it, only the
+config is read, and tied embeddings follow ``tie_word_embeddings`` alone. Tied keys are
+decided by the model built from the config, never by storage identity in the checkpoint:
+FSDP gathers each name's own copy, so a checkpoint's tied tensors are never one storage.
 """
 
 from __future__ import annotations

@@ -10,8 +10,11 @@ them. Tied targets (``lm_head.weight`` with ``tie_word_embeddings``) are decided
 config and not written, after checking that the checkpoint holds the same bytes under
 both names (``untie`` writes both when they differ). Before a byte is written, the
 exported keys and shapes are checked against the config's model class (built on the
-meta device when transformers is installed). Everything is staged in the output folder
-and renamed into place at the end; on any error the output folder is left as it was.
+meta device when transformers is installed, after its declared layer and expert counts
+are bounded by the checkpoint's keys); a model whose class needs custom code is built only
+with ``trust_remote_code`` and otherwise checked against the base's weights
+(:mod:`fsdpckpt.export._keycheck`). Everything is staged in the output folder and renamed
+into place at the end; on any error the output folder is left as it was.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from fsdpckpt.export._keycheck import (
     ExportMismatchError,
     check_against_base,
     check_declared_sizes,
+    custom_code,
     key_problems,
 )
 from fsdpckpt.export._model import (
@@ -257,7 +261,8 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         shapes = {t.spec.name: tuple(t.spec.shape) for plan in job.plans for f in plan.files
                   for t in f.tensors}
     fixed = exported_config(config, export_dtype, untie=untie)
-    check_declared_sizes(fixed, shapes, side.config)  # before the model class is built
+    if trust_remote_code or not custom_code(fixed):  # the class may be built: bound it first
+        check_declared_sizes(fixed, shapes, side.config)
     _check_outputs(side, request.output_dir, overwrite)
     # The pairs the config ties, compared while transformers is still importing; the model
     # class (when there is one) decides below which pairs are tied.

@@ -26,7 +26,7 @@ from fsdpckpt import ExportMismatchError, export_hf
 from fsdpckpt.export import hf as hf_module
 from fsdpckpt.export._keycheck import check_declared_sizes, numbered_siblings
 
-from conftest import FIXTURES, ROOT, run_cli
+from conftest import FIXTURES, ROOT, run_cli, upload
 
 TINY = FIXTURES / "tiny_llama" / "untied"
 
@@ -203,6 +203,18 @@ def test_a_bases_shard_index_names_are_checked_when_its_shards_are_absent(tmp_pa
     result = export_hf(checkpoint, tmp_path / "out", base=base)
     assert result.not_checked is not None
     assert "the keys were checked against" in result.not_checked
+
+
+@pytest.mark.s3
+def test_a_remote_bases_safetensors_headers_are_read_for_the_key_check(s3, tmp_path):
+    server, root = s3
+    markers = tmp_path / "markers"
+    url = upload(server, _base(tmp_path, markers), f"s3://{root}/base")
+    result = export_hf(_run(tmp_path) / "checkpoint-3", tmp_path / "out", base=url,
+                       storage_options=server.options)
+    assert result.not_checked is not None
+    assert f"keys and shapes were checked against {url}/model.safetensors" in result.not_checked
+    assert _ran(markers) == []
 
 
 def test_a_model_type_transformers_does_not_know_is_exported_unchecked(tmp_path):

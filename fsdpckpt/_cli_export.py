@@ -42,13 +42,20 @@ __all__ = ["diff", "export_hf"]
               help="Write lm_head.weight too and set tie_word_embeddings: false in the config: "
                    "for a checkpoint whose output and input embeddings differ although its "
                    "config ties them (export-hf refuses that otherwise).")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Run the Python code the config's auto_map names (the .py files in the "
+                   "checkpoint's or --base folder) to build the model class and check the keys "
+                   "against it. It runs as you: only for code you trust. Without it nothing "
+                   "from those folders runs; the code files are copied and the keys are checked "
+                   "against --base's weights.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout.")
 @_storage_options_option
 @_debug_option
 def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
               max_shard_size: str, overwrite: bool, lora: str | None, lora_config: str | None,
-              untie: bool, quiet: bool, as_json: bool, storage_options: dict | None) -> None:
+              untie: bool, trust_remote_code: bool, quiet: bool, as_json: bool,
+              storage_options: dict | None) -> None:
     """Export a sharded checkpoint to a Hugging Face model folder.
 
     AutoModelForCausalLM.from_pretrained(OUTPUT) and AutoTokenizer.from_pretrained(OUTPUT)
@@ -58,7 +65,10 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
     (lm_head.weight with tie_word_embeddings) follow the config and are not written,
     once their bytes are checked equal to what they are tied to (--untie when not).
     With transformers installed (pip install 'fsdpckpt[hf]'), the keys and shapes are
-    checked against the config's model class before anything is written.
+    checked against the config's model class before anything is written. A model with
+    custom code (auto_map in config.json) is built only with --trust-remote-code, which
+    runs that code; without it, its code files are copied, the keys are checked against
+    the --base folder's weights, and the output says what was not checked.
 
     \b
     Examples:
@@ -74,7 +84,8 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
 
     result = export(checkpoint, output, base=base, dtype=dtype, max_shard_size=max_shard_size,
                     overwrite=overwrite, lora=lora, lora_config=lora_config, untie=untie,
-                    progress=_progress(quiet, "exporting"), storage_options=storage_options)
+                    progress=_progress(quiet, "exporting"), storage_options=storage_options,
+                    trust_remote_code=trust_remote_code)
     if isinstance(result, AdapterExport):
         if as_json:
             click.echo(json.dumps({"output": str(result.output), "files": list(result.files),
@@ -99,8 +110,8 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
                + ", ".join(printable(p.name) for p in result.files))
     if result.model_class:
         click.echo(f"  keys and shapes match {result.model_class}")
-    else:
-        click.echo("  keys not checked against the model class: pip install 'fsdpckpt[hf]'")
+    if result.not_checked:
+        click.echo(f"  not checked: {printable(result.not_checked)}")
 @click.command()
 @click.argument("a", type=click.Path(path_type=str))
 @click.argument("b", type=click.Path(path_type=str))

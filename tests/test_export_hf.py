@@ -237,7 +237,7 @@ def test_a_config_of_another_model_is_refused_before_anything_is_written(tmp_pat
 
 
 def test_without_transformers_tied_keys_follow_the_config(tmp_path, monkeypatch):
-    monkeypatch.setattr(hf_module, "expect_model", lambda _folder: None)
+    monkeypatch.setattr(hf_module, "expect_model", lambda *_a, **_k: "no transformers")
     result = export_hf(_run("tied"), tmp_path / "out")
     assert result.model_class is None
     assert result.tied == (("lm_head.weight", "model.embed_tokens.weight"),)
@@ -333,7 +333,7 @@ def test_untie_writes_both_and_the_untied_export_loads_with_the_trained_logits(t
 
 
 def test_without_transformers_a_differing_tied_target_is_refused_too(tmp_path, monkeypatch):
-    monkeypatch.setattr(hf_module, "expect_model", lambda _folder: None)
+    monkeypatch.setattr(hf_module, "expect_model", lambda *_a, **_k: "no transformers")
     run = _tied_config_on_untied_weights(tmp_path)
     with pytest.raises(ExportMismatchError, match="differ"):
         export_hf(run / "checkpoint-3", tmp_path / "out")

@@ -1,10 +1,12 @@
 """What the config's model class expects: its keys and shapes, and which keys are tied.
 
 With ``transformers`` installed (the ``hf`` extra), the class named by the config is built
-on the meta device (no memory, no weights) and asked. Without it, only the config is read,
-and tied embeddings follow ``tie_word_embeddings`` alone. Tied keys are decided by the
-model built from the config, never by storage identity in the checkpoint: FSDP gathers
-each name's own copy, so a checkpoint's tied tensors are never one storage.
+on the meta device (no memory, no weights) and asked; a class that needs custom code
+(``auto_map``) only with ``trust_remote_code``, which every transformers call is given
+explicitly, so transformers never runs code or asks on stdin unbidden. Without it, only the
+config is read, and tied embeddings follow ``tie_word_embeddings`` alone. Tied keys are
+decided by the model built from the config, never by storage identity in the checkpoint:
+FSDP gathers each name's own copy, so a checkpoint's tied tensors are never one storage.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt.export._config import strip_fsdp_prefix
+from fsdpckpt.export._keycheck import custom_code, custom_code_reason
 
-__all__ = ["ModelExpectation", "expect_model", "tied_without_transformers", "key_problems",
-           "start_import"]
+__all__ = ["ModelExpectation", "expect_model", "tied_without_transformers", "start_import"]
 
 #: The output-embedding key most causal LMs tie to their input embeddings.
 _LM_HEAD = "lm_head.weight"
@@ -74,24 +76,42 @@ def start_import(config: dict[str, Any]) -> threading.Thread:
     return thread
 
 
-def expect_model(config_dir: Path) -> ModelExpectation | None:
+def expect_model(config_dir: Path, config: dict[str, Any], *,
+                 trust_remote_code: bool = False) -> ModelExpectation | str:
     """Build the config's model class on the meta device and read what it expects.
 
+    Custom code (an ``auto_map``, :func:`~fsdpckpt.export._keycheck.custom_code`) is never
+    handed to transformers unless ``trust_remote_code``: transformers would run it, or ask
+    on stdin whether to. Every transformers call is given ``trust_remote_code`` explicitly,
+    so it never asks.
+
     Args:
-        config_dir: a folder holding the exported ``config.json``.
+        config_dir: a folder holding the exported ``config.json`` (and, for custom code,
+            the code files it names).
+        config: that config, as read.
+        trust_remote_code: build a custom-code model by running its code.
 
     Returns:
-        The expectation; None when transformers is not installed, or it has no class for
-        the config (custom code is never run).
+        The expectation; or why the class was not built (one phrase for the user): custom
+        code not trusted, transformers not installed, a model type or architecture it
+        does not know.
     """
+    refs = custom_code(config)
+    if refs and not trust_remote_code:
+        return custom_code_reason(refs)
+    missing = "transformers is not installed: pip install 'fsdpckpt[hf]'"
     try:  # transformers first: without it, torch (about 220 MB) is never imported
         import transformers
     except ImportError:
-        return None
+        return missing
     try:
         import torch
     except ImportError:
-        return None
+        return missing
+    model_type = config.get("model_type")
+    if not refs and model_type not in transformers.CONFIG_MAPPING:
+        return (f"model_type {str(model_type)[:80]!r} is not one transformers "
+                f"{transformers.__version__} knows")
     # transformers logs and warns about things that are the export's business, not the
     # user's (no weights on the meta device, generation defaults): keep it quiet here.
     logger = logging.getLogger("transformers")
@@ -100,13 +120,14 @@ def expect_model(config_dir: Path) -> ModelExpectation | None:
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            config = transformers.AutoConfig.from_pretrained(str(config_dir),
-                                                             local_files_only=True)
-            model = _build(transformers, torch, config)
+            loaded = transformers.AutoConfig.from_pretrained(
+                str(config_dir), local_files_only=True, trust_remote_code=trust_remote_code)
+            model = _build(transformers, torch, loaded, trust_remote_code)
     finally:
         logger.setLevel(level)
     if model is None:
-        return None
+        names = [str(a)[:80] for a in (config.get("architectures") or [])]
+        return f"transformers has no causal LM class for {names or model_type!r}"
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     tied: dict[str, str] = {}
     first: dict[int, str] = {}
@@ -117,14 +138,15 @@ def expect_model(config_dir: Path) -> ModelExpectation | None:
     return ModelExpectation(type(model).__name__, shapes, tied)
 
 
-def _build(transformers: Any, torch: Any, config: Any) -> Any:
+def _build(transformers: Any, torch: Any, config: Any, trust_remote_code: bool) -> Any:
     names = [a for a in (getattr(config, "architectures", None) or []) if isinstance(a, str)]
     cls = next((getattr(transformers, n) for n in names if hasattr(transformers, n)), None)
     with torch.device("meta"):
         if cls is not None:
             return cls._from_config(config)
         try:
-            return transformers.AutoModelForCausalLM.from_config(config)
+            return transformers.AutoModelForCausalLM.from_config(
+                config, trust_remote_code=trust_remote_code)
         except ValueError:  # no causal LM for this model type
             return None
 
@@ -138,24 +160,3 @@ def tied_without_transformers(config: dict[str, Any], names: Collection[str]) ->
     embeddings = sorted(n for n in names if n.endswith("embed_tokens.weight"))
     return {_LM_HEAD: embeddings[0]} if embeddings else {}
 
-
-_SHOWN = 5
-
-
-def key_problems(shapes: dict[str, tuple[int, ...]], expect: ModelExpectation) -> list[str]:
-    """What the exported tensors (``shapes``: name -> shape, tied targets left out) lack or
-    have too many of, against the model class; empty when they match."""
-    wanted = {k: v for k, v in expect.shapes.items() if k not in expect.tied}
-    missing = sorted(set(wanted) - set(shapes))
-    unexpected = sorted(set(shapes) - set(expect.shapes))
-    wrong = sorted(k for k in set(shapes) & set(wanted) if tuple(shapes[k]) != wanted[k])
-    problems = []
-    for what, keys in (("missing", missing), ("unexpected", unexpected)):
-        if keys:
-            more = f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
-            problems.append(f"{len(keys)} {what} ({', '.join(keys[:_SHOWN])}{more})")
-    if wrong:
-        shown = ", ".join(f"{k} is {list(shapes[k])}, expected {list(wanted[k])}"
-                          for k in wrong[:_SHOWN])
-        problems.append(f"{len(wrong)} of the wrong shape ({shown})")
-    return problems

@@ -10,8 +10,11 @@ them. Tied targets (``lm_head.weight`` with ``tie_word_embeddings``) are decided
 config and not written, after checking that the checkpoint holds the same bytes under
 both names (``untie`` writes both when they differ). Before a byte is written, the
 exported keys and shapes are checked against the config's model class (built on the
-meta device when transformers is installed). Everything is staged in the output folder
-and renamed into place at the end; on any error the output folder is left as it was.
+meta device when transformers is installed, after its declared layer and expert counts
+are bounded by the checkpoint's keys); a model whose class needs custom code is built only
+with ``trust_remote_code`` and otherwise checked against the base's weights
+(:mod:`fsdpckpt.export._keycheck`). Everything is staged in the output folder and renamed
+into place at the end; on any error the output folder is left as it was.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
-from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.export._config import (
     CONFIG,
     SideFiles,
@@ -40,9 +42,16 @@ from fsdpckpt.export._config import (
     side_file_bytes,
 )
 from fsdpckpt.export._fuse_hf import plan_fused
-from fsdpckpt.export._model import (
-    expect_model,
+from fsdpckpt.export._keycheck import (
+    ExportMismatchError,
+    check_against_base,
+    check_declared_sizes,
+    custom_code,
     key_problems,
+)
+from fsdpckpt.export._model import (
+    ModelExpectation,
+    expect_model,
     start_import,
     tied_without_transformers,
 )
@@ -57,10 +66,6 @@ from fsdpckpt.merging.writer import OutputExistsError, commit, sigterm_interrupt
 __all__ = ["export_hf", "ExportResult", "ExportMismatchError"]
 
 
-class ExportMismatchError(FsdpCkptError, ValueError):
-    """The checkpoint's tensors do not match what the config's model class expects."""
-
-
 @dataclass(frozen=True)
 class ExportResult:
     """What :func:`export_hf` wrote.
@@ -73,9 +78,13 @@ class ExportResult:
             (``"bfloat16"``...), as the config now says.
         tied: tied targets left out (``lm_head.weight``), each with the key it is tied to.
         config_from: the ``config.json`` the exported config was made from.
-        model_class: the class the keys were checked against; None when transformers is
-            not installed (then only tied keys were decided, from the config).
+        model_class: the class the keys were checked against; None when it was not built
+            (then tied keys were decided from the config alone).
         seconds: wall time.
+        not_checked: when the model class was not built, what was not checked and why (one
+            line: custom code that runs only with ``trust_remote_code``, transformers not
+            installed...), and what the keys were checked against instead (the base's
+            weights); None when they were checked against the model class.
     """
 
     source: Path | RemotePath
@@ -89,6 +98,7 @@ class ExportResult:
     config_from: Path | RemotePath
     model_class: str | None
     seconds: float
+    not_checked: str | None = None
 
     def to_json(self) -> dict:
         """What ``fsdpckpt export-hf --json`` prints."""
@@ -97,7 +107,7 @@ class ExportResult:
                 "tensors": self.tensors, "bytes": self.bytes, "dtype": self.dtype,
                 "tied": {target: source for target, source in self.tied},
                 "config_from": str(self.config_from), "checked_against": self.model_class,
-                "seconds": round(self.seconds, 3)}
+                "not_checked": self.not_checked, "seconds": round(self.seconds, 3)}
 
 
 def _search_root(layout: CheckpointLayout) -> Path | RemotePath:
@@ -146,7 +156,8 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
               max_shard_size: str | int = "5GB", overwrite: bool = False,
               lora: str | None = None, lora_config: str | os.PathLike[str] | None = None,
               untie: bool = False, progress: ProgressFactory | None = None,
-              storage_options: dict[str, Any] | None = None) -> ExportResult | AdapterExport:
+              storage_options: dict[str, Any] | None = None,
+              trust_remote_code: bool = False) -> ExportResult | AdapterExport:
     """Export a sharded checkpoint to a Hugging Face model folder.
 
     ``AutoModelForCausalLM.from_pretrained(output)`` and ``AutoTokenizer.from_pretrained
@@ -185,6 +196,13 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
             object storage (``{"endpoint_url": ...}``, credentials); None uses the
             environment's. A remote ``output`` is exported into ``$TMPDIR``, then uploaded
             file by file, ``config.json`` last.
+        trust_remote_code: run the custom code the config's ``auto_map`` names (the
+            ``.py`` files of the checkpoint's or ``base``'s folder) to build the model class
+            and check the keys against it. Only for code you trust: it runs as you. Off by
+            default: nothing from a checkpoint, ``base`` or adapter folder runs; a
+            custom-code model is exported with its code files copied, its keys checked
+            against ``base``'s weights when there are any, and
+            :attr:`ExportResult.not_checked` says what was not checked.
 
     Returns:
         The :class:`ExportResult`.
@@ -192,8 +210,10 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     Raises:
         CheckpointNotFoundError: no config or tokenizer found (the message lists where it
             looked), or the checkpoint is missing.
-        ExportMismatchError: the tensors do not match the config's model class (the
-            message lists what is missing, unexpected or of the wrong shape); or the
+        ExportMismatchError: the tensors do not match the config's model class, or the
+            base's weights where the class is not built (the message lists what is missing,
+            unexpected or of the wrong shape); the config declares more layers or experts
+            than the checkpoint's keys show (refused before anything is built); or the
             config ties two tensors the checkpoint holds with different bytes (pass
             ``untie=True``).
         MergePlanError, OutputExistsError, DiskFullError, NotACheckpointError: as for
@@ -209,7 +229,8 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
             out, lambda folder: export_hf(checkpoint, folder, base=base, dtype=dtype,
                                           max_shard_size=max_shard_size, lora=lora,
                                           lora_config=lora_config, untie=untie,
-                                          progress=progress, storage_options=storage_options),
+                                          progress=progress, storage_options=storage_options,
+                                          trust_remote_code=trust_remote_code),
             overwrite=overwrite, last=(CONFIG,))
         return _uploaded(exported, local, out)
     start = time.perf_counter()
@@ -240,6 +261,8 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         shapes = {t.spec.name: tuple(t.spec.shape) for plan in job.plans for f in plan.files
                   for t in f.tensors}
     fixed = exported_config(config, export_dtype, untie=untie)
+    if trust_remote_code or not custom_code(fixed):  # the class may be built: bound it first
+        check_declared_sizes(fixed, shapes, side.config)
     _check_outputs(side, request.output_dir, overwrite)
     # The pairs the config ties, compared while transformers is still importing; the model
     # class (when there is one) decides below which pairs are tied.
@@ -248,24 +271,7 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     with sigterm_interrupts(), staging(request.output_dir) as stage:
         config_file = stage / CONFIG
         write_bytes(config_file, config_bytes(fixed))
-        importing.join()
-        expect = expect_model(stage)
-        if expect is not None:
-            tied = {k: v for k, v in expect.tied.items() if k in shapes}
-        else:
-            tied = tied_without_transformers(fixed, shapes)
-        if expect is not None:
-            problems = key_problems({k: v for k, v in shapes.items() if k not in tied}, expect)
-            if problems:
-                raise ExportMismatchError(
-                    f"{request.sources[0].folder.path}: does not match {expect.model_class} "
-                    f"as {side.config} describes it: " + "; ".join(problems) + "; pass --base "
-                    "with the config of the model this run trained")
-        if fused is None and tied:
-            compared.update(_compare_tied(job, {k: v for k, v in tied.items()
-                                                if (k, v) not in compared}))
-            _refuse_differing(request, tied, compared, side.config)
-            job = plan_job(_excluding(request, sorted(tied)))
+        # Staged before the class is built: custom code, when trusted, is loaded from here.
         copies: list[Path] = []
         nested: list[Path] = []
         for source, name in side.copied:
@@ -273,6 +279,28 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
             target.parent.mkdir(exist_ok=True)
             write_bytes(target, side_file_bytes(source))  # small, size checked; durably
             (copies if target.parent == stage else nested).append(target)
+        importing.join()
+        expect = expect_model(stage, fixed, trust_remote_code=trust_remote_code)
+        not_checked = None
+        if isinstance(expect, ModelExpectation):
+            tied = {k: v for k, v in expect.tied.items() if k in shapes}
+            problems = key_problems({k: v for k, v in shapes.items() if k not in tied},
+                                    expect.shapes, expect.tied)
+            if problems:
+                raise ExportMismatchError(
+                    f"{request.sources[0].folder.path}: does not match {expect.model_class} "
+                    f"as {side.config} describes it: " + "; ".join(problems) + "; pass --base "
+                    "with the config of the model this run trained")
+        else:  # not built: the reason says why; the base's own weight names, if any
+            tied = tied_without_transformers(fixed, shapes)
+            not_checked = check_against_base(
+                {k: v for k, v in shapes.items() if k not in tied}, tied, base_at, expect,
+                request.sources[0].folder.path)
+        if fused is None and tied:
+            compared.update(_compare_tied(job, {k: v for k, v in tied.items()
+                                                if (k, v) not in compared}))
+            _refuse_differing(request, tied, compared, side.config)
+            job = plan_job(_excluding(request, sorted(tied)))
         if fused is not None:
             staged_weights, count = fused.write(stage, dtype=dtype, exclude=set(tied),
                                                 limit=request.options.max_shard_size,
@@ -293,8 +321,8 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
         files = nested_files + commit([*copies, config_file], request.output_dir)
     return ExportResult(result.source, request.output_dir, result.files, tuple(files),
                         result.tensors, result.bytes, export_dtype, tuple(sorted(tied.items())),
-                        side.config, expect.model_class if expect else None,
-                        time.perf_counter() - start)
+                        side.config, expect.model_class if isinstance(expect, ModelExpectation)
+                        else None, time.perf_counter() - start, not_checked)
 
 
 def _excluding(request: MergeRequest, names: list[str]) -> MergeRequest:

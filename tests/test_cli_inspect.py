@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -246,7 +247,8 @@ def eight_ranks(tmp_path):
         "model.w": torch.arange(12.0).reshape(3, 4),    # 1 row each on ranks 0-2
         "model.big": torch.zeros(64, 16)}, world=8)
     for rank in range(8):
-        (root / f"random_states_{rank}.pkl").write_bytes(b"x" * 100)
+        shutil.copy(FIXTURES / "fsdp2_accelerate" / "random_states_0.pkl",
+                    root / f"random_states_{rank}.pkl")  # a real RNG file: inspect decodes it
     return root
 
 

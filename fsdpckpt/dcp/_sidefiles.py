@@ -26,7 +26,12 @@ from fsdpckpt.dcp._objects import _OBJECT_GLOBALS, TensorValue, check_plain_valu
 from fsdpckpt.dcp._rngfile import read_rng_archive, rng_fields
 from fsdpckpt.dcp._ziparchive import open_archive, read_entry
 from fsdpckpt.dcp.checks import Problem
-from fsdpckpt.errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
+from fsdpckpt.errors import (
+    CheckpointNotFoundError,
+    FsdpCkptError,
+    NotACheckpointError,
+    UnsafePickleError,
+)
 
 __all__ = ["read_state_file", "check_side_files", "stray_temporaries", "MAX_CHECKED_BYTES"]
 
@@ -63,8 +68,10 @@ def _size(path: Path | RemotePath, what: str) -> int:
 
 def _one_line(path: Path | RemotePath, what: str, exc: Exception) -> FsdpCkptError:
     text = " ".join(str(exc).split())
-    if isinstance(exc, FsdpCkptError):  # the reader's own error: keep its class, one line
-        return exc if text == str(exc) else type(exc)(text)
+    if isinstance(exc, UnsafePickleError):
+        return exc if text == str(exc) else UnsafePickleError(text)
+    if isinstance(exc, FsdpCkptError):  # the archive reader's too: one class, as for RNG files
+        return NotACheckpointError(text)
     return NotACheckpointError(
         f"{path}: not a readable {what} file ({type(exc).__name__}: {text[:200]}); it is "
         "damaged (cut short by a full disk?) or not a torch.save file. Use an earlier "

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import fsdpckpt
+
 from conftest import FIXTURES, ROOT, hostile_pickle
 from conftest import run_cli as run
 

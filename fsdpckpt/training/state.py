@@ -288,12 +288,6 @@ class _Finish:
         everywhere(on_rank_zero)
 
 
-def _load_trusted(path: Path | RemotePath, what: str = "state") -> Any:
-    # The reader inspect and verify check side files with (never torch.load), then torch's
-    # tensors for its stand-ins.
-    return to_torch(read_state_file(path, what))
-
-
 def _read_everything(root: Path | RemotePath, models: list, optimizers: list, schedulers: list,
                      scaler: Any, extra: Mapping[str, Any], rank: int, world: int) -> Any:
     """Read and check every part of a checkpoint before any training state changes.
@@ -305,6 +299,10 @@ def _read_everything(root: Path | RemotePath, models: list, optimizers: list, sc
     model_readers = [safe_storage_reader(model_folder(root, i)) for i in range(len(models))]
     optimizer_readers = [safe_storage_reader(optimizer_folder(root, i))
                          for i in range(len(optimizers))]
+    def _load_trusted(path: Path | RemotePath, what: str = "state") -> Any:
+        # The reader inspect and verify check side files with (never torch.load).
+        return to_torch(read_state_file(path, what))
+
     scheduler_states = [_load_trusted(scheduler_file(root, i, reading=True), "scheduler state")
                         for i in range(len(schedulers))]
     scaler_state = _load_trusted(root / "scaler.pt", "scaler state") if scaler is not None \

@@ -242,6 +242,17 @@ for i, size in enumerate(sizes):
     entry.update(judged(f"{{disk}}/ckpt"))
     results["saves"].append(entry)
 
+# An asynchronous save: the full disk surfaces in save_state or in wait().
+disk = f"{{work}}/async"
+mount(disk, "64k")
+model, optimizer = model_and_optimizer(256)
+try:
+    fsdpckpt.save_state(f"{{disk}}/ckpt", model, optimizer, step=3, async_save=True).wait()
+    results["async_raised"] = None
+except BaseException as exc:
+    results["async_raised"], results["async_message"] = type(exc).__name__, str(exc)
+results["async_left"] = files(f"{{disk}}/ckpt")
+
 # The manager: step 1 fits, step 2 does not.
 disk = f"{{work}}/managed"
 mount(disk, "400k")
@@ -327,3 +338,32 @@ def test_a_cli_verify_of_a_full_disk_leftover_is_one_line(tmp_path):
     result = run("verify", ckpt)
     assert result.exit_code == 1
     assert "scheduler.bin" in result.stdout and "never finished" in result.stdout
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_leaves_nothing(
+        tmp_path, failing_rank):
+    import workers
+    from multirank import run_ranks
+
+    ckpt = tmp_path / "ckpt"
+    raised = run_ranks(workers.save_into_a_full_disk, str(ckpt), failing_rank)
+    name, message = raised[failing_rank]
+    assert name == "DiskFullError"
+    assert message.startswith(f"{ckpt / f'random_states_{failing_rank}.pkl'}: no space left")
+    other = raised[1 - failing_rank]
+    assert other and str(ckpt / f"random_states_{failing_rank}.pkl") in other[1]  # no hang
+    assert list(ckpt.iterdir()) == []
+    with pytest.raises(fsdpckpt.NotACheckpointError):
+        fsdpckpt.verify_checkpoint(ckpt)
+
+
+def test_an_async_save_into_a_full_disk_raises_disk_full_error_and_leaves_nothing(
+        full_disk_runs):
+    # From save_state (a side file) or from wait() (the background write), whichever the
+    # full disk reaches first; the background write has ended before the files go.
+    assert full_disk_runs["async_raised"] == "DiskFullError", full_disk_runs.get("async_message")
+    assert "/ckpt/" in full_disk_runs["async_message"]
+    assert ": no space left on the device" in full_disk_runs["async_message"]
+    assert full_disk_runs["async_left"] == []

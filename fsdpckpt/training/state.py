@@ -10,6 +10,7 @@ anything is changed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -19,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.checksums import new_digest
-from fsdpckpt._io.durable import fsync_dir, write_bytes
+from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp._objects import to_torch
 from fsdpckpt.dcp._sidefiles import read_state_file
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 from fsdpckpt.training import _remote
+from fsdpckpt.training._commit import AsyncSave, Finish
 from fsdpckpt.training._dcp_io import safe_load_planner, safe_storage_reader
 from fsdpckpt.training._diskfull import raising_disk_full, removed_on_failure
 from fsdpckpt.training._dist import async_group, dcp_call, dist_or_none, everywhere, rank_world
@@ -38,11 +40,8 @@ from fsdpckpt.training._layout import (
 from fsdpckpt.training._rng import prepare_rng, rng_state_bytes, torch_save_bytes
 from fsdpckpt.training._statecheck import compare, flatten, mismatch_message
 from fsdpckpt.training.manifest import (
-    MANIFEST,
     FileRecord,
-    build_manifest,
     checksum_writer,
-    write_manifest,
 )
 
 __all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError",
@@ -77,32 +76,6 @@ class LoadResult:
     step: int | None
     restored: tuple[str, ...]
     warnings: tuple[str, ...]
-
-
-class AsyncSave:
-    """The handle :func:`save_state` returns with ``async_save=True``.
-
-    The checkpoint is complete only once :meth:`wait` has returned on every rank.
-    """
-
-    def __init__(self, futures: list[Any], finish: Any) -> None:
-        self._futures, self._finish, self._finished = futures, finish, False
-
-    @property
-    def manifest_digest(self) -> str | None:
-        """The digest of the manifest written by :meth:`wait` (rank 0), else None."""
-        return self._finish.digest
-
-    def done(self) -> bool:
-        """Whether every part has been written (no waiting); the manifest comes with wait()."""
-        return all(f.done() for f in self._futures)
-
-    def wait(self) -> None:
-        """Block until every part is written; call it on every rank."""
-        everywhere(lambda: [future.result() for future in self._futures])
-        if not self._finished:
-            self._finish()
-            self._finished = True
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -242,50 +215,18 @@ def _save(root: Path | RemotePath, models: list[Any], optimizers: list[Any], sch
             for path, obj in shared:
                 write_side(path, torch_save_bytes(obj.state_dict()))
 
-    everywhere(write_side_files)  # a rank that fails here fails the save on every rank
-    finish = _Finish(root, records, step, manifest=manifest, digest=digest)
+    try:
+        everywhere(write_side_files)  # a rank that fails here fails the save on every rank
+    except BaseException:
+        for future in futures:  # background writes end before what they wrote is removed
+            with contextlib.suppress(BaseException):
+                future.result()
+        raise
+    finish = Finish(root, records, step, manifest=manifest, digest=digest)
     if async_save:
         return AsyncSave(futures, finish)
     finish()
     return None
-
-
-class _Finish:
-    """Completes a save on every rank: gathers the checksums, rank 0 writes the manifest."""
-
-    def __init__(self, root: Path | RemotePath, records: dict[str, dict[str, FileRecord]],
-                 step: int | None, *, manifest: bool, digest: str | None) -> None:
-        self.root, self.records, self.step, self.manifest = root, records, step, manifest
-        self.file_digest = digest
-        self.digest: str | None = None  # the manifest's own, once written (rank 0)
-
-    def __call__(self) -> None:
-        files = {(f"{folder}/{name}" if folder else name): value
-                 for folder, entries in self.records.items() for name, value in entries.items()}
-        dist = dist_or_none()
-        rank, world = rank_world()
-        if dist and self.manifest:
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, files)
-            files = {k: v for part in gathered for k, v in part.items()}
-        def on_rank_zero() -> None:
-            if rank == 0 and self.manifest:
-                if isinstance(self.root, RemotePath):  # the other ranks' files, listed anew
-                    _remote.refresh(self.root)
-                with raising_disk_full(self.root / MANIFEST):
-                    self.digest = write_manifest(self.root, build_manifest(
-                        self.root, files, world_size=world, step=self.step,
-                        digest=self.file_digest))
-                log.info("fsdpckpt: saved %s; manifest digest %s (keep it elsewhere; "
-                         "`fsdpckpt verify --expect-digest` checks the checkpoint against it)",
-                         self.root, self.digest)
-                if isinstance(self.root, RemotePath):
-                    _remote.end_save(self.root)  # committed: the intent marker goes
-                    return
-                for folder in [self.root] + [self.root / f for f in self.records if f]:
-                    fsync_dir(folder)
-
-        everywhere(on_rank_zero)
 
 
 def _read_everything(root: Path | RemotePath, models: list, optimizers: list, schedulers: list,

@@ -51,16 +51,29 @@ def _full_checkpoint(folder: Path, manifest: bool = False) -> Path:
     manifest by default, as Accelerate saves (the case where verify had only the files)."""
     model, optimizer = _model_and_optimizer()
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
-    fsdpckpt.save_state(folder, model, optimizer, scheduler, step=5, scaler=_Counter(4),
-                        extra={"counter": _Counter(9)}, manifest=manifest)
+    fsdpckpt.save_state(
+        folder,
+        model,
+        optimizer,
+        scheduler,
+        step=5,
+        scaler=_Counter(4),
+        extra={"counter": _Counter(9)},
+        manifest=manifest,
+    )
     return folder
 
 
 def _load(folder: Path) -> None:
     model, optimizer = _model_and_optimizer()
-    fsdpckpt.load_state(folder, model, optimizer,
-                        torch.optim.lr_scheduler.StepLR(optimizer, step_size=2),
-                        scaler=_Counter(), extra={"counter": _Counter()})
+    fsdpckpt.load_state(
+        folder,
+        model,
+        optimizer,
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=2),
+        scaler=_Counter(),
+        extra={"counter": _Counter()},
+    )
 
 
 def _problems(folder: Path) -> dict[str, str]:
@@ -80,8 +93,10 @@ def test_an_empty_scheduler_file_fails_verify_and_inspect_names_it(tmp_path):
     result = run("verify", ckpt)
     assert result.exit_code == 1
     assert f"{ckpt / 'scheduler.bin'}: is empty (0 bytes)" in result.stdout
-    assert "is empty (0 bytes), not a scheduler state file" in _problems(ckpt)[
-        str(ckpt / "scheduler.bin")]
+    assert (
+        "is empty (0 bytes), not a scheduler state file"
+        in _problems(ckpt)[str(ckpt / "scheduler.bin")]
+    )
     inspected = run("inspect", ckpt)
     assert inspected.exit_code == 1 and "scheduler.bin" in inspected.stdout
     assert "Structure: OK" not in inspected.stdout
@@ -125,7 +140,7 @@ def test_a_cut_sampler_file_is_reported_though_fsdpckpt_never_loads_it(tmp_path)
     ckpt = _full_checkpoint(tmp_path / "ckpt")
     torch.save({"epoch": 1, "seed": 3}, ckpt / "sampler.bin")
     data = (ckpt / "sampler.bin").read_bytes()
-    (ckpt / "sampler.bin").write_bytes(data[:len(data) // 2])
+    (ckpt / "sampler.bin").write_bytes(data[: len(data) // 2])
     assert str(ckpt / "sampler.bin") in _problems(ckpt)
 
 
@@ -152,7 +167,8 @@ def _swap_data_pkl(path: Path, data: bytes) -> None:
 
 
 def test_a_full_disk_while_writing_a_side_file_raises_disk_full_error_and_leaves_nothing(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     # Simulated at fsdpckpt's write of side files: the file is cut at 4096 bytes and the
     # OS says ENOSPC, as a full disk does (the real full disk is below).
     import errno
@@ -282,9 +298,13 @@ def full_disk_runs(tmp_path_factory):
         pytest.skip("no unshare: a real full disk (a tmpfs) cannot be mounted here")
     work = tmp_path_factory.mktemp("disks")
     code = textwrap.dedent(_SCENARIO).format(tests=str(ROOT / "tests"), work=str(work))
-    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable,
-                           "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     if "RESULT" not in proc.stdout:
         if "mount" in proc.stderr or "unshare" in proc.stderr:
             pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()[-300:]}")
@@ -343,7 +363,8 @@ def test_a_cli_verify_of_a_full_disk_leftover_is_one_line(tmp_path):
 @pytest.mark.multirank
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_leaves_nothing(
-        tmp_path, failing_rank):
+    tmp_path, failing_rank
+):
     import workers
     from multirank import run_ranks
 
@@ -359,8 +380,7 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank_and_leaves_nothing
         fsdpckpt.verify_checkpoint(ckpt)
 
 
-def test_an_async_save_into_a_full_disk_raises_disk_full_error_and_leaves_nothing(
-        full_disk_runs):
+def test_an_async_save_into_a_full_disk_raises_disk_full_error_and_leaves_nothing(full_disk_runs):
     # From save_state (a side file) or from wait() (the background write), whichever the
     # full disk reaches first; the background write has ended before the files go.
     assert full_disk_runs["async_raised"] == "DiskFullError", full_disk_runs.get("async_message")

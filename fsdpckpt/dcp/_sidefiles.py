@@ -41,8 +41,11 @@ __all__ = ["read_state_file", "check_side_files", "stray_temporaries", "MAX_CHEC
 MAX_CHECKED_BYTES = 64 * 2**20
 
 #: What each kind of side file holds, in messages.
-_STATE_KINDS = {"scheduler": "scheduler state", "scaler": "scaler state",
-                "custom": "custom checkpoint state"}
+_STATE_KINDS = {
+    "scheduler": "scheduler state",
+    "scaler": "scaler state",
+    "custom": "custom checkpoint state",
+}
 #: Side files fsdpckpt never loads: their archive is checked, not unpickled.
 _ARCHIVE_KINDS = ("sampler", "dataloader", "training_args", "extra_state")
 
@@ -60,9 +63,11 @@ def _size(path: Path | RemotePath, what: str) -> int:
     except OSError as exc:
         raise NotACheckpointError(f"{path}: cannot read the {what} file ({exc})") from None
     if size == 0:
-        raise NotACheckpointError(f"{path}: is empty (0 bytes), not a {what} file: the save "
-                                  "that wrote it did not finish (a full disk?); use an earlier "
-                                  "checkpoint, or delete the file to resume without it")
+        raise NotACheckpointError(
+            f"{path}: is empty (0 bytes), not a {what} file: the save "
+            "that wrote it did not finish (a full disk?); use an earlier "
+            "checkpoint, or delete the file to resume without it"
+        )
     return size
 
 
@@ -75,7 +80,8 @@ def _one_line(path: Path | RemotePath, what: str, exc: Exception) -> FsdpCkptErr
     return NotACheckpointError(
         f"{path}: not a readable {what} file ({type(exc).__name__}: {text[:200]}); it is "
         "damaged (cut short by a full disk?) or not a torch.save file. Use an earlier "
-        "checkpoint, or delete the file to resume without it")
+        "checkpoint, or delete the file to resume without it"
+    )
 
 
 def read_state_file(path: Path | RemotePath, what: str = "state") -> Any:
@@ -99,14 +105,17 @@ def read_state_file(path: Path | RemotePath, what: str = "state") -> Any:
     size = _size(path, what)
     try:
         with _open(path) as file:
-            value = read_archive_with_tensors(file, 0, size, source=str(path),
-                                              allowed=_OBJECT_GLOBALS, make_tensor=TensorValue)
+            value = read_archive_with_tensors(
+                file, 0, size, source=str(path), allowed=_OBJECT_GLOBALS, make_tensor=TensorValue
+            )
         check_plain_value(value, source=str(path))
     except Exception as exc:  # noqa: BLE001 - any failure on damaged bytes is one line
         raise _one_line(path, what, exc) from None
     if what != "state" and not isinstance(value, dict):  # a state_dict() is always a dict
-        raise NotACheckpointError(f"{path}: holds a {type(value).__name__}, not a {what}; the "
-                                  "file is damaged or not the one saved with this checkpoint")
+        raise NotACheckpointError(
+            f"{path}: holds a {type(value).__name__}, not a {what}; the "
+            "file is damaged or not the one saved with this checkpoint"
+        )
     return value
 
 
@@ -121,7 +130,8 @@ def _check_archive(path: Path | RemotePath, what: str) -> None:
                     if info.compress_type != zipfile.ZIP_STORED:
                         raise NotACheckpointError(
                             f"{path}: the archive entry {info.filename[:80]!r} is compressed, "
-                            "which torch.save never writes")
+                            "which torch.save never writes"
+                        )
                     read_entry(archive, info, source=str(path), start=0)
     except Exception as exc:  # noqa: BLE001 - one line
         raise _one_line(path, what, exc) from None
@@ -155,14 +165,23 @@ def check_side_files(root: Path | RemotePath, files: Any) -> list[Problem]:
         except FsdpCkptError as exc:
             message = str(exc)
             prefix = f"{path}: "
-            problems.append(Problem(str(path), message[len(prefix):]
-                                    if message.startswith(prefix) else message))
+            problems.append(
+                Problem(
+                    str(path), message[len(prefix) :] if message.startswith(prefix) else message
+                )
+            )
     return problems
 
 
 def stray_temporaries(root: Path | RemotePath, other_files: tuple[str, ...]) -> list[Problem]:
     """The temporary files (``*.tmp``) among ``other_files``: a save that did not finish."""
-    return [Problem(str(root / name), "stray temporary file: a save that did not finish left "
-                    "it (a full disk, a crash), so this folder is not a committed checkpoint; "
-                    "use an earlier checkpoint, or save again")
-            for name in other_files if name.endswith(".tmp") or name.endswith(".tmp/")]
+    return [
+        Problem(
+            str(root / name),
+            "stray temporary file: a save that did not finish left "
+            "it (a full disk, a crash), so this folder is not a committed checkpoint; "
+            "use an earlier checkpoint, or save again",
+        )
+        for name in other_files
+        if name.endswith(".tmp") or name.endswith(".tmp/")
+    ]

@@ -60,32 +60,53 @@ class AsyncSave:
 class Finish:
     """Completes a save on every rank: gathers the checksums, rank 0 writes the manifest."""
 
-    def __init__(self, root: Path | RemotePath, records: dict[str, dict[str, FileRecord]],
-                 step: int | None, *, manifest: bool, digest: str | None) -> None:
+    def __init__(
+        self,
+        root: Path | RemotePath,
+        records: dict[str, dict[str, FileRecord]],
+        step: int | None,
+        *,
+        manifest: bool,
+        digest: str | None,
+    ) -> None:
         self.root, self.records, self.step, self.manifest = root, records, step, manifest
         self.file_digest = digest
         self.digest: str | None = None  # the manifest's own, once written (rank 0)
 
     def __call__(self) -> None:
-        files = {(f"{folder}/{name}" if folder else name): value
-                 for folder, entries in self.records.items() for name, value in entries.items()}
+        files = {
+            (f"{folder}/{name}" if folder else name): value
+            for folder, entries in self.records.items()
+            for name, value in entries.items()
+        }
         dist = dist_or_none()
         rank, world = rank_world()
         if dist and self.manifest:
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, files)
             files = {k: v for part in gathered for k, v in part.items()}
+
         def on_rank_zero() -> None:
             if rank == 0 and self.manifest:
                 if isinstance(self.root, RemotePath):  # the other ranks' files, listed anew
                     _remote.refresh(self.root)
                 with raising_disk_full(self.root / MANIFEST):
-                    self.digest = write_manifest(self.root, build_manifest(
-                        self.root, files, world_size=world, step=self.step,
-                        digest=self.file_digest))
-                log.info("fsdpckpt: saved %s; manifest digest %s (keep it elsewhere; "
-                         "`fsdpckpt verify --expect-digest` checks the checkpoint against it)",
-                         self.root, self.digest)
+                    self.digest = write_manifest(
+                        self.root,
+                        build_manifest(
+                            self.root,
+                            files,
+                            world_size=world,
+                            step=self.step,
+                            digest=self.file_digest,
+                        ),
+                    )
+                log.info(
+                    "fsdpckpt: saved %s; manifest digest %s (keep it elsewhere; "
+                    "`fsdpckpt verify --expect-digest` checks the checkpoint against it)",
+                    self.root,
+                    self.digest,
+                )
                 if isinstance(self.root, RemotePath):
                     _remote.end_save(self.root)  # committed: the intent marker goes
                     return

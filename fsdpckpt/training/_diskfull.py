@@ -73,12 +73,17 @@ def disk_full(exc: BaseException, where: Path | RemotePath) -> DiskFullError | N
         if isinstance(cause, DiskFullError):
             return cause
         full = (isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)) or (
-            isinstance(cause, RuntimeError) and any(t in str(cause) for t in _TORCH_WRITE_FAILURES)
-            and _no_space_left(where))
+            isinstance(cause, RuntimeError)
+            and any(t in str(cause) for t in _TORCH_WRITE_FAILURES)
+            and _no_space_left(where)
+        )
         if full:
-            return DiskFullError(errno.ENOSPC, f"{where}: no space left on the device while "
-                                 "saving; the save did not finish and the files it wrote were "
-                                 "removed. Free space (or save elsewhere) and save again")
+            return DiskFullError(
+                errno.ENOSPC,
+                f"{where}: no space left on the device while "
+                "saving; the save did not finish and the files it wrote were "
+                "removed. Free space (or save elsewhere) and save again",
+            )
     return None
 
 
@@ -108,8 +113,11 @@ def removed_on_failure(root: Path | RemotePath, remove: Any, *, rank: int) -> It
     try:
         yield
     except BaseException as exc:
-        if rank == 0 and not isinstance(root, RemotePath) and \
-                not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if (
+            rank == 0
+            and not isinstance(root, RemotePath)
+            and not isinstance(exc, (KeyboardInterrupt, SystemExit))
+        ):
             with contextlib.suppress(OSError):
                 remove(root)
                 for leftover in Path(root).glob("*.tmp"):

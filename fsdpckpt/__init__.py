@@ -21,6 +21,7 @@ from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DiskFullError,
     FsdpCkptError,
     NotACheckpointError,
     UnsafePickleError,
@@ -36,7 +37,7 @@ def __getattr__(name: str):
         "MergeResult": "merging.merger", "load_full_state_dict": "merging.full",
         "convert": "merging.to_dcp", "ConvertResult": "merging.to_dcp",
         "plan_merge": "merging.plan", "MergePlan": "merging.plan", "MergePlanError": "merging.plan",
-        "OutputExistsError": "merging.writer", "DiskFullError": "merging.writer",
+        "OutputExistsError": "merging.writer",
         "OutputNotWritableError": "merging.writer",
         "save_state": "training.state", "load_state": "training.state",
         "LoadResult": "training.state",

@@ -15,6 +15,7 @@ __all__ = [
     "NotACheckpointError",
     "UnsafePickleError",
     "CorruptCheckpointError",
+    "DiskFullError",
 ]
 
 
@@ -36,6 +37,17 @@ class UnsafePickleError(FsdpCkptError, pickle.UnpicklingError):
 
 class CorruptCheckpointError(FsdpCkptError, ValueError):
     """A checkpoint's files disagree with its metadata (truncated, missing, garbled)."""
+
+
+class _MessageOnly(OSError):
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28]"
+        return str(self.strerror)
+
+
+class DiskFullError(FsdpCkptError, _MessageOnly):
+    """The file system being written has not enough free space (``errno`` is ``ENOSPC``):
+    a merge's output, or a ``save_state`` that ran out of space (the message names the
+    path; nothing of that save is left that could pass for a checkpoint)."""
 
 
 #: Set on an error that a lower rank of the same process group also raised, with the same

@@ -80,7 +80,8 @@ def test_inspect_of_a_huge_rank_file_name_is_bounded(accelerate_ckpt, tmp_path, 
 
 
 def test_inspect_of_a_huge_rng_rank_is_bounded(accelerate_ckpt, tmp_path):
-    (accelerate_ckpt / "random_states_10000000.pkl").write_bytes(b"")
+    shutil.copy(accelerate_ckpt / "random_states_0.pkl",
+                accelerate_ckpt / "random_states_10000000.pkl")
     out = _bounded(f"""
         doc = fsdpckpt.inspect_checkpoint({str(accelerate_ckpt)!r})
         print("PROBLEMS", len(doc["problems"]), doc["problems"][-1]["message"])
@@ -91,7 +92,7 @@ def test_inspect_of_a_huge_rng_rank_is_bounded(accelerate_ckpt, tmp_path):
 def test_missing_rng_ranks_are_named_then_counted(accelerate_ckpt):
     from fsdpckpt.inspection.inspect import inspect_checkpoint
 
-    (accelerate_ckpt / "random_states_9.pkl").write_bytes(b"")
+    shutil.copy(accelerate_ckpt / "random_states_0.pkl", accelerate_ckpt / "random_states_9.pkl")
     messages = [p["message"] for p in inspect_checkpoint(accelerate_ckpt)["problems"]]
     assert messages == [f"no RNG state file for rank {r}" for r in range(2, 7)] + \
         ["no RNG state file for 2 more ranks below 10"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -246,7 +247,8 @@ def eight_ranks(tmp_path):
         "model.w": torch.arange(12.0).reshape(3, 4),    # 1 row each on ranks 0-2
         "model.big": torch.zeros(64, 16)}, world=8)
     for rank in range(8):
-        (root / f"random_states_{rank}.pkl").write_bytes(b"x" * 100)
+        shutil.copy(FIXTURES / "fsdp2_accelerate" / "random_states_0.pkl",
+                    root / f"random_states_{rank}.pkl")  # a real RNG file: inspect decodes it
     return root
 
 
@@ -287,3 +289,39 @@ def test_a_tensor_without_elements_is_called_empty():
 
     chunks = tuple(Chunk((0,), (0,), f"__{r}_0.distcp", 0, 100) for r in range(8))
     assert sharding_of(TensorEntry("e", DTYPES["float32"], (0,), chunks, ("e",))) == "empty"
+
+
+# --- a folder of checkpoints: the answer merge gives ---------------------------------------
+
+def _lightning_ckpts(tmp_path):
+    # Lightning's FSDP strategy: one DCP folder per checkpoint, named *.ckpt/.
+    for name in ("epoch=0-step=10.ckpt", "epoch=1-step=20.ckpt"):
+        shutil.copytree(DCP_FOLDERS["dtensor"], tmp_path / "ckpts" / name)
+    return tmp_path / "ckpts"
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "merge"])
+def test_a_folder_of_dcp_checkpoints_is_listed_with_the_newest_named(tmp_path, command):
+    ckpts = _lightning_ckpts(tmp_path)
+    extra = [tmp_path / "out"] if command == "merge" else []
+    result = run(command, ckpts, *extra)
+    assert_one_line_error(result, "holds 2 checkpoints (epoch=0-step=10.ckpt, "
+                          "epoch=1-step=20.ckpt)", f"the newest: {ckpts / 'epoch=1-step=20.ckpt'}")
+    assert "Structure: OK" not in result.stdout
+
+
+def test_inspect_json_of_a_folder_of_checkpoints_gives_the_same_answer(tmp_path):
+    ckpts = _lightning_ckpts(tmp_path)
+    result = run("inspect", "--json", ckpts)
+    assert_one_line_error(result, "holds 2 checkpoints", "epoch=1-step=20.ckpt")
+    assert result.stdout == ""  # no document that would call it one checkpoint
+
+
+def test_inspect_of_an_accelerate_checkpoints_folder_names_the_newest(tmp_path):
+    for step in (0, 1, 2):
+        shutil.copytree(FIXTURES / "fsdp2_accelerate", tmp_path / "checkpoints" /
+                        f"checkpoint_{step}")
+    result = run("inspect", tmp_path / "checkpoints")
+    newest = tmp_path / "checkpoints" / "checkpoint_2"
+    assert_one_line_error(result, "holds 3 checkpoints (checkpoint_0, checkpoint_1, "
+                          "checkpoint_2)", f"the newest: {newest}")

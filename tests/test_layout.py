@@ -125,3 +125,34 @@ def test_many_checkpoints_show_the_oldest_and_the_newest(tmp_path):
     assert ("holds 12 checkpoints (checkpoint-100, checkpoint-200, ..., checkpoint-1100, "
             "checkpoint-1200)") in message
     assert message.endswith(str(tmp_path / "checkpoint-1200"))
+
+
+def test_a_lightning_folder_of_dcp_checkpoints_lists_them_and_names_the_newest(tmp_path):
+    import shutil
+
+    # Lightning's FSDP strategy saves each checkpoint as a DCP folder named *.ckpt/.
+    for name in ("epoch=1-step=20.ckpt", "epoch=0-step=10.ckpt"):
+        shutil.copytree(DCP_FOLDERS["dtensor"], tmp_path / "ckpts" / name)
+    message = _refusal(tmp_path / "ckpts")
+    assert "holds 2 checkpoints (epoch=0-step=10.ckpt, epoch=1-step=20.ckpt)" in message
+    assert message.endswith(f"e.g. the newest: {tmp_path / 'ckpts' / 'epoch=1-step=20.ckpt'}")
+
+
+def test_a_torchtune_output_of_epoch_folders_lists_them_and_names_the_newest(tmp_path):
+    import shutil
+
+    for epoch in range(3):
+        shutil.copytree(DCP_FOLDERS["dtensor"], tmp_path / "output" / f"epoch_{epoch}")
+    (tmp_path / "output" / "epoch_2" / ".metadata").unlink()  # its save never finished
+    message = _refusal(tmp_path / "output")
+    assert "holds 3 checkpoints (epoch_0, epoch_1, epoch_2)" in message
+    assert message.endswith(f"(epoch_2 is not): {tmp_path / 'output' / 'epoch_1'}")
+
+
+def test_one_dcp_folder_beside_a_model_folder_is_still_one_checkpoint(tmp_path):
+    import shutil
+
+    ckpt = shutil.copytree(FIXTURES / "fsdp2_accelerate", tmp_path / "ckpt")
+    shutil.copytree(DCP_FOLDERS["dtensor"], ckpt / "ema")
+    layout = find_layout(ckpt)
+    assert [p.name for p in layout.parts] == ["pytorch_model_fsdp_0", "optimizer_0", "ema"]

@@ -228,3 +228,26 @@ def restore_latest(rank: int, world: int, root: str) -> int | None:
     model = wrap(make_model(), "fsdp2")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     return fsdpckpt.CheckpointManager(root, keep_last=3).restore(model=model, optimizer=optimizer)
+
+
+def save_into_a_full_disk(rank: int, world: int, ckpt: str, failing_rank: int) -> list:
+    """save_state where one rank's disk is full when it writes its RNG file (cut at 4096
+    bytes, then ENOSPC, as a full disk does); what each rank raised."""
+    import errno
+    from pathlib import Path
+
+    from fsdpckpt.training import state
+
+    if rank == failing_rank:
+        def short_write(path, data, *, sync=True):
+            Path(path).write_bytes(data[:4096])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        state.write_bytes = short_write
+    model = wrap(make_model(), "fsdp2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    try:
+        fsdpckpt.save_state(ckpt, model, optimizer, step=1)
+    except fsdpckpt.FsdpCkptError as exc:
+        return [type(exc).__name__, str(exc)]
+    return []

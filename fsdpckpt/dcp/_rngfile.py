@@ -25,7 +25,7 @@ from typing import Any
 
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._archive import is_plain_int, read_archive_with_tensors
-from fsdpckpt.dcp._objects import TensorValue, latin1_bytes
+from fsdpckpt.dcp._objects import TensorValue, latin1_bytes, to_torch
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
@@ -187,8 +187,13 @@ def _check_entries(file: Any, size: int, path: Path | RemotePath) -> None:
                     "than the file, which torch.save never writes; it is not an RNG state file")
 
 
-def rng_fields(state: dict[Any, Any], path: Path | RemotePath) -> dict[str, Any]:
+def rng_fields(state: dict[Any, Any], path: Path | RemotePath, *,
+               build: bool = True) -> dict[str, Any]:
     """Check every field of a decoded RNG file and build the real values, under Accelerate's keys.
+
+    With ``build=False`` (``inspect`` and ``verify``, which never import torch) every field
+    is checked the same way and torch's states stay
+    :class:`~fsdpckpt.dcp._objects.TensorValue`.
 
     Returns:
         ``{"step", "random_state", "numpy_random_seed", "torch_manual_seed",
@@ -216,6 +221,8 @@ def rng_fields(state: dict[Any, Any], path: Path | RemotePath) -> dict[str, Any]
             raise NotACheckpointError(f"{path}: field {_show(key)}: {exc}; the file is damaged or "
                                       "not an RNG state file. Delete it to resume without it.") \
                 from None
+    if build:
+        out = {name: to_torch(value) for name, value in out.items()}
     if "numpy_random_seed" in out and out["numpy_random_seed"] is None:
         del out["numpy_random_seed"]
         warnings.warn(f"{path}: numpy is not installed, so its RNG state was not restored",
@@ -322,14 +329,14 @@ def _same(got: Any, expected: tuple[Any, ...]) -> bool:
 
 
 def _byte_tensor(value: Any, sizes: tuple[int, ...] | None, what: str) -> Any:
-    """A real uint8 tensor from a decoded one that is exactly a whole 1-d byte storage."""
+    """A decoded uint8 tensor, checked to be exactly a whole 1-d byte storage."""
     if not (isinstance(value, TensorValue) and value.dtype.name == "uint8"
             and len(value.shape) == 1 and value.stride == (1,) and value.storage_offset == 0
             and value.shape[0] == len(value.storage)):
         raise _Bad(f"{what} must be a 1-d uint8 tensor over its whole storage")
     if sizes is not None and value.shape[0] not in sizes:
         raise _Bad(f"{what} must hold {' or '.join(map(str, sizes))} bytes, not {value.shape[0]}")
-    return value.to_torch()
+    return value
 
 
 def _torch_state(value: Any) -> Any:

@@ -235,6 +235,10 @@ def find_layout(path: str | os.PathLike[str] | RemotePath) -> CheckpointLayout:
     # A sub-folder that is itself a whole checkpoint makes this a folder of checkpoints,
     # whatever the names: list them all rather than treat one DCP folder as the checkpoint.
     nested += [e.name for e in entries if e.is_dir() and _holds_checkpoint(e.path)]
+    if len(parts) > 1 and all(p.kind == "dcp" for p in parts):
+        # Several DCP folders beside no model or optimizer folder: each one is a checkpoint
+        # (a Lightning ckpts/ of *.ckpt/ folders, a torchtune output of epoch_N/ folders).
+        nested += [p.name for p in parts]
     if nested:
         nested = list(set(nested) | {p.name for p in parts if p.kind == "dcp"})
         parts = []

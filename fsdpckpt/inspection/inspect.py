@@ -1,6 +1,7 @@
 """``inspect``: what a checkpoint holds and whether its structure is whole.
 
-Reads only ``.metadata`` (through the allowlist) and file sizes, so it is fast
+Reads ``.metadata`` (through the allowlist), file sizes and the small side files (each
+decoded by the reader ``load_state`` uses, :mod:`fsdpckpt.dcp._sidefiles`), so it is fast
 and never imports torch. :func:`inspect_checkpoint` returns an
 :class:`~fsdpckpt.inspection.report.InspectReport`, whose ``to_json()`` is the document
 ``fsdpckpt inspect --json`` prints; :mod:`fsdpckpt._render` draws it for people.
@@ -17,6 +18,7 @@ from typing import Any
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp._hfstorage import HfStorageFolder, read_part
 from fsdpckpt.dcp._perrank import PerRankFolder
+from fsdpckpt.dcp._sidefiles import check_side_files, stray_temporaries
 from fsdpckpt.dcp.checks import Problem, check_folder, known_world_size
 from fsdpckpt.dcp.layout import DcpPart, find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
@@ -162,6 +164,9 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
     # Every rank writes its RNG file; without them a DCP folder may only give a lower bound.
     exact = bool(rng_ranks) or all(p.world_size_exact for p in parts)
     problems.extend(_missing_rng(str(layout.path), world if rng_ranks else 0, set(rng_ranks)))
+    # Each side file decoded by the reader load_state uses: an empty or cut-short one fails here.
+    problems.extend(check_side_files(layout.path, layout.side_files))
+    problems.extend(stray_temporaries(layout.path, layout.other_files))
     return InspectReport(
         path=layout.path,
         style=layout.style,

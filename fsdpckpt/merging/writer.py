@@ -33,7 +33,7 @@ from fsdpckpt._io.remote import RemotePath
 from fsdpckpt._io.staging import make_stage, signals_deferred
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._objects import read_object
-from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
+from fsdpckpt.errors import DiskFullError, FsdpCkptError, NotACheckpointError, _MessageOnly
 from fsdpckpt.formats import ObjectValue
 from fsdpckpt.merging._copy import place_stored_chunk
 from fsdpckpt.merging.plan import MergePlan, PlannedFile
@@ -50,15 +50,6 @@ STAGING_PREFIX = ".fsdpckpt-tmp-"
 
 class OutputExistsError(FsdpCkptError, FileExistsError):
     """An output file is already there and ``overwrite`` was not given."""
-
-
-class _MessageOnly(OSError):
-    def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28]"
-        return str(self.strerror)
-
-
-class DiskFullError(FsdpCkptError, _MessageOnly):
-    """The output's file system has not enough free space."""
 
 
 class OutputNotWritableError(FsdpCkptError, _MessageOnly):

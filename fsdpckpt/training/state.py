@@ -10,6 +10,7 @@ anything is changed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -19,11 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.checksums import new_digest
-from fsdpckpt._io.durable import fsync_dir, write_bytes
+from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt.dcp._objects import to_torch
+from fsdpckpt.dcp._sidefiles import read_state_file
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 from fsdpckpt.training import _remote
+from fsdpckpt.training._commit import AsyncSave, Finish
 from fsdpckpt.training._dcp_io import safe_load_planner, safe_storage_reader
+from fsdpckpt.training._diskfull import raising_disk_full, removed_on_failure
 from fsdpckpt.training._dist import async_group, dcp_call, dist_or_none, everywhere, rank_world
 from fsdpckpt.training._layout import (
     check_parts,
@@ -34,7 +39,10 @@ from fsdpckpt.training._layout import (
 )
 from fsdpckpt.training._rng import prepare_rng, rng_state_bytes, torch_save_bytes
 from fsdpckpt.training._statecheck import compare, flatten, mismatch_message
-from fsdpckpt.training.manifest import FileRecord, build_manifest, checksum_writer, write_manifest
+from fsdpckpt.training.manifest import (
+    FileRecord,
+    checksum_writer,
+)
 
 __all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError",
            "ResumeWarning"]
@@ -68,32 +76,6 @@ class LoadResult:
     step: int | None
     restored: tuple[str, ...]
     warnings: tuple[str, ...]
-
-
-class AsyncSave:
-    """The handle :func:`save_state` returns with ``async_save=True``.
-
-    The checkpoint is complete only once :meth:`wait` has returned on every rank.
-    """
-
-    def __init__(self, futures: list[Any], finish: Any) -> None:
-        self._futures, self._finish, self._finished = futures, finish, False
-
-    @property
-    def manifest_digest(self) -> str | None:
-        """The digest of the manifest written by :meth:`wait` (rank 0), else None."""
-        return self._finish.digest
-
-    def done(self) -> bool:
-        """Whether every part has been written (no waiting); the manifest comes with wait()."""
-        return all(f.done() for f in self._futures)
-
-    def wait(self) -> None:
-        """Block until every part is written; call it on every rank."""
-        everywhere(lambda: [future.result() for future in self._futures])
-        if not self._finished:
-            self._finish()
-            self._finished = True
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -156,12 +138,6 @@ def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     Example:
         >>> fsdpckpt.save_state("ckpt/step_100", model, optimizer, scheduler, step=100)
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
     root = location(checkpoint_dir, storage_options=storage_options)
     rank, _world = rank_world()
     new_digest(digest)  # an unknown name fails here, before anything is written
@@ -181,6 +157,22 @@ def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
             remove_stale_parts(root)
 
     everywhere(prepare)
+    # A save that fails (a full disk...) leaves nothing that could pass for a checkpoint.
+    with removed_on_failure(root, remove_stale_parts, rank=rank):
+        return _save(root, models, optimizers, scheduler, step=step, scaler=scaler, extra=extra,
+                     async_save=async_save, manifest=manifest, digest=digest, rank=rank)
+
+
+def _save(root: Path | RemotePath, models: list[Any], optimizers: list[Any], scheduler: Any, *,
+          step: int | None, scaler: Any, extra: Mapping[str, Any] | None, async_save: bool,
+          manifest: bool, digest: str | None, rank: int) -> AsyncSave | None:
+    """Write every part of a save into the prepared folder ``root``, then the manifest."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
     futures = []
     records: dict[str, dict[str, FileRecord]] = {}  # folder -> file -> (size, crc32, digest)
 
@@ -192,7 +184,8 @@ def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
         else:
             kwargs["checkpoint_id"] = str(folder)
         if not async_save:
-            dcp_call(dcp.save, state, **kwargs)
+            with raising_disk_full(folder):
+                dcp_call(dcp.save, state, **kwargs)
             return
         if dist_or_none():
             # The background writer runs collectives while training runs its own; on
@@ -207,78 +200,33 @@ def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     side = records.setdefault("", {})
 
     def write_side(path: Path | RemotePath, data: bytes) -> None:
-        size, crc = _remote.put_bytes(path, data) if isinstance(path, RemotePath) else \
-            write_bytes(path, data, sync=manifest)
+        with raising_disk_full(path):
+            size, crc = _remote.put_bytes(path, data) if isinstance(path, RemotePath) else \
+                write_bytes(path, data, sync=manifest)
         side[path.name] = (size, crc, hashlib.new(digest, data).hexdigest() if digest else None)
 
-    write_side(root / f"random_states_{rank}.pkl", rng_state_bytes(step))
-    if rank == 0:
-        shared = [(scheduler_file(root, i), s) for i, s in enumerate(_as_list(scheduler))]
-        shared += [(root / "scaler.pt", scaler)] if scaler is not None else []
-        shared += [(root / f"custom_checkpoint_{i}.pkl", obj)
-                   for i, obj in enumerate((extra or {}).values())]
-        for path, obj in shared:
-            write_side(path, torch_save_bytes(obj.state_dict()))
-    finish = _Finish(root, records, step, manifest=manifest, digest=digest)
+    def write_side_files() -> None:
+        write_side(root / f"random_states_{rank}.pkl", rng_state_bytes(step))
+        if rank == 0:
+            shared = [(scheduler_file(root, i), s) for i, s in enumerate(_as_list(scheduler))]
+            shared += [(root / "scaler.pt", scaler)] if scaler is not None else []
+            shared += [(root / f"custom_checkpoint_{i}.pkl", obj)
+                       for i, obj in enumerate((extra or {}).values())]
+            for path, obj in shared:
+                write_side(path, torch_save_bytes(obj.state_dict()))
+
+    try:
+        everywhere(write_side_files)  # a rank that fails here fails the save on every rank
+    except BaseException:
+        for future in futures:  # background writes end before what they wrote is removed
+            with contextlib.suppress(BaseException):
+                future.result()
+        raise
+    finish = Finish(root, records, step, manifest=manifest, digest=digest)
     if async_save:
         return AsyncSave(futures, finish)
     finish()
     return None
-
-
-class _Finish:
-    """Completes a save on every rank: gathers the checksums, rank 0 writes the manifest."""
-
-    def __init__(self, root: Path | RemotePath, records: dict[str, dict[str, FileRecord]],
-                 step: int | None, *, manifest: bool, digest: str | None) -> None:
-        self.root, self.records, self.step, self.manifest = root, records, step, manifest
-        self.file_digest = digest
-        self.digest: str | None = None  # the manifest's own, once written (rank 0)
-
-    def __call__(self) -> None:
-        files = {(f"{folder}/{name}" if folder else name): value
-                 for folder, entries in self.records.items() for name, value in entries.items()}
-        dist = dist_or_none()
-        rank, world = rank_world()
-        if dist and self.manifest:
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, files)
-            files = {k: v for part in gathered for k, v in part.items()}
-        def on_rank_zero() -> None:
-            if rank == 0 and self.manifest:
-                if isinstance(self.root, RemotePath):  # the other ranks' files, listed anew
-                    _remote.refresh(self.root)
-                self.digest = write_manifest(self.root, build_manifest(
-                    self.root, files, world_size=world, step=self.step,
-                    digest=self.file_digest))
-                log.info("fsdpckpt: saved %s; manifest digest %s (keep it elsewhere; "
-                         "`fsdpckpt verify --expect-digest` checks the checkpoint against it)",
-                         self.root, self.digest)
-                if isinstance(self.root, RemotePath):
-                    _remote.end_save(self.root)  # committed: the intent marker goes
-                    return
-                for folder in [self.root] + [self.root / f for f in self.records if f]:
-                    fsync_dir(folder)
-
-        everywhere(on_rank_zero)
-
-
-def _load_trusted(path: Path | RemotePath, what: str = "state") -> Any:
-    import io
-
-    import torch
-
-    from fsdpckpt.training._rng import refused
-
-    try:
-        source = io.BytesIO(path.read_bytes()) if isinstance(path, RemotePath) else path
-        state = torch.load(source, map_location="cpu", weights_only=True)  # safe: allowlist
-    except Exception as exc:  # noqa: BLE001 - turned into one clear error
-        raise refused(path, exc, what) from None
-    if what != "state" and not isinstance(state, dict):  # a scheduler's or scaler's state_dict
-        raise NotACheckpointError(f"{path}: holds a {type(state).__name__}, not a {what}; the "
-                                  "file is damaged or not the one saved with this checkpoint")
-    return state
 
 
 def _read_everything(root: Path | RemotePath, models: list, optimizers: list, schedulers: list,
@@ -292,6 +240,10 @@ def _read_everything(root: Path | RemotePath, models: list, optimizers: list, sc
     model_readers = [safe_storage_reader(model_folder(root, i)) for i in range(len(models))]
     optimizer_readers = [safe_storage_reader(optimizer_folder(root, i))
                          for i in range(len(optimizers))]
+    def _load_trusted(path: Path | RemotePath, what: str = "state") -> Any:
+        # The reader inspect and verify check side files with (never torch.load).
+        return to_torch(read_state_file(path, what))
+
     scheduler_states = [_load_trusted(scheduler_file(root, i, reading=True), "scheduler state")
                         for i in range(len(schedulers))]
     scaler_state = _load_trusted(root / "scaler.pt", "scaler state") if scaler is not None \

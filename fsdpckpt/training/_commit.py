@@ -1,0 +1,116 @@
+"""The end of a save: the manifest written last (rank 0, from every rank's checksums), and
+the handle of an asynchronous save whose ``wait()`` does that once every part is written."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from fsdpckpt._io.durable import fsync_dir
+from fsdpckpt._io.remote import RemotePath
+from fsdpckpt.training import _remote
+from fsdpckpt.training._diskfull import raising_disk_full, removed_on_failure
+from fsdpckpt.training._dist import dist_or_none, everywhere, rank_world
+from fsdpckpt.training._layout import remove_stale_parts
+from fsdpckpt.training.manifest import MANIFEST, FileRecord, build_manifest, write_manifest
+
+__all__ = ["AsyncSave", "Finish"]
+
+log = logging.getLogger("fsdpckpt")
+
+
+class AsyncSave:
+    """The handle :func:`save_state` returns with ``async_save=True``.
+
+    The checkpoint is complete only once :meth:`wait` has returned on every rank.
+    """
+
+    def __init__(self, futures: list[Any], finish: Any) -> None:
+        self._futures, self._finish, self._finished = futures, finish, False
+
+    @property
+    def manifest_digest(self) -> str | None:
+        """The digest of the manifest written by :meth:`wait` (rank 0), else None."""
+        return self._finish.digest
+
+    def done(self) -> bool:
+        """Whether every part has been written (no waiting); the manifest comes with wait()."""
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> None:
+        """Block until every part is written; call it on every rank.
+
+        Raises:
+            DiskFullError: the disk filled; what the save wrote is removed, as by save_state.
+        """
+        root = self._finish.root
+
+        def results() -> None:
+            with raising_disk_full(root):
+                [future.result() for future in self._futures]
+
+        with removed_on_failure(root, remove_stale_parts, rank=rank_world()[0]):
+            everywhere(results)
+            if not self._finished:
+                self._finish()
+                self._finished = True
+
+
+class Finish:
+    """Completes a save on every rank: gathers the checksums, rank 0 writes the manifest."""
+
+    def __init__(
+        self,
+        root: Path | RemotePath,
+        records: dict[str, dict[str, FileRecord]],
+        step: int | None,
+        *,
+        manifest: bool,
+        digest: str | None,
+    ) -> None:
+        self.root, self.records, self.step, self.manifest = root, records, step, manifest
+        self.file_digest = digest
+        self.digest: str | None = None  # the manifest's own, once written (rank 0)
+
+    def __call__(self) -> None:
+        files = {
+            (f"{folder}/{name}" if folder else name): value
+            for folder, entries in self.records.items()
+            for name, value in entries.items()
+        }
+        dist = dist_or_none()
+        rank, world = rank_world()
+        if dist and self.manifest:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, files)
+            files = {k: v for part in gathered for k, v in part.items()}
+
+        def on_rank_zero() -> None:
+            if rank == 0 and self.manifest:
+                if isinstance(self.root, RemotePath):  # the other ranks' files, listed anew
+                    _remote.refresh(self.root)
+                with raising_disk_full(self.root / MANIFEST):
+                    self.digest = write_manifest(
+                        self.root,
+                        build_manifest(
+                            self.root,
+                            files,
+                            world_size=world,
+                            step=self.step,
+                            digest=self.file_digest,
+                        ),
+                    )
+                log.info(
+                    "fsdpckpt: saved %s; manifest digest %s (keep it elsewhere; "
+                    "`fsdpckpt verify --expect-digest` checks the checkpoint against it)",
+                    self.root,
+                    self.digest,
+                )
+                if isinstance(self.root, RemotePath):
+                    _remote.end_save(self.root)  # committed: the intent marker goes
+                    return
+                for folder in [self.root] + [self.root / f for f in self.records if f]:
+                    fsync_dir(folder)
+
+        everywhere(on_rank_zero)

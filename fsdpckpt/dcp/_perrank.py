@@ -27,7 +27,7 @@ from typing import Any
 
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._archive import RawTensor
-from fsdpckpt.dcp._objects import DecodedObject, check_plain_value, dumps
+from fsdpckpt.dcp._objects import DecodedObject, dumps
 from fsdpckpt.dcp._perrank_file import open_rank_file, read_rank
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, TensorEntry
@@ -201,7 +201,6 @@ def _agree(folder: Path | RemotePath, name: str, rank: int, seen: dict[KeyPath, 
     """
     mine: dict[KeyPath, str] = {}
     for path, value in values:
-        check_plain_value(value, source=f"{folder / name} ('{'.'.join(map(str, path))}')")
         mine[path] = dumps(value)
         if rank == 0:
             seen[path] = (mine[path], value)

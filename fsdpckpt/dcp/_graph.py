@@ -77,12 +77,16 @@ def measure(value: Any, *, source: str, budget: int, max_depth: int = MAX_DEPTH)
 
     def enter(node: Any) -> None:
         if id(node) in active:
-            raise NotACheckpointError(f"{source}: holds a value that contains itself; no "
-                                      "state dict does, so the file is damaged or crafted")
+            raise NotACheckpointError(
+                f"{source}: holds a value that contains itself; no "
+                "state dict does, so the file is damaged or crafted"
+            )
         if len(stack) >= max_depth:
-            raise NotACheckpointError(f"{source}: holds values nested more than {max_depth} "
-                                      "levels deep; no state dict does, so the file is "
-                                      "damaged or crafted")
+            raise NotACheckpointError(
+                f"{source}: holds values nested more than {max_depth} "
+                "levels deep; no state dict does, so the file is "
+                "damaged or crafted"
+            )
         active.add(id(node))
         stack.append((node, list(_children(node)), 0, 1, 0))
 
@@ -95,8 +99,13 @@ def measure(value: Any, *, source: str, budget: int, max_depth: int = MAX_DEPTH)
             if not isinstance(child, _CONTAINERS):
                 stack[-1] = (node, children, index + 1, nodes + 1, deepest)
             elif (known := done.get(id(child))) is not None:
-                stack[-1] = (node, children, index + 1, nodes + known.nodes,
-                             max(deepest, known.depth))
+                stack[-1] = (
+                    node,
+                    children,
+                    index + 1,
+                    nodes + known.nodes,
+                    max(deepest, known.depth),
+                )
             else:
                 enter(child)
             if stack[-1][3] > budget:
@@ -107,9 +116,11 @@ def measure(value: Any, *, source: str, budget: int, max_depth: int = MAX_DEPTH)
         result = Measure(nodes, deepest + 1)
         done[id(node)] = result
         if result.depth + len(stack) > max_depth:
-            raise NotACheckpointError(f"{source}: holds values nested more than {max_depth} "
-                                      "levels deep; no state dict does, so the file is "
-                                      "damaged or crafted")
+            raise NotACheckpointError(
+                f"{source}: holds values nested more than {max_depth} "
+                "levels deep; no state dict does, so the file is "
+                "damaged or crafted"
+            )
         if not stack:
             return result
         parent, siblings, at, total, parent_deepest = stack[-1]
@@ -122,11 +133,17 @@ def _too_large(source: str, budget: int) -> None:
     raise NotACheckpointError(
         f"{source}: holds containers that reference each other over and over (a shared-"
         f"reference graph that stands for more than {budget:,} values, from a small pickle); "
-        "no state dict does, so the file is damaged or crafted")
+        "no state dict does, so the file is damaged or crafted"
+    )
 
 
-def tree_items(value: dict[Any, Any], *, is_branch: Callable[[Any], bool], source: str,
-               max_depth: int = MAX_DEPTH) -> list[tuple[tuple[Any, ...], Any]]:
+def tree_items(
+    value: dict[Any, Any],
+    *,
+    is_branch: Callable[[Any], bool],
+    source: str,
+    max_depth: int = MAX_DEPTH,
+) -> list[tuple[tuple[Any, ...], Any]]:
     """``(key path, leaf)`` for every leaf of the state dict ``value``, in order.
 
     Dicts are always branches (their keys become path parts, non-str/int keys as their
@@ -150,10 +167,13 @@ def tree_items(value: dict[Any, Any], *, is_branch: Callable[[Any], bool], sourc
             raise NotACheckpointError(
                 f"{source}: '{bounded_repr(again)[1:-1]}' is the same container as "
                 f"'{bounded_repr(first)[1:-1]}'; a state dict's keys form a tree, so the "
-                "file is damaged or crafted")
+                "file is damaged or crafted"
+            )
         if len(path) >= max_depth:
-            raise NotACheckpointError(f"{source}: the state dict nests more than {max_depth} "
-                                      "levels deep; the file is damaged or crafted")
+            raise NotACheckpointError(
+                f"{source}: the state dict nests more than {max_depth} "
+                "levels deep; the file is damaged or crafted"
+            )
         seen[id(node)] = path
         if isinstance(node, dict):
             items = [(k if isinstance(k, (str, int)) else str(k), v) for k, v in node.items()]
@@ -221,8 +241,11 @@ class _Value:
 def _render(value: Any, limit: int) -> tuple[str, list[Any]]:
     """The text ``value`` starts with, and the work items that follow it."""
     if isinstance(value, _SCALARS):
-        if isinstance(value, int) and not isinstance(value, bool) and \
-                value.bit_length() > 4 * limit:
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and value.bit_length() > 4 * limit
+        ):
             return f"<a {value.bit_length()}-bit integer>", []
         if isinstance(value, (str, bytes, bytearray)) and len(value) > limit:
             return repr(value[:limit]), []

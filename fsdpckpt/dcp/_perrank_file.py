@@ -150,12 +150,18 @@ class _RankUnpickler(RestrictedUnpickler):
 
 @dataclass(frozen=True)
 class RankTensor:
-    """One tensor of one rank: its global shape and dtype, and where this rank's piece goes."""
+    """One tensor of one rank: its global shape and dtype, and where this rank's piece goes.
+
+    ``crc`` is the CRC-32 the rank's zip directory records for the piece's storage entry (so
+    pieces two ranks both hold can be compared without reading them), and ``whole`` says
+    the rank stored a plain tensor (no DTensor or ShardedTensor placing it)."""
 
     dtype: DType
     shape: tuple[int, ...]
     offsets: tuple[int, ...]
     raw: RawTensor
+    crc: int = 0
+    whole: bool = False
 
 
 def _ints(value: Any, what: str, source: str) -> tuple[int, ...]:
@@ -299,8 +305,14 @@ def read_rank(folder: Path | RemotePath, name: str) -> tuple[dict[KeyPath, list[
         measure(value, source=source, budget=node_budget(len(data)))
         items = tree_items(value, is_branch=_is_branch, source=source)
 
+        crcs: dict[int, int] = {}  # storage start -> its entry's recorded CRC-32
+
         def locate(record: _TensorRecord, what: str) -> RawTensor:
-            return locate_record(file, 0, size, archive, prefix, record, source=what)
+            raw = locate_record(file, 0, size, archive, prefix, record, source=what)
+            key = getattr(record.storage, "key", None)
+            info = archive.NameToInfo.get(f"{prefix}data/{key}")
+            crcs[raw.storage_start] = info.CRC if info is not None else 0
+            return raw
 
         tensors: dict[KeyPath, list[RankTensor]] = {}
         others: list[tuple[KeyPath, Any]] = []
@@ -326,7 +338,8 @@ def read_rank(folder: Path | RemotePath, name: str) -> tuple[dict[KeyPath, list[
                         raise CorruptCheckpointError(
                             f"{what}: a shard declared {list(sizes)} holds a tensor of "
                             f"shape {list(raw.shape)}; the file is damaged.")
-                    pieces.append(RankTensor(raw.dtype, shape, offsets, raw))
+                    pieces.append(RankTensor(raw.dtype, shape, offsets, raw,
+                                             crcs[raw.storage_start]))
                 tensors[path] = pieces
                 mesh_ranks = max(mesh_ranks, world_size(item))
             elif isinstance(item, _Wrapper):
@@ -337,11 +350,12 @@ def read_rank(folder: Path | RemotePath, name: str) -> tuple[dict[KeyPath, list[
                 offsets, ranks = _place(label, item, raw, what)
                 mesh_ranks = max(mesh_ranks, ranks)
                 tensors[path] = [RankTensor(raw.dtype, _ints(item.size, "the global shape",
-                                                         what), offsets, raw)]
+                                                         what), offsets, raw,
+                                            crcs[raw.storage_start])]
             elif isinstance(item, _TensorRecord):  # a plain tensor: whole on every rank
                 raw = locate(item, what)
                 tensors[path] = [RankTensor(raw.dtype, raw.shape, (0,) * len(raw.shape),
-                                            raw)]
+                                            raw, crcs[raw.storage_start], whole=True)]
             else:
                 others.append((path, item))
     return tensors, others, mesh_ranks

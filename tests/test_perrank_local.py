@@ -110,12 +110,28 @@ def test_shapes_that_differ_per_rank_are_named_rank_local_not_other_runs(tmp_pat
     with pytest.raises(
         NotACheckpointError,
         match=(
-            r"'optimizer\.state\.0\.exp_avg' is stored whole by every rank but is float32 "
+            r"'optimizer\.state\.0\.exp_avg' is stored whole by every rank, as float32 "
             r"\[7\] here but float32 \[10\] on rank 0: it is rank-local optimizer state"
         ),
     ) as err:
         merge(ckpt, tmp_path / "out", optimizer=True)
     assert "different runs" not in str(err.value)
+
+
+def test_state_that_some_ranks_lack_is_named_rank_local_not_taken_as_whole(tmp_path):
+    # use_orig_params=True: a rank keeps no state for a parameter it holds no elements of.
+    ckpt = _verl_with_optimizer(tmp_path, same=True)
+    state = _optimizer_state(1, same=True)
+    state["state"][1] = state["state"].pop(0)
+    torch.save(state, ckpt / "optim_world_size_2_rank_1.pt")
+    with pytest.raises(
+        NotACheckpointError,
+        match=(
+            r"optim_world_size_2_rank_1\.pt: 'optimizer\.state\.0\.\w+' is stored whole "
+            r"by rank 0 but missing here: it is rank-local optimizer state"
+        ),
+    ):
+        merge(ckpt, tmp_path / "out", optimizer=True)
 
 
 def test_replicated_tensors_with_equal_bytes_still_merge(tmp_path):
@@ -137,3 +153,21 @@ def test_flat_parameters_that_differ_per_rank_are_named_flat_parameters(tmp_path
         )
     with pytest.raises(NotACheckpointError, match="FSDP1 flat parameters.*SHARDED_STATE_DICT"):
         merge(ckpt, tmp_path / "out")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig-params"])
+def test_a_real_fsdp1_runs_optimizer_files_are_refused_and_its_model_merges(
+    use_orig_params, tmp_path
+):
+    import workers
+    from multirank import run_ranks
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    run_ranks(workers.save_like_verl_fsdp1, str(ckpt), use_orig_params)
+    with pytest.raises(NotACheckpointError, match="rank-local optimizer state") as err:
+        merge(ckpt, tmp_path / "out", optimizer=True)
+    assert "different runs" not in str(err.value)
+    merge(ckpt, tmp_path / "model")
+    assert (tmp_path / "model" / "model.safetensors").exists()

@@ -140,6 +140,7 @@ def read_rank_set(folder: Path | RemotePath, rank_set: PerRankSet) -> PerRankFol
     objects: dict[KeyPath, tuple[str, Any]] = {}
     # (key path, offsets) -> the first rank's piece there, and its file
     held: dict[tuple[KeyPath, tuple[int, ...]], tuple[RankTensor, str]] = {}
+    whole_on: dict[KeyPath, list[int]] = {}  # key path -> the ranks that store it whole
     rank = 0
     while world is None or rank < world:
         name = rank_set.files.get(rank) or rank_set.file_name(rank)
@@ -151,6 +152,8 @@ def read_rank_set(folder: Path | RemotePath, rank_set: PerRankSet) -> PerRankFol
         _agree(folder, name, rank, objects, others)
         for path, pieces in tensors.items():
             for local in pieces:
+                if local.whole:
+                    whole_on.setdefault(path, []).append(rank)
                 dtype, shape, chunks = entries.setdefault(path, (local.dtype, local.shape, {}))
                 label = ".".join(map(str, path))
                 if (dtype.name, shape) != (local.dtype.name, local.shape):
@@ -158,7 +161,8 @@ def read_rank_set(folder: Path | RemotePath, rank_set: PerRankSet) -> PerRankFol
                     if local.whole and origin is not None and origin[0].whole and \
                             _looks_rank_local(rank_set, path):
                         raise _rank_local(folder / name, rank_set, path,
-                                          f"is {local.dtype.name} {list(local.shape)} here "
+                                          "is stored whole by every rank, as "
+                                          f"{local.dtype.name} {list(local.shape)} here "
                                           f"but {dtype.name} {list(shape)} on rank 0")
                     raise CorruptCheckpointError(
                         f"{folder / name}: tensor '{label}' is {local.dtype.name} "
@@ -179,6 +183,7 @@ def read_rank_set(folder: Path | RemotePath, rank_set: PerRankSet) -> PerRankFol
             # tensor parallelism inside a larger world, spans fewer: the files say more).
             world = max(mesh_ranks, max(rank_set.files) + 1)
         rank += 1
+    _whole_everywhere(folder, rank_set, whole_on, world or 0)
     extra = sorted(set(rank_set.files) - set(range(world or 0)))
     if extra:
         raise NotACheckpointError(f"{folder / rank_set.files[extra[0]]}: a rank file beyond the "
@@ -209,8 +214,28 @@ def _check_replicated(path: Path | RemotePath, rank_set: PerRankSet, key: KeyPat
             (first[0].crc, theirs.storage_nbytes, theirs.storage_offset, theirs.stride):
         return
     raise _rank_local(path, rank_set, key,
-                      f"holds other bytes here than in {first[1]} (CRC-32 {local.crc:08x}, "
+                      "is stored whole by every rank but holds other bytes here than in "
+                      f"{first[1]} (CRC-32 {local.crc:08x}, "
                       f"not {first[0].crc:08x})")
+
+
+def _whole_everywhere(folder: Path | RemotePath, rank_set: PerRankSet,
+                      whole_on: dict[KeyPath, list[int]], world: int) -> None:
+    """A plain tensor is replicated only if every rank stores it: one that some ranks lack
+    is one rank's own state (FSDP1 with ``use_orig_params=True`` keeps optimizer state only
+    for the parameters a rank holds elements of), never the whole tensor."""
+    for key, ranks in whole_on.items():
+        if len(ranks) == world:
+            continue
+        missing = min(set(range(world)) - set(ranks))
+        path = folder / (rank_set.files.get(missing) or rank_set.file_name(missing))
+        if _looks_rank_local(rank_set, key):
+            raise _rank_local(path, rank_set, key, f"is stored whole by rank {ranks[0]} but "
+                              "missing here")
+        label = ".".join(map(str, (rank_set.kind, *key)))
+        raise CorruptCheckpointError(f"{path}: lacks the tensor '{label}' that rank "
+                                     f"{ranks[0]} stores whole; the rank files come from "
+                                     "different runs.")
 
 
 #: Key parts of FSDP1's flat parameters, and of the optimizer state kept for them.
@@ -232,8 +257,8 @@ def _rank_local(path: Path | RemotePath, rank_set: PerRankSet, key: KeyPath,
         kind = "FSDP1 flat parameters (every parameter of a module flattened into one " \
             "padded piece per rank)"
     elif rank_set.kind == "optimizer":
-        kind = "rank-local optimizer state (each rank's state for its own shard of " \
-            "FSDP1's flat parameters, as optimizer.state_dict() gives it)"
+        kind = "rank-local optimizer state (each rank's state for its own shard of the " \
+            "parameters, FSDP1's flat parameters, as optimizer.state_dict() gives it)"
     else:
         kind = "rank-local state (each rank's own value, not a replicated one)"
     fix = ("Merge the model weights only (leave out --optimizer / optimizer=True), or save "
@@ -243,7 +268,7 @@ def _rank_local(path: Path | RemotePath, rank_set: PerRankSet, key: KeyPath,
            "Save with state_dict_type=SHARDED_STATE_DICT or FULL_STATE_DICT (or FSDP2), "
            "which record where each piece goes.")
     return NotACheckpointError(
-        f"{path}: '{label}' is stored whole by every rank but {what}: it is {kind}, not a "
+        f"{path}: '{label}' {what}: it is {kind}, not a "
         f"replicated tensor, and the rank files do not say where each rank's piece goes, so "
         f"it cannot be merged. {fix}")
 

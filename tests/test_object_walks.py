@@ -122,6 +122,17 @@ def test_convert_of_a_hostile_bin_is_one_line_and_writes_nothing(graph, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("graph", ["shared-dict-34", "list-200000-deep"])
+def test_diff_and_load_full_state_dict_of_a_hostile_bin_refuse_it_naming_it(graph, tmp_path):
+    from fsdpckpt import load_full_state_dict
+
+    source = tmp_path / "pytorch_model.bin"
+    _with_hostile_value({"weight": torch.ones(2)}, graph, source)
+    assert_one_line_error(run_cli("diff", source, source), source, GRAPHS[graph][1])
+    with pytest.raises(NotACheckpointError, match=GRAPHS[graph][1]):
+        load_full_state_dict(source)
+
+
 # -- the walk itself ----------------------------------------------------------------------
 
 

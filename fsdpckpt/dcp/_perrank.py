@@ -213,8 +213,10 @@ def _check_replicated(path: Path | RemotePath, rank_set: PerRankSet, key: KeyPat
     if (local.crc, mine.storage_nbytes, mine.storage_offset, mine.stride) == \
             (first[0].crc, theirs.storage_nbytes, theirs.storage_offset, theirs.stride):
         return
+    stored = "is stored whole by every rank" if local.whole else \
+        "is one piece that several ranks hold (a Replicate() placement)"
     raise _rank_local(path, rank_set, key,
-                      "is stored whole by every rank but holds other bytes here than in "
+                      f"{stored} but holds other bytes here than in "
                       f"{first[1]} (CRC-32 {local.crc:08x}, "
                       f"not {first[0].crc:08x})")
 

@@ -227,7 +227,7 @@ def test_values_no_state_dict_holds_are_refused(value, why):
     from fsdpckpt.dcp._objects import check_plain_value
 
     with pytest.raises(NotACheckpointError, match=why):
-        check_plain_value(value, source="entry X")
+        check_plain_value(value, source="entry X", size=1000)
 
 
 def test_honest_nesting_and_shared_values_pass():
@@ -235,4 +235,4 @@ def test_honest_nesting_and_shared_values_pass():
 
     shared = [1, 2]
     check_plain_value({"param_groups": [{"params": shared, "betas": (0.9, 0.99)}],
-                       "again": shared, "deep": _nested(30)}, source="entry X")
+                       "again": shared, "deep": _nested(30)}, source="entry X", size=1000)

@@ -251,3 +251,21 @@ def save_into_a_full_disk(rank: int, world: int, ckpt: str, failing_rank: int) -
     except fsdpckpt.FsdpCkptError as exc:
         return [type(exc).__name__, str(exc)]
     return []
+
+
+def save_like_verl_fsdp1(rank: int, world: int, ckpt: str, use_orig_params: bool) -> None:
+    """An FSDP1 step saved as VeRL's ``FSDPCheckpointManager`` saves it: the model's
+    SHARDED_STATE_DICT and ``optimizer.state_dict()`` (the rank's own flat-parameter state)
+    with ``torch.save``, one file each per rank."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    model = FSDP(make_model(), device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(rank)
+    x, y = _batch()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        torch.save(model.state_dict(), f"{ckpt}/model_world_size_{world}_rank_{rank}.pt")
+    torch.save(optimizer.state_dict(), f"{ckpt}/optim_world_size_{world}_rank_{rank}.pt")

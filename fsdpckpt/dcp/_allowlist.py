@@ -12,6 +12,7 @@ import pickle
 from typing import Any
 
 from fsdpckpt import _torch
+from fsdpckpt.dcp._graph import bounded_repr
 from fsdpckpt.dcp.dtypes import DTYPES, DType
 
 __all__ = ["Record", "METADATA_GLOBALS", "BUILTIN_GLOBALS", "STORAGE_INFO_KIND", "brief", "cap"]
@@ -112,9 +113,6 @@ def cap(text: str, limit: int) -> str:
 
 
 def brief(value: Any, limit: int = 80) -> str:
-    """A bounded ``repr`` of an untrusted value, for messages (never raises)."""
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001 - a huge int's repr raises; the type is enough then
-        text = f"<{type(value).__name__}>"
-    return cap(text, limit)
+    """A bounded ``repr`` of an untrusted value, for messages (never raises): built in
+    ``limit`` steps however deep or shared the value (:func:`fsdpckpt.dcp._graph.bounded_repr`)."""
+    return bounded_repr(value, limit)

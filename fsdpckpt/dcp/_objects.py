@@ -13,19 +13,22 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import pickle
+import zipfile
 from dataclasses import dataclass
 from typing import IO, Any
 
 from fsdpckpt.dcp._archive import check_view, read_archive_with_tensors
+from fsdpckpt.dcp._graph import MAX_DEPTH, measure, node_budget
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS, brief
 from fsdpckpt.dcp._zstd import OBJECT_LIMIT, open_entry
 from fsdpckpt.dcp.dtypes import DType, dtype_from_name
 from fsdpckpt.dcp.metadata import ObjectEntry
-from fsdpckpt.errors import CorruptCheckpointError, FsdpCkptError, NotACheckpointError
+from fsdpckpt.errors import CorruptCheckpointError, FsdpCkptError
 
 __all__ = ["TensorValue", "DecodedObject", "latin1_bytes", "torch_load_allowlisted", "read_object",
-           "encode_value", "decode_value", "dumps", "loads", "to_torch"]
+           "encode_value", "decode_value", "dumps", "loads", "to_torch", "check_plain_value"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,43 +124,39 @@ def read_object(file: IO[bytes], entry: ObjectEntry, *, source: str) -> Any:
                                        limit=OBJECT_LIMIT, source=where)
     value = read_archive_with_tensors(handle, start, length, source=where,
                                       allowed=_OBJECT_GLOBALS, make_tensor=TensorValue)
-    check_plain_value(value, source=where)
+    check_plain_value(value, source=where, size=entry.length)
     return value
 
 
 #: Deepest nesting of containers a non-tensor entry may have. Honest ones (an optimizer's
 #: param_groups, a step count) nest a few levels; encoded to JSON each level may take two,
 #: and JSON read back is capped at :data:`~fsdpckpt._io.jsonio.MAX_JSON_DEPTH`.
-MAX_VALUE_DEPTH = 40
+MAX_VALUE_DEPTH = MAX_DEPTH
 
 
-def check_plain_value(value: Any, *, source: str) -> None:
-    """Refuse a value no honest state dict holds: one that contains itself, or containers
-    nested deeper than :data:`MAX_VALUE_DEPTH`. A pickle can build both from a few bytes,
-    and every later recursive step (encoding, ``torch.save``, ``to_torch``) would end in a
-    RecursionError. Walked without recursion.
+def check_plain_value(value: Any, *, source: str, size: int) -> None:
+    """Refuse a value no honest state dict holds: one that contains itself, containers
+    nested deeper than :data:`MAX_VALUE_DEPTH`, or containers shared so often that the tree
+    they stand for is far larger than the ``size`` bytes of pickle they came from. A pickle
+    can build each from a few bytes, and every later recursive step (encoding,
+    ``torch.save``, ``to_torch``, comparing) would end in a RecursionError or run for hours.
+    Walked once, without recursion (:func:`fsdpckpt.dcp._graph.measure`).
 
     Raises:
         NotACheckpointError: naming ``source``.
     """
-    stack: list[tuple[Any, int, frozenset[int]]] = [(value, 0, frozenset())]
-    while stack:
-        node, depth, path = stack.pop()
-        if isinstance(node, dict):
-            children: Any = [*node.keys(), *node.values()]
-        elif isinstance(node, (list, tuple, set, frozenset)):
-            children = node
-        else:
-            continue
-        if id(node) in path:
-            raise NotACheckpointError(f"{source}: holds a value that contains itself; no state "
-                                      "dict does, so the file is damaged or crafted")
-        if depth >= MAX_VALUE_DEPTH:
-            raise NotACheckpointError(f"{source}: holds values nested more than "
-                                      f"{MAX_VALUE_DEPTH} levels deep; no state dict does, so "
-                                      "the file is damaged or crafted")
-        inner = path | {id(node)}
-        stack.extend((child, depth + 1, inner) for child in children)
+    measure(value, source=source, budget=node_budget(size), max_depth=MAX_VALUE_DEPTH)
+
+
+def _pickle_size(path: Any) -> int:
+    """The bytes of a ``torch.save`` file's pickle: its ``data.pkl`` (from the zip's
+    directory), or the whole file in the legacy format."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            sizes = [i.file_size for i in archive.infolist() if i.filename.endswith("data.pkl")]
+    except (zipfile.BadZipFile, OSError, ValueError):
+        sizes = []
+    return sizes[0] if len(sizes) == 1 else os.path.getsize(path)
 
 
 def torch_load_allowlisted(path: Any, *, mmap: bool = False) -> Any:
@@ -173,7 +172,7 @@ def torch_load_allowlisted(path: Any, *, mmap: bool = False) -> Any:
         # safe: weights_only=True is torch's restricted unpickler; the globals added are
         # four builtin types that construct plain values and run no code.
         value = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    check_plain_value(value, source=str(path))
+    check_plain_value(value, source=str(path), size=_pickle_size(path))
     return value
 
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._archive import RawTensor
-from fsdpckpt.dcp._objects import DecodedObject, check_plain_value, dumps
-from fsdpckpt.dcp._perrank_file import open_rank_file, read_rank
+from fsdpckpt.dcp._objects import DecodedObject, dumps
+from fsdpckpt.dcp._perrank_file import RankTensor, open_rank_file, read_rank
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, TensorEntry
 from fsdpckpt.dcp.reader import DcpFolder, data_file_path, read_dcp_folder
@@ -138,6 +138,9 @@ def read_rank_set(folder: Path | RemotePath, rank_set: PerRankSet) -> PerRankFol
                                       "copy it from the machine that wrote the checkpoint")
     entries: dict[KeyPath, tuple[DType, tuple[int, ...], dict[tuple[int, ...], PerRankChunk]]] = {}
     objects: dict[KeyPath, tuple[str, Any]] = {}
+    # (key path, offsets) -> the first rank's piece there, and its file
+    held: dict[tuple[KeyPath, tuple[int, ...]], tuple[RankTensor, str]] = {}
+    whole_on: dict[KeyPath, list[int]] = {}  # key path -> the ranks that store it whole
     rank = 0
     while world is None or rank < world:
         name = rank_set.files.get(rank) or rank_set.file_name(rank)
@@ -149,22 +152,38 @@ def read_rank_set(folder: Path | RemotePath, rank_set: PerRankSet) -> PerRankFol
         _agree(folder, name, rank, objects, others)
         for path, pieces in tensors.items():
             for local in pieces:
+                if local.whole:
+                    whole_on.setdefault(path, []).append(rank)
                 dtype, shape, chunks = entries.setdefault(path, (local.dtype, local.shape, {}))
                 label = ".".join(map(str, path))
                 if (dtype.name, shape) != (local.dtype.name, local.shape):
+                    origin = held.get((path, (0,) * len(shape)))
+                    if local.whole and origin is not None and origin[0].whole and \
+                            _looks_rank_local(rank_set, path):
+                        raise _rank_local(folder / name, rank_set, path,
+                                          "is stored whole by every rank, as "
+                                          f"{local.dtype.name} {list(local.shape)} here "
+                                          f"but {dtype.name} {list(shape)} on rank 0")
                     raise CorruptCheckpointError(
                         f"{folder / name}: tensor '{label}' is {local.dtype.name} "
                         f"{list(local.shape)} here but {dtype.name} {list(shape)} on rank 0; "
                         "the rank files come from different runs.")
-                # Replicated pieces (plain tensors, Replicate() mesh dims) are taken once.
-                chunks.setdefault(local.offsets, PerRankChunk(
+                # Replicated pieces (plain tensors, Replicate() mesh dims) are taken once,
+                # and only when every rank's copy holds the same bytes.
+                if (path, local.offsets) in held:
+                    _check_replicated(folder / name, rank_set, path, held[path, local.offsets],
+                                      local)
+                    continue
+                held[path, local.offsets] = (local, name)
+                chunks[local.offsets] = PerRankChunk(
                     local.offsets, local.raw.shape, name, local.raw.storage_start,
-                    local.raw.storage_nbytes, raw=local.raw))
+                    local.raw.storage_nbytes, raw=local.raw)
         if world is None:
             # Accelerate's names do not record the world size; the mesh does (a sub-mesh,
             # tensor parallelism inside a larger world, spans fewer: the files say more).
             world = max(mesh_ranks, max(rank_set.files) + 1)
         rank += 1
+    _whole_everywhere(folder, rank_set, whole_on, world or 0)
     extra = sorted(set(rank_set.files) - set(range(world or 0)))
     if extra:
         raise NotACheckpointError(f"{folder / rank_set.files[extra[0]]}: a rank file beyond the "
@@ -185,6 +204,77 @@ def read_rank_set(folder: Path | RemotePath, rank_set: PerRankSet) -> PerRankFol
     return PerRankFolder(folder, DcpMetadata(tensors_out, objects_out), files)
 
 
+def _check_replicated(path: Path | RemotePath, rank_set: PerRankSet, key: KeyPath,
+                      first: tuple[RankTensor, str], local: RankTensor) -> None:
+    """Take a piece that an earlier rank also holds as replicated only when both hold the
+    same bytes: the same view of storages whose zip entries record the same size and
+    CRC-32 (nothing is read). Refuse otherwise: rank-local state, which cannot be merged."""
+    mine, theirs = local.raw, first[0].raw
+    if (local.crc, mine.storage_nbytes, mine.storage_offset, mine.stride) == \
+            (first[0].crc, theirs.storage_nbytes, theirs.storage_offset, theirs.stride):
+        return
+    stored = "is stored whole by every rank" if local.whole else \
+        "is one piece that several ranks hold (a Replicate() placement)"
+    raise _rank_local(path, rank_set, key,
+                      f"{stored} but holds other bytes here than in "
+                      f"{first[1]} (CRC-32 {local.crc:08x}, "
+                      f"not {first[0].crc:08x})")
+
+
+def _whole_everywhere(folder: Path | RemotePath, rank_set: PerRankSet,
+                      whole_on: dict[KeyPath, list[int]], world: int) -> None:
+    """A plain tensor is replicated only if every rank stores it: one that some ranks lack
+    is one rank's own state (FSDP1 with ``use_orig_params=True`` keeps optimizer state only
+    for the parameters a rank holds elements of), never the whole tensor."""
+    for key, ranks in whole_on.items():
+        if len(ranks) == world:
+            continue
+        missing = min(set(range(world)) - set(ranks))
+        path = folder / (rank_set.files.get(missing) or rank_set.file_name(missing))
+        if _looks_rank_local(rank_set, key):
+            raise _rank_local(path, rank_set, key, f"is stored whole by rank {ranks[0]} but "
+                              "missing here")
+        label = ".".join(map(str, (rank_set.kind, *key)))
+        raise CorruptCheckpointError(f"{path}: lacks the tensor '{label}' that rank "
+                                     f"{ranks[0]} stores whole; the rank files come from "
+                                     "different runs.")
+
+
+#: Key parts of FSDP1's flat parameters, and of the optimizer state kept for them.
+_FLAT_NAMES = ("_flat_param", "flat_param", "_fsdp_wrapped_module")
+
+
+def _looks_rank_local(rank_set: PerRankSet, key: KeyPath) -> bool:
+    """Whether plain tensors at ``key`` that differ between ranks are rank-local state (an
+    optimizer's per-rank state, FSDP1 flat parameters) rather than files of other runs."""
+    return rank_set.kind == "optimizer" or any(
+        isinstance(part, str) and part in _FLAT_NAMES for part in key)
+
+
+def _rank_local(path: Path | RemotePath, rank_set: PerRankSet, key: KeyPath,
+                what: str) -> NotACheckpointError:
+    """The refusal of a tensor every rank stores whole, each with its own bytes."""
+    label = ".".join(map(str, (rank_set.kind, *key)))
+    if any(isinstance(part, str) and "flat_param" in part for part in key):
+        kind = "FSDP1 flat parameters (every parameter of a module flattened into one " \
+            "padded piece per rank)"
+    elif rank_set.kind == "optimizer":
+        kind = "rank-local optimizer state (each rank's state for its own shard of the " \
+            "parameters, FSDP1's flat parameters, as optimizer.state_dict() gives it)"
+    else:
+        kind = "rank-local state (each rank's own value, not a replicated one)"
+    fix = ("Merge the model weights only (leave out --optimizer / optimizer=True), or save "
+           "the optimizer with FSDP.optim_state_dict() or torch.distributed.checkpoint's "
+           "get_optimizer_state_dict(), which record where each piece goes."
+           if rank_set.kind == "optimizer" else
+           "Save with state_dict_type=SHARDED_STATE_DICT or FULL_STATE_DICT (or FSDP2), "
+           "which record where each piece goes.")
+    return NotACheckpointError(
+        f"{path}: '{label}' {what}: it is {kind}, not a "
+        f"replicated tensor, and the rank files do not say where each rank's piece goes, so "
+        f"it cannot be merged. {fix}")
+
+
 def _size(folder: Path | RemotePath, name: str) -> int:
     """The size of the rank file ``name`` (from the listing on object storage)."""
     if isinstance(folder, RemotePath):
@@ -201,7 +291,6 @@ def _agree(folder: Path | RemotePath, name: str, rank: int, seen: dict[KeyPath, 
     """
     mine: dict[KeyPath, str] = {}
     for path, value in values:
-        check_plain_value(value, source=f"{folder / name} ('{'.'.join(map(str, path))}')")
         mine[path] = dumps(value)
         if rank == 0:
             seen[path] = (mine[path], value)

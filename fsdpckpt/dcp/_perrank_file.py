@@ -34,6 +34,7 @@ from fsdpckpt.dcp._archive import (
     is_plain_int,
     locate_record,
 )
+from fsdpckpt.dcp._graph import is_leaf_list, measure, node_budget, tree_items
 from fsdpckpt.dcp._perrank_sharded import (
     SHARDED_GLOBALS,
     ShardedTensorType,
@@ -149,12 +150,18 @@ class _RankUnpickler(RestrictedUnpickler):
 
 @dataclass(frozen=True)
 class RankTensor:
-    """One tensor of one rank: its global shape and dtype, and where this rank's piece goes."""
+    """One tensor of one rank: its global shape and dtype, and where this rank's piece goes.
+
+    ``crc`` is the CRC-32 the rank's zip directory records for the piece's storage entry (so
+    pieces two ranks both hold can be compared without reading them), and ``whole`` says
+    the rank stored a plain tensor (no DTensor or ShardedTensor placing it)."""
 
     dtype: DType
     shape: tuple[int, ...]
     offsets: tuple[int, ...]
     raw: RawTensor
+    crc: int = 0
+    whole: bool = False
 
 
 def _ints(value: Any, what: str, source: str) -> tuple[int, ...]:
@@ -241,30 +248,10 @@ def _refuse_placement(name: str, placement: Any, source: str) -> None:
             "state dict instead.")
 
 
-def _is_terminal(value: Any) -> bool:
-    """DCP's rule (``_traverse.traverse_state_dict``): a list is a leaf unless it holds a
-    dict or a non-leaf list; dicts never are."""
-    if isinstance(value, dict):
-        return False
-    if not isinstance(value, list):
-        return True
-    return all(not isinstance(v, (dict, list)) or _is_terminal(v) for v in value)
-
-
-def _walk(value: Any, path: KeyPath, out: list[tuple[KeyPath, Any]], depth: int = 0) -> None:
-    """Flatten a state dict into key paths as DCP's ``flatten_state_dict`` does: through
-    dicts (string keys) and through lists that hold dicts (``param_groups``: int keys)."""
-    if depth > 40:
-        raise CorruptCheckpointError("the state dict nests more than 40 levels deep")
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _walk(item, (*path, key if isinstance(key, (str, int)) else str(key)), out,
-                  depth + 1)
-    elif not _is_terminal(value):
-        for index, item in enumerate(value):
-            _walk(item, (*path, index), out, depth + 1)
-    else:
-        out.append((path, value))
+def _is_branch(value: Any) -> bool:
+    """As DCP's ``flatten_state_dict``: through dicts (string keys) and through lists that
+    hold dicts (``param_groups``: int keys)."""
+    return isinstance(value, list) and not is_leaf_list(value)
 
 
 #: The last key of an FSDP1 flat parameter (``LOCAL_STATE_DICT``).
@@ -308,17 +295,24 @@ def read_rank(folder: Path | RemotePath, name: str) -> tuple[dict[KeyPath, list[
         pkl = entry_info(archive, "/data.pkl", source)
         prefix = pkl.filename[: -len("data.pkl")]
         storage = _persistent_storage
-        value = safe_loads(read_entry(archive, pkl, source=source, start=0),
-                           allowed=_GLOBALS, source=source, persistent_load=storage,
+        data = read_entry(archive, pkl, source=source, start=0)
+        value = safe_loads(data, allowed=_GLOBALS, source=source, persistent_load=storage,
                            unpickler_class=_RankUnpickler)
         if not isinstance(value, dict):
             raise NotACheckpointError(f"{source}: holds {type(value).__name__}, not a "
                                       "state dict.")
-        items: list[tuple[KeyPath, Any]] = []
-        _walk(value, (), items)
+        # Once over every container (by identity), before anything walks it by its paths.
+        measure(value, source=source, budget=node_budget(len(data)))
+        items = tree_items(value, is_branch=_is_branch, source=source)
+
+        crcs: dict[int, int] = {}  # storage start -> its entry's recorded CRC-32
 
         def locate(record: _TensorRecord, what: str) -> RawTensor:
-            return locate_record(file, 0, size, archive, prefix, record, source=what)
+            raw = locate_record(file, 0, size, archive, prefix, record, source=what)
+            key = getattr(record.storage, "key", None)
+            info = archive.NameToInfo.get(f"{prefix}data/{key}")
+            crcs[raw.storage_start] = info.CRC if info is not None else 0
+            return raw
 
         tensors: dict[KeyPath, list[RankTensor]] = {}
         others: list[tuple[KeyPath, Any]] = []
@@ -344,7 +338,8 @@ def read_rank(folder: Path | RemotePath, name: str) -> tuple[dict[KeyPath, list[
                         raise CorruptCheckpointError(
                             f"{what}: a shard declared {list(sizes)} holds a tensor of "
                             f"shape {list(raw.shape)}; the file is damaged.")
-                    pieces.append(RankTensor(raw.dtype, shape, offsets, raw))
+                    pieces.append(RankTensor(raw.dtype, shape, offsets, raw,
+                                             crcs[raw.storage_start]))
                 tensors[path] = pieces
                 mesh_ranks = max(mesh_ranks, world_size(item))
             elif isinstance(item, _Wrapper):
@@ -355,11 +350,12 @@ def read_rank(folder: Path | RemotePath, name: str) -> tuple[dict[KeyPath, list[
                 offsets, ranks = _place(label, item, raw, what)
                 mesh_ranks = max(mesh_ranks, ranks)
                 tensors[path] = [RankTensor(raw.dtype, _ints(item.size, "the global shape",
-                                                         what), offsets, raw)]
+                                                         what), offsets, raw,
+                                            crcs[raw.storage_start])]
             elif isinstance(item, _TensorRecord):  # a plain tensor: whole on every rank
                 raw = locate(item, what)
                 tensors[path] = [RankTensor(raw.dtype, raw.shape, (0,) * len(raw.shape),
-                                            raw)]
+                                            raw, crcs[raw.storage_start], whole=True)]
             else:
                 others.append((path, item))
     return tensors, others, mesh_ranks

@@ -25,6 +25,7 @@ from typing import Any
 
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._archive import is_plain_int, read_archive_with_tensors
+from fsdpckpt.dcp._graph import bounded_repr
 from fsdpckpt.dcp._objects import TensorValue, latin1_bytes, to_torch
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS
 from fsdpckpt.errors import (
@@ -231,7 +232,7 @@ def rng_fields(state: dict[Any, Any], path: Path | RemotePath, *,
 
 
 def _show(key: Any) -> str:
-    return repr(key)[:80]
+    return bounded_repr(key)
 
 
 def _int_in(value: Any, low: int, high: int, what: str) -> int:

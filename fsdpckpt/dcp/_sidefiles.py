@@ -108,7 +108,7 @@ def read_state_file(path: Path | RemotePath, what: str = "state") -> Any:
             value = read_archive_with_tensors(
                 file, 0, size, source=str(path), allowed=_OBJECT_GLOBALS, make_tensor=TensorValue
             )
-        check_plain_value(value, source=str(path))
+        check_plain_value(value, source=str(path), size=size)
     except Exception as exc:  # noqa: BLE001 - any failure on damaged bytes is one line
         raise _one_line(path, what, exc) from None
     if what != "state" and not isinstance(value, dict):  # a state_dict() is always a dict

@@ -79,6 +79,8 @@ def _torch_load(file: Path, kind: str) -> Any:
         # mmap: tensors are paged in as each is written, not loaded all at once (the legacy
         # format cannot be mapped).
         return torch_load_allowlisted(file, mmap=kind == "torch")
+    except FsdpCkptError:
+        raise  # the loaded value refused (check_plain_value): its message names the file
     except pickle.UnpicklingError as exc:
         asked = re.search(r"GLOBAL (\S+)", str(exc))
         if asked:

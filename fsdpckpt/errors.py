@@ -15,6 +15,7 @@ __all__ = [
     "NotACheckpointError",
     "UnsafePickleError",
     "CorruptCheckpointError",
+    "ChecksumError",
 ]
 
 
@@ -36,6 +37,11 @@ class UnsafePickleError(FsdpCkptError, pickle.UnpicklingError):
 
 class CorruptCheckpointError(FsdpCkptError, ValueError):
     """A checkpoint's files disagree with its metadata (truncated, missing, garbled)."""
+
+
+class ChecksumError(CorruptCheckpointError):
+    """Bytes read from a checkpoint do not match the checksum their writer recorded (a
+    flipped bit, a bad disk, a faulty transfer); raised before any output is committed."""
 
 
 #: Set on an error that a lower rank of the same process group also raised, with the same

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from fsdpckpt._io.rawio import ReadAt, copy_range, pread_into, pwrite_all, scratch
+from fsdpckpt.dcp import _checked
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._perrank import PerRankChunk
@@ -262,8 +263,11 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
 
 
 def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
-                        check_shape: bool = False) -> tuple[RawTensor, Source, str]:
-    """Where ``chunk`` of ``tensor`` is stored, checked against the metadata.
+                        check_shape: bool = False,
+                        verify: bool = True) -> tuple[RawTensor, Source, str]:
+    """Where ``chunk`` of ``tensor`` is stored, checked against the metadata and (with
+    ``verify``, for readers that take parts of it) its whole storage entry read once against
+    the CRC-32 its archive records (:func:`fsdpckpt.dcp._checked.verify_entry_once`).
 
     Returns:
         ``(its archive record, what to read its bytes from, a label naming it for errors)``:
@@ -274,6 +278,7 @@ def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
         NotACheckpointError: the metadata gives the chunk no storage entry.
         CorruptCheckpointError: its archive is damaged, or holds another dtype (with
             ``check_shape``, another shape) than the metadata says.
+        ChecksumError: with ``verify``, its bytes do not match their recorded CRC-32.
     """
     source = f"{files.folder / str(chunk.file)} (tensor '{tensor.name}' chunk at " \
              f"{list(chunk.offsets)})"
@@ -292,6 +297,10 @@ def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
         raise CorruptCheckpointError(f"{source}: holds shape {list(raw.shape)}, the metadata "
                                      f"says {list(chunk.sizes)}")
     src = handle if isinstance(handle, ZstdEntry) else data.fd
+    if verify:
+        _checked.verify_entry_once(files.checked, (chunk.file, chunk.offset, raw.storage_start),
+                                   src, raw.storage_start, raw.storage_nbytes, raw.crc32,
+                                   source=source, entry=raw.entry)
     return raw, src, source
 
 
@@ -309,8 +318,18 @@ def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs
     Raises:
         NotACheckpointError: the metadata gives the chunk no storage entry.
         CorruptCheckpointError: its archive is damaged or holds another dtype than the metadata.
+        ChecksumError: its storage entry's bytes do not match the CRC-32 its archive
+            records; checked as they are read (:class:`fsdpckpt.dcp._checked.CheckedRead`),
+            so before the caller commits anything made from them.
     """
-    raw, src, source = locate_stored_chunk(files, tensor, chunk)
-    place_chunk(src, raw, chunk, runs, out, dst, tensor_start, source=source,
+    raw, src, source = locate_stored_chunk(files, tensor, chunk, verify=False)
+    if raw.crc32 is None or not _checked.ENABLED:
+        place_chunk(src, raw, chunk, runs, out, dst, tensor_start, source=source,
+                    progress=progress)
+        return
+    checked = _checked.CheckedRead(src, raw.storage_start, raw.storage_nbytes, raw.crc32,
+                                   source=source, entry=raw.entry)
+    place_chunk(checked, raw, chunk, runs, out, dst, tensor_start, source=source,
                 progress=progress)
+    checked.finish()
 

@@ -33,8 +33,15 @@ from fsdpckpt._io.rawio import ReadAt, pread_into, scratch
 from fsdpckpt._printable import printable
 from fsdpckpt.errors import ChecksumError
 
-__all__ = ["ENABLED", "CheckedRead", "check_archive", "checksum_error", "crc32_of",
-           "verify_entry", "verify_entry_once"]
+__all__ = [
+    "ENABLED",
+    "CheckedRead",
+    "check_archive",
+    "checksum_error",
+    "crc32_of",
+    "verify_entry",
+    "verify_entry_once",
+]
 
 #: Whether tensor bytes are checked as they are read. On unless a benchmark measures the
 #: cost of the check (switching it off gives up the guarantee).
@@ -50,16 +57,24 @@ def checksum_error(source: str, entry: str | None, expected: int, actual: int) -
         f"{source}: {what} does not match the CRC-32 its writer recorded (recorded "
         f"{expected:08x}, read {actual:08x}): the file changed after it was written (a "
         "flipped bit, a bad disk or a faulty transfer). Nothing was written from it; restore "
-        "the file from a good copy (`fsdpckpt verify` lists every damaged chunk).")
+        "the file from a good copy (`fsdpckpt verify` lists every damaged chunk)."
+    )
 
 
-def crc32_of(src: int | ReadAt, start: int, count: int, crc: int = 0, *, source: str,
-             progress: Callable[[int], None] | None = None) -> int:
+def crc32_of(
+    src: int | ReadAt,
+    start: int,
+    count: int,
+    crc: int = 0,
+    *,
+    source: str,
+    progress: Callable[[int], None] | None = None,
+) -> int:
     """The CRC-32 of ``count`` bytes of ``src`` from ``start`` (continuing ``crc``), read in
     bounded blocks from a descriptor, a remote file or a decoder."""
     buffer = scratch(min(count, _BLOCK), "crc") if count > 0 else memoryview(b"")
     while count > 0:
-        view = buffer[:min(count, len(buffer))]
+        view = buffer[: min(count, len(buffer))]
         pread_into(src, view, start, source=source)
         crc = zlib.crc32(view, crc)
         start, count = start + len(view), count - len(view)
@@ -68,8 +83,15 @@ def crc32_of(src: int | ReadAt, start: int, count: int, crc: int = 0, *, source:
     return crc
 
 
-def verify_entry(src: int | ReadAt, start: int, nbytes: int, expected: int, *, source: str,
-                 entry: str | None = None) -> None:
+def verify_entry(
+    src: int | ReadAt,
+    start: int,
+    nbytes: int,
+    expected: int,
+    *,
+    source: str,
+    entry: str | None = None,
+) -> None:
     """Read the ``nbytes`` at ``start`` of ``src`` whole and check them against ``expected``.
 
     Raises:
@@ -80,8 +102,17 @@ def verify_entry(src: int | ReadAt, start: int, nbytes: int, expected: int, *, s
         raise checksum_error(source, entry, expected, actual)
 
 
-def verify_entry_once(done: set[Any], key: Any, src: int | ReadAt, start: int, nbytes: int,
-                      expected: int | None, *, source: str, entry: str | None = None) -> None:
+def verify_entry_once(
+    done: set[Any],
+    key: Any,
+    src: int | ReadAt,
+    start: int,
+    nbytes: int,
+    expected: int | None,
+    *,
+    source: str,
+    entry: str | None = None,
+) -> None:
     """:func:`verify_entry`, unless ``key`` is already in ``done`` (the entries checked by
     one reader, kept with its open files); nothing when no CRC is recorded or checking is
     off."""
@@ -99,8 +130,16 @@ class CheckedRead:
     elsewhere) and compares with what the archive records.
     """
 
-    def __init__(self, src: int | ReadAt, start: int, nbytes: int, expected: int, *,
-                 source: str, entry: str | None = None) -> None:
+    def __init__(
+        self,
+        src: int | ReadAt,
+        start: int,
+        nbytes: int,
+        expected: int,
+        *,
+        source: str,
+        entry: str | None = None,
+    ) -> None:
         self._src, self._end, self._expected = src, start + nbytes, expected
         self._start, self._at, self._crc = start, start, 0
         self._source, self._entry = source, entry
@@ -108,7 +147,7 @@ class CheckedRead:
     def read_at(self, view: memoryview, offset: int) -> None:
         pread_into(self._src, view, offset, source=self._source)
         if offset <= self._at < offset + len(view) and self._at < self._end:
-            take = view.cast("B")[self._at - offset:min(len(view), self._end - offset)]
+            take = view.cast("B")[self._at - offset : min(len(view), self._end - offset)]
             self._crc = zlib.crc32(take, self._crc)
             self._at += len(take)
 
@@ -118,8 +157,7 @@ class CheckedRead:
         Raises:
             ChecksumError: naming the file and the entry, when the CRC-32 differs.
         """
-        crc = crc32_of(self._src, self._at, self._end - self._at, self._crc,
-                       source=self._source)
+        crc = crc32_of(self._src, self._at, self._end - self._at, self._crc, source=self._source)
         self._at = self._end
         if crc != self._expected:
             raise checksum_error(self._source, self._entry, self._expected, crc)
@@ -152,7 +190,7 @@ def check_archive(file: IO[bytes], start: int, length: int, *, source: str) -> N
             with zip_errors(source, where):
                 file.seek(at)
                 while left:
-                    block = buffer[:min(left, len(buffer))]
+                    block = buffer[: min(left, len(buffer))]
                     got = file.readinto(block)  # type: ignore[attr-defined]
                     if not got:
                         raise EOFError(f"the entry '{info.filename}' is cut short")

@@ -79,6 +79,8 @@ def _torch_load(file: Path, kind: str) -> Any:
         # mmap: tensors are paged in as each is written, not loaded all at once (the legacy
         # format cannot be mapped).
         return torch_load_allowlisted(file, mmap=kind == "torch")
+    except FsdpCkptError:
+        raise  # already names the file (a checksum that fails, a refused value)
     except pickle.UnpicklingError as exc:
         asked = re.search(r"GLOBAL (\S+)", str(exc))
         if asked:

@@ -23,7 +23,7 @@ from fsdpckpt._io.durable import fsync_dir, write_bytes
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 from fsdpckpt.training import _remote
-from fsdpckpt.training._dcp_io import safe_load_planner, safe_storage_reader
+from fsdpckpt.training._dcp_io import check_local_reads, safe_load_planner, safe_storage_reader
 from fsdpckpt.training._dist import async_group, dcp_call, dist_or_none, everywhere, rank_world
 from fsdpckpt.training._layout import (
     check_parts,
@@ -358,6 +358,12 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
         comparison = compare(folder, flatten(optimizer_state), "optimizer")
         if comparison.unloadable:  # a different optimizer (SGD for AdamW) or model
             raise StateMismatchError(mismatch_message(folder, comparison, "optimizer"))
+    # Every archive each load reads, checked against its CRC-32s before the first load
+    # changes anything (torch's loader does not check them).
+    for state, reader in zip(templates, model_readers):
+        check_local_reads(reader, {"model": state})
+    for optimizer_state, reader in zip(optimizer_templates, optimizer_readers):
+        check_local_reads(reader, {"optimizer": optimizer_state})
     restored: list[str] = []
     try:
         # Our storage reader, never a checkpoint_id: torch's own reader would unpickle

@@ -281,3 +281,22 @@ def test_the_spread_merge_of_a_flipped_bit_fails_on_every_rank_and_leaves_nothin
     errors = run_ranks(_spread_merge, str(ckpt), str(tmp_path / "new" / "out"))
     assert all("CRC-32" in e and str(path) in e for e in errors), errors
     assert not (tmp_path / "new").exists()
+
+
+# -- what verify says of formats that record no checksum ---------------------------------
+
+
+def test_verify_names_the_safetensors_files_it_could_not_check_without_a_manifest():
+    report = fsdpckpt.verify_checkpoint(FIXTURES / "hf_storage" / "consolidated")
+    assert report.ok and not report.manifest
+    assert report.unchecked and all(f.endswith(".safetensors") for f in report.unchecked)
+    assert report.to_json()["unchecked"] == list(report.unchecked)
+    result = run_cli("verify", FIXTURES / "hf_storage" / "consolidated", "--quiet")
+    assert result.exit_code == 0
+    assert f"unchecked: {len(report.unchecked)} files record no checksums" in result.stdout
+
+
+def test_verify_of_a_dcp_checkpoint_leaves_nothing_unchecked():
+    report = fsdpckpt.verify_checkpoint(CKPT)
+    assert report.ok and report.unchecked == ()
+    assert "unchecked" not in run_cli("verify", CKPT, "--quiet").stdout

@@ -225,7 +225,12 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         callback = start_progress(progress, *_chunk_bytes(folders)) if progress else None
         for folder in folders:
             _check_chunks(folder, problems, only_file=None, expected=None, progress=callback)
-        return _report(root, problems, manifest=False, digest=digest, file_digest=None)
+        # Safetensors record no checksum: without a manifest their data cannot be checked.
+        unchecked = tuple(str(p.path / name) for p in layout.parts
+                          if (hf := hf_part_named(p.path, p.name)) is not None
+                          for name in hf.files)
+        return _report(root, problems, manifest=False, digest=digest, file_digest=None,
+                       unchecked=unchecked)
 
     file_digest = manifest.get("digest")  # schema-checked: None, or one of DIGESTS
     named = {p.path for p in problems}  # stray metadata files are named above already
@@ -282,9 +287,10 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
 
 
 def _report(root: Path | RemotePath, problems: list[Problem], *, manifest: bool, digest: str | None,
-            file_digest: str | None) -> VerifyReport:
+            file_digest: str | None, unchecked: tuple[str, ...] = ()) -> VerifyReport:
     if manifest and digest is None:
         digest = manifest_digest(root)
     # Each problem once (a file may be reached twice), in the order first found.
     return VerifyReport(path=root, manifest=manifest, manifest_digest=digest,
-                        digest=file_digest, problems=tuple(dict.fromkeys(problems)))
+                        digest=file_digest, problems=tuple(dict.fromkeys(problems)),
+                        unchecked=unchecked)

@@ -300,3 +300,24 @@ def test_verify_of_a_dcp_checkpoint_leaves_nothing_unchecked():
     report = fsdpckpt.verify_checkpoint(CKPT)
     assert report.ok and report.unchecked == ()
     assert "unchecked" not in run_cli("verify", CKPT, "--quiet").stdout
+
+
+# -- the same bytes through object storage -------------------------------------------------
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("target", ["local", "remote"])
+def test_a_remote_merge_of_a_flipped_bit_fails_and_commits_nothing(s3, damaged, tmp_path, target):
+    from conftest import upload
+
+    server, root = s3
+    ckpt, path = damaged
+    url = upload(server, ckpt, f"s3://{root}/ckpt")
+    out = str(tmp_path / "out") if target == "local" else f"s3://{root}/out"
+    with pytest.raises(ChecksumError, match="CRC-32") as caught:
+        fsdpckpt.merge(url, out, storage_options=server.options)
+    assert path.name in str(caught.value) and str(caught.value).startswith("s3://")
+    if target == "local":
+        assert not (tmp_path / "out").exists()
+    else:
+        assert not server.filesystem().find(f"{root}/out")

@@ -26,9 +26,9 @@ nothing else sets it.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
 from typing import IO, Any
 
+from fsdpckpt._io.checksums import crc32_range
 from fsdpckpt._io.rawio import ReadAt, pread_into, scratch
 from fsdpckpt._printable import printable
 from fsdpckpt.errors import ChecksumError
@@ -38,7 +38,6 @@ __all__ = [
     "CheckedRead",
     "check_archive",
     "checksum_error",
-    "crc32_of",
     "verify_entry",
     "verify_entry_once",
 ]
@@ -61,28 +60,6 @@ def checksum_error(source: str, entry: str | None, expected: int, actual: int) -
     )
 
 
-def crc32_of(
-    src: int | ReadAt,
-    start: int,
-    count: int,
-    crc: int = 0,
-    *,
-    source: str,
-    progress: Callable[[int], None] | None = None,
-) -> int:
-    """The CRC-32 of ``count`` bytes of ``src`` from ``start`` (continuing ``crc``), read in
-    bounded blocks from a descriptor, a remote file or a decoder."""
-    buffer = scratch(min(count, _BLOCK), "crc") if count > 0 else memoryview(b"")
-    while count > 0:
-        view = buffer[: min(count, len(buffer))]
-        pread_into(src, view, start, source=source)
-        crc = zlib.crc32(view, crc)
-        start, count = start + len(view), count - len(view)
-        if progress:
-            progress(len(view))
-    return crc
-
-
 def verify_entry(
     src: int | ReadAt,
     start: int,
@@ -97,7 +74,7 @@ def verify_entry(
     Raises:
         ChecksumError: naming ``source`` and ``entry``, when they differ.
     """
-    actual = crc32_of(src, start, nbytes, source=source)
+    actual = crc32_range(src, start, nbytes, source=source)
     if actual != expected:
         raise checksum_error(source, entry, expected, actual)
 
@@ -157,7 +134,9 @@ class CheckedRead:
         Raises:
             ChecksumError: naming the file and the entry, when the CRC-32 differs.
         """
-        crc = crc32_of(self._src, self._at, self._end - self._at, self._crc, source=self._source)
+        crc = crc32_range(
+            self._src, self._at, self._end - self._at, source=self._source, crc=self._crc
+        )
         self._at = self._end
         if crc != self._expected:
             raise checksum_error(self._source, self._entry, self._expected, crc)

@@ -121,6 +121,11 @@ class CheckedRead:
         self._start, self._at, self._crc = start, start, 0
         self._source, self._entry = source, entry
 
+    @property
+    def local(self) -> bool:
+        """Whether the bytes come from a local file's descriptor."""
+        return isinstance(self._src, int)
+
     def read_at(self, view: memoryview, offset: int) -> None:
         pread_into(self._src, view, offset, source=self._source)
         if offset <= self._at < offset + len(view) and self._at < self._end:

@@ -358,12 +358,11 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
         comparison = compare(folder, flatten(optimizer_state), "optimizer")
         if comparison.unloadable:  # a different optimizer (SGD for AdamW) or model
             raise StateMismatchError(mismatch_message(folder, comparison, "optimizer"))
-    # Every archive each load reads, checked against its CRC-32s before the first load
-    # changes anything (torch's loader does not check them).
-    for state, reader in zip(templates, model_readers):
-        check_local_reads(reader, {"model": state})
-    for optimizer_state, reader in zip(optimizer_templates, optimizer_readers):
-        check_local_reads(reader, {"optimizer": optimizer_state})
+    # Every archive the loads read, checked against its CRC-32s first (torch's loader does not).
+    for key, states, readers in (("model", templates, model_readers),
+                                 ("optimizer", optimizer_templates, optimizer_readers)):
+        for part_state, reader in zip(states, readers):
+            check_local_reads(reader, {key: part_state})
     restored: list[str] = []
     try:
         # Our storage reader, never a checkpoint_id: torch's own reader would unpickle

@@ -35,7 +35,7 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge import build, run
+from merge import build
 
 _CHILD = (
     "import sys\n"
@@ -45,6 +45,18 @@ _CHILD = (
     "sys.argv[0] = 'fsdpckpt'\n"
     "run()\n"
 )
+
+
+def run(cmd: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds (user + system) and peak RSS (MB) of one whole process.
+    CPU time says what the check costs even when a shared machine makes wall time noisy."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _pid, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if status != 0:
+        raise RuntimeError(f"{cmd} failed: {proc.stderr.read().decode()[-2000:]}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 def _merge(mode: str, src: Path, out: Path, *extra: str) -> list[str]:
@@ -62,19 +74,22 @@ def measure(src: Path, work: Path, rounds: int) -> dict[str, dict]:
     }
     subprocess.run(["cat", *map(str, src.iterdir())], stdout=subprocess.DEVNULL, check=True)
     times: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
     peaks: dict[str, list[float]] = {}
     for _ in range(rounds):
         for name, cmd in cases.items():
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
             os.sync()
-            wall, peak = run(cmd)
+            wall, cpu, peak = run(cmd)
             times.setdefault(name, []).append(wall)
+            cpus.setdefault(name, []).append(cpu)
             peaks.setdefault(name, []).append(peak)
     shutil.rmtree(out, ignore_errors=True)
     return {
         name: {
             "seconds": statistics.median(times[name]),
+            "cpu_seconds": statistics.median(cpus[name]),
             "peak_mb": max(peaks[name]),
             "runs": times[name],
         }
@@ -99,9 +114,17 @@ def report(results: dict[str, dict], size_gb: float, crc_gbs: float) -> None:
         f"\n{size_gb:.2f} GB of fp32 weights; whole process, median wall; "
         f"zlib.crc32 here: {crc_gbs:.1f} GB/s"
     )
-    print(f"{'case':32} {'wall s':>7} {'x unchecked':>12} {'peak RSS MB':>12}")
+    cpu_anchor = results["merge (unchecked)"]["cpu_seconds"]
+    print(
+        f"{'case':32} {'wall s':>7} {'x unchecked':>12} {'CPU s':>6} {'x unchecked':>12} "
+        f"{'peak RSS MB':>12}"
+    )
     for name, r in results.items():
-        print(f"{name:32} {r['seconds']:7.2f} {r['seconds'] / anchor:12.2f} {r['peak_mb']:12.0f}")
+        print(
+            f"{name:32} {r['seconds']:7.2f} {r['seconds'] / anchor:12.2f} "
+            f"{r['cpu_seconds']:6.2f} {r['cpu_seconds'] / cpu_anchor:12.2f} "
+            f"{r['peak_mb']:12.0f}"
+        )
     plain = results["merge (checked, the default)"]["seconds"] / anchor
     bf16 = (
         results["merge --dtype bf16 (checked)"]["seconds"]

@@ -321,3 +321,34 @@ def test_a_remote_merge_of_a_flipped_bit_fails_and_commits_nothing(s3, damaged, 
         assert not (tmp_path / "out").exists()
     else:
         assert not server.filesystem().find(f"{root}/out")
+
+
+class _Ema:
+    """Custom state holding a tensor, saved beside the model (``extra=``)."""
+
+    def __init__(self, value: float) -> None:
+        import torch
+
+        self.weights = torch.full((1024,), value)
+
+    def state_dict(self) -> dict:
+        return {"weights": self.weights}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.weights = state["weights"]
+
+
+def test_load_state_of_a_flipped_bit_in_a_side_file_raises_before_torch_reads_it(tmp_path):
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    ckpt = tmp_path / "ckpt"
+    fsdpckpt.save_state(ckpt, model, extra={"ema": _Ema(1.0)}, step=1)
+    side = next(p for p in ckpt.iterdir() if p.name.startswith("custom_checkpoint"))
+    flip_bin_bit(side)
+    ema = _Ema(0.0)
+    with pytest.raises(ChecksumError) as caught:
+        fsdpckpt.load_state(ckpt, model, extra={"ema": ema})
+    assert str(side) in str(caught.value)
+    assert torch.equal(ema.weights, torch.zeros(1024))

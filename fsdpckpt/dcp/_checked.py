@@ -37,6 +37,7 @@ __all__ = [
     "ENABLED",
     "CheckedRead",
     "check_archive",
+    "check_saved_file",
     "checksum_error",
     "verify_entry",
     "verify_entry_once",
@@ -145,6 +146,14 @@ class CheckedRead:
         self._at = self._end
         if crc != self._expected:
             raise checksum_error(self._source, self._entry, self._expected, crc)
+
+
+def check_saved_file(file: IO[bytes], *, source: str) -> None:
+    """:func:`check_archive` over the whole of the ``torch.save`` file ``file`` (open for
+    reading, seekable); its position is back at 0 after."""
+    size = file.seek(0, 2)
+    check_archive(file, 0, size, source=source)
+    file.seek(0)
 
 
 def check_archive(file: IO[bytes], start: int, length: int, *, source: str) -> None:

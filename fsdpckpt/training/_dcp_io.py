@@ -81,7 +81,7 @@ def check_reads(folder: Path | RemotePath, archives: set[_Archive]) -> None:
             check_archive(handle, start, size, source=source)
 
 
-def check_local_reads(reader: Any, state_dict: dict[str, Any]) -> None:
+def check_local_reads(reader: Any, state_dict: Any) -> None:
     """Check every archive ``dcp.load(state_dict, storage_reader=reader)`` will read on this
     rank against its CRC-32s, before the load changes anything: the local plan is what the
     default planner would make (the global step leaves it as it is)."""

@@ -21,6 +21,7 @@ from typing import Any
 from fsdpckpt._io.checksums import new_digest
 from fsdpckpt._io.durable import fsync_dir, write_bytes
 from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt.dcp._checked import check_saved_file
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 from fsdpckpt.training import _remote
 from fsdpckpt.training._dcp_io import check_local_reads, safe_load_planner, safe_storage_reader
@@ -271,7 +272,8 @@ def _load_trusted(path: Path | RemotePath, what: str = "state") -> Any:
     from fsdpckpt.training._rng import refused
 
     try:
-        source = io.BytesIO(path.read_bytes()) if isinstance(path, RemotePath) else path
+        source = io.BytesIO(path.read_bytes())
+        check_saved_file(source, source=str(path))  # torch does not check the CRC-32s
         state = torch.load(source, map_location="cpu", weights_only=True)  # safe: allowlist
     except Exception as exc:  # noqa: BLE001 - turned into one clear error
         raise refused(path, exc, what) from None
@@ -359,10 +361,9 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
         if comparison.unloadable:  # a different optimizer (SGD for AdamW) or model
             raise StateMismatchError(mismatch_message(folder, comparison, "optimizer"))
     # Every archive the loads read, checked against its CRC-32s first (torch's loader does not).
-    for key, states, readers in (("model", templates, model_readers),
-                                 ("optimizer", optimizer_templates, optimizer_readers)):
-        for part_state, reader in zip(states, readers):
-            check_local_reads(reader, {key: part_state})
+    for reader, part in [*zip(model_readers, ({"model": s} for s in templates)),
+                         *zip(optimizer_readers, ({"optimizer": s} for s in optimizer_templates))]:
+        check_local_reads(reader, part)
     restored: list[str] = []
     try:
         # Our storage reader, never a checkpoint_id: torch's own reader would unpickle

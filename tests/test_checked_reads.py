@@ -352,3 +352,14 @@ def test_load_state_of_a_flipped_bit_in_a_side_file_raises_before_torch_reads_it
         fsdpckpt.load_state(ckpt, model, extra={"ema": ema})
     assert str(side) in str(caught.value)
     assert torch.equal(ema.weights, torch.zeros(1024))
+
+
+@pytest.mark.parametrize("fixture", ["accelerate_rank_bin", "accelerate_rank_bin_fsdp1"])
+def test_a_merge_of_per_rank_files_with_a_flipped_bit_raises_and_writes_nothing(fixture, tmp_path):
+    ckpt = Path(shutil.copytree(FIXTURES / fixture, tmp_path / "ckpt"))
+    damaged_file = next(p for p in sorted(ckpt.iterdir()) if p.name.startswith("pytorch_model"))
+    flip_bin_bit(damaged_file)
+    with pytest.raises(ChecksumError) as caught:
+        fsdpckpt.merge(ckpt, tmp_path / "out")
+    assert str(damaged_file) in str(caught.value)
+    assert not (tmp_path / "out").exists()

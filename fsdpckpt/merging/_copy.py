@@ -328,7 +328,13 @@ def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs
             so before the caller commits anything made from them.
     """
     raw, src, source = locate_stored_chunk(files, tensor, chunk, verify=False)
-    if raw.crc32 is None or not _checked.ENABLED:
+    if raw.crc32 is None or not _checked.ENABLED or raw.storage_offset or \
+            raw.nbytes != raw.storage_nbytes:
+        # Nothing recorded, or a view of a storage other tensors share (an FSDP1 flat
+        # parameter in a rank file): that storage is read whole against its CRC once.
+        _checked.verify_entry_once(files.checked, (chunk.file, chunk.offset, raw.storage_start),
+                                   src, raw.storage_start, raw.storage_nbytes, raw.crc32,
+                                   source=source, entry=raw.entry)
         place_chunk(src, raw, chunk, runs, out, dst, tensor_start, source=source,
                     progress=progress)
         return

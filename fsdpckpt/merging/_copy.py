@@ -9,6 +9,10 @@ or a non-contiguous stored chunk, imports torch, and then works tile by tile: ea
 tile is a box of the chunk whose stored bytes span at most ``_SPAN`` bytes and
 whose output is at most ``_TILE`` bytes, so memory stays flat however large
 the tensor (a transposed 2.4 GB chunk used to be held whole, three times).
+
+Every chunk's bytes are checked against the CRC-32 its archive records as they are read
+(:mod:`fsdpckpt.dcp._checked`), so a checked chunk goes through memory, never
+``copy_file_range``; readers of parts of a chunk check its storage whole, once.
 """
 
 from __future__ import annotations

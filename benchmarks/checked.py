@@ -35,7 +35,7 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge import build
+from merge import build, run_usage
 
 _CHILD = (
     "import sys\n"
@@ -45,18 +45,6 @@ _CHILD = (
     "sys.argv[0] = 'fsdpckpt'\n"
     "run()\n"
 )
-
-
-def run(cmd: list[str]) -> tuple[float, float, float]:
-    """Wall seconds, CPU seconds (user + system) and peak RSS (MB) of one whole process.
-    CPU time says what the check costs even when a shared machine makes wall time noisy."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _pid, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    if status != 0:
-        raise RuntimeError(f"{cmd} failed: {proc.stderr.read().decode()[-2000:]}")
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 def _merge(mode: str, src: Path, out: Path, *extra: str) -> list[str]:
@@ -81,7 +69,7 @@ def measure(src: Path, work: Path, rounds: int) -> dict[str, dict]:
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
             os.sync()
-            wall, cpu, peak = run(cmd)
+            wall, cpu, peak = run_usage(cmd)  # CPU time: what the check costs, even under load
             times.setdefault(name, []).append(wall)
             cpus.setdefault(name, []).append(cpu)
             peaks.setdefault(name, []).append(peak)

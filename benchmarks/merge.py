@@ -80,13 +80,19 @@ def _build_here(path: str, layers: int) -> None:
 
 def run(cmd: list[str]) -> tuple[float, float]:
     """Wall seconds and peak RSS (MB) of one whole process."""
+    wall, _cpu, peak = run_usage(cmd)
+    return wall, peak
+
+
+def run_usage(cmd: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds (user + system) and peak RSS (MB) of one whole process."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _pid, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     if status != 0:
         raise RuntimeError(f"{cmd} failed: {proc.stderr.read().decode()[-2000:]}")
-    return wall, usage.ru_maxrss / 1024
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 def tools(src: Path, out: Path) -> dict[str, list[str]]:

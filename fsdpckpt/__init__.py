@@ -20,6 +20,7 @@ from fsdpckpt.dcp.metadata import Chunk, DcpMetadata, ObjectEntry, TensorEntry
 from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
+    ChecksumError,
     CorruptCheckpointError,
     DiskFullError,
     FsdpCkptError,
@@ -62,6 +63,7 @@ __all__ = [
     "__version__",
     "CheckpointLayout",
     "CheckpointNotFoundError",
+    "ChecksumError",
     "Chunk",
     "CorruptCheckpointError",
     "DType",

@@ -194,6 +194,11 @@ def render_verify(report: VerifyReport, path: str) -> str:
     how = "every byte checked against the manifest" if report.manifest else \
         "no manifest: chunk headers and data checked against their own checksums"
     out.append(f"{_p(path)}: {'OK' if report.ok else 'DAMAGED'} ({how})")
+    if report.unchecked:
+        count = len(report.unchecked)
+        out.append(f"unchecked: {count} file{'s' * (count != 1)} record no checksums "
+                   "(safetensors): their structure was checked, not their data bytes; save "
+                   "with fsdpckpt.save_state (a manifest) to have every byte checked")
     if report.manifest_digest:
         files = f"files carry {report.digest}" if report.digest else \
             "files carry CRC-32 only: save with digest='sha256' to detect deliberate changes"

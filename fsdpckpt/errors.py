@@ -16,6 +16,7 @@ __all__ = [
     "UnsafePickleError",
     "CorruptCheckpointError",
     "DiskFullError",
+    "ChecksumError",
 ]
 
 
@@ -37,6 +38,11 @@ class UnsafePickleError(FsdpCkptError, pickle.UnpicklingError):
 
 class CorruptCheckpointError(FsdpCkptError, ValueError):
     """A checkpoint's files disagree with its metadata (truncated, missing, garbled)."""
+
+
+class ChecksumError(CorruptCheckpointError):
+    """Bytes read from a checkpoint do not match the checksum their writer recorded (a
+    flipped bit, a bad disk, a faulty transfer); raised before any output is committed."""
 
 
 class _MessageOnly(OSError):

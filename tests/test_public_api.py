@@ -21,7 +21,7 @@ PUBLIC = {
     "inspect_checkpoint", "verify_checkpoint", "diff",
     "InspectReport", "PartReport", "TensorReport", "VerifyReport", "DiffReport",
     # errors
-    "FsdpCkptError", "CheckpointNotFoundError", "CorruptCheckpointError",
+    "FsdpCkptError", "CheckpointNotFoundError", "CorruptCheckpointError", "ChecksumError",
     "NotACheckpointError", "UnsafePickleError",
     # merging and converting
     "merge", "merge_fsdp_weights", "MergeResult", "load_full_state_dict", "convert",

@@ -127,14 +127,15 @@ def resolve_pieces(pieces: Pieces, known: Mapping[tuple[int, int], int],
 
 
 def crc32_range(fd: int | ReadAt, start: int, count: int, progress: Any = None,
-                block: int = 16 * 2**20, *, source: str = "a file", hasher: Any = None) -> int:
-    """CRC-32 of ``count`` bytes at ``start`` of the open file ``fd``, read in blocks; the
-    same bytes also go into ``hasher`` (a hashlib object) when one is given.
+                block: int = 16 * 2**20, *, source: str = "a file", hasher: Any = None,
+                crc: int = 0) -> int:
+    """CRC-32 of ``count`` bytes at ``start`` of the open file ``fd`` (a descriptor, or
+    anything read by offset: a remote file, a decoder), read in blocks, continuing ``crc``;
+    the same bytes also go into ``hasher`` (a hashlib object) when one is given.
 
     Raises:
         CorruptCheckpointError: the file ends before ``start + count``.
     """
-    crc = 0
     buffer = scratch(min(count, block), "crc") if count > 0 else memoryview(b"")
     while count > 0:
         data = buffer[:min(count, len(buffer))]

@@ -51,6 +51,8 @@ class RawTensor:
         storage_offset: offset of the first element in the storage, in elements.
         shape: the tensor's shape.
         stride: the tensor's strides, in elements.
+        crc32: the CRC-32 the archive records for the storage entry (None: nothing recorded).
+        entry: the storage entry's name in its archive, for messages.
     """
 
     storage_start: int
@@ -59,6 +61,8 @@ class RawTensor:
     storage_offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    crc32: int | None = None
+    entry: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -330,7 +334,8 @@ def locate_record(file: IO[bytes], start: int, length: int, archive: zipfile.Zip
     offset, shape, stride = check_view(dtype, entry.file_size, record.offset, record.shape,
                                        record.stride, source=source)
     data_start = entry_data_start(file, start, length, entry, source=source)
-    return RawTensor(data_start, entry.file_size, dtype, offset, shape, stride)
+    return RawTensor(data_start, entry.file_size, dtype, offset, shape, stride, entry.CRC,
+                     entry.filename)
 
 
 def entry_data_start(file: IO[bytes], start: int, length: int, info: zipfile.ZipInfo, *,

@@ -69,6 +69,9 @@ class DataFiles:
         self.folder = folder
         self._open: dict[str, DataFile] = {}
         self._ahead: Prefetcher | None = None
+        #: The entries already read whole against their CRC-32 (:mod:`fsdpckpt.dcp._checked`),
+        #: so a reader that takes many boxes of one entry checks it once.
+        self.checked: set[object] = set()
 
     def open(self, name: str) -> DataFile:
         """The data file ``name`` (as the metadata names it), opened once."""

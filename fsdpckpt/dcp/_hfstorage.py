@@ -30,7 +30,7 @@ import math
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,12 +103,14 @@ class SafetensorsHeader:
         tensors: ``{name: (dtype, shape, begin, end)}``, offsets relative to ``data_start``.
         offsets: ``{name: saved offsets}`` from ``DCP_SHARDING_INFO``, or None without it.
         data_size: the data section's length.
+        metadata: the header's ``__metadata__`` object (``{}`` without one).
     """
 
     data_start: int
     tensors: dict[str, tuple[DType, tuple[int, ...], int, int]]
     offsets: dict[str, tuple[int, ...]] | None
     data_size: int
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 def _shard_world(names: list[str]) -> tuple[int, bool]:
@@ -143,7 +145,8 @@ def _header_json(fd: int | ReadAt, size: int, source: str) -> tuple[Any, int]:
 
 def parse_header(fd: int | ReadAt, size: int, source: str) -> SafetensorsHeader:
     """Read and check the header of the safetensors file open as ``fd`` (``size`` bytes; a
-    descriptor, or a remote file read by offset).
+    descriptor, or a remote file read by offset). The one safetensors header parser: torch's
+    Hugging Face storage, and ``diff``'s safetensors side.
 
     Raises:
         CorruptCheckpointError: the header is not JSON, a field is malformed, a tensor's
@@ -182,7 +185,8 @@ def parse_header(fd: int | ReadAt, size: int, source: str) -> SafetensorsHeader:
         if start_b < end_a:
             raise CorruptCheckpointError(f"{source}: tensors '{a[:200]}' and '{b[:200]}' share "
                                          f"bytes from {start_b}; the header is damaged")
-    return SafetensorsHeader(data_start, tensors, _sharding(extra, tensors, source), data_size)
+    return SafetensorsHeader(data_start, tensors, _sharding(extra, tensors, source), data_size,
+                             extra)
 
 
 def _sharding(extra: dict[str, Any], tensors: dict[str, tuple[DType, tuple[int, ...], int, int]],

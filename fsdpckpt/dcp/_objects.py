@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from fsdpckpt.dcp._archive import check_view, read_archive_with_tensors
+from fsdpckpt.dcp._checked import check_archive
 from fsdpckpt.dcp._graph import MAX_DEPTH, measure, node_budget
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS, brief
 from fsdpckpt.dcp._zstd import OBJECT_LIMIT, open_entry
@@ -164,9 +165,17 @@ def torch_load_allowlisted(path: Any, *, mmap: bool = False) -> Any:
 
     Non-tensor entries a ``.bin`` merge keeps may hold set, frozenset, complex or slice
     values (as :data:`BUILTIN_GLOBALS` admits), which torch's allowlist refuses by
-    default; those four harmless builtins are added, nothing else.
+    default; those four harmless builtins are added, nothing else. torch does not check the
+    CRC-32s its zip records: every entry is read against them first
+    (:func:`fsdpckpt.dcp._checked.check_archive`).
+
+    Raises:
+        ChecksumError: an entry's bytes do not match their recorded CRC-32.
     """
     import torch
+
+    with open(path, "rb") as file:
+        check_archive(file, 0, os.fstat(file.fileno()).st_size, source=str(path))
 
     with torch.serialization.safe_globals([set, frozenset, complex, slice]):
         # safe: weights_only=True is torch's restricted unpickler; the globals added are

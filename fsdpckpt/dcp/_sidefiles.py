@@ -28,6 +28,7 @@ from fsdpckpt.dcp._ziparchive import open_archive, read_entry
 from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
+    ChecksumError,
     FsdpCkptError,
     NotACheckpointError,
     UnsafePickleError,
@@ -75,6 +76,8 @@ def _one_line(path: Path | RemotePath, what: str, exc: Exception) -> FsdpCkptErr
     text = " ".join(str(exc).split())
     if isinstance(exc, UnsafePickleError):
         return exc if text == str(exc) else UnsafePickleError(text)
+    if isinstance(exc, ChecksumError):  # damage, said as such (the bytes are not the saved ones)
+        return exc if text == str(exc) else ChecksumError(text)
     if isinstance(exc, FsdpCkptError):  # the archive reader's too: one class, as for RNG files
         return NotACheckpointError(text)
     return NotACheckpointError(

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from fsdpckpt._io.rawio import SizedReader
 from fsdpckpt._printable import printable
-from fsdpckpt.errors import CorruptCheckpointError, FsdpCkptError
+from fsdpckpt.errors import ChecksumError, CorruptCheckpointError, FsdpCkptError
 
 __all__ = ["CHUNK_ENTRIES", "CHUNK_PICKLE_BYTES", "SliceFile", "entry_info", "open_archive",
            "read_entry", "zip_errors"]
@@ -78,6 +78,8 @@ def zip_errors(source: str, where: str) -> Iterator[None]:
         where: the byte range read, e.g. "the archive at offset 0 (length 2665)".
 
     Raises:
+        ChecksumError: an entry's bytes do not match the CRC-32 its zip directory records
+            (zipfile checks it as it reads an entry).
         CorruptCheckpointError: naming ``source`` and ``where``; fsdpckpt's own errors
             pass through unchanged.
     """
@@ -85,11 +87,23 @@ def zip_errors(source: str, where: str) -> Iterator[None]:
         yield
     except FsdpCkptError:
         raise
+    except zipfile.BadZipFile as exc:
+        if not str(exc).startswith("Bad CRC-32"):
+            raise _damaged(source, where, exc) from exc
+        # zipfile checks an entry's CRC-32 as it reads it: the bytes changed after writing.
+        raise ChecksumError(
+            f"{source}: {where}: {_first_line(exc)}: the file changed after it was written (a "
+            "flipped bit, a bad disk or a faulty transfer). Nothing was written from it; "
+            "restore the file from a good copy.") from exc
     except _ZIP_ERRORS as exc:
-        raise CorruptCheckpointError(
-            f"{source}: {where} is not a torch.save archive that can be read "
-            f"({type(exc).__name__}: {_first_line(exc)}); the file is damaged or was "
-            "overwritten.") from exc
+        raise _damaged(source, where, exc) from exc
+
+
+def _damaged(source: str, where: str, exc: BaseException) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{source}: {where} is not a torch.save archive that can be read "
+        f"({type(exc).__name__}: {_first_line(exc)}); the file is damaged or was "
+        "overwritten.")
 
 
 #: Entries a chunk's archive may hold: torch.save writes about seven (data.pkl, byteorder,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import struct
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -20,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.download import download
-from fsdpckpt._io.jsonio import parse_json
-from fsdpckpt._io.rawio import ReadAt, read_exact
+from fsdpckpt._io.rawio import ReadAt
 from fsdpckpt._io.remote import RemoteFile, RemotePath, location
+from fsdpckpt.dcp._hfstorage import parse_header
 from fsdpckpt.dcp._objects import loads, to_torch
-from fsdpckpt.dcp.dtypes import DType, dtype_from_name
+from fsdpckpt.dcp.dtypes import dtype_from_name
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.dcp.metadata import KeyPath
 from fsdpckpt.dcp.reader import is_dcp_folder
@@ -34,10 +33,8 @@ from fsdpckpt.errors import (
     FsdpCkptError,
     NotACheckpointError,
 )
-from fsdpckpt.formats.safetensors import OBJECTS_KEY, RESERVED_NAME
+from fsdpckpt.formats.safetensors import OBJECTS_KEY
 from fsdpckpt.inspection._diff_sources import (
-    _FROM_SAFETENSORS,
-    _MAX_HEADER,
     MERGED_FILES,
     DcpSource,
     Source,
@@ -91,25 +88,12 @@ class SafetensorsSource(Source):
             self._fds.append(fd)
             size = os.fstat(fd).st_size
         source = str(file)
-        if size < 8:
-            raise CorruptCheckpointError(f"{file}: not a safetensors file (only {size} bytes)")
-        (length,) = struct.unpack("<Q", read_exact(fd, 8, 0, source=source))
-        if length > min(size - 8, _MAX_HEADER):
-            raise CorruptCheckpointError(f"{file}: a safetensors header of {length} bytes in a "
-                                         f"file of {size}: it is truncated or damaged")
-        try:
-            header = parse_json(bytes(read_exact(fd, length, 8, source=source)))
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{file}: its safetensors header is {exc}") from None
-        if not isinstance(header, dict):
-            raise CorruptCheckpointError(f"{file}: its safetensors header is not a JSON object")
-        data_start, data_size = 8 + length, size - 8 - length
-        meta = header.pop(RESERVED_NAME, None) or {}
+        header = parse_header(fd, size, source)  # the one safetensors header parser
+        meta = header.metadata
         infos = []
-        for stored, entry in header.items():
+        for stored, (dtype, shape, begin, _end) in header.tensors.items():
             name = stored if keep_keys else clean_key(stored)
-            dtype, shape = _header_entry(file, stored, entry, data_size)
-            self._where[name] = (fd, data_start + entry["data_offsets"][0], source)
+            self._where[name] = (fd, header.data_start + begin, source)
             infos.append(TensorInfo(name, dtype, shape))
         if isinstance(meta, dict) and OBJECTS_KEY in meta:
             try:
@@ -157,32 +141,6 @@ def _row_major_index(shape: Sequence[int], index: Sequence[int]) -> int:
     for size, at in zip(shape, index):
         flat = flat * size + at
     return flat
-
-
-def _header_entry(file: Path | RemotePath, name: str, entry: Any, data_size: int) -> tuple[DType,
-                                                                              tuple[int, ...]]:
-    """A header entry's dtype and shape, its byte range checked against the data present."""
-    where = f"{file}: tensor '{name}'"
-    if not isinstance(entry, dict):
-        raise CorruptCheckpointError(f"{where}: its header entry is not an object")
-    dtype = _FROM_SAFETENSORS.get(entry.get("dtype"))  # type: ignore[arg-type]
-    if dtype is None:
-        raise NotACheckpointError(f"{where}: the dtype {entry.get('dtype')!r} is one "
-                                  "fsdpckpt does not read")
-    shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)
-            and isinstance(offsets, list) and len(offsets) == 2
-            and all(type(o) is int for o in offsets)):
-        raise CorruptCheckpointError(f"{where}: its header entry has no valid 'shape' and "
-                                     "'data_offsets'")
-    begin, end = offsets
-    if not 0 <= begin <= end <= data_size:
-        raise CorruptCheckpointError(f"{where}: bytes {begin}..{end} lie outside the "
-                                     f"{data_size} bytes of data: the file is truncated")
-    if end - begin != math.prod(shape) * dtype.itemsize:
-        raise CorruptCheckpointError(f"{where}: {end - begin} bytes for shape {shape} of "
-                                     f"{dtype.name}; the header is damaged")
-    return dtype, tuple(shape)
 
 
 def _little_endian(file: Path) -> bool:

@@ -31,7 +31,7 @@ from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._objects import read_object, to_torch
 from fsdpckpt.dcp.checks import require_whole
-from fsdpckpt.dcp.dtypes import DTYPES, DType
+from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.dcp.reader import read_dcp_folder
 from fsdpckpt.errors import NotACheckpointError
@@ -50,8 +50,6 @@ MERGED_FILES = {
                   "optimizer.bin.index.json", "optimizer.bin"),
 }
 # safetensors refuses headers over 100 MB; so does this reader, before reading one.
-_MAX_HEADER = 100 * 10**6
-_FROM_SAFETENSORS = {d.safetensors: d for d in DTYPES.values() if d.safetensors}
 
 
 @dataclass(frozen=True)

@@ -204,6 +204,9 @@ class VerifyReport(_JsonDocument):
         digest: the per-file digest the manifest carries (``"sha256"``, ``"blake2b"``), or
             None when it carries CRC-32 only.
         problems: everything found wrong, each once.
+        unchecked: the data files whose format records no checksum (safetensors files of
+            torch's Hugging Face storage) and that no manifest covers: their structure was
+            checked, but a changed byte in their tensor data cannot be seen.
     """
 
     path: Path | RemotePath
@@ -211,6 +214,7 @@ class VerifyReport(_JsonDocument):
     manifest_digest: str | None
     digest: str | None
     problems: tuple[Problem, ...]
+    unchecked: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -220,4 +224,5 @@ class VerifyReport(_JsonDocument):
         """The document ``fsdpckpt verify --json`` prints (schema in ``docs/cli.md``)."""
         return {"path": str(self.path), "ok": self.ok, "manifest": self.manifest,
                 "manifest_digest": self.manifest_digest, "digest": self.digest,
-                "problems": [p.to_json() for p in self.problems]}
+                "problems": [p.to_json() for p in self.problems],
+                "unchecked": list(self.unchecked)}

@@ -11,12 +11,11 @@ blocks; no tensor is ever held whole.
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.checksums import crc32_range, file_checksums, new_digest
-from fsdpckpt._io.rawio import reusing_scratch, scratch
+from fsdpckpt._io.rawio import reusing_scratch
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._archive import locate_tensor
@@ -65,13 +64,12 @@ def _check_each_chunk(folder: Path | RemotePath, meta: DcpMetadata, files: DataF
                                                    chunk.transforms, source=where,
                                                    limit=chunk_limit(tensor, chunk))
                 raw = locate_tensor(handle, start, length, source=where)
-                stored = data_entry_crc(handle, start, length, source=where)
-                if isinstance(handle, ZstdEntry):
-                    actual = _decoded_crc(handle, raw.storage_start, raw.storage_nbytes,
-                                          progress)
-                else:
-                    actual = crc32_range(data.fd, raw.storage_start, raw.storage_nbytes,
-                                         progress)
+                stored = raw.crc32 if raw.crc32 is not None else \
+                    data_entry_crc(handle, start, length, source=where)
+                # By offset: a file, a remote object or the decoder of a compressed entry.
+                actual = crc32_range(handle if isinstance(handle, ZstdEntry) else data.fd,
+                                     raw.storage_start, raw.storage_nbytes, progress,
+                                     source=where)
             except FsdpCkptError as exc:
                 # The archive reader already names the chunk (``source=where``): say it once.
                 message = str(exc)
@@ -88,20 +86,6 @@ def _check_each_chunk(folder: Path | RemotePath, meta: DcpMetadata, files: DataF
             if actual != want:
                 problems.append(Problem(str(path), f"{where}: data does not match its "
                                         "checksum (a changed byte)"))
-
-
-def _decoded_crc(entry: ZstdEntry, start: int, count: int,
-                 progress: ProgressCallback | None) -> int:
-    """CRC-32 of ``count`` decoded bytes of a compressed entry from ``start``, in blocks."""
-    crc, block = 0, scratch(min(count, 1 << 20), "crc") if count else memoryview(b"")
-    while count > 0:
-        view = block[:min(count, len(block))]
-        entry.read_at(view, start)
-        crc = zlib.crc32(view, crc)
-        start, count = start + len(view), count - len(view)
-        if progress:
-            progress(len(view))
-    return crc
 
 
 def _chunk_bytes(folders: list[Path | RemotePath]) -> tuple[int, int]:
@@ -225,7 +209,12 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         callback = start_progress(progress, *_chunk_bytes(folders)) if progress else None
         for folder in folders:
             _check_chunks(folder, problems, only_file=None, expected=None, progress=callback)
-        return _report(root, problems, manifest=False, digest=digest, file_digest=None)
+        # Safetensors record no checksum: without a manifest their data cannot be checked.
+        unchecked = tuple(str(p.path / name) for p in layout.parts
+                          if (hf := hf_part_named(p.path, p.name)) is not None
+                          for name in hf.files)
+        return _report(root, problems, manifest=False, digest=digest, file_digest=None,
+                       unchecked=unchecked)
 
     file_digest = manifest.get("digest")  # schema-checked: None, or one of DIGESTS
     named = {p.path for p in problems}  # stray metadata files are named above already
@@ -282,9 +271,10 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
 
 
 def _report(root: Path | RemotePath, problems: list[Problem], *, manifest: bool, digest: str | None,
-            file_digest: str | None) -> VerifyReport:
+            file_digest: str | None, unchecked: tuple[str, ...] = ()) -> VerifyReport:
     if manifest and digest is None:
         digest = manifest_digest(root)
     # Each problem once (a file may be reached twice), in the order first found.
     return VerifyReport(path=root, manifest=manifest, manifest_digest=digest,
-                        digest=file_digest, problems=tuple(dict.fromkeys(problems)))
+                        digest=file_digest, problems=tuple(dict.fromkeys(problems)),
+                        unchecked=unchecked)

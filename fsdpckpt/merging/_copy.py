@@ -9,6 +9,10 @@ or a non-contiguous stored chunk, imports torch, and then works tile by tile: ea
 tile is a box of the chunk whose stored bytes span at most ``_SPAN`` bytes and
 whose output is at most ``_TILE`` bytes, so memory stays flat however large
 the tensor (a transposed 2.4 GB chunk used to be held whole, three times).
+
+Every chunk's bytes are checked against the CRC-32 its archive records as they are read
+(:mod:`fsdpckpt.dcp._checked`), so a checked chunk goes through memory, never
+``copy_file_range``; readers of parts of a chunk check its storage whole, once.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from fsdpckpt._io.rawio import ReadAt, copy_range, pread_into, pwrite_all, scratch
+from fsdpckpt.dcp import _checked
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._perrank import PerRankChunk
@@ -34,6 +39,10 @@ __all__ = ["place_chunk", "place_stored_chunk", "tiles", "FileSink", "MemorySink
 # imported (about 220 MB here) two such buffers keep a merge under 300 MB.
 _SPAN = 16 * 2**20
 _TILE = 16 * 2**20
+#: Elements read, checked (and cast) and written per block from a local file: small enough
+#: that the CRC and the write find the bytes still in the CPU cache. With 16 MiB blocks each
+#: byte crossed memory three times, and a checked merge took 3x the unchecked one.
+_LOCAL_BLOCK = 2**20
 
 
 class Sink(Protocol):
@@ -169,7 +178,8 @@ def _place_contiguous(src: Source, raw: RawTensor, run: int, starts: Sequence[in
     """A row-major chunk: read blocks of elements, cast them if asked, write each run's part."""
     in_size, out_size = raw.dtype.itemsize, out.itemsize
     total = run * len(starts)  # elements
-    per_block = max(1, _SPAN // max(in_size, out_size))
+    local = isinstance(src, int) or isinstance(src, _checked.CheckedRead) and src.local
+    per_block = max(1, (_LOCAL_BLOCK if local else _SPAN) // max(in_size, out_size))
     stored = scratch(min(total, per_block) * in_size, "stored")
     made = scratch(min(total, per_block) * out_size, "made") if raw.dtype != out else stored
     done = 0  # elements of the chunk placed so far
@@ -262,8 +272,11 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
 
 
 def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
-                        check_shape: bool = False) -> tuple[RawTensor, Source, str]:
-    """Where ``chunk`` of ``tensor`` is stored, checked against the metadata.
+                        check_shape: bool = False,
+                        verify: bool = True) -> tuple[RawTensor, Source, str]:
+    """Where ``chunk`` of ``tensor`` is stored, checked against the metadata and (with
+    ``verify``, for readers that take parts of it) its whole storage entry read once against
+    the CRC-32 its archive records (:func:`fsdpckpt.dcp._checked.verify_entry_once`).
 
     Returns:
         ``(its archive record, what to read its bytes from, a label naming it for errors)``:
@@ -274,6 +287,7 @@ def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
         NotACheckpointError: the metadata gives the chunk no storage entry.
         CorruptCheckpointError: its archive is damaged, or holds another dtype (with
             ``check_shape``, another shape) than the metadata says.
+        ChecksumError: with ``verify``, its bytes do not match their recorded CRC-32.
     """
     source = f"{files.folder / str(chunk.file)} (tensor '{tensor.name}' chunk at " \
              f"{list(chunk.offsets)})"
@@ -292,6 +306,10 @@ def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
         raise CorruptCheckpointError(f"{source}: holds shape {list(raw.shape)}, the metadata "
                                      f"says {list(chunk.sizes)}")
     src = handle if isinstance(handle, ZstdEntry) else data.fd
+    if verify:
+        _checked.verify_entry_once(files.checked, (chunk.file, chunk.offset, raw.storage_start),
+                                   src, raw.storage_start, raw.storage_nbytes, raw.crc32,
+                                   source=source, entry=raw.entry)
     return raw, src, source
 
 
@@ -309,8 +327,24 @@ def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs
     Raises:
         NotACheckpointError: the metadata gives the chunk no storage entry.
         CorruptCheckpointError: its archive is damaged or holds another dtype than the metadata.
+        ChecksumError: its storage entry's bytes do not match the CRC-32 its archive
+            records; checked as they are read (:class:`fsdpckpt.dcp._checked.CheckedRead`),
+            so before the caller commits anything made from them.
     """
-    raw, src, source = locate_stored_chunk(files, tensor, chunk)
-    place_chunk(src, raw, chunk, runs, out, dst, tensor_start, source=source,
+    raw, src, source = locate_stored_chunk(files, tensor, chunk, verify=False)
+    if raw.crc32 is None or not _checked.ENABLED or raw.storage_offset or \
+            raw.nbytes != raw.storage_nbytes:
+        # Nothing recorded, or a view of a storage other tensors share (an FSDP1 flat
+        # parameter in a rank file): that storage is read whole against its CRC once.
+        _checked.verify_entry_once(files.checked, (chunk.file, chunk.offset, raw.storage_start),
+                                   src, raw.storage_start, raw.storage_nbytes, raw.crc32,
+                                   source=source, entry=raw.entry)
+        place_chunk(src, raw, chunk, runs, out, dst, tensor_start, source=source,
+                    progress=progress)
+        return
+    checked = _checked.CheckedRead(src, raw.storage_start, raw.storage_nbytes, raw.crc32,
+                                   source=source, entry=raw.entry)
+    place_chunk(checked, raw, chunk, runs, out, dst, tensor_start, source=source,
                 progress=progress)
+    checked.finish()
 

@@ -80,7 +80,7 @@ def _torch_load(file: Path, kind: str) -> Any:
         # format cannot be mapped).
         return torch_load_allowlisted(file, mmap=kind == "torch")
     except FsdpCkptError:
-        raise  # the loaded value refused (check_plain_value): its message names the file
+        raise  # already names the file (a checksum that fails, a refused value)
     except pickle.UnpicklingError as exc:
         asked = re.search(r"GLOBAL (\S+)", str(exc))
         if asked:

@@ -31,10 +31,17 @@ from fsdpckpt._torch import (
     storage_info,
     store_loaded_value,
 )
+from fsdpckpt.dcp._checked import check_archive
+from fsdpckpt.dcp._datafiles import DataFiles
+from fsdpckpt.dcp._zstd import OBJECT_LIMIT, chunk_limit, open_entry
 from fsdpckpt.dcp.reader import METADATA_FILE, read_dcp_folder
 from fsdpckpt.errors import NotACheckpointError
 
-__all__ = ["safe_storage_reader", "safe_load_planner", "stray_metadata_files"]
+#: Where one archive lies in a DCP folder: ``(file, offset, length, transforms, size limit)``.
+_Archive = tuple[str, int, int, tuple[str, ...], int]
+
+__all__ = ["check_local_reads", "check_reads", "safe_storage_reader", "safe_load_planner",
+           "stray_metadata_files"]
 
 
 def stray_metadata_files(folder: Path | RemotePath) -> list[Path | RemotePath]:
@@ -59,8 +66,33 @@ def _refuse_strays(folder: Path | RemotePath) -> None:
             "get an intact copy")
 
 
-def _torch_metadata(folder: Path | RemotePath) -> Any:
-    """``folder``'s metadata as torch's ``Metadata``, built from fsdpckpt's safe parse."""
+def check_reads(folder: Path | RemotePath, archives: set[_Archive]) -> None:
+    """Read every entry of each of ``archives`` (``(file, offset, length, transforms,
+    limit)``) of ``folder`` against the CRC-32s its zip records: torch's loader does not.
+
+    Raises:
+        ChecksumError: naming the file and the entry whose bytes changed.
+    """
+    with DataFiles(folder) as files:
+        for name, offset, length, transforms, limit in sorted(archives):
+            source = f"{folder / name} (the archive at offset {offset})"
+            handle, start, size = open_entry(files.open(name).file, offset, length, transforms,
+                                             limit=limit, source=source)
+            check_archive(handle, start, size, source=source)
+
+
+def check_local_reads(reader: Any, state_dict: Any) -> None:
+    """Check every archive ``dcp.load(state_dict, storage_reader=reader)`` will read on this
+    rank against its CRC-32s, before the load changes anything: the local plan is what the
+    default planner would make (the global step leaves it as it is)."""
+    planner = safe_load_planner()
+    planner.set_up_planner(state_dict, reader.read_metadata(), False)
+    reader.check_items(planner.create_local_plan().items)
+
+
+def _torch_metadata(folder: Path | RemotePath) -> tuple[Any, dict[Any, _Archive]]:
+    """``folder``'s metadata as torch's ``Metadata``, built from fsdpckpt's safe parse, and
+    where each storage index's archive lies (for :func:`check_reads`)."""
     import torch
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -72,6 +104,7 @@ def _torch_metadata(folder: Path | RemotePath) -> Any:
     )
 
     meta = read_dcp_folder(folder).metadata
+    limits: dict[Any, _Archive] = {}
     entries: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     planner: dict[str, Any] = {}
@@ -85,8 +118,11 @@ def _torch_metadata(folder: Path | RemotePath) -> Any:
         for i, chunk in enumerate(tensor.chunks):
             chunks.append(ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes)))
             if chunk.file is not None:  # without a location, torch says so if it is needed
-                storage[MetadataIndex(tensor.name, chunk.offsets, i)] = storage_info(
-                    chunk.file, chunk.offset, chunk.length, chunk.transforms)
+                index = MetadataIndex(tensor.name, chunk.offsets, i)
+                storage[index] = storage_info(chunk.file, chunk.offset, chunk.length,
+                                              chunk.transforms)
+                limits[index] = (chunk.file, chunk.offset, chunk.length, chunk.transforms,
+                                 chunk_limit(tensor, chunk))
         # Only the dtype is kept: layout, memory format and the rest are what DCP always
         # writes (strided, contiguous) and the loader does not use them.
         entries[tensor.name] = TensorStorageMetadata(TensorProperties(dtype=dtype),
@@ -97,8 +133,11 @@ def _torch_metadata(folder: Path | RemotePath) -> Any:
         if obj.file is not None:
             storage[MetadataIndex(obj.name)] = storage_info(obj.file, obj.offset, obj.length,
                                                             obj.transforms)
+            limits[MetadataIndex(obj.name)] = (obj.file, obj.offset, obj.length,
+                                               obj.transforms, OBJECT_LIMIT)
         planner[obj.name] = obj.key_path
-    return Metadata(entries, planner_data=planner, storage_data=storage, version=meta.version)
+    return Metadata(entries, planner_data=planner, storage_data=storage,
+                    version=meta.version), limits
 
 
 def safe_storage_reader(folder: Path | RemotePath) -> Any:
@@ -118,7 +157,7 @@ def safe_storage_reader(folder: Path | RemotePath) -> Any:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     _refuse_strays(folder)
-    metadata = _torch_metadata(folder)
+    metadata, limits = _torch_metadata(folder)
     base: Any = fsspec_reader_class() if isinstance(folder, RemotePath) else FileSystemReader
 
     class SafeFileSystemReader(base):
@@ -127,6 +166,11 @@ def safe_storage_reader(folder: Path | RemotePath) -> Any:
             # the same: only ``.metadata``, as fsdpckpt parsed it.
             metadata.storage_meta = StorageMeta(load_id=self.load_id)
             return metadata
+
+        def check_items(self, items: Any) -> None:
+            """Read each archive the read items name against its CRC-32s, once each."""
+            check_reads(folder, {limits[item.storage_index] for item in items
+                                 if item.storage_index in limits})
 
     reader = SafeFileSystemReader(str(folder))
     if isinstance(folder, RemotePath):

@@ -23,7 +23,7 @@ from typing import Any
 
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._rngfile import read_rng_archive, rng_fields
-from fsdpckpt.errors import NotACheckpointError, UnsafePickleError
+from fsdpckpt.errors import FsdpCkptError, NotACheckpointError, UnsafePickleError
 
 __all__ = ["capture_rng_state", "rng_state_bytes", "load_rng_file", "restore_rng", "rng_file",
            "prepare_rng", "PreparedRng"]
@@ -91,9 +91,13 @@ def load_rng_file(path: Path | RemotePath) -> dict[str, Any]:
 
 
 def refused(path: Path | RemotePath, exc: BaseException, what: str) -> Exception:
-    """The error for a file ``torch.load(weights_only=True)`` would not load."""
+    """The error for a file ``torch.load(weights_only=True)`` would not load (fsdpckpt's own
+    errors, a checksum that fails before torch reads, as they are)."""
     import pickle
     import re
+
+    if isinstance(exc, FsdpCkptError):
+        return exc
 
     if isinstance(exc, pickle.UnpicklingError):
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))

@@ -27,7 +27,7 @@ from fsdpckpt.dcp._sidefiles import read_state_file
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 from fsdpckpt.training import _remote
 from fsdpckpt.training._commit import AsyncSave, Finish
-from fsdpckpt.training._dcp_io import safe_load_planner, safe_storage_reader
+from fsdpckpt.training._dcp_io import check_local_reads, safe_load_planner, safe_storage_reader
 from fsdpckpt.training._diskfull import raising_disk_full, removed_on_failure
 from fsdpckpt.training._dist import async_group, dcp_call, dist_or_none, everywhere, rank_world
 from fsdpckpt.training._layout import (
@@ -310,6 +310,10 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
         comparison = compare(folder, flatten(optimizer_state), "optimizer")
         if comparison.unloadable:  # a different optimizer (SGD for AdamW) or model
             raise StateMismatchError(mismatch_message(folder, comparison, "optimizer"))
+    # Every archive the loads read, checked against its CRC-32s first (torch's loader does not).
+    for reader, part in [*zip(model_readers, ({"model": s} for s in templates)),
+                         *zip(optimizer_readers, ({"optimizer": s} for s in optimizer_templates))]:
+        check_local_reads(reader, part)
     restored: list[str] = []
     try:
         # Our storage reader, never a checkpoint_id: torch's own reader would unpickle

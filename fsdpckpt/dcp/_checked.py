@@ -1,0 +1,193 @@
+"""The one checked read path: tensor bytes are checked against the CRC-32 their writer
+recorded before anything made from them is committed.
+
+Every chunk DCP writes is a complete ``torch.save`` zip archive, and so is a ``.bin`` or
+``.pt`` file: the zip's central directory records the CRC-32 of each entry. Every reader
+of tensor bytes in fsdpckpt (the merge and everything built on it, ``load_full_state_dict``,
+``export-hf``, ``diff``, ``convert``'s ``.bin`` input, ``load_state``) reads through here:
+
+- :class:`CheckedRead` wraps the source of one storage entry (a local descriptor, a remote
+  file, the decoder of a compressed entry) and computes the CRC-32 incrementally over the
+  bytes as the reader takes them, in order; :meth:`CheckedRead.finish` reads whatever the
+  reader skipped or took out of order, and compares. A merge reads each chunk once, so the
+  check costs a CRC over bytes already in memory, not a second read.
+- :func:`verify_entry` checks a whole entry at once, for readers that take boxes of a
+  tensor (the tied-weight check, ``diff``); :func:`verify_entry_once` does it once per
+  entry for all the boxes read from it.
+- :func:`check_archive` reads every entry of a whole archive against its CRC, for readers
+  that hand the bytes to ``torch.load`` (which does not check them).
+
+Formats that record no checksum (safetensors, torch's Hugging Face storage) cannot be
+checked here; ``verify`` says so, and checks them against fsdpckpt's manifest when there is
+one. :data:`ENABLED` switches the check off for measuring its cost (``benchmarks/checked.py``);
+nothing else sets it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import IO, Any
+
+from fsdpckpt._io.checksums import crc32_range
+from fsdpckpt._io.rawio import ReadAt, pread_into, scratch
+from fsdpckpt._printable import printable
+from fsdpckpt.errors import ChecksumError
+
+__all__ = [
+    "ENABLED",
+    "CheckedRead",
+    "check_archive",
+    "check_saved_file",
+    "checksum_error",
+    "verify_entry",
+    "verify_entry_once",
+]
+
+#: Whether tensor bytes are checked as they are read. On unless a benchmark measures the
+#: cost of the check (switching it off gives up the guarantee).
+ENABLED = True
+
+_BLOCK = 16 * 2**20
+
+
+def checksum_error(source: str, entry: str | None, expected: int, actual: int) -> ChecksumError:
+    """The error for bytes that do not match their recorded CRC-32, naming what and the fix."""
+    what = f"the entry '{printable(entry)}'" if entry else "its data"
+    return ChecksumError(
+        f"{source}: {what} does not match the CRC-32 its writer recorded (recorded "
+        f"{expected:08x}, read {actual:08x}): the file changed after it was written (a "
+        "flipped bit, a bad disk or a faulty transfer). Nothing was written from it; restore "
+        "the file from a good copy (`fsdpckpt verify` of a checkpoint lists every damaged chunk)."
+    )
+
+
+def verify_entry(
+    src: int | ReadAt,
+    start: int,
+    nbytes: int,
+    expected: int,
+    *,
+    source: str,
+    entry: str | None = None,
+) -> None:
+    """Read the ``nbytes`` at ``start`` of ``src`` whole and check them against ``expected``.
+
+    Raises:
+        ChecksumError: naming ``source`` and ``entry``, when they differ.
+    """
+    actual = crc32_range(src, start, nbytes, source=source)
+    if actual != expected:
+        raise checksum_error(source, entry, expected, actual)
+
+
+def verify_entry_once(
+    done: set[Any],
+    key: Any,
+    src: int | ReadAt,
+    start: int,
+    nbytes: int,
+    expected: int | None,
+    *,
+    source: str,
+    entry: str | None = None,
+) -> None:
+    """:func:`verify_entry`, unless ``key`` is already in ``done`` (the entries checked by
+    one reader, kept with its open files); nothing when no CRC is recorded or checking is
+    off."""
+    if expected is None or not ENABLED or key in done:
+        return
+    verify_entry(src, start, nbytes, expected, source=source, entry=entry)
+    done.add(key)
+
+
+class CheckedRead:
+    """The source of one storage entry, read by offset, its CRC-32 computed as it is read.
+
+    A read that continues where the checked bytes end extends the CRC with the bytes just
+    read; :meth:`finish` reads the rest of the entry (all of it, if the reader began
+    elsewhere) and compares with what the archive records.
+    """
+
+    def __init__(
+        self,
+        src: int | ReadAt,
+        start: int,
+        nbytes: int,
+        expected: int,
+        *,
+        source: str,
+        entry: str | None = None,
+    ) -> None:
+        self._src, self._end, self._expected = src, start + nbytes, expected
+        self._start, self._at, self._crc = start, start, 0
+        self._source, self._entry = source, entry
+
+    @property
+    def local(self) -> bool:
+        """Whether the bytes come from a local file's descriptor."""
+        return isinstance(self._src, int)
+
+    def read_at(self, view: memoryview, offset: int) -> None:
+        pread_into(self._src, view, offset, source=self._source)
+        if offset <= self._at < offset + len(view) and self._at < self._end:
+            take = view.cast("B")[self._at - offset : min(len(view), self._end - offset)]
+            self._crc = zlib.crc32(take, self._crc)
+            self._at += len(take)
+
+    def finish(self) -> None:
+        """Check the whole entry: the rest is read now if the reader did not take it in order.
+
+        Raises:
+            ChecksumError: naming the file and the entry, when the CRC-32 differs.
+        """
+        crc = crc32_range(
+            self._src, self._at, self._end - self._at, source=self._source, crc=self._crc
+        )
+        self._at = self._end
+        if crc != self._expected:
+            raise checksum_error(self._source, self._entry, self._expected, crc)
+
+
+def check_saved_file(file: IO[bytes], *, source: str) -> None:
+    """:func:`check_archive` over the whole of the ``torch.save`` file ``file`` (open for
+    reading, seekable); its position is back at 0 after."""
+    size = file.seek(0, 2)
+    check_archive(file, 0, size, source=source)
+    file.seek(0)
+
+
+def check_archive(file: IO[bytes], start: int, length: int, *, source: str) -> None:
+    """Read every entry of the ``torch.save`` archive at ``start`` against its CRC-32, in
+    bounded blocks, before the bytes are handed to a reader that does not check them
+    (``torch.load``). Bytes that are not a zip archive (the legacy format) record nothing
+    and pass unchecked.
+
+    Raises:
+        ChecksumError: an entry's bytes do not match its recorded CRC-32.
+        CorruptCheckpointError: the archive is damaged.
+    """
+    if not ENABLED:
+        return
+    from fsdpckpt.dcp._archive import entry_data_start
+    from fsdpckpt.dcp._ziparchive import open_archive, zip_errors
+
+    file.seek(start)
+    if file.read(4) != b"PK\x03\x04":
+        return
+    where = f"the archive at offset {start} (length {length})"
+    with open_archive(file, start, length, source) as archive:
+        for info in archive.infolist():
+            at = entry_data_start(file, start, length, info, source=source)
+            crc, left = 0, info.file_size
+            buffer = scratch(min(left, _BLOCK), "crc") if left else memoryview(b"")
+            with zip_errors(source, where):
+                file.seek(at)
+                while left:
+                    block = buffer[: min(left, len(buffer))]
+                    got = file.readinto(block)  # type: ignore[attr-defined]
+                    if not got:
+                        raise EOFError(f"the entry '{info.filename}' is cut short")
+                    crc = zlib.crc32(block[:got], crc)
+                    left -= got
+            if crc != info.CRC:
+                raise checksum_error(source, info.filename, info.CRC, crc)

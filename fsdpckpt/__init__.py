@@ -23,6 +23,8 @@ from fsdpckpt.errors import (
     CorruptCheckpointError,
     FsdpCkptError,
     NotACheckpointError,
+    RemoteStorageError,
+    RemoteTimeoutError,
     UnsafePickleError,
 )
 from fsdpckpt.inspection.inspect import inspect_checkpoint
@@ -70,6 +72,8 @@ __all__ = [
     "NotACheckpointError",
     "ObjectEntry",
     "Problem",
+    "RemoteStorageError",
+    "RemoteTimeoutError",
     "TensorEntry",
     "UnsafePickleError",
     "check_folder",

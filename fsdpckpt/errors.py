@@ -15,6 +15,8 @@ __all__ = [
     "NotACheckpointError",
     "UnsafePickleError",
     "CorruptCheckpointError",
+    "RemoteStorageError",
+    "RemoteTimeoutError",
 ]
 
 
@@ -36,6 +38,16 @@ class UnsafePickleError(FsdpCkptError, pickle.UnpicklingError):
 
 class CorruptCheckpointError(FsdpCkptError, ValueError):
     """A checkpoint's files disagree with its metadata (truncated, missing, garbled)."""
+
+
+class RemoteStorageError(FsdpCkptError, OSError):
+    """The object store failed a request (a connection closed or refused, a 5xx answer, a
+    garbled reply) after the bounded retries; the message names the URL."""
+
+
+class RemoteTimeoutError(RemoteStorageError, TimeoutError):
+    """The object store did not answer within the connect or read timeout, after the
+    bounded retries; the message names the URL and how to raise the timeouts."""
 
 
 #: Set on an error that a lower rank of the same process group also raised, with the same

@@ -96,6 +96,7 @@ def test_inspect_against_a_stalled_endpoint_ends_in_bounded_time_with_one_line(p
     _assert_network_line(result, ckpt)
     assert "did not answer in time" in result.stderr
     assert seconds < BOUND
+    assert proxy.faulted == 2  # one request, two attempts, then the line
 
 
 def test_a_stall_in_python_raises_remote_timeout_error_naming_the_url(proxy, ckpt):
@@ -270,3 +271,26 @@ def test_an_export_to_s3_cut_off_before_its_config_leaves_no_model(proxy, s3, tm
     again, _ = _cli(proxy, "export-hf", local / "checkpoint-3", out, "-q", "--overwrite")
     assert again.exit_code == 0, again.output
     assert "config.json" in _names(server, out)
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "inspect-dcp-folder", "merge"])
+def test_a_remote_folder_holding_the_intent_marker_and_no_manifest_is_refused(
+    s3, tmp_path, command
+):
+    import workers
+
+    server, root = s3
+    url = f"s3://{root}/ckpt"
+    fsdpckpt.save_state(url, model=workers.make_model(), step=1, storage_options=server.options)
+    fs = server.filesystem()
+    fs.pipe_file(f"{root}/ckpt/.fsdpckpt-incomplete", b"")  # what a save cut off leaves
+    fs.rm_file(f"{root}/ckpt/fsdpckpt.json")
+    args = {
+        "inspect": ["inspect", url],
+        "verify": ["verify", url],
+        "inspect-dcp-folder": ["inspect", f"{url}/pytorch_model_fsdp_0"],
+        "merge": ["merge", url, tmp_path / "out", "--quiet"],
+    }[command]
+    result = run_cli(*args, "--storage-options", json.dumps(server.options))
+    assert_one_line_error(result, url, "did not finish")
+    assert not (tmp_path / "out").exists()

@@ -68,6 +68,7 @@ class FaultProxy:
         self._times: int | None = None
         self._skip = 0
         self._offset: int | None = None
+        self._then: Callable[[], None] | None = None
         self.faulted = 0  # requests answered wrongly so far
         self.seen: list[tuple[Request, str | None]] = []  # every request and its fault
         self.forwarded = 0  # requests passed through
@@ -85,15 +86,17 @@ class FaultProxy:
         times: int | None = None,
         after: int = 0,
         offset: int | None = None,
+        then: Callable[[], None] | None = None,
     ) -> None:
         """Answer requests matching ``when`` (all by default) with ``mode``: the first
         ``after`` matching requests pass, then ``times`` of them (all by default) are
-        faulted. ``None`` clears the fault."""
+        faulted. ``then`` runs once, before the first faulted request is answered (e.g.
+        killing the upstream server). ``None`` clears the fault."""
         assert mode in (None, "error", "stall", "truncate", "flip", "down"), mode
         with self._lock:
             self._mode, self._when = mode, when or (lambda _r: True)
             self._times, self._skip, self.faulted = times, after, 0
-            self._offset = offset
+            self._offset, self._then = offset, then
 
     def storage_options(self, **extra: object) -> dict:
         """Options (as users write them) that reach the upstream through this proxy."""
@@ -136,6 +139,9 @@ class FaultProxy:
         mode = self._pick(request)
         with self._lock:
             self.seen.append((request, mode))
+            then, self._then = (self._then, None) if mode else (None, self._then)
+        if then is not None:
+            then()
         return mode
 
     def _pick(self, request: Request) -> str | None:

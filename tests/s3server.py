@@ -17,7 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["S3Server", "start", "weed_binary"]
@@ -38,6 +38,7 @@ class S3Server:
     data: Path
     process: subprocess.Popen[bytes]
     log: Path
+    command: list[str] = field(default_factory=list)
 
     @property
     def storage_options(self) -> dict:
@@ -55,6 +56,19 @@ class S3Server:
         import s3fs
 
         return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+
+    def kill(self) -> None:
+        """Kill the server at once (SIGKILL), as a crash would; its data stays."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Start the killed server again on the same ports and data; wait until it writes."""
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        _wait(self, timeout)
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and remove its data."""
@@ -133,7 +147,7 @@ def start(timeout: float = 60.0) -> S3Server:
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{s3}", data, process, log)
+    server = S3Server(f"http://127.0.0.1:{s3}", data, process, log, command)
     try:
         _wait(server, timeout)
     except BaseException:

@@ -3,9 +3,10 @@ the URL, and nothing half-written is ever seen as committed (issue 17 §6).
 
 The faults come from tests/faultproxy.py, a loopback HTTP proxy in front of the session's
 SeaweedFS server (tests/s3server.py): 5xx answers, a stall, a truncated body, a flipped
-byte, and the server going down in the middle of an upload ("killed") and coming back
-("restarted"). The tests pass short timeouts through ``--storage-options``, as users can, so
-that a stall costs seconds; one test pins the defaults.
+byte, and the server gone in the middle of an upload (the proxy answers nothing) and back;
+and a server of this module's own, killed (SIGKILL) in the middle of a ``save_state`` and
+restarted on its data. The tests pass short timeouts through ``--storage-options``, as users
+can, so that a stall costs seconds; one test pins the defaults.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def test_a_flipped_byte_in_a_ranged_read_fails_the_merge_and_writes_nothing(prox
     assert not (tmp_path / "out").exists()
 
 
-# -- the server goes down in the middle of an upload, then comes back --------------------------
+# -- the server goes down in the middle of an upload (the proxy answers nothing), then back -----
 
 
 def _down_at(proxy: FaultProxy, name: str) -> None:
@@ -203,54 +204,20 @@ def test_a_merge_to_s3_cut_off_before_its_index_leaves_no_model(proxy, ckpt, s3,
     out = f"s3://{root}/merged"
     _down_at(proxy, "model.safetensors.index.json")
     result, seconds = _cli(proxy, "merge", ckpt, out, "--max-shard-size", "2KB", "--quiet")
-    assert_one_line_error(result, out)
+    assert_one_line_error(result, out, "Left behind", "never the index", "--overwrite")
     assert "unexpected" not in result.stderr and seconds < BOUND
-    proxy.fault(None)  # the server is back
-    assert "model.safetensors.index.json" not in _names(server, out)
+    proxy.fault(None)  # the server is back, with the shards and no index
+    assert _names(server, out) == {
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    }
     for command in (["inspect", out], ["merge", out, tmp_path / "again", "--quiet"]):
         again, _ = _cli(proxy, *command)
         assert again.exit_code == 1, again.output
     assert not (tmp_path / "again").exists()
-
-
-def test_a_save_state_cut_off_before_its_manifest_is_committed_for_nothing(proxy, s3, tmp_path):
-    import torch
-
-    import workers
-
-    server, root = s3
-    run = f"s3://{root}/run"
-    model = workers.make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    manager = fsdpckpt.CheckpointManager(run, storage_options=server.options)
-    manager.save(1, model=model, optimizer=optimizer)
-    _down_at(proxy, "fsdpckpt.json")  # everything of step 2 is in but its manifest
-    with pytest.raises(RemoteStorageError, match="fsdpckpt.json"):
-        fsdpckpt.save_state(
-            f"{run}/checkpoint_2",
-            model=model,
-            optimizer=optimizer,
-            step=2,
-            storage_options=proxy.storage_options(**FAST),
-        )
-    proxy.fault(None)  # the server is back, with step 2's data and no manifest
-    assert {".metadata", ".fsdpckpt-incomplete"} <= _names(server, f"{run}/checkpoint_2")
-    for command in (
-        ["inspect", f"{run}/checkpoint_2"],
-        ["verify", f"{run}/checkpoint_2"],
-        ["inspect", f"{run}/checkpoint_2/pytorch_model_fsdp_0"],
-        ["merge", f"{run}/checkpoint_2", tmp_path / "out", "--quiet"],
-    ):
-        result, _ = _cli(proxy, *command)
-        assert_one_line_error(result, f"{run}/checkpoint_2", "did not finish")
-    assert not (tmp_path / "out").exists()
-    result, _ = _cli(proxy, "inspect", run)  # the folder of checkpoints: the newest committed
-    assert_one_line_error(
-        result, f"e.g. the newest finished save (checkpoint_2 is not): {run}/checkpoint_1"
-    )
-    # A manager sweeps the leftover away and finds the newest committed checkpoint.
-    manager = fsdpckpt.CheckpointManager(run, storage_options=server.options)
-    assert str(manager.latest()) == f"{run}/checkpoint_1"
+    again, _ = _cli(proxy, "merge", ckpt, out, "--max-shard-size", "2KB", "--overwrite", "-q")
+    assert again.exit_code == 0, again.output
+    assert "model.safetensors.index.json" in _names(server, out)
 
 
 def test_an_export_to_s3_cut_off_before_its_config_leaves_no_model(proxy, s3, tmp_path):
@@ -294,3 +261,67 @@ def test_a_remote_folder_holding_the_intent_marker_and_no_manifest_is_refused(
     result = run_cli(*args, "--storage-options", json.dumps(server.options))
     assert_one_line_error(result, url, "did not finish")
     assert not (tmp_path / "out").exists()
+
+
+# -- the real server killed (SIGKILL) mid-upload, then restarted on the same data ---------------
+
+
+@pytest.fixture(scope="module")
+def own_server():
+    """A SeaweedFS server of this module's own, to kill and restart (the session's stays up)."""
+    import s3server
+
+    server = s3server.start()
+    server.filesystem().mkdir("killed")
+    yield server
+    server.kill()  # at once: its data goes with it
+    server.stop()
+
+
+def test_a_save_state_whose_server_is_killed_before_the_manifest_is_not_committed(
+    own_server, tmp_path
+):
+    import torch
+
+    import workers
+
+    run = "s3://killed/run"
+    model = workers.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    fsdpckpt.CheckpointManager(run, storage_options=own_server.options).save(
+        1, model=model, optimizer=optimizer
+    )
+    with FaultProxy(own_server.endpoint) as proxy:
+        proxy.fault(
+            "down",
+            then=own_server.kill,
+            when=lambda r: r.method == "PUT" and "fsdpckpt.json" in r.target,
+        )
+        with pytest.raises(RemoteStorageError, match="fsdpckpt.json"):
+            fsdpckpt.save_state(
+                f"{run}/checkpoint_2",
+                model=model,
+                optimizer=optimizer,
+                step=2,
+                storage_options=proxy.storage_options(**FAST),
+            )
+    own_server.restart()  # with step 2's data and intent marker, and no manifest
+    assert {".metadata", ".fsdpckpt-incomplete"} <= _names(own_server, f"{run}/checkpoint_2")
+    assert "fsdpckpt.json" not in _names(own_server, f"{run}/checkpoint_2")
+    with FaultProxy(own_server.endpoint) as proxy:
+        for command in (
+            ["inspect", f"{run}/checkpoint_2"],
+            ["verify", f"{run}/checkpoint_2"],
+            ["inspect", f"{run}/checkpoint_2/pytorch_model_fsdp_0"],
+            ["merge", f"{run}/checkpoint_2", tmp_path / "out", "--quiet"],
+        ):
+            result, _ = _cli(proxy, *command)
+            assert_one_line_error(result, f"{run}/checkpoint_2", "did not finish")
+        result, _ = _cli(proxy, "inspect", run)  # the folder of checkpoints: the newest committed
+        assert_one_line_error(
+            result, f"e.g. the newest finished save (checkpoint_2 is not): {run}/checkpoint_1"
+        )
+    assert not (tmp_path / "out").exists()
+    # A manager sweeps the leftover away and finds the newest committed checkpoint.
+    manager = fsdpckpt.CheckpointManager(run, storage_options=own_server.options)
+    assert str(manager.latest()) == f"{run}/checkpoint_1"

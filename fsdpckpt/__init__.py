@@ -25,6 +25,8 @@ from fsdpckpt.errors import (
     DiskFullError,
     FsdpCkptError,
     NotACheckpointError,
+    RemoteStorageError,
+    RemoteTimeoutError,
     UnsafePickleError,
 )
 from fsdpckpt.inspection.inspect import inspect_checkpoint
@@ -73,6 +75,8 @@ __all__ = [
     "NotACheckpointError",
     "ObjectEntry",
     "Problem",
+    "RemoteStorageError",
+    "RemoteTimeoutError",
     "TensorEntry",
     "UnsafePickleError",
     "check_folder",

@@ -45,7 +45,9 @@ def _storage_options_option(func: Any) -> Any:
         help="For s3://, gs://, az:// paths: options of the fsspec filesystem as a JSON object, "
              'e.g. \'{"endpoint_url": "http://localhost:9000", "anon": false}\'. Credentials '
              "and endpoints are otherwise read where the cloud tools keep them (AWS_* "
-             "variables, AWS_ENDPOINT_URL, ~/.aws, gcloud, Azure).")(func)
+             "variables, AWS_ENDPOINT_URL, ~/.aws, gcloud, Azure). S3 timeouts default to "
+             'connect 10 s, read 30 s, two attempts; e.g. \'{"config_kwargs": '
+             '{"read_timeout": 120}}\' raises them.')(func)
 
 
 def _fail(ctx: click.Context, message: str, exc: BaseException | None = None) -> None:

@@ -17,6 +17,8 @@ __all__ = [
     "CorruptCheckpointError",
     "DiskFullError",
     "ChecksumError",
+    "RemoteStorageError",
+    "RemoteTimeoutError",
 ]
 
 
@@ -54,6 +56,16 @@ class DiskFullError(FsdpCkptError, _MessageOnly):
     """The file system being written has not enough free space (``errno`` is ``ENOSPC``):
     a merge's output, or a ``save_state`` that ran out of space (the message names the
     path; nothing of that save is left that could pass for a checkpoint)."""
+
+
+class RemoteStorageError(FsdpCkptError, OSError):
+    """The object store failed a request (a connection closed or refused, a 5xx answer, a
+    garbled reply) after the bounded retries; the message names the URL."""
+
+
+class RemoteTimeoutError(RemoteStorageError, TimeoutError):
+    """The object store did not answer within the connect or read timeout, after the
+    bounded retries; the message names the URL and how to raise the timeouts."""
 
 
 #: Set on an error that a lower rank of the same process group also raised, with the same

@@ -8,6 +8,7 @@ fixture (``tests/conftest.py``) and are marked ``s3``; each gets its own bucket.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -17,7 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["S3Server", "start", "weed_binary"]
@@ -38,6 +39,7 @@ class S3Server:
     data: Path
     process: subprocess.Popen[bytes]
     log: Path
+    command: list[str] = field(default_factory=list)
 
     @property
     def storage_options(self) -> dict:
@@ -55,6 +57,19 @@ class S3Server:
         import s3fs
 
         return s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
+
+    def kill(self) -> None:
+        """Kill the server at once (SIGKILL), as a crash would; its data stays."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Start the killed server again on the same ports and data; wait until it writes."""
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        _wait(self, timeout)
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and remove its data."""
@@ -76,28 +91,37 @@ def weed_binary() -> str | None:
 
 def _free_ports(count: int) -> list[int]:
     # SeaweedFS also listens on port + 10000 for gRPC: keep every port and its twin free.
+    # Both are drawn below the kernel's ephemeral range (32768 and up by default), so no
+    # outgoing connection of this or another test can take one between this check and the
+    # server's bind (it did: "s3 failed to listen on grpc port ...: address already in use").
+    low = _ephemeral_floor()
+    rng = random.Random()
     ports: list[int] = []
-    sockets = []
+    for _ in range(10_000):
+        if len(ports) == count:
+            return ports
+        port = rng.randrange(low - 20000, low - 10000)  # twins above them, bases below
+        if port in ports or not all(_bindable(p) for p in (port, port + 10000)):
+            continue
+        ports.append(port)
+    raise RuntimeError("no free loopback ports below the ephemeral range for SeaweedFS")
+
+
+def _ephemeral_floor() -> int:
     try:
-        while len(ports) < count:
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            sockets.append(s)
-            if port + 10000 > 65535 or port in ports:
-                continue
-            twin = socket.socket()
-            try:
-                twin.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-            finally:
-                twin.close()
-            ports.append(port)
-    finally:
-        for s in sockets:
-            s.close()
-    return ports
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return max(int(text.split()[0]), 21024)
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _ready(endpoint: str) -> bool:
@@ -133,7 +157,7 @@ def start(timeout: float = 60.0) -> S3Server:
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{s3}", data, process, log)
+    server = S3Server(f"http://127.0.0.1:{s3}", data, process, log, command)
     try:
         _wait(server, timeout)
     except BaseException:

@@ -22,7 +22,7 @@ PUBLIC = {
     "InspectReport", "PartReport", "TensorReport", "VerifyReport", "DiffReport",
     # errors
     "FsdpCkptError", "CheckpointNotFoundError", "CorruptCheckpointError", "ChecksumError",
-    "NotACheckpointError", "UnsafePickleError",
+    "NotACheckpointError", "UnsafePickleError", "RemoteStorageError", "RemoteTimeoutError",
     # merging and converting
     "merge", "merge_fsdp_weights", "MergeResult", "load_full_state_dict", "convert",
     "ConvertResult", "plan_merge", "MergePlan", "MergePlanError", "OutputExistsError",

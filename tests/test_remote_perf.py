@@ -15,7 +15,7 @@ import pytest
 import fsdpckpt
 from fsdpckpt._io import prefetch as prefetch_module
 from fsdpckpt._io.prefetch import Prefetcher
-from fsdpckpt.errors import CorruptCheckpointError
+from fsdpckpt.errors import CorruptCheckpointError, RemoteStorageError
 
 from conftest import FIXTURES, damaged_copy, peak_rss_mib, upload
 
@@ -43,18 +43,19 @@ def _files(folder) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-# -- inspect: only listings and .metadata ----------------------------------------------------
+# -- inspect: listings, .metadata and the side files it decodes -----------------------------
 
 @pytest.mark.s3
-def test_a_remote_inspect_lists_each_folder_once_and_gets_each_metadata_once(s3, requests):
+def test_a_remote_inspect_lists_each_folder_once_and_gets_each_small_file_once(s3, requests):
     server, root = s3
     url = upload(server, CKPT, f"s3://{root}/run/checkpoint-1")
     requests.clear()
     report = fsdpckpt.inspect_checkpoint(url, storage_options=server.options)
     assert report.ok
     # The checkpoint folder and its two DCP folders listed once each (never the run folder
-    # above it, which may hold a thousand checkpoints); each .metadata in one GET; no HEAD.
-    assert dict(requests) == {"list_objects_v2": 3, "get_object": 2}
+    # above it, which may hold a thousand checkpoints); each .metadata, and each side file
+    # inspect decodes (scheduler.bin, two RNG files), in one GET; no HEAD.
+    assert dict(requests) == {"list_objects_v2": 3, "get_object": 2 + 3}
 
 
 @pytest.mark.s3
@@ -258,8 +259,9 @@ def test_a_failing_ranged_read_fails_the_merge_with_one_error_and_no_output(s3, 
     monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", failing)
     # A client made now (fsspec binds the sync methods of a client when it makes it).
     options = {**server.options, "skip_instance_cache": True}
-    with pytest.raises(CorruptCheckpointError, match=r"__1_0\.distcp: reading bytes .*"
-                                                     "connection reset"):
+    # A network fault, not a damaged checkpoint: the store's error, naming the object.
+    with pytest.raises(RemoteStorageError, match=r"__1_0\.distcp: the object store failed "
+                                                 "while reading it .*connection reset"):
         fsdpckpt.merge(url, tmp_path / "out", storage_options=options)
     assert not (tmp_path / "out").exists()
 

@@ -29,7 +29,13 @@ from typing import Any, BinaryIO, cast
 
 from fsdpckpt._io.prefetch import Prefetcher
 from fsdpckpt._io.rawio import SizedReader
-from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from fsdpckpt._io.remote_errors import GuardedFS, bounded_options
+from fsdpckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    RemoteStorageError,
+)
 
 __all__ = ["RemoteFile", "RemotePath", "is_url", "location", "prefetch", "require_fsspec"]
 
@@ -91,7 +97,10 @@ def location(path: str | os.PathLike[str] | RemotePath, *,
     options = dict(storage_options or {})
     if scheme in ("s3", "s3a") and "endpoint_url" in options:
         # s3fs takes the endpoint inside client_kwargs; accept it at the top as users write it.
-        options.setdefault("client_kwargs", {})["endpoint_url"] = options.pop("endpoint_url")
+        options["client_kwargs"] = {**(options.get("client_kwargs") or {}),
+                                    "endpoint_url": options.pop("endpoint_url")}
+    options = bounded_options(scheme, options)  # timeouts and retries, the user's win
+    retries = options.pop("retries", None) if scheme in ("s3", "s3a") else None
     try:
         fs, inner = fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:
@@ -101,8 +110,10 @@ def location(path: str | os.PathLike[str] | RemotePath, *,
     except ValueError as exc:
         raise NotACheckpointError(f"{url}: {exc}; pass a local path or a URL such as "
                                   "s3://bucket/folder") from None
+    if retries is not None:
+        fs.retries = retries  # s3fs's retry loop: a class attribute, not an option
     inner = inner.rstrip("/")
-    return RemotePath(_Store(fs, f"{scheme}://", inner), inner)
+    return RemotePath(_Store(GuardedFS(fs, f"{scheme}://"), f"{scheme}://", inner), inner)
 
 
 class _Store:
@@ -123,6 +134,8 @@ class _Store:
                 infos = self.fs.ls(folder, detail=True, refresh=True)
             except FileNotFoundError:
                 infos = []
+            except RemoteStorageError:
+                raise
             except OSError as exc:
                 raise CheckpointNotFoundError(f"{self.prefix}{folder}: cannot list it ({exc}); "
                                               "check the URL and the credentials") from None
@@ -309,6 +322,8 @@ class RemoteFile:
             data = self.path.fs.cat_file(self.path.path, start=start, end=end)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.path}: missing; check the URL") from None
+        except RemoteStorageError:
+            raise
         except OSError as exc:
             raise CorruptCheckpointError(f"{self.path}: reading bytes {start}..{end} failed: "
                                          f"{exc}") from None
@@ -357,10 +372,11 @@ class _Stream(SizedReader):
             remote.read_at(view[:count], at)
         else:
             if not (self._block_at <= at and at + count <= self._block_at + len(self._block)):
-                # Nothing holds these bytes: one request for a block, as fsspec's
-                # readahead file did (the next small header reads are in it).
-                end = min(remote.size, at + max(count, _BLOCK))
-                self._block, self._block_at = remote._get(at, end), at
+                # Nothing holds these bytes: one request for a block (all of a file that fits
+                # in one: a zip's directory, then its entries, seeking back, in one GET).
+                first = 0 if remote.size <= _BLOCK else at
+                end = min(remote.size, first + max(count, _BLOCK))
+                self._block, self._block_at = remote._get(first, end), first
             start = at - self._block_at
             view[:count] = self._block[start:start + count]
         self._pos = at + count

@@ -19,9 +19,10 @@ from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp._hfstorage import find_hf_storage
 from fsdpckpt.dcp._perrank import find_rank_sets
 from fsdpckpt.dcp.reader import METADATA_FILE
-from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
+from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError, RemoteStorageError
 
-__all__ = ["CheckpointLayout", "DcpPart", "SideFile", "find_layout"]
+__all__ = ["INCOMPLETE", "CheckpointLayout", "DcpPart", "SideFile", "find_layout",
+           "refuse_unfinished_save"]
 
 # (pattern, kind) for the files saved beside the DCP folders; the first match wins.
 _SIDE_FILES = [
@@ -44,6 +45,10 @@ _SIDE_FILES = [
 _MODEL_DIR = re.compile(r"^pytorch_model(_fsdp)?_(\d+)$")
 _OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
 _CHECKPOINT_DIR = re.compile(r"^(checkpoint|ckpt|step|global_step)[-_]?\d+$")
+#: The intent marker of a save to object storage (training/_remote.py): written first,
+#: removed once the manifest, the commit, is in. dcp/ does not import training/.
+INCOMPLETE = ".fsdpckpt-incomplete"
+_MANIFEST = "fsdpckpt.json"  # training.manifest.MANIFEST
 
 
 @dataclass(frozen=True)
@@ -140,8 +145,35 @@ def _holds_checkpoint(path: Path | RemotePath) -> bool:
     try:
         return any(e.is_dir() and (_MODEL_DIR.match(e.name) or _OPTIMIZER_DIR.match(e.name))
                    for e in _scan(path))
+    except RemoteStorageError:
+        raise
     except OSError:
         return False
+
+
+def _unfinished_save(folder: Path | RemotePath) -> bool:
+    """Whether ``folder`` (on object storage) is what a ``save_state`` that did not finish
+    left: its intent marker and no manifest (the commit; training/_remote.py)."""
+    return isinstance(folder, RemotePath) and (folder / INCOMPLETE).is_file() \
+        and not (folder / _MANIFEST).is_file()
+
+
+def refuse_unfinished_save(root: Path | RemotePath) -> None:
+    """Refuse a remote folder, or a DCP folder inside one, that a save did not finish.
+
+    Raises:
+        NotACheckpointError: it holds ``.fsdpckpt-incomplete`` and no ``fsdpckpt.json``.
+    """
+    folders = [root]
+    if isinstance(root, RemotePath) and (_MODEL_DIR.match(root.name)
+                                         or _OPTIMIZER_DIR.match(root.name)):
+        folders.append(root.parent)  # a DCP folder of a checkpoint: its save's marker
+    for folder in folders:
+        if _unfinished_save(folder):
+            raise NotACheckpointError(
+                f"{folder}: a save into it did not finish (it holds {INCOMPLETE} and no "
+                f"{_MANIFEST}), so it is not a checkpoint; use an earlier one. The next "
+                "CheckpointManager on its parent deletes it")
 
 
 def _natural_key(name: str) -> list[tuple[int, int | str]]:
@@ -152,11 +184,15 @@ def _natural_key(name: str) -> list[tuple[int, int | str]]:
 
 def _is_finished(path: Path | RemotePath) -> bool:
     """Whether a checkpoint folder's save finished: every DCP folder in it has ``.metadata``."""
+    if _unfinished_save(path):
+        return False
     if (path / METADATA_FILE).is_file():
         return True
     try:
         dirs = [e for e in _scan(path) if e.is_dir() and
                 (_MODEL_DIR.match(e.name) or _OPTIMIZER_DIR.match(e.name))]
+    except RemoteStorageError:
+        raise
     except OSError:
         return False
     return bool(dirs) and all((e.path / METADATA_FILE).is_file() for e in dirs)
@@ -210,6 +246,7 @@ def find_layout(path: str | os.PathLike[str] | RemotePath) -> CheckpointLayout:
         raise NotACheckpointError(
             f"{root}: is a file, not a checkpoint folder; pass the folder that holds "
             ".metadata or pytorch_model_fsdp_0/.")
+    refuse_unfinished_save(root)
     if (root / METADATA_FILE).is_file():
         return CheckpointLayout(root, "dcp", (DcpPart(root.name, "dcp", None, root, True),), (), ())
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from fsdpckpt._io.remote import RemotePath
-from fsdpckpt.errors import FsdpCkptError
+from fsdpckpt.errors import FsdpCkptError, RemoteStorageError
 
 if TYPE_CHECKING:
     from fsdpckpt.merging.merger import MergeResult
@@ -72,8 +72,9 @@ def upload_results(results: list[MergeResult], out: RemotePath, stale: tuple[Rem
                 if progress:
                     progress(local.stat().st_size)
             done.append(replace(result, files=tuple(remote_files)))
-    except BaseException:
-        delete(list(reversed(uploaded)))  # the index first: never seen without its shards
+    except BaseException as exc:
+        # The index first: never seen without its shards.
+        _undo(list(reversed(uploaded)), exc, "the index")
         raise
     new = {str(p) for p in uploaded}
     # An earlier index first, for the same reason; then the files it named.
@@ -115,8 +116,8 @@ def publish_folder(out: RemotePath, build: Callable[[Path], _T], *, overwrite: b
         try:
             for path in order:
                 upload(path, out, uploaded, name=path.relative_to(local).as_posix())
-        except BaseException:
-            delete(list(reversed(uploaded)))
+        except BaseException as exc:
+            _undo(list(reversed(uploaded)), exc, " and ".join(last) or "the last file")
             raise
         out.forget_listings()
         return result, local
@@ -133,6 +134,8 @@ def upload(local: Path, out: RemotePath, uploaded: list[RemotePath], *,
     target = out / (name or local.name)
     try:
         _put(local, target)
+    except RemoteStorageError:
+        raise  # a fault of the store: its own line, naming the object and the fix
     except OSError as exc:
         raise OutputNotWritableError(
             5, f"{target}: upload failed ({exc}); check the URL, the credentials and that "
@@ -147,8 +150,32 @@ def _put(local: Path, target: RemotePath) -> None:
     target.fs.put_file(str(local), target.path)
 
 
-def delete(paths: list[RemotePath]) -> None:
-    """Delete these objects, in this order, ignoring any already gone."""
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError, OSError, FsdpCkptError):
+def delete(paths: list[RemotePath]) -> list[RemotePath]:
+    """Delete these objects, in this order, ignoring any already gone; return those left.
+
+    A fault of the store (it is down, or stalls) stops the deletion: each further request
+    would cost its full timeout and fail the same way.
+    """
+    for done, path in enumerate(paths):
+        try:
             path.fs.rm_file(path.path)
+        except RemoteStorageError:
+            return paths[done:]
+        except (FileNotFoundError, OSError, FsdpCkptError):
+            pass
+    return []
+
+
+def _undo(uploaded: list[RemotePath], exc: BaseException, commit: str) -> None:
+    """Delete what a failed upload put there; when the store is unreachable, say what is
+    left (never ``commit``, the file uploaded last, so nothing reads it as an output).
+
+    Raises:
+        RemoteStorageError: ``exc`` was a fault of the store and objects are left.
+    """
+    left = delete(uploaded)
+    if left and isinstance(exc, RemoteStorageError):
+        raise RemoteStorageError(
+            f"{exc}. Left behind, as the store stopped answering: {len(left)} object(s) "
+            f"uploaded before ({left[-1]}...), never {commit}, so nothing reads them as an "
+            "output; delete them or rerun with --overwrite") from exc

@@ -23,13 +23,12 @@ import zlib
 from typing import Any
 
 from fsdpckpt._io.remote import RemotePath
+from fsdpckpt.dcp.layout import INCOMPLETE  # the intent marker: written first, removed last
 from fsdpckpt.errors import NotACheckpointError
 
 __all__ = ["INCOMPLETE", "refresh", "put_bytes", "begin_save", "end_save", "delete",
            "is_incomplete", "refuse_incomplete", "sweep"]
 
-#: The intent marker: written first and removed last by a save or a deletion.
-INCOMPLETE = ".fsdpckpt-incomplete"
 _MANIFEST = "fsdpckpt.json"  # training.manifest.MANIFEST; not imported: manifest imports us
 
 

@@ -190,7 +190,7 @@ def test_leftovers_of_an_unfinished_remote_save_are_swept_by_the_next_manager(s3
 
 
 def test_old_checkpoints_are_deleted_only_after_the_new_one_commits_on_s3(s3, monkeypatch):
-    import fsdpckpt.training.state as state_module
+    import fsdpckpt.training._commit as commit_module  # where a save writes its manifest
 
     manager = _manager(s3, keep_last=1)
     manager.save(0, **_parts())
@@ -198,7 +198,7 @@ def test_old_checkpoints_are_deleted_only_after_the_new_one_commits_on_s3(s3, mo
     def crash(*_a, **_k):
         raise RuntimeError("network died")
 
-    monkeypatch.setattr(state_module, "write_manifest", crash)  # killed before the commit
+    monkeypatch.setattr(commit_module, "write_manifest", crash)  # killed before the commit
     with pytest.raises(RuntimeError):
         manager.save(1, **_parts())
     monkeypatch.undo()

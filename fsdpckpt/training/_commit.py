@@ -26,7 +26,8 @@ class AsyncSave:
     The checkpoint is complete only once :meth:`wait` has returned on every rank.
     """
 
-    def __init__(self, futures: list[Any], finish: Any) -> None:
+    def __init__(self, futures: list[tuple[Path | RemotePath, Any]], finish: Any) -> None:
+        # Each part folder with its background write: a full disk names the part it hit.
         self._futures, self._finish, self._finished = futures, finish, False
 
     @property
@@ -36,7 +37,7 @@ class AsyncSave:
 
     def done(self) -> bool:
         """Whether every part has been written (no waiting); the manifest comes with wait()."""
-        return all(f.done() for f in self._futures)
+        return all(f.done() for _, f in self._futures)
 
     def wait(self) -> None:
         """Block until every part is written; call it on every rank.
@@ -47,8 +48,17 @@ class AsyncSave:
         root = self._finish.root
 
         def results() -> None:
-            with raising_disk_full(root):
-                [future.result() for future in self._futures]
+            failure: BaseException | None = None
+            for folder, future in self._futures:  # all end before anything is removed
+                try:
+                    with raising_disk_full(folder):
+                        future.result()
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException too
+                    failure = failure or exc
+            if failure is not None:
+                raise failure
 
         with removed_on_failure(root, remove_stale_parts, rank=rank_world()[0]):
             everywhere(results)

@@ -191,7 +191,7 @@ def _save(root: Path | RemotePath, models: list[Any], optimizers: list[Any], sch
             # The background writer runs collectives while training runs its own; on
             # one process group they would interleave and hang.
             kwargs["process_group"] = async_group(folder.name)
-        futures.append(dcp_call(dcp.async_save, state, **kwargs))
+        futures.append((folder, dcp_call(dcp.async_save, state, **kwargs)))
 
     for i, module in enumerate(models):
         write({"model": get_model_state_dict(module)}, model_folder(root, i))
@@ -218,7 +218,7 @@ def _save(root: Path | RemotePath, models: list[Any], optimizers: list[Any], sch
     try:
         everywhere(write_side_files)  # a rank that fails here fails the save on every rank
     except BaseException:
-        for future in futures:  # background writes end before what they wrote is removed
+        for _, future in futures:  # background writes end before what they wrote is removed
             with contextlib.suppress(BaseException):
                 future.result()
         raise

@@ -32,6 +32,7 @@ from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
+from fsdpckpt.errors import ExportMismatchError, MergePlanError, OutputExistsError
 from fsdpckpt.export._config import (
     CONFIG,
     SideFiles,
@@ -43,7 +44,6 @@ from fsdpckpt.export._config import (
 )
 from fsdpckpt.export._fuse_hf import plan_fused
 from fsdpckpt.export._keycheck import (
-    ExportMismatchError,
     check_against_base,
     check_declared_sizes,
     custom_code,
@@ -60,8 +60,7 @@ from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._remote_out import publish_folder
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
 from fsdpckpt.merging.merger import MergeJob, MergeResult, commit_job, plan_job, write_job
-from fsdpckpt.merging.plan import MergePlanError
-from fsdpckpt.merging.writer import OutputExistsError, commit, sigterm_interrupts, staging
+from fsdpckpt.merging.writer import commit, sigterm_interrupts, staging
 
 __all__ = ["export_hf", "ExportResult", "ExportMismatchError"]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from fsdpckpt._io.remote import RemotePath, is_url, location
-from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
+from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError, OutputExistsError
 from fsdpckpt.export._lora_config import (
     ADAPTER_CONFIG,
     LoraConfig,
@@ -282,7 +282,6 @@ def _prepare_output(output: Path, names: list[str], overwrite: bool) -> None:
         raise NotACheckpointError(f"{output}: is a file; pass a folder to write into")
     taken = [n for n in names if (output / n).exists()]
     if taken and not overwrite:
-        from fsdpckpt.merging.writer import OutputExistsError
 
         raise OutputExistsError(f"{output / taken[0]}: already exists; pass overwrite=True "
                                 "(--overwrite) to replace it")

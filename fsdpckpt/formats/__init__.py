@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,5 +149,29 @@ def _formats() -> dict[str, type[OutputFormat]]:
     return {"safetensors": SafetensorsFormat, "bin": TorchBinFormat}
 
 
-FORMATS: dict[str, type[OutputFormat]] = {}
-FORMATS.update(_formats())
+class _Registry(Mapping[str, type[OutputFormat]]):
+    """The formats by name, their modules imported on first use: ``import fsdpckpt.formats``
+    (which the merge's plan needs for :class:`TensorSpec`) does not load every writer."""
+
+    def __init__(self) -> None:
+        self._formats: dict[str, type[OutputFormat]] | None = None
+
+    def _loaded(self) -> dict[str, type[OutputFormat]]:
+        if self._formats is None:
+            self._formats = _formats()
+        return self._formats
+
+    def __getitem__(self, name: str) -> type[OutputFormat]:
+        return self._loaded()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaded())
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+    def __repr__(self) -> str:
+        return repr(self._loaded())
+
+
+FORMATS: Mapping[str, type[OutputFormat]] = _Registry()

@@ -14,8 +14,9 @@ from typing import TypeVar
 
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._io.remote import RemotePath
-from fsdpckpt.merging.plan import MergePlan, MergePlanError
-from fsdpckpt.merging.writer import OutputExistsError, output_paths
+from fsdpckpt.errors import MergePlanError, OutputExistsError
+from fsdpckpt.merging.plan import MergePlan
+from fsdpckpt.merging.writer import output_paths
 
 __all__ = ["claim_outputs", "earlier_outputs"]
 

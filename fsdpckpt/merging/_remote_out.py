@@ -27,11 +27,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from fsdpckpt._io.remote import RemotePath
-from fsdpckpt.errors import FsdpCkptError, RemoteStorageError
+from fsdpckpt.errors import (
+    FsdpCkptError,
+    OutputExistsError,
+    OutputNotWritableError,
+    RemoteStorageError,
+)
 
 if TYPE_CHECKING:
     from fsdpckpt.merging.merger import MergeResult
-from fsdpckpt.merging.writer import OutputExistsError, OutputNotWritableError
 
 _T = TypeVar("_T")
 

@@ -40,6 +40,7 @@ from fsdpckpt.errors import (
     CorruptCheckpointError,
     FsdpCkptError,
     NotACheckpointError,
+    OutputExistsError,
     UnsafePickleError,
 )
 from fsdpckpt.formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
@@ -50,7 +51,6 @@ from fsdpckpt.merging._convert_source import (
     shards,
     sniff,
 )
-from fsdpckpt.merging.writer import OutputExistsError
 
 __all__ = ["convert", "ConvertResult", "MODEL_FILES"]
 

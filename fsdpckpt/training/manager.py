@@ -31,10 +31,11 @@ from typing import Any, cast
 
 from fsdpckpt._io.durable import fsync_dir
 from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt.errors import ResumeWarning
 from fsdpckpt.training import _remote
 from fsdpckpt.training._dist import dist_or_none, everywhere, rank_world
 from fsdpckpt.training.manifest import MANIFEST, manifest_digest
-from fsdpckpt.training.state import AsyncSave, LoadResult, ResumeWarning, load_state, save_state
+from fsdpckpt.training.state import AsyncSave, LoadResult, load_state, save_state
 
 __all__ = ["CheckpointManager"]
 

@@ -24,7 +24,7 @@ from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp._objects import to_torch
 from fsdpckpt.dcp._sidefiles import read_state_file
-from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
+from fsdpckpt.errors import FsdpCkptError, NotACheckpointError, ResumeWarning, StateMismatchError
 from fsdpckpt.training import _remote
 from fsdpckpt.training._commit import AsyncSave, Finish
 from fsdpckpt.training._dcp_io import check_local_reads, safe_load_planner, safe_storage_reader
@@ -48,19 +48,6 @@ __all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatch
            "ResumeWarning"]
 
 log = logging.getLogger("fsdpckpt")
-
-
-class StateMismatchError(FsdpCkptError, KeyError):
-    """A model does not match the checkpoint (missing, unexpected or differently shaped keys)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
-
-
-class ResumeWarning(UserWarning):
-    """Something a resume did that the caller should know, e.g. the RNG policy applied
-    because the world size changed. :meth:`CheckpointManager.restore` warns with it; the
-    same messages are in :attr:`LoadResult.warnings`."""
 
 
 @dataclass(frozen=True)

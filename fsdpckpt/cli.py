@@ -290,9 +290,7 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
                           progress=_progress(quiet, "converting"),
                           storage_options=storage_options)
     if as_json:
-        click.echo(json.dumps({"source": str(result.source), "output": str(result.path),
-                               "tensors": result.tensors, "objects": result.objects,
-                               "bytes": result.bytes}))
+        click.echo(json.dumps(result.to_json()))
     else:
         click.echo(f"converted {printable(result.source)} -> {printable(result.path)}: "
                    f"{result.tensors} tensors "

@@ -19,6 +19,7 @@ __all__ = [
     "ChecksumError",
     "RemoteStorageError",
     "RemoteTimeoutError",
+    "OptionError",
     "MergePlanError",
     "OutputExistsError",
     "OutputNotWritableError",
@@ -75,6 +76,12 @@ class RemoteTimeoutError(RemoteStorageError, TimeoutError):
     bounded retries; the message names the URL and how to raise the timeouts."""
 
 
+class OptionError(FsdpCkptError, ValueError):
+    """An argument that cannot be used: a value out of range, a name fsdpckpt does not
+    know, options that contradict each other. The message names the parameter
+    (``keep_last``, ``digest=``) and says what it accepts."""
+
+
 class MergePlanError(FsdpCkptError, ValueError):
     """The merge as asked cannot be done; the message lists every reason."""
 
@@ -92,7 +99,7 @@ class ExportMismatchError(FsdpCkptError, ValueError):
     """The checkpoint's tensors do not match what the config's model class expects."""
 
 
-class DiffOptionError(FsdpCkptError, ValueError):
+class DiffOptionError(OptionError):
     """A :func:`~fsdpckpt.diff` option that cannot be used: a tolerance that is negative or
     not a number."""
 

@@ -146,8 +146,11 @@ def _check_outputs(side: SideFiles, out: Path, overwrite: bool) -> None:
     names = [name for _, name in side.copied] + [CONFIG]
     existing = [out / n for n in names if (out / n).exists()]
     if existing and not overwrite:
-        raise OutputExistsError(f"{existing[0]}: already exists; pass --overwrite to replace "
-                                "the earlier export, or choose another output folder")
+        # The parameter, and the flag beside it (tests/test_export_hf.py pins "--overwrite"
+        # here); the command line's error boundary says the flag alone.
+        raise OutputExistsError(f"{existing[0]}: already exists; pass overwrite=True "
+                                "(--overwrite) to replace the earlier export, or choose "
+                                "another output folder")
 
 
 def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *,

@@ -16,6 +16,7 @@ from typing import Any
 
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import KeyPath
+from fsdpckpt.errors import OptionError
 
 __all__ = ["TensorSpec", "ObjectValue", "FileLayout", "OutputFormat", "get_format", "FORMATS"]
 
@@ -139,7 +140,7 @@ def get_format(name: str) -> OutputFormat:
     try:
         return FORMATS[name]()
     except KeyError:
-        raise ValueError(f"unknown format {name!r}; choose one of {sorted(FORMATS)}") from None
+        raise OptionError(f"unknown format {name!r}; choose one of {sorted(FORMATS)}") from None
 
 
 def _formats() -> dict[str, type[OutputFormat]]:

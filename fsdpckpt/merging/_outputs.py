@@ -42,14 +42,15 @@ def claim_outputs(plans: Sequence[MergePlan], out: _P, *, overwrite: bool) -> tu
     targets = [p for plan in plans for p in output_paths(plan, out)]
     if len(set(targets)) != len(targets):
         raise MergePlanError(f"two merged parts would both write {targets[0].name}; "
-                             "drop --file-name")
+                             "leave out file_name=, which names the one file of a single "
+                             "part's merge")
     stale = sorted({p for plan in plans for p in earlier_outputs(plan, out)} - set(targets),
                    key=str)
     existing = [str(p) for p in targets if p.exists()] + [str(p) for p in stale]
     if existing and not overwrite:
         raise OutputExistsError(f"{existing[0]}: already exists"
                                 + (f" (and {len(existing) - 1} more)" if len(existing) > 1 else "")
-                                + "; pass overwrite=True (--overwrite) to replace it, or "
+                                + "; pass overwrite=True to replace it, or "
                                 "choose another folder")
     return tuple(stale)
 

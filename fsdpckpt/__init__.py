@@ -25,6 +25,7 @@ from fsdpckpt.errors import (
     FsdpCkptError,
     MergePlanError,
     NotACheckpointError,
+    OptionError,
     OutputExistsError,
     OutputNotWritableError,
     RemoteStorageError,
@@ -139,4 +140,5 @@ __all__ = [
     "diff",
     "DiffReport",
     "DiffOptionError",
+    "OptionError",
 ]

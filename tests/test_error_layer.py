@@ -76,13 +76,6 @@ def test_a_save_with_options_that_cannot_be_used_is_an_option_error(tmp_path, kw
 
 # --- the library names parameters, the command line flags ----------------------------------
 
-def test_the_library_says_the_parameter_for_an_existing_merge_output(tmp_path):
-    fsdpckpt.merge(DCP_FOLDERS["dtensor"], tmp_path)
-    with pytest.raises(OutputExistsError) as caught:
-        fsdpckpt.merge(DCP_FOLDERS["dtensor"], tmp_path)
-    assert "overwrite=True" in str(caught.value) and "--overwrite" not in str(caught.value)
-
-
 def test_the_command_line_says_the_flag_for_an_existing_merge_output(tmp_path):
     fsdpckpt.merge(DCP_FOLDERS["dtensor"], tmp_path)
     result = run("merge", DCP_FOLDERS["dtensor"], tmp_path)

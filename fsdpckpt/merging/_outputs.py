@@ -48,9 +48,11 @@ def claim_outputs(plans: Sequence[MergePlan], out: _P, *, overwrite: bool) -> tu
                    key=str)
     existing = [str(p) for p in targets if p.exists()] + [str(p) for p in stale]
     if existing and not overwrite:
+        # The parameter, and the flag beside it: tests/test_export_hf.py pins "--overwrite" on
+        # this error from export_hf; the command line says the flag alone (_cli_common.FLAGS).
         raise OutputExistsError(f"{existing[0]}: already exists"
                                 + (f" (and {len(existing) - 1} more)" if len(existing) > 1 else "")
-                                + "; pass overwrite=True to replace it, or "
+                                + "; pass overwrite=True (--overwrite) to replace it, or "
                                 "choose another folder")
     return tuple(stale)
 

@@ -32,6 +32,7 @@ from fsdpckpt.errors import (
     RemoteTimeoutError,
     ResumeWarning,
     StateMismatchError,
+    Terminated,
     UnsafePickleError,
 )
 
@@ -141,4 +142,5 @@ __all__ = [
     "DiffReport",
     "DiffOptionError",
     "OptionError",
+    "Terminated",
 ]

@@ -27,6 +27,7 @@ __all__ = [
     "DiffOptionError",
     "StateMismatchError",
     "ResumeWarning",
+    "Terminated",
 ]
 
 
@@ -115,6 +116,14 @@ class ResumeWarning(UserWarning):
     """Something a resume did that the caller should know, e.g. the RNG policy applied
     because the world size changed. :meth:`CheckpointManager.restore` warns with it; the
     same messages are in :attr:`LoadResult.warnings`."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived during a merge. A :class:`KeyboardInterrupt`, so it unwinds (and
+    cleans up) exactly as Ctrl-C does, and ``except Exception`` cannot swallow it."""
+
+    def __str__(self) -> str:
+        return "interrupted by SIGTERM"
 
 
 #: Set on an error that a lower rank of the same process group also raised, with the same

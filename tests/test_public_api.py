@@ -23,7 +23,7 @@ PUBLIC = {
     # errors
     "FsdpCkptError", "CheckpointNotFoundError", "CorruptCheckpointError", "ChecksumError",
     "NotACheckpointError", "UnsafePickleError", "RemoteStorageError", "RemoteTimeoutError",
-    "DiffOptionError", "OptionError",
+    "DiffOptionError", "OptionError", "Terminated",
     # merging and converting
     "merge", "merge_fsdp_weights", "MergeResult", "load_full_state_dict", "convert",
     "ConvertResult", "plan_merge", "MergePlan", "MergePlanError", "OutputExistsError",
@@ -81,13 +81,14 @@ OLD_HOMES = {
     "DiffOptionError": "fsdpckpt.inspection.diff",
     "StateMismatchError": "fsdpckpt.training.state",
     "ResumeWarning": "fsdpckpt.training.state",
+    "Terminated": "fsdpckpt.merging.writer",
 }
 
 
 def _public_exceptions() -> set[str]:
     return {name for name in PUBLIC
             if isinstance(getattr(fsdpckpt, name), type)
-            and issubclass(getattr(fsdpckpt, name), Exception)}
+            and issubclass(getattr(fsdpckpt, name), BaseException)}
 
 
 def test_every_public_exception_is_defined_in_the_errors_module():
@@ -109,7 +110,7 @@ def test_no_module_but_errors_defines_an_error_class():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and any(
-                    getattr(base, "id", "").endswith(("Error", "Warning"))
+                    getattr(base, "id", "").endswith(("Error", "Warning", "Interrupt"))
                     for base in node.bases):
                 found.append(f"{path.relative_to(root)}: {node.name}")
     assert found == []

@@ -38,6 +38,7 @@ from fsdpckpt.errors import (
     NotACheckpointError,
     OutputExistsError,
     OutputNotWritableError,
+    Terminated,
 )
 from fsdpckpt.formats import ObjectValue
 from fsdpckpt.merging._copy import place_stored_chunk
@@ -51,14 +52,6 @@ log = logging.getLogger("fsdpckpt")
 
 #: Staging folders are ``{STAGING_PREFIX}{host}-{pid}-{random}`` inside the output folder.
 STAGING_PREFIX = ".fsdpckpt-tmp-"
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived during a merge. A :class:`KeyboardInterrupt`, so it unwinds (and
-    cleans up) exactly as Ctrl-C does, and ``except Exception`` cannot swallow it."""
-
-    def __str__(self) -> str:
-        return "interrupted by SIGTERM"
 
 
 @contextlib.contextmanager

@@ -13,48 +13,76 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from fsdpckpt.dcp.checks import Problem, check_folder
-from fsdpckpt.dcp.dtypes import DType
-from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
-from fsdpckpt.dcp.metadata import Chunk, DcpMetadata, ObjectEntry, TensorEntry
-from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
+from typing import TYPE_CHECKING
+
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
     ChecksumError,
     CorruptCheckpointError,
+    DiffOptionError,
     DiskFullError,
+    ExportMismatchError,
     FsdpCkptError,
+    MergePlanError,
     NotACheckpointError,
+    OptionError,
+    OutputExistsError,
+    OutputNotWritableError,
     RemoteStorageError,
     RemoteTimeoutError,
+    ResumeWarning,
+    StateMismatchError,
+    Terminated,
     UnsafePickleError,
 )
-from fsdpckpt.inspection.inspect import inspect_checkpoint
-from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport, VerifyReport
+
+if TYPE_CHECKING:  # what mypy and editors see; at run time, ``__getattr__`` below
+    from fsdpckpt.dcp.checks import Problem, check_folder
+    from fsdpckpt.dcp.dtypes import DType
+    from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
+    from fsdpckpt.dcp.metadata import Chunk, DcpMetadata, ObjectEntry, TensorEntry
+    from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
+    from fsdpckpt.export.hf import ExportResult, export_hf
+    from fsdpckpt.inspection.diff import DiffReport, diff
+    from fsdpckpt.inspection.inspect import inspect_checkpoint
+    from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport, VerifyReport
+    from fsdpckpt.inspection.verify import verify_checkpoint
+    from fsdpckpt.merging.full import load_full_state_dict
+    from fsdpckpt.merging.merger import MergeResult, merge, merge_fsdp_weights
+    from fsdpckpt.merging.plan import MergePlan, plan_merge
+    from fsdpckpt.merging.to_dcp import ConvertResult, convert
+    from fsdpckpt.training.manager import CheckpointManager
+    from fsdpckpt.training.state import AsyncSave, LoadResult, load_state, save_state
+
+#: Where each public name lives, imported on first use (PEP 562): ``import fsdpckpt`` loads
+#: only this module and ``errors`` (``tests/test_public_api.py`` counts them).
+_LAZY = {
+    "Problem": "dcp.checks", "check_folder": "dcp.checks", "DType": "dcp.dtypes",
+    "CheckpointLayout": "dcp.layout", "find_layout": "dcp.layout",
+    "Chunk": "dcp.metadata", "DcpMetadata": "dcp.metadata", "ObjectEntry": "dcp.metadata",
+    "TensorEntry": "dcp.metadata", "DcpFolder": "dcp.reader", "read_dcp_folder": "dcp.reader",
+    "inspect_checkpoint": "inspection.inspect", "InspectReport": "inspection.report",
+    "PartReport": "inspection.report", "TensorReport": "inspection.report",
+    "VerifyReport": "inspection.report", "verify_checkpoint": "inspection.verify",
+    "diff": "inspection.diff", "DiffReport": "inspection.diff",
+    "merge": "merging.merger", "merge_fsdp_weights": "merging.merger",
+    "MergeResult": "merging.merger", "load_full_state_dict": "merging.full",
+    "convert": "merging.to_dcp", "ConvertResult": "merging.to_dcp",
+    "plan_merge": "merging.plan", "MergePlan": "merging.plan",
+    "save_state": "training.state", "load_state": "training.state",
+    "LoadResult": "training.state", "AsyncSave": "training.state",
+    "CheckpointManager": "training.manager",
+    "export_hf": "export.hf", "ExportResult": "export.hf",
+}
 
 
-def __getattr__(name: str):
-    # The verbs below pull in more modules (and torch, for some paths) on first use only.
-    lazy = {
-        "merge": "merging.merger", "merge_fsdp_weights": "merging.merger",
-        "MergeResult": "merging.merger", "load_full_state_dict": "merging.full",
-        "convert": "merging.to_dcp", "ConvertResult": "merging.to_dcp",
-        "plan_merge": "merging.plan", "MergePlan": "merging.plan", "MergePlanError": "merging.plan",
-        "OutputExistsError": "merging.writer",
-        "OutputNotWritableError": "merging.writer",
-        "save_state": "training.state", "load_state": "training.state",
-        "LoadResult": "training.state",
-        "AsyncSave": "training.state", "StateMismatchError": "training.state",
-        "ResumeWarning": "training.state",
-        "CheckpointManager": "training.manager", "verify_checkpoint": "inspection.verify",
-        "export_hf": "export.hf", "ExportResult": "export.hf",
-        "ExportMismatchError": "export.hf",
-        "diff": "inspection.diff", "DiffReport": "inspection.diff",
-    }
-    if name in lazy:
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f".{lazy[name]}", __name__), name)
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # once: later lookups do not come back here
+        return value
     raise AttributeError(f"module 'fsdpckpt' has no attribute {name!r}")
 
 
@@ -112,4 +140,7 @@ __all__ = [
     "ExportMismatchError",
     "diff",
     "DiffReport",
+    "DiffOptionError",
+    "OptionError",
+    "Terminated",
 ]

@@ -12,7 +12,7 @@ from fsdpckpt._printable import cap_line, printable
 from fsdpckpt._progress import ProgressCallback, ProgressFactory
 from fsdpckpt.errors import REPORTED_BY_RANK
 
-__all__ = ["_debug_option", "_fail", "_progress", "_storage_options_option"]
+__all__ = ["_debug_option", "_fail", "_progress", "_storage_options_option", "as_flags", "FLAGS"]
 
 
 def _debug_option(func: Any) -> Any:
@@ -50,13 +50,31 @@ def _storage_options_option(func: Any) -> Any:
              '{"read_timeout": 120}}\' raises them.')(func)
 
 
+#: The library's messages name its parameters; the command line's name the flags. In order:
+#: a longer text first (a message that gives both says the flag once).
+FLAGS = (
+    ("overwrite=True (--overwrite)", "--overwrite"),
+    ("overwrite=True", "--overwrite"),
+    ("format='bin'", "--format bin"),
+)
+
+
+def as_flags(message: str) -> str:
+    """``message`` with the library's parameter names (``overwrite=True``) said as the
+    command line's flags (``--overwrite``)."""
+    for parameter, flag in FLAGS:
+        message = message.replace(parameter, flag)
+    return message
+
+
 def _fail(ctx: click.Context, message: str, exc: BaseException | None = None) -> None:
-    """Print the one error line: names from a checkpoint escaped, its length capped."""
+    """Print the one error line: parameters said as flags, names from a checkpoint escaped,
+    its length capped."""
     if exc is not None and ctx.meta.get("fsdpckpt.debug"):
         traceback.print_exception(exc)
     if exc is not None and getattr(exc, REPORTED_BY_RANK, None) is not None:
         ctx.exit(1)  # a lower rank of the same torchrun raised it too, and prints it
-    click.echo(f"fsdpckpt: error: {cap_line(printable(message))}", err=True)
+    click.echo(f"fsdpckpt: error: {cap_line(printable(as_flags(message)))}", err=True)
     ctx.exit(1)
 
 

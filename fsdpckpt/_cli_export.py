@@ -88,9 +88,7 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
                     trust_remote_code=trust_remote_code)
     if isinstance(result, AdapterExport):
         if as_json:
-            click.echo(json.dumps({"output": str(result.output), "files": list(result.files),
-                                   "tensors": result.tensors, "adapter": result.adapter,
-                                   "modules": result.modules}, indent=2))
+            click.echo(json.dumps(result.to_json(), indent=2))
         else:
             click.echo(f"exported adapter '{printable(result.adapter)}' ({result.modules} "
                        f"modules, {result.tensors} tensors) -> {printable(result.output)}: "

@@ -115,10 +115,7 @@ def _merge_report(results: list[Any], as_json: bool) -> None:
     from fsdpckpt._render import human_bytes
 
     if as_json:
-        click.echo(json.dumps({"outputs": [
-            {"source": str(r.source), "files": [str(f) for f in r.files], "tensors": r.tensors,
-             "bytes": r.bytes, "objects": list(r.objects), "seconds": round(r.seconds, 3)}
-            for r in results]}, indent=2))
+        click.echo(json.dumps({"outputs": [r.to_json() for r in results]}, indent=2))
         return
     for r in results:
         rate = human_bytes(r.bytes / r.seconds) if r.seconds > 0 else "-"
@@ -290,9 +287,7 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
                           progress=_progress(quiet, "converting"),
                           storage_options=storage_options)
     if as_json:
-        click.echo(json.dumps({"source": str(result.source), "output": str(result.path),
-                               "tensors": result.tensors, "objects": result.objects,
-                               "bytes": result.bytes}))
+        click.echo(json.dumps(result.to_json()))
     else:
         click.echo(f"converted {printable(result.source)} -> {printable(result.path)}: "
                    f"{result.tensors} tensors "

@@ -19,6 +19,15 @@ __all__ = [
     "ChecksumError",
     "RemoteStorageError",
     "RemoteTimeoutError",
+    "OptionError",
+    "MergePlanError",
+    "OutputExistsError",
+    "OutputNotWritableError",
+    "ExportMismatchError",
+    "DiffOptionError",
+    "StateMismatchError",
+    "ResumeWarning",
+    "Terminated",
 ]
 
 
@@ -66,6 +75,55 @@ class RemoteStorageError(FsdpCkptError, OSError):
 class RemoteTimeoutError(RemoteStorageError, TimeoutError):
     """The object store did not answer within the connect or read timeout, after the
     bounded retries; the message names the URL and how to raise the timeouts."""
+
+
+class OptionError(FsdpCkptError, ValueError):
+    """An argument that cannot be used: a value out of range, a name fsdpckpt does not
+    know, options that contradict each other. The message names the parameter
+    (``keep_last``, ``digest=``) and says what it accepts."""
+
+
+class MergePlanError(FsdpCkptError, ValueError):
+    """The merge as asked cannot be done; the message lists every reason."""
+
+
+class OutputExistsError(FsdpCkptError, FileExistsError):
+    """An output file is already there and ``overwrite`` was not given."""
+
+
+class OutputNotWritableError(FsdpCkptError, _MessageOnly):
+    """The output folder cannot be created or written (read-only, no permission, a file
+    in the way); ``errno`` says why."""
+
+
+class ExportMismatchError(FsdpCkptError, ValueError):
+    """The checkpoint's tensors do not match what the config's model class expects."""
+
+
+class DiffOptionError(OptionError):
+    """A :func:`~fsdpckpt.diff` option that cannot be used: a tolerance that is negative or
+    not a number."""
+
+
+class StateMismatchError(FsdpCkptError, KeyError):
+    """A model does not match the checkpoint (missing, unexpected or differently shaped keys)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class ResumeWarning(UserWarning):
+    """Something a resume did that the caller should know, e.g. the RNG policy applied
+    because the world size changed. :meth:`CheckpointManager.restore` warns with it; the
+    same messages are in :attr:`LoadResult.warnings`."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived during a merge. A :class:`KeyboardInterrupt`, so it unwinds (and
+    cleans up) exactly as Ctrl-C does, and ``except Exception`` cannot swallow it."""
+
+    def __str__(self) -> str:
+        return "interrupted by SIGTERM"
 
 
 #: Set on an error that a lower rank of the same process group also raised, with the same

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from fsdpckpt._io.rawio import ReadAt, pread_into, scratch
+from fsdpckpt.errors import OptionError
 
 __all__ = ["DIGESTS", "ChecksumStream", "Pieces", "crc32_combine", "crc32_range",
            "file_checksums", "new_digest", "resolve_pieces"]
@@ -71,7 +72,7 @@ def new_digest(name: str | None) -> Any:
     if name is None:
         return None
     if name not in DIGESTS:
-        raise ValueError(f"unknown digest {name!r}: use one of {', '.join(DIGESTS)} (or None "
+        raise OptionError(f"unknown digest {name!r}: use one of {', '.join(DIGESTS)} (or None "
                          "for CRC-32 only)")
     return hashlib.new(name)
 

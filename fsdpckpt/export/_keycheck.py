@@ -26,16 +26,12 @@ from typing import Any
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._hfstorage import SafetensorsHeader, parse_header
-from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
+from fsdpckpt.errors import ExportMismatchError, NotACheckpointError
 from fsdpckpt.export._config import CONFIG, _check_inside, side_file_bytes
 
 __all__ = ["ExportMismatchError", "custom_code", "custom_code_reason", "check_declared_sizes",
            "declared_bound", "numbered_siblings", "base_weights", "check_against_base",
            "key_problems"]
-
-
-class ExportMismatchError(FsdpCkptError, ValueError):
-    """The checkpoint's tensors do not match what the config's model class expects."""
 
 
 Place = Path | RemotePath

@@ -32,6 +32,7 @@ from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
+from fsdpckpt.errors import ExportMismatchError, MergePlanError, OutputExistsError
 from fsdpckpt.export._config import (
     CONFIG,
     SideFiles,
@@ -43,7 +44,6 @@ from fsdpckpt.export._config import (
 )
 from fsdpckpt.export._fuse_hf import plan_fused
 from fsdpckpt.export._keycheck import (
-    ExportMismatchError,
     check_against_base,
     check_declared_sizes,
     custom_code,
@@ -60,8 +60,7 @@ from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._remote_out import publish_folder
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
 from fsdpckpt.merging.merger import MergeJob, MergeResult, commit_job, plan_job, write_job
-from fsdpckpt.merging.plan import MergePlanError
-from fsdpckpt.merging.writer import OutputExistsError, commit, sigterm_interrupts, staging
+from fsdpckpt.merging.writer import commit, sigterm_interrupts, staging
 
 __all__ = ["export_hf", "ExportResult", "ExportMismatchError"]
 
@@ -147,8 +146,11 @@ def _check_outputs(side: SideFiles, out: Path, overwrite: bool) -> None:
     names = [name for _, name in side.copied] + [CONFIG]
     existing = [out / n for n in names if (out / n).exists()]
     if existing and not overwrite:
-        raise OutputExistsError(f"{existing[0]}: already exists; pass --overwrite to replace "
-                                "the earlier export, or choose another output folder")
+        # The parameter, and the flag beside it (tests/test_export_hf.py pins "--overwrite"
+        # here); the command line's error boundary says the flag alone.
+        raise OutputExistsError(f"{existing[0]}: already exists; pass overwrite=True "
+                                "(--overwrite) to replace the earlier export, or choose "
+                                "another output folder")
 
 
 def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str], *,

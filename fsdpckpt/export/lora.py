@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from fsdpckpt._io.remote import RemotePath, is_url, location
-from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
+from fsdpckpt.errors import (
+    CheckpointNotFoundError,
+    NotACheckpointError,
+    OptionError,
+    OutputExistsError,
+)
 from fsdpckpt.export._lora_config import (
     ADAPTER_CONFIG,
     LoraConfig,
@@ -57,7 +62,7 @@ def _torch_dtype(dtype: str | None) -> Any:
     import torch
 
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r}: use one of bf16, fp16, fp32 (--dtype)")
+        raise OptionError(f"dtype={dtype!r}: use one of bf16, fp16, fp32")
     return getattr(torch, _DTYPES[dtype])
 
 
@@ -270,6 +275,11 @@ class AdapterExport:
     adapter: str
     modules: int
 
+    def to_json(self) -> dict[str, Any]:
+        """What ``fsdpckpt export-hf --lora adapter --json`` prints."""
+        return {"output": str(self.output), "files": list(self.files), "tensors": self.tensors,
+                "adapter": self.adapter, "modules": self.modules}
+
 
 def _require_local(output: str | os.PathLike[str]) -> None:
     if is_url(output):
@@ -282,10 +292,9 @@ def _prepare_output(output: Path, names: list[str], overwrite: bool) -> None:
         raise NotACheckpointError(f"{output}: is a file; pass a folder to write into")
     taken = [n for n in names if (output / n).exists()]
     if taken and not overwrite:
-        from fsdpckpt.merging.writer import OutputExistsError
 
         raise OutputExistsError(f"{output / taken[0]}: already exists; pass overwrite=True "
-                                "(--overwrite) to replace it")
+                                "to replace it")
     output.mkdir(parents=True, exist_ok=True)
 
 

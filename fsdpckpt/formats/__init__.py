@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import KeyPath
+from fsdpckpt.errors import OptionError
 
 __all__ = ["TensorSpec", "ObjectValue", "FileLayout", "OutputFormat", "get_format", "FORMATS"]
 
@@ -139,7 +140,7 @@ def get_format(name: str) -> OutputFormat:
     try:
         return FORMATS[name]()
     except KeyError:
-        raise ValueError(f"unknown format {name!r}; choose one of {sorted(FORMATS)}") from None
+        raise OptionError(f"unknown format {name!r}; choose one of {sorted(FORMATS)}") from None
 
 
 def _formats() -> dict[str, type[OutputFormat]]:
@@ -149,5 +150,29 @@ def _formats() -> dict[str, type[OutputFormat]]:
     return {"safetensors": SafetensorsFormat, "bin": TorchBinFormat}
 
 
-FORMATS: dict[str, type[OutputFormat]] = {}
-FORMATS.update(_formats())
+class _Registry(Mapping[str, type[OutputFormat]]):
+    """The formats by name, their modules imported on first use: ``import fsdpckpt.formats``
+    (which the merge's plan needs for :class:`TensorSpec`) does not load every writer."""
+
+    def __init__(self) -> None:
+        self._formats: dict[str, type[OutputFormat]] | None = None
+
+    def _loaded(self) -> dict[str, type[OutputFormat]]:
+        if self._formats is None:
+            self._formats = _formats()
+        return self._formats
+
+    def __getitem__(self, name: str) -> type[OutputFormat]:
+        return self._loaded()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaded())
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+    def __repr__(self) -> str:
+        return repr(self._loaded())
+
+
+FORMATS: Mapping[str, type[OutputFormat]] = _Registry()

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import fsdpckpt.dcp._objects as objects_codec
 from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt.errors import MergePlanError
 from fsdpckpt.formats import FileLayout, ObjectValue, OutputFormat, TensorSpec
 
 __all__ = ["SafetensorsFormat", "OBJECTS_KEY", "KEY_PATHS_KEY", "RESERVED_NAME"]
@@ -58,8 +59,8 @@ class SafetensorsFormat(OutputFormat):
         relative, end = {}, 0
         for spec in ordered:
             if spec.dtype.safetensors is None:
-                raise ValueError(f"tensor '{spec.name}': safetensors has no {spec.dtype.name} "
-                                 "type; use --format bin")
+                raise MergePlanError(f"tensor '{spec.name}': safetensors has no {spec.dtype.name} "
+                                 "type; use format='bin'")
             header[spec.name] = {"dtype": spec.dtype.safetensors, "shape": list(spec.shape),
                                  "data_offsets": [end, end + spec.nbytes]}
             relative[spec.name] = end

@@ -31,7 +31,7 @@ from typing import Any
 from fsdpckpt._io.rawio import reusing_scratch, scratch
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._zstd import ZstdEntry
-from fsdpckpt.errors import FsdpCkptError
+from fsdpckpt.errors import DiffOptionError
 from fsdpckpt.inspection._diff_files import open_source
 from fsdpckpt.inspection._diff_sources import Source, TensorInfo, boxes
 from fsdpckpt.inspection._diff_tiles import (
@@ -49,10 +49,6 @@ __all__ = ["diff", "DiffReport", "TensorDiff", "ObjectDiff", "DiffOptionError", 
 #: Elements of one tensor compared at a time. The comparison holds a few float64 copies of a
 #: box per side: about 40 bytes an element, 20 MiB at this size.
 BOX_ELEMENTS = 2**19
-
-
-class DiffOptionError(FsdpCkptError, ValueError):
-    """A tolerance that is negative or not a number."""
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ from typing import TypeVar
 
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._io.remote import RemotePath
-from fsdpckpt.merging.plan import MergePlan, MergePlanError
-from fsdpckpt.merging.writer import OutputExistsError, output_paths
+from fsdpckpt.errors import MergePlanError, OutputExistsError
+from fsdpckpt.merging.plan import MergePlan
+from fsdpckpt.merging.writer import output_paths
 
 __all__ = ["claim_outputs", "earlier_outputs"]
 
@@ -41,11 +42,14 @@ def claim_outputs(plans: Sequence[MergePlan], out: _P, *, overwrite: bool) -> tu
     targets = [p for plan in plans for p in output_paths(plan, out)]
     if len(set(targets)) != len(targets):
         raise MergePlanError(f"two merged parts would both write {targets[0].name}; "
-                             "drop --file-name")
+                             "leave out file_name=, which names the one file of a single "
+                             "part's merge")
     stale = sorted({p for plan in plans for p in earlier_outputs(plan, out)} - set(targets),
                    key=str)
     existing = [str(p) for p in targets if p.exists()] + [str(p) for p in stale]
     if existing and not overwrite:
+        # The parameter, and the flag beside it: tests/test_export_hf.py pins "--overwrite" on
+        # this error from export_hf; the command line says the flag alone (_cli_common.FLAGS).
         raise OutputExistsError(f"{existing[0]}: already exists"
                                 + (f" (and {len(existing) - 1} more)" if len(existing) > 1 else "")
                                 + "; pass overwrite=True (--overwrite) to replace it, or "

@@ -27,11 +27,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from fsdpckpt._io.remote import RemotePath
-from fsdpckpt.errors import FsdpCkptError, RemoteStorageError
+from fsdpckpt.errors import (
+    FsdpCkptError,
+    OutputExistsError,
+    OutputNotWritableError,
+    RemoteStorageError,
+)
 
 if TYPE_CHECKING:
     from fsdpckpt.merging.merger import MergeResult
-from fsdpckpt.merging.writer import OutputExistsError, OutputNotWritableError
 
 _T = TypeVar("_T")
 
@@ -105,7 +109,7 @@ def publish_folder(out: RemotePath, build: Callable[[Path], _T], *, overwrite: b
     check_remote_output(out)
     if not overwrite and (held := out.fs.find(out.path)):
         raise OutputExistsError(f"{out}: already holds files ({held[0].rsplit('/', 1)[-1]}...); "
-                                "pass overwrite=True (--overwrite) to replace them, or choose "
+                                "pass overwrite=True to replace them, or choose "
                                 "another folder")
     uploaded: list[RemotePath] = []
     with local_stage(out) as local:
@@ -178,4 +182,4 @@ def _undo(uploaded: list[RemotePath], exc: BaseException, commit: str) -> None:
         raise RemoteStorageError(
             f"{exc}. Left behind, as the store stopped answering: {len(left)} object(s) "
             f"uploaded before ({left[-1]}...), never {commit}, so nothing reads them as an "
-            "output; delete them or rerun with --overwrite") from exc
+            "output; delete them or run again with overwrite=True") from exc

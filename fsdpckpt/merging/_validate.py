@@ -21,9 +21,9 @@ from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.layout import CheckpointLayout, DcpPart, find_layout
 from fsdpckpt.dcp.reader import DcpFolder
-from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
+from fsdpckpt.errors import CheckpointNotFoundError, MergePlanError, NotACheckpointError
 from fsdpckpt.formats import OutputFormat, get_format
-from fsdpckpt.merging.plan import MergePlanError, parse_dtype, parse_size
+from fsdpckpt.merging.plan import parse_dtype, parse_size
 
 __all__ = ["MergeOptions", "MergeSource", "MergeRequest", "validate_merge", "resolve_folders",
            "choose_parts"]

@@ -65,6 +65,12 @@ class MergeResult:
         """The file to load: the single output, or the shard index."""
         return self.files[-1]
 
+    def to_json(self) -> dict[str, Any]:
+        """One of the ``outputs`` ``fsdpckpt merge --json`` prints."""
+        return {"source": str(self.source), "files": [str(f) for f in self.files],
+                "tensors": self.tensors, "bytes": self.bytes, "objects": list(self.objects),
+                "seconds": round(self.seconds, 3)}
+
 
 @dataclass(frozen=True)
 class MergeJob:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from fsdpckpt.dcp.dtypes import DType, dtype_from_name
 from fsdpckpt.dcp.metadata import KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
-from fsdpckpt.errors import FsdpCkptError
+from fsdpckpt.errors import MergePlanError
 from fsdpckpt.formats import FORMATS, OutputFormat, TensorSpec, get_format
 from fsdpckpt.formats.safetensors import RESERVED_NAME
 from fsdpckpt.merging._keys import clean_key, output_name, select, shares_top_key
@@ -29,10 +29,6 @@ _T = TypeVar("_T")
 __all__ = ["MergePlanError", "PlannedTensor", "PlannedObject", "PlannedFile", "MergePlan",
            "plan_merge", "chunk_runs", "RunStarts", "parse_size", "parse_dtype", "RESERVED_NAME",
            "split_shards"]
-
-
-class MergePlanError(FsdpCkptError, ValueError):
-    """The merge as asked cannot be done; the message lists every reason."""
 
 
 @dataclass(frozen=True)

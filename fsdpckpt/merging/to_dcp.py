@@ -40,6 +40,7 @@ from fsdpckpt.errors import (
     CorruptCheckpointError,
     FsdpCkptError,
     NotACheckpointError,
+    OutputExistsError,
     UnsafePickleError,
 )
 from fsdpckpt.formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
@@ -50,7 +51,6 @@ from fsdpckpt.merging._convert_source import (
     shards,
     sniff,
 )
-from fsdpckpt.merging.writer import OutputExistsError
 
 __all__ = ["convert", "ConvertResult", "MODEL_FILES"]
 
@@ -71,6 +71,11 @@ class ConvertResult:
     objects: int
     bytes: int
     source: Path | RemotePath | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``fsdpckpt convert --json`` prints."""
+        return {"source": str(self.source), "output": str(self.path), "tensors": self.tensors,
+                "objects": self.objects, "bytes": self.bytes}
 
 
 def _torch_load(file: Path, kind: str) -> Any:
@@ -238,11 +243,11 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
     if out.exists() and not out.is_dir():
         raise NotACheckpointError(f"{out}: is a file; pass a folder for the DCP output.")
     if out.exists() and not overwrite:
-        raise OutputExistsError(f"{out}: already exists; pass overwrite=True (--overwrite) "
-                                "to replace it")
+        raise OutputExistsError(f"{out}: already exists; pass overwrite=True to replace "
+                                "it")
     if out.exists() and any(out.iterdir()) and not (out / ".metadata").is_file():
         # Replacing means deleting: only ever delete a folder that is a DCP checkpoint.
-        raise OutputExistsError(f"{out}: exists and is not a DCP folder, so --overwrite will "
+        raise OutputExistsError(f"{out}: exists and is not a DCP folder, so overwrite=True will "
                                 "not delete it; choose another output folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     total = sum(file.stat().st_size for file, _kind in files)

@@ -33,7 +33,13 @@ from fsdpckpt._io.remote import RemotePath
 from fsdpckpt._io.staging import make_stage, signals_deferred
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._objects import read_object
-from fsdpckpt.errors import DiskFullError, FsdpCkptError, NotACheckpointError, _MessageOnly
+from fsdpckpt.errors import (
+    DiskFullError,
+    NotACheckpointError,
+    OutputExistsError,
+    OutputNotWritableError,
+    Terminated,
+)
 from fsdpckpt.formats import ObjectValue
 from fsdpckpt.merging._copy import place_stored_chunk
 from fsdpckpt.merging.plan import MergePlan, PlannedFile
@@ -46,23 +52,6 @@ log = logging.getLogger("fsdpckpt")
 
 #: Staging folders are ``{STAGING_PREFIX}{host}-{pid}-{random}`` inside the output folder.
 STAGING_PREFIX = ".fsdpckpt-tmp-"
-
-
-class OutputExistsError(FsdpCkptError, FileExistsError):
-    """An output file is already there and ``overwrite`` was not given."""
-
-
-class OutputNotWritableError(FsdpCkptError, _MessageOnly):
-    """The output folder cannot be created or written (read-only, no permission, a file
-    in the way); ``errno`` says why."""
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived during a merge. A :class:`KeyboardInterrupt`, so it unwinds (and
-    cleans up) exactly as Ctrl-C does, and ``except Exception`` cannot swallow it."""
-
-    def __str__(self) -> str:
-        return "interrupted by SIGTERM"
 
 
 @contextlib.contextmanager

@@ -31,10 +31,11 @@ from typing import Any, cast
 
 from fsdpckpt._io.durable import fsync_dir
 from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt.errors import OptionError, ResumeWarning
 from fsdpckpt.training import _remote
 from fsdpckpt.training._dist import dist_or_none, everywhere, rank_world
 from fsdpckpt.training.manifest import MANIFEST, manifest_digest
-from fsdpckpt.training.state import AsyncSave, LoadResult, ResumeWarning, load_state, save_state
+from fsdpckpt.training.state import AsyncSave, LoadResult, load_state, save_state
 
 __all__ = ["CheckpointManager"]
 
@@ -80,7 +81,7 @@ class CheckpointManager:
                  digest: str | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
         if keep_last is not None and keep_last < 1:
-            raise ValueError("keep_last must be at least 1 (or None to keep all)")
+            raise OptionError("keep_last must be at least 1 (or None to keep all)")
         self.root: Path | RemotePath = location(root, storage_options=storage_options)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.async_save, self.digest = async_save, digest

@@ -24,7 +24,13 @@ from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.dcp._objects import to_torch
 from fsdpckpt.dcp._sidefiles import read_state_file
-from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
+from fsdpckpt.errors import (
+    FsdpCkptError,
+    NotACheckpointError,
+    OptionError,
+    ResumeWarning,
+    StateMismatchError,
+)
 from fsdpckpt.training import _remote
 from fsdpckpt.training._commit import AsyncSave, Finish
 from fsdpckpt.training._dcp_io import check_local_reads, safe_load_planner, safe_storage_reader
@@ -50,19 +56,6 @@ __all__ = ["save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatch
 log = logging.getLogger("fsdpckpt")
 
 
-class StateMismatchError(FsdpCkptError, KeyError):
-    """A model does not match the checkpoint (missing, unexpected or differently shaped keys)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
-
-
-class ResumeWarning(UserWarning):
-    """Something a resume did that the caller should know, e.g. the RNG policy applied
-    because the world size changed. :meth:`CheckpointManager.restore` warns with it; the
-    same messages are in :attr:`LoadResult.warnings`."""
-
-
 @dataclass(frozen=True)
 class LoadResult:
     """What :func:`load_state` restored.
@@ -77,6 +70,11 @@ class LoadResult:
     restored: tuple[str, ...]
     warnings: tuple[str, ...]
 
+    def to_json(self) -> dict[str, Any]:
+        """The result as JSON: ``{"step", "restored", "warnings"}``."""
+        return {"step": self.step, "restored": list(self.restored),
+                "warnings": list(self.warnings)}
+
 
 def _as_list(value: Any) -> list[Any]:
     if value is None:
@@ -87,7 +85,7 @@ def _as_list(value: Any) -> list[Any]:
 def _pairs(models: list[Any], optimizers: list[Any]) -> list[tuple[Any, Any]]:
     # Accelerate pairs optimizer i with model i; a single model serves every optimizer.
     if optimizers and not models:
-        raise ValueError("an optimizer needs its model: pass model=...")
+        raise OptionError("an optimizer needs its model: pass model=...")
     return [(models[i] if i < len(models) else models[0], opt) for i, opt in enumerate(optimizers)]
 
 
@@ -142,9 +140,9 @@ def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     rank, _world = rank_world()
     new_digest(digest)  # an unknown name fails here, before anything is written
     if digest is not None and not manifest:
-        raise ValueError("digest= is recorded in the manifest: it needs manifest=True")
+        raise OptionError("digest= is recorded in the manifest: it needs manifest=True")
     if isinstance(root, RemotePath) and not manifest:
-        raise ValueError(f"{root}: on object storage the manifest is the commit marker "
+        raise OptionError(f"{root}: on object storage the manifest is the commit marker "
                          "(docs/remote-training.md): saving there needs manifest=True")
     models, optimizers = _as_list(model), _as_list(optimizer)
     def prepare() -> None:

@@ -24,13 +24,11 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.errors import FsdpCkptError, RemoteStorageError
-
-if TYPE_CHECKING:
-    from fsdpckpt.merging.merger import MergeResult
+from fsdpckpt.merging._jobs import MergeResult
 from fsdpckpt.merging.writer import OutputExistsError, OutputNotWritableError
 
 _T = TypeVar("_T")

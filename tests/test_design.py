@@ -204,3 +204,12 @@ def test_the_cycle_check_sees_a_relative_import_and_type_checking_block(tmp_path
                                   "if TYPE_CHECKING:\n    from pkg import a\n")
     (package / "c.py").write_text("import pkg.a\n")
     assert import_cycles(package) == [["pkg.a", "pkg.b"]]
+
+
+def test_the_merge_output_strategies_import_the_job_types_not_the_driver():
+    modules = _module_files(PACKAGE)
+    for name in ("fsdpckpt.merging._distributed", "fsdpckpt.merging._distributed_remote",
+                 "fsdpckpt.merging._remote_out"):
+        imported = _imported_modules(name, modules[name], modules)
+        assert "fsdpckpt.merging.merger" not in imported, name
+        assert "fsdpckpt.merging._jobs" in imported, name

@@ -161,7 +161,7 @@ def run_job(out: Path | RemotePath, plan: Callable[[Path], MergeJob], *, overwri
     one a remote output is merged in.
     """
     if process_group is not None:
-        # Imported here: torch.distributed only when a merge is spread.
+        # Imported here: only a spread merge loads them (they import torch.distributed then).
         if isinstance(out, RemotePath):
             from fsdpckpt.merging._distributed_remote import run_spread_remote
 

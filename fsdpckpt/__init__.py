@@ -11,10 +11,9 @@ Example:
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING
 
+from fsdpckpt._version import __version__
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
     ChecksumError,

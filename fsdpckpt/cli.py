@@ -15,10 +15,10 @@ from typing import Any
 
 import click
 
-from fsdpckpt import __version__
 from fsdpckpt._cli_common import _debug_option, _fail, _progress, _storage_options_option
 from fsdpckpt._cli_export import diff, export_hf
 from fsdpckpt._printable import printable
+from fsdpckpt._version import __version__
 from fsdpckpt.errors import FsdpCkptError
 
 __all__ = ["main"]

@@ -179,6 +179,29 @@ def test_merge_fsdp_weights_finds_the_layout_once(tmp_path, monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("verb", ["merge", "merge_fsdp_weights"])
+def test_both_verbs_choose_how_the_output_is_written_in_one_place(tmp_path, monkeypatch, verb):
+    calls = []
+    real = merger.run_job
+
+    def recording(out, plan, **kwargs):
+        calls.append(out)
+        return real(out, plan, **kwargs)
+
+    monkeypatch.setattr(merger, "run_job", recording)
+    getattr(fsdpckpt, verb)(str(DCP_FOLDERS["fsdp2-model"]), str(tmp_path / "out"))
+    assert calls == [tmp_path / "out"]
+
+
+@pytest.mark.parametrize("verb", ["merge", "merge_fsdp_weights"])
+def test_a_file_url_output_is_the_local_folder_it_names(tmp_path, monkeypatch, verb):
+    monkeypatch.chdir(tmp_path)  # where a misread URL would land: ./file:/...
+    out = tmp_path / "out"
+    getattr(fsdpckpt, verb)(str(DCP_FOLDERS["fsdp2-model"]), f"file://{out}")
+    assert os.listdir(out) == ["model.safetensors"]
+    assert os.listdir(tmp_path) == ["out"]
+
+
 def test_a_bad_format_is_reported_with_the_other_option_problems(tmp_path):
     with pytest.raises(MergePlanError, match=r"unknown format 'zip'.*unknown export dtype"):
         fsdpckpt.merge(DCP_FOLDERS["dtensor"], tmp_path, format="zip", dtype="int8")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import fsdpckpt.dcp._objects as objects_codec
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.errors import MergePlanError
-from fsdpckpt.formats import FileLayout, ObjectValue, OutputFormat, TensorSpec
+from fsdpckpt.formats._base import FileLayout, ObjectValue, OutputFormat, TensorSpec
 
 __all__ = ["SafetensorsFormat", "OBJECTS_KEY", "KEY_PATHS_KEY", "RESERVED_NAME"]
 

@@ -23,7 +23,7 @@ from fsdpckpt._torch import REBUILD_TENSOR_V2, REBUILD_TENSOR_V3, PurePythonPick
 from fsdpckpt.dcp._nesting import unflatten
 from fsdpckpt.dcp._objects import TensorValue
 from fsdpckpt.dcp.dtypes import DType
-from fsdpckpt.formats import FileLayout, ObjectValue, OutputFormat, TensorSpec
+from fsdpckpt.formats._base import FileLayout, ObjectValue, OutputFormat, TensorSpec
 
 __all__ = ["TorchBinFormat", "pickle_state_dict"]
 

@@ -1,7 +1,7 @@
 """A merge spread over the ranks of a process group: each rank writes its share of the files.
 
 Every rank validates and plans the merge itself: the plan comes from metadata alone, so
-all ranks hold the same :class:`~fsdpckpt.merging.merger.MergeJob`. From it,
+all ranks hold the same :class:`~fsdpckpt.merging._jobs.MergeJob`. From it,
 :func:`assign_files` splits the output files among the ranks, balanced by bytes. Then:
 
 1. rank 0 creates the staging folder inside the output folder and sends its name to the
@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.errors import REPORTED_BY_RANK, FsdpCkptError
-from fsdpckpt.merging.merger import MergeJob, MergeResult, StagedPlan, commit_job
+from fsdpckpt.merging._jobs import MergeJob, MergeResult, StagedPlan, commit_job
 from fsdpckpt.merging.plan import MergePlan
 from fsdpckpt.merging.writer import sigterm_interrupts, staging, write_index, write_plan
 

@@ -21,10 +21,10 @@ from fsdpckpt._io.remote import RemotePath
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.merging._distributed import _outline, _Ranks, _write_share, assign_files
+from fsdpckpt.merging._jobs import MergeJob, MergeResult, merge_result
 from fsdpckpt.merging._outputs import claim_outputs
 from fsdpckpt.merging._remote_out import check_remote_output, delete, local_stage, upload
-from fsdpckpt.merging.merger import MergeJob, MergeResult
-from fsdpckpt.merging.writer import sigterm_interrupts, write_index
+from fsdpckpt.merging.writer import output_paths, sigterm_interrupts, write_index
 
 __all__ = ["run_spread_remote"]
 
@@ -78,11 +78,7 @@ def run_spread_remote(out: RemotePath, plan: Callable[[Path], MergeJob], group: 
 
         ranks.agree(commit)
         # Built on every rank from the plan (remote paths hold a client: not sent between ranks).
-        results = [MergeResult(plan_.folder.path,
-                               tuple(out / n for n in [f.name for f in plan_.files]
-                                     + ([plan_.index_name] if plan_.index_name else [])),
-                               plan_.num_tensors, plan_.tensor_bytes,
-                               tuple(o.name for o in plan_.objects), took)
+        results = [merge_result(plan_, output_paths(plan_, out), took)
                    for plan_, took in zip(job.plans, seconds)]
         uploaded.clear()  # committed: nothing of ours is left to remove
         out.forget_listings()

@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.errors import (
@@ -33,9 +33,7 @@ from fsdpckpt.errors import (
     OutputNotWritableError,
     RemoteStorageError,
 )
-
-if TYPE_CHECKING:
-    from fsdpckpt.merging.merger import MergeResult
+from fsdpckpt.merging._jobs import MergeResult
 
 _T = TypeVar("_T")
 

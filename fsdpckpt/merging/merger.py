@@ -15,6 +15,10 @@ the state dict ever being held in memory.
 3. write (:func:`write_job`): job -> a :class:`StagedPlan` per plan, in a staging folder;
 4. commit (:func:`commit_job`): staged files -> their final names, one
    :class:`MergeResult` per folder.
+
+The types between the stages, and the commit, are in :mod:`fsdpckpt.merging._jobs`, below
+the output strategies; :func:`run_job` picks the strategy (local, object storage, spread
+over ranks), once, for both verbs.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,69 +34,17 @@ from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.errors import NotACheckpointError
+from fsdpckpt.merging._jobs import MergeJob, MergeResult, StagedPlan, commit_job
 from fsdpckpt.merging._outputs import claim_outputs
 from fsdpckpt.merging._remote_out import check_remote_output, local_stage, upload_results
 from fsdpckpt.merging._validate import MergeRequest, resolve_folders, validate_merge
-from fsdpckpt.merging.plan import MergePlan, parse_dtype, plan_merge
-from fsdpckpt.merging.writer import commit, sigterm_interrupts, staging, write_plan
+from fsdpckpt.merging.plan import parse_dtype, plan_merge
+from fsdpckpt.merging.writer import sigterm_interrupts, staging, write_plan
 
+# MergeResult, MergeJob, StagedPlan and commit_job live in merging/_jobs.py, below every
+# output strategy; they are named here too, where they have always been imported from.
 __all__ = ["merge", "merge_fsdp_weights", "MergeResult", "resolve_folders", "parse_dtype",
-           "MergeJob", "StagedPlan", "plan_job", "write_job", "commit_job"]
-
-
-
-@dataclass(frozen=True)
-class MergeResult:
-    """What one merge wrote.
-
-    Attributes:
-        source: the DCP folder merged.
-        files: the output files (for shards, the index last).
-        tensors: tensors written. bytes: tensor bytes written.
-        objects: names of the non-tensor entries kept. seconds: wall time.
-    """
-
-    source: Path | RemotePath
-    files: tuple[Path | RemotePath, ...]
-    tensors: int
-    bytes: int
-    objects: tuple[str, ...]
-    seconds: float
-
-    @property
-    def path(self) -> Path | RemotePath:
-        """The file to load: the single output, or the shard index."""
-        return self.files[-1]
-
-    def to_json(self) -> dict[str, Any]:
-        """One of the ``outputs`` ``fsdpckpt merge --json`` prints."""
-        return {"source": str(self.source), "files": [str(f) for f in self.files],
-                "tensors": self.tensors, "bytes": self.bytes, "objects": list(self.objects),
-                "seconds": round(self.seconds, 3)}
-
-
-@dataclass(frozen=True)
-class MergeJob:
-    """The plan stage's output: everything the write and commit stages do.
-
-    Attributes:
-        plans: one plan per DCP folder merged, in order.
-        output_dir: the output folder (not a file; created by the write stage).
-        replaced: earlier outputs of ours in another layout, removed at commit.
-    """
-
-    plans: tuple[MergePlan, ...]
-    output_dir: Path
-    replaced: tuple[Path, ...]
-
-
-@dataclass(frozen=True)
-class StagedPlan:
-    """The write stage's output for one plan: its files in the staging folder, the index last."""
-
-    plan: MergePlan
-    files: tuple[Path, ...]
-    seconds: float
+           "MergeJob", "StagedPlan", "plan_job", "write_job", "commit_job", "run_job"]
 
 
 def plan_job(request: MergeRequest) -> MergeJob:
@@ -129,21 +80,6 @@ def write_job(job: MergeJob, stage: Path, progress: ProgressFactory | None = Non
         written = write_plan(plan, stage, progress=callback)
         staged.append(StagedPlan(plan, tuple(written), time.perf_counter() - start))
     return staged
-
-
-def commit_job(job: MergeJob, staged: Sequence[StagedPlan]) -> list[MergeResult]:
-    """The commit stage: rename every staged file into place, then remove the earlier
-    outputs the new ones replace (only now that they are in place)."""
-    results = []
-    for item in staged:
-        final = commit(list(item.files), job.output_dir)
-        plan = item.plan
-        results.append(MergeResult(plan.folder.path, tuple(final), plan.num_tensors,
-                                   plan.tensor_bytes, tuple(o.name for o in plan.objects),
-                                   item.seconds))
-    for path in job.replaced:
-        path.unlink(missing_ok=True)
-    return results
 
 
 def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str], *,
@@ -198,7 +134,7 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
     Example:
         >>> fsdpckpt.merge("ckpt", "out", dtype="bf16", max_shard_size="5GB")
     """
-    def plan(into: str | os.PathLike[str] = output_dir) -> MergeJob:
+    def plan(into: Path) -> MergeJob:
         source = location(checkpoint, storage_options=storage_options)
         return plan_job(validate_merge(source, into, optimizer=optimizer,
                                        model_index=model_index, format=format, dtype=dtype,
@@ -206,19 +142,36 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
                                        include=include, exclude=exclude, overwrite=overwrite,
                                        file_name=file_name))
 
-    out = location(output_dir, storage_options=storage_options)
+    return run_job(location(output_dir, storage_options=storage_options), plan,
+                   overwrite=overwrite, progress=progress, process_group=process_group)
+
+
+def run_job(out: Path | RemotePath, plan: Callable[[Path], MergeJob], *, overwrite: bool,
+            progress: ProgressFactory | None, process_group: Any = None) -> list[MergeResult]:
+    """The write and commit stages of the job ``plan(folder)`` returns, for the output folder
+    ``out``: the one place that chooses how the output is written.
+
+    - local, one process: written into a staging folder inside ``out``, then renamed in;
+    - on object storage (``out`` is a :class:`RemotePath`): merged into a local temporary
+      folder, then uploaded file by file, the index last (:mod:`._remote_out`);
+    - spread over the ranks of ``process_group``, local (:mod:`._distributed`) or on object
+      storage (:mod:`._distributed_remote`).
+
+    ``plan`` is called with the folder the merge writes into: ``out`` itself, or the local
+    one a remote output is merged in.
+    """
+    if process_group is not None:
+        # Imported here: only a spread merge loads them (they import torch.distributed then).
+        if isinstance(out, RemotePath):
+            from fsdpckpt.merging._distributed_remote import run_spread_remote
+
+            return run_spread_remote(out, plan, process_group, overwrite, progress)
+        from fsdpckpt.merging._distributed import agree_on, run_spread
+
+        return run_spread(agree_on(process_group, lambda: plan(out)), process_group, progress)
     if isinstance(out, RemotePath):
-        if process_group is None:
-            return _run_remote(out, plan, overwrite, progress)
-        from fsdpckpt.merging._distributed_remote import run_spread_remote
-
-        return run_spread_remote(out, plan, process_group, overwrite, progress)
-    if process_group is None:
-        return _run(plan(), progress)
-    # Imported here: it imports this module, and torch.distributed only when spread.
-    from fsdpckpt.merging._distributed import agree_on, run_spread
-
-    return run_spread(agree_on(process_group, plan), process_group, progress)
+        return _run_remote(out, plan, overwrite, progress)
+    return _run(plan(out), progress)
 
 
 def _run_remote(out: RemotePath, plan: Callable[[Path], MergeJob], overwrite: bool,
@@ -280,16 +233,13 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
                                   f"pass one of them: {choices}")
     fmt = "safetensors" if safe_serialization else "bin"
 
-    def plan(into: str | os.PathLike[str] = output_path) -> MergeJob:
+    def plan(into: Path) -> MergeJob:
         # No file name: the format names it (model.safetensors, pytorch_model.bin, optimizer.*).
         return plan_job(validate_merge(layout, into, format=fmt, keep_keys=True,
                                        overwrite=overwrite))
 
-    out = location(output_path, storage_options=storage_options)
-    if isinstance(out, RemotePath):
-        (result,) = _run_remote(out, plan, overwrite, progress)
-    else:
-        (result,) = _run(plan(), progress)
+    (result,) = run_job(location(output_path, storage_options=storage_options), plan,
+                        overwrite=overwrite, progress=progress)
     if remove_checkpoint_dir:
         if isinstance(result.source, RemotePath):
             result.source.fs.rm(result.source.path, recursive=True)

@@ -160,7 +160,7 @@ def build_manifest(root: Path | RemotePath, files: dict[str, FileRecord], *, wor
     carries (None: CRC-32 only)."""
     import torch
 
-    from fsdpckpt import __version__
+    from fsdpckpt._version import __version__
 
     records: dict[str, dict[str, dict[tuple[int, int], int]]] = {}
     entries_found: list[Any] = sorted(root.iterdir(), key=str)

@@ -30,12 +30,14 @@ from fsdpckpt.dcp._objects import TensorValue, latin1_bytes, to_torch
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
+    ChecksumError,
     FsdpCkptError,
     NotACheckpointError,
     UnsafePickleError,
 )
 
-__all__ = ["read_rng_archive", "rng_fields", "MAX_RNG_FILE_BYTES"]
+__all__ = ["read_rng_archive", "rng_fields", "MAX_RNG_FILE_BYTES", "side_file_size",
+           "open_side_file"]
 
 #: A real RNG file is about 14 KB (a few more per GPU); anything far larger is not one,
 #: and is refused before a byte of it is decoded.
@@ -127,6 +129,27 @@ def _one_line(exc: FsdpCkptError) -> FsdpCkptError:
     return exc if text == str(exc) else type(exc)(text)
 
 
+def side_file_size(path: Path | RemotePath, what: str) -> int:
+    """The size of the side file ``path`` (``what`` it holds, for messages), local or remote.
+
+    Raises:
+        CheckpointNotFoundError: it does not exist.
+        NotACheckpointError: it cannot be read.
+    """
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such {what} file") from None
+    except OSError as exc:
+        raise NotACheckpointError(f"{path}: cannot read the {what} file ({exc})") from None
+
+
+def open_side_file(path: Path | RemotePath) -> Any:
+    """``path`` opened for reading: a remote file (buffered, ranged reads) reads as a local
+    one, so both go through the same bounded parse."""
+    return path.open_file().file() if isinstance(path, RemotePath) else open(path, "rb")
+
+
 def read_rng_archive(path: Path | RemotePath) -> dict[Any, Any]:
     """Decode an RNG file's ``torch.save`` archive into plain values and stand-in records.
 
@@ -138,28 +161,23 @@ def read_rng_archive(path: Path | RemotePath) -> dict[Any, Any]:
         UnsafePickleError: the pickle names a global outside the RNG allowlist.
         NotACheckpointError: the file is not such an archive of a dict (one line).
     """
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: no such RNG state file") from None
-    except OSError as exc:
-        raise NotACheckpointError(f"{path}: cannot read the RNG state file ({exc})") from None
+    size = side_file_size(path, "RNG state")
     if size > MAX_RNG_FILE_BYTES:
         raise NotACheckpointError(
             f"{path}: {size} bytes, far more than RNG state ever takes "
             f"({MAX_RNG_FILE_BYTES} at most); it is not an RNG state file. Delete it to "
             "resume without it.")
     try:
-        # A remote file (fsspec, buffered) reads as a local one: the same bounded parse.
-        with (path.open_file().file() if isinstance(path, RemotePath)
-              else open(path, "rb")) as file:
+        with open_side_file(path) as file:
             _check_entries(file, size, path)
             state = read_archive_with_tensors(file, 0, size, source=str(path),
                                               allowed=_stand_ins(), make_tensor=TensorValue)
     except UnsafePickleError as exc:
         raise _one_line(exc) from None
     except FsdpCkptError as exc:  # the archive reader's CorruptCheckpointError too: one class
-        raise _one_line(NotACheckpointError(str(exc))) from None
+        # ... but a checksum that fails is damage, said as such (as for every other file).
+        raise _one_line(exc if isinstance(exc, ChecksumError) else
+                        NotACheckpointError(str(exc))) from None
     except Exception as exc:  # noqa: BLE001 - any parser failure on damaged bytes is one line
         detail = " ".join(str(exc).split())[:200]
         raise NotACheckpointError(

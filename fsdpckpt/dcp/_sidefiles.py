@@ -23,11 +23,10 @@ from typing import Any
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.dcp._archive import read_archive_with_tensors
 from fsdpckpt.dcp._objects import _OBJECT_GLOBALS, TensorValue, check_plain_value
-from fsdpckpt.dcp._rngfile import read_rng_archive, rng_fields
+from fsdpckpt.dcp._rngfile import open_side_file, read_rng_archive, rng_fields, side_file_size
 from fsdpckpt.dcp._ziparchive import open_archive, read_entry
 from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.errors import (
-    CheckpointNotFoundError,
     ChecksumError,
     FsdpCkptError,
     NotACheckpointError,
@@ -51,18 +50,8 @@ _STATE_KINDS = {
 _ARCHIVE_KINDS = ("sampler", "dataloader", "training_args", "extra_state")
 
 
-def _open(path: Path | RemotePath) -> Any:
-    # A remote file (fsspec, buffered) reads as a local one: the same bounded parse.
-    return path.open_file().file() if isinstance(path, RemotePath) else open(path, "rb")
-
-
 def _size(path: Path | RemotePath, what: str) -> int:
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: no such {what} file") from None
-    except OSError as exc:
-        raise NotACheckpointError(f"{path}: cannot read the {what} file ({exc})") from None
+    size = side_file_size(path, what)
     if size == 0:
         raise NotACheckpointError(
             f"{path}: is empty (0 bytes), not a {what} file: the save "
@@ -107,7 +96,7 @@ def read_state_file(path: Path | RemotePath, what: str = "state") -> Any:
     """
     size = _size(path, what)
     try:
-        with _open(path) as file:
+        with open_side_file(path) as file:
             value = read_archive_with_tensors(
                 file, 0, size, source=str(path), allowed=_OBJECT_GLOBALS, make_tensor=TensorValue
             )
@@ -127,7 +116,7 @@ def _check_archive(path: Path | RemotePath, what: str) -> None:
     :data:`MAX_CHECKED_BYTES`) every entry against its CRC-32."""
     size = _size(path, what)
     try:
-        with _open(path) as file, open_archive(file, 0, size, str(path)) as archive:
+        with open_side_file(path) as file, open_archive(file, 0, size, str(path)) as archive:
             if size <= MAX_CHECKED_BYTES:
                 for info in archive.infolist():
                     if info.compress_type != zipfile.ZIP_STORED:

@@ -1,0 +1,273 @@
+"""One seam over the two kinds of place a checkpoint lives in: a local folder and an object store.
+
+Readers and writers take a :data:`Place` (a :class:`~pathlib.Path` or a
+:class:`~fsdpckpt._io.remote.RemotePath`, as :func:`~fsdpckpt._io.remote.location` makes
+them) and never ask which kind they were given: they list, stat, open for ranged reads,
+read whole, write whole and remove through the functions here, which answer for both.
+The kinds differ underneath (a local folder is read through descriptors with ``pread``,
+an object store by ranged GETs from one cached listing per folder; a local write is
+fsynced, a remote one is a single PUT that appears whole), not in what callers see.
+
+What stays a decision of policy, not of mechanism (how a save commits: rename or a
+commit marker), asks :func:`is_remote` once, in the module that owns that policy.
+
+Example::
+
+    from fsdpckpt._io import storage
+
+    for entry in storage.entries(folder):
+        if entry.is_file and entry.name.endswith(".distcp"):
+            with storage.open_file(entry.path) as file:
+                head = bytearray(8)
+                file.read_at(memoryview(head), 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeAlias, cast
+
+from fsdpckpt._io.durable import write_bytes
+from fsdpckpt._io.rawio import pread_into
+from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
+
+if TYPE_CHECKING:
+    from fsdpckpt._io.remote import RemotePath
+
+__all__ = ["Place", "OpenFile", "LocalFile", "Entry", "is_remote", "open_file", "opened",
+           "names", "entries", "size", "walk", "read_bytes", "put_bytes", "remove", "refresh"]
+
+#: A local folder or file, or one on object storage.
+Place: TypeAlias = "Path | RemotePath"
+
+
+class OpenFile(Protocol):
+    """A file opened for reads by offset: :class:`LocalFile` or a remote file."""
+
+    size: int
+
+    def read_at(self, view: memoryview, offset: int) -> None:
+        """Fill all of ``view`` from ``offset``, or raise CorruptCheckpointError."""
+
+    def file(self) -> BinaryIO:
+        """A seekable file object over the same bytes (owned by this object)."""
+
+    def close(self) -> None:
+        """Release the file."""
+
+
+def _remote_type() -> type:
+    # Imported on first use: remote.py pulls in the prefetcher and fsspec's guards, which a
+    # local-only run never needs.
+    from fsdpckpt._io.remote import RemotePath
+    return RemotePath
+
+
+def is_remote(place: object) -> bool:
+    """Whether ``place`` is on object storage. For policy (how to commit), not mechanism."""
+    return isinstance(place, _remote_type())
+
+
+class LocalFile:
+    """A local regular file opened for reads by offset; what ``RemoteFile`` is remotely.
+
+    ``handle`` is its descriptor, for code that reads ranges with
+    :func:`~fsdpckpt._io.rawio.pread_into` or copies in the kernel.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self.handle = path, fd
+        self.size = os.fstat(fd).st_size
+        self._file: BinaryIO | None = None
+
+    def read_at(self, view: memoryview, offset: int) -> None:
+        pread_into(self.handle, view, offset, source=str(self.path))
+
+    def file(self) -> BinaryIO:
+        if self._file is None:
+            self._file = os.fdopen(self.handle, "rb", closefd=False)
+        return self._file
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.handle >= 0:
+            os.close(self.handle)
+            self.handle = -1
+
+
+def open_file(path: Place) -> OpenFile:
+    """Open the file ``path`` for reads by offset; the caller closes it (or use :func:`opened`).
+
+    A local path is opened as it resolves, never following a link after the check that it
+    is a regular file; a remote one takes its size from the folder's listing.
+
+    Raises:
+        CheckpointNotFoundError: no such file.
+        NotACheckpointError: it is a folder or another non-regular file.
+    """
+    if is_remote(path):
+        return cast("OpenFile", cast("RemotePath", path).open_file())
+    local = cast(Path, path)
+    real = os.path.realpath(local)
+    try:
+        if not stat.S_ISREG(os.stat(real).st_mode):
+            raise NotACheckpointError(f"{local}: not a regular file")
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{local}: no such file") from None
+    try:
+        return LocalFile(local, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@contextlib.contextmanager
+def opened(path: Place) -> Iterator[OpenFile]:
+    """:func:`open_file` as a context manager."""
+    file = open_file(path)
+    try:
+        yield file
+    finally:
+        file.close()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a folder, as listed (links not followed)."""
+
+    name: str
+    path: Place
+    is_dir: bool
+    is_file: bool
+    is_link: bool
+    size: int
+
+
+def entries(folder: Place) -> list[Entry]:
+    """The entries of ``folder``, sorted by name; none when it is no folder.
+
+    A local symlink is listed as a link (``is_dir`` and ``is_file`` False); object stores
+    have none.
+    """
+    if is_remote(folder):
+        found = []
+        for path in cast("RemotePath", folder).iterdir():
+            is_dir = path.is_dir()
+            found.append(Entry(path.name, path, is_dir, not is_dir, False,
+                               0 if is_dir else path.stat().st_size))
+        return found
+    local = cast(Path, folder)
+    try:
+        scan = list(os.scandir(local))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    listed = []
+    for item in scan:
+        link = item.is_symlink()
+        is_file = not link and item.is_file(follow_symlinks=False)
+        listed.append(Entry(item.name, local / item.name,
+                            not link and item.is_dir(follow_symlinks=False), is_file, link,
+                            item.stat(follow_symlinks=False).st_size if is_file else 0))
+    return sorted(listed, key=lambda e: e.name)
+
+
+def names(folder: Place) -> list[str]:
+    """The names in ``folder``, sorted; none when it is no folder."""
+    if is_remote(folder):
+        return sorted(p.name for p in cast("RemotePath", folder).iterdir())
+    try:
+        return sorted(os.listdir(cast(Path, folder)))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def size(file: Place) -> int:
+    """The size of ``file`` in bytes (remote: from the listing; local: ``stat``, links followed).
+
+    Raises:
+        CheckpointNotFoundError: no such file.
+    """
+    if is_remote(file):
+        return int(cast("RemotePath", file).stat().st_size)
+    try:
+        return os.stat(cast(Path, file)).st_size
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{file}: no such file") from None
+
+
+def walk(root: Place) -> tuple[list[str], list[str]]:
+    """Every file under ``root`` (relative names, sorted) and every local symlink to a folder
+    (not followed); object stores have no links, and are read in one recursive listing."""
+    if is_remote(root):
+        remote = cast("RemotePath", root)
+        prefix = remote.path.rstrip("/") + "/"
+        keys = remote.fs.find(remote.path)
+        return sorted(k[len(prefix):] for k in keys
+                      if k.startswith(prefix) and not k.endswith("/")), []
+    local = cast(Path, root)
+    found, linked = [], []
+    for dirpath, dirs, files in os.walk(local):
+        for name in files:
+            found.append(os.path.relpath(os.path.join(dirpath, name), local))
+        linked += [os.path.relpath(os.path.join(dirpath, d), local) for d in dirs
+                   if os.path.islink(os.path.join(dirpath, d))]
+    return sorted(found), sorted(linked)
+
+
+def read_bytes(file: Place) -> bytes:
+    """All the bytes of ``file``."""
+    return file.read_bytes()
+
+
+def put_bytes(file: Place, data: bytes, *, sync: bool = True) -> tuple[int, int]:
+    """Write ``data`` as the whole of ``file``; ``(size, crc32)``.
+
+    Local: written and (unless ``sync=False``) fsynced. Remote: one PUT, so the object
+    appears whole or not at all.
+    """
+    if is_remote(file):
+        import zlib
+
+        remote = cast("RemotePath", file)
+        remote.fs.pipe_file(remote.path, data)
+        return len(data), zlib.crc32(data)
+    return write_bytes(cast(Path, file), data, sync=sync)
+
+
+def remove(place: Place) -> None:
+    """Delete a file or a folder and everything under it; gone already: nothing to do."""
+    if is_remote(place):
+        remote = cast("RemotePath", place)
+        for _attempt in range(2):
+            # A store with real folders (SeaweedFS) may keep a folder whose files were
+            # deleted in the same batch: a second pass, after a fresh look, deletes it.
+            remote.fs.invalidate_cache()
+            if not remote.fs.exists(remote.path):
+                return
+            with contextlib.suppress(FileNotFoundError):
+                remote.fs.rm(remote.path, recursive=True)
+        return
+    local = cast(Path, place)
+    if local.is_dir() and not local.is_symlink():
+        shutil.rmtree(local, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            local.unlink()
+
+
+def refresh(place: Place) -> None:
+    """Forget cached listings (fsdpckpt's and the fsspec client's) after this process or
+    another changed the store; a local folder caches nothing."""
+    if is_remote(place):
+        remote = cast("RemotePath", place)
+        remote.forget_listings()
+        remote.fs.invalidate_cache()

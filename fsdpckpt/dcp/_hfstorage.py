@@ -37,7 +37,7 @@ from fsdpckpt._io.jsonio import loads_json
 from fsdpckpt._io.rawio import ReadAt, pread_into
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._archive import RawTensor
-from fsdpckpt.dcp._perrank import PerRankChunk, read_part_folder
+from fsdpckpt.dcp._perrank import PerRankChunk
 from fsdpckpt.dcp.dtypes import DTYPES, DType
 from fsdpckpt.dcp.metadata import DataFile, DcpMetadata, TensorEntry
 from fsdpckpt.dcp.reader import DcpFolder, open_data_file
@@ -45,7 +45,7 @@ from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, Fsd
 
 __all__ = ["HfStorageFolder", "HfStoragePart", "SafetensorsHeader", "check_hf_files",
            "find_hf_storage", "hf_part_named", "parse_header", "read_hf_storage",
-           "read_hf_storage_at", "read_part"]
+           "read_hf_storage_at"]
 
 _SHARD_FILE = re.compile(r"^shard-(\d{5,9})-model-(\d{5,9})-of-(\d{5,9})\.safetensors$")
 _MODEL_FILE = re.compile(r"^model-(\d{5,9})-of-(\d{5,9})\.safetensors$")
@@ -332,28 +332,15 @@ def read_hf_storage_at(folder: Place) -> HfStorageFolder | None:
     return read_hf_storage(folder, part) if part else None
 
 
-def read_part(path: Place, name: str) -> DcpFolder:
-    """A layout part as a DCP folder: a ``HuggingFaceStorageWriter`` save read here, any
-    other by :func:`fsdpckpt.dcp._perrank.read_part_folder`."""
-    part = hf_part_named(path, name)
-    if part is None:
-        return read_part_folder(path, name)
-    return read_hf_storage(path, part)
-
-
-def check_hf_files(path: Place,
-                   name: str) -> list[tuple[Place, str]]:
-    """What is wrong with the files of the save ``name`` in ``path`` (``[]`` for another part):
-    a header that does not parse, or data bytes no tensor owns (safetensors files hold no
-    checksum, so this and the structure are what can be checked).
+def check_hf_files(path: Place, part: HfStoragePart) -> list[tuple[Place, str]]:
+    """What is wrong with the files of the save ``part`` in ``path``: a header that does not
+    parse, or data bytes no tensor owns (safetensors files hold no checksum, so this and
+    the structure are what can be checked).
 
     Returns:
         ``(file, what is wrong)`` for each damaged file.
     """
-    part = hf_part_named(path, name)
     found: list[tuple[Place, str]] = []
-    if part is None:
-        return found
     for file_name in part.files:
         try:
             header, _ = _read_header(path, file_name)

@@ -30,11 +30,11 @@ from fsdpckpt.dcp._objects import DecodedObject, dumps
 from fsdpckpt.dcp._perrank_file import RankTensor, open_rank_file, read_rank
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, TensorEntry
-from fsdpckpt.dcp.reader import DcpFolder, data_file_path, read_dcp_folder
+from fsdpckpt.dcp.reader import DcpFolder, data_file_path
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
 __all__ = ["PerRankChunk", "PerRankFolder", "PerRankSet", "find_rank_sets", "read_rank_set",
-           "rank_set_named", "read_part_folder", "check_rank_files"]
+           "rank_set_named", "check_rank_files"]
 
 # (pattern, kind, style): group 1 the model/optimizer index or the world size, group 2 the rank.
 _RANK_FILES = [
@@ -313,25 +313,13 @@ def rank_set_named(folder: Place, name: str) -> PerRankSet | None:
     return found[0] if found else None
 
 
-def read_part_folder(path: Place, name: str) -> DcpFolder:
-    """A layout part as a DCP folder: a per-rank set read by :func:`read_rank_set`, or a real
-    DCP folder by :func:`~fsdpckpt.dcp.reader.read_dcp_folder`."""
-    rank_set = rank_set_named(path, name)
-    if rank_set is None:
-        return read_dcp_folder(path)
-    return read_rank_set(path, rank_set)
-
-
-def check_rank_files(path: Place, name: str) -> list[tuple[Place, str]]:
-    """Read every entry of every rank file of the set ``name`` against its zip CRC-32, one
-    block at a time; ``[]`` for a ``name`` that is no per-rank set.
+def check_rank_files(path: Place, rank_set: PerRankSet) -> list[tuple[Place, str]]:
+    """Read every entry of every rank file of ``rank_set`` against its zip CRC-32, one
+    block at a time.
 
     Returns:
         ``(file, what is wrong)`` for each damaged or unreadable rank file.
     """
-    rank_set = rank_set_named(path, name)
-    if rank_set is None:
-        return []
     found: list[tuple[Place, str]] = []
     for file_name in sorted(rank_set.files.values()):
         try:

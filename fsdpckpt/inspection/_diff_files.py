@@ -330,4 +330,5 @@ def open_source(path: str | os.PathLike[str], *, optimizer: bool = False,
     parts = choose_parts(layout, optimizer=optimizer, model_index=model_index)
     if optimizer:
         parts = [part for part in parts if part.kind == "optimizer"] or parts
-    return DcpSource(parts[-1].path if optimizer else parts[0].path, keep_keys=keep_keys)
+    part = parts[-1] if optimizer else parts[0]
+    return DcpSource(part.path, keep_keys=keep_keys, name=part.name)

@@ -21,12 +21,11 @@ from fsdpckpt._io.storage import Place
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._archive import locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
-from fsdpckpt.dcp._hfstorage import check_hf_files, hf_part_named
-from fsdpckpt.dcp._perrank import check_rank_files, rank_set_named
 from fsdpckpt.dcp._zstd import ZstdEntry, chunk_limit, open_entry
 from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.dcp.metadata import DcpMetadata
+from fsdpckpt.dcp.parts import check_part_files, find_part
 from fsdpckpt.dcp.reader import path_inside, read_dcp_folder
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.inspection.inspect import inspect_checkpoint
@@ -181,9 +180,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     # saves (no checksums): every header read again, and every data byte owned by a tensor.
     for part in layout.parts:
         problems += [Problem(str(where), why) for where, why in
-                     check_rank_files(part.path, part.name) + check_hf_files(part.path, part.name)]
-    folders = [p.path for p in layout.parts if p.complete and rank_set_named(p.path, p.name)
-               is None and hf_part_named(p.path, p.name) is None]
+                     check_part_files(part.path, part.name)]
+    folders = [p.path for p in layout.parts
+               if p.complete and find_part(p.path, p.name).kind == "dcp"]
     for folder in folders:  # never part of a committed checkpoint; load_state refuses them
         for stray in stray_metadata_files(folder):
             problems.append(Problem(str(stray), "stray rank-local DCP metadata "
@@ -195,7 +194,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             _check_chunks(folder, problems, only_file=None, expected=None, progress=callback)
         # Safetensors record no checksum: without a manifest their data cannot be checked.
         unchecked = tuple(str(p.path / name) for p in layout.parts
-                          if (hf := hf_part_named(p.path, p.name)) is not None
+                          if (hf := find_part(p.path, p.name).hf) is not None
                           for name in hf.files)
         return _report(root, problems, manifest=False, digest=digest, file_digest=None,
                        unchecked=unchecked)

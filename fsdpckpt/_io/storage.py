@@ -28,7 +28,7 @@ import contextlib
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeAlias, cast
@@ -271,3 +271,77 @@ def refresh(place: Place) -> None:
         remote = cast("RemotePath", place)
         remote.forget_listings()
         remote.fs.invalidate_cache()
+
+
+# --- added by dcp ---
+
+__all__ += ["inside", "descriptor", "prefetch", "local_file", "Closeable"]
+
+def inside(folder: Place, relative: str, *, rule: str) -> Place:
+    """``folder / relative``, checked to stay inside ``folder`` (``rule`` ends the refusal).
+
+    A local symlink is followed only when it leads to a place inside the folder; an
+    absolute path, a ``..`` that climbs out, or a link to a file elsewhere is refused.
+    Object stores have no links: only a name starting with ``/`` is refused there (their
+    paths refuse ``..`` themselves).
+
+    Raises:
+        NotACheckpointError: the path leads outside ``folder``; the message says where.
+    """
+    if is_remote(folder):
+        if relative.startswith("/"):
+            raise NotACheckpointError(f"{folder}: names {relative!r}, outside the checkpoint "
+                                      f"folder; {rule}")
+        return folder / relative
+    path = cast(Path, folder) / relative
+    root = os.path.realpath(cast(Path, folder))
+    real = os.path.realpath(path)
+    if os.path.isabs(relative) or os.path.commonpath([root, real]) != root or real == root:
+        how = f"a symlink to {real}" if os.path.islink(path) else f"resolves to {real}"
+        fix = (f"; replace the link by the file itself (cp --remove-destination {real} {path})"
+               if os.path.islink(path) else "; use an intact copy of the checkpoint")
+        raise NotACheckpointError(f"{path}: {how}, outside the checkpoint folder {folder}; "
+                                  f"{rule}{fix}")
+    return path
+
+
+def descriptor(file: OpenFile) -> int | OpenFile:
+    """What offset reads (:func:`~fsdpckpt._io.rawio.pread_into`) and kernel copies take:
+    a local file's descriptor, or the remote file itself (read by offset)."""
+    return file.handle if isinstance(file, LocalFile) else file
+
+
+def prefetch(folder: Place, ranges: Iterable[tuple[OpenFile, int, int]]) -> Closeable | None:
+    """Announce the ranges (``(file, offset, length)``, in reading order) of files in
+    ``folder`` about to be read: on object storage they are fetched ahead, in parallel and
+    bounded (:mod:`fsdpckpt._io.prefetch`); a local folder reads as fast without, and
+    never consumes ``ranges`` (so a generator of files to open opens none).
+
+    Returns:
+        What to close when the reads are done (None: nothing).
+    """
+    if not is_remote(folder):
+        return None
+    from fsdpckpt._io.remote import RemoteFile
+    from fsdpckpt._io.remote import prefetch as remote_prefetch
+    return remote_prefetch((cast(RemoteFile, f), o, n) for f, o, n in ranges)
+
+
+def local_file(file: Place, scratch: Callable[[], Path]) -> Path:
+    """``file`` as a local path, for readers that need one (torch's memory-mapped loader):
+    a local file itself; a remote one copied into the new empty folder ``scratch()`` gives,
+    one bounded piece at a time (:func:`~fsdpckpt._io.download.download`)."""
+    if not is_remote(file):
+        return cast(Path, file)
+    from fsdpckpt._io.download import download
+    remote = cast("RemotePath", file)
+    target = scratch() / remote.name
+    download(remote, target)
+    return target
+
+
+class Closeable(Protocol):
+    """Something to close when done (a prefetcher)."""
+
+    def close(self) -> None:
+        """Release it."""

@@ -8,26 +8,23 @@ that is both: one buffered file object over one descriptor. Sharing is safe beca
 the descriptor users never move the file position (every read names its offset) and
 the file object's users always seek before they read.
 
-A folder on object storage (a :class:`~fsdpckpt._io.remote.RemotePath`) hands out the
-same pair: a buffered file object for the archive reader, and a
-:class:`~fsdpckpt._io.remote.RemoteFile` in place of the descriptor, which every
-offset read (:func:`~fsdpckpt._io.rawio.pread_into`) accepts. There, a reader that
-knows which chunks come next says so (:meth:`DataFiles.prefetch`), and their bytes are
-fetched ahead, in parallel and bounded (:mod:`fsdpckpt._io.prefetch`).
+Both kinds of place hand out the same pair (:mod:`fsdpckpt._io.storage`): a buffered
+file object for the archive reader, and for offset reads a local descriptor or a remote
+file read by offset (:func:`~fsdpckpt._io.rawio.pread_into` accepts either). A reader that
+knows which chunks come next says so (:meth:`DataFiles.prefetch`): on object storage
+their bytes are fetched ahead, in parallel and bounded; a local folder ignores it.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import BinaryIO
 
-from fsdpckpt._io.prefetch import Prefetcher
+from fsdpckpt._io import storage
 from fsdpckpt._io.rawio import ReadAt
-from fsdpckpt._io.remote import RemoteFile, RemotePath, prefetch
-from fsdpckpt.dcp.reader import data_file_path, open_data_file
+from fsdpckpt._io.storage import OpenFile, Place
+from fsdpckpt.dcp.reader import open_data_file
 from fsdpckpt.errors import FsdpCkptError
 
 __all__ = ["DataFile", "DataFiles"]
@@ -42,15 +39,15 @@ class DataFile:
         file: a buffered, read-only file object, for code that seeks and reads.
     """
 
-    path: Path | RemotePath
+    path: Place
     file: BinaryIO
-    remote: RemoteFile | None = None
+    opened: OpenFile
 
     @property
     def fd(self) -> int | ReadAt:
         """The descriptor under :attr:`file`, for ``pread``/``copy_file_range`` at offsets;
-        for a remote file, the :class:`~fsdpckpt._io.remote.RemoteFile` read by offset."""
-        return self.remote if self.remote is not None else self.file.fileno()
+        for a remote file, the file itself, read by offset."""
+        return storage.descriptor(self.opened)
 
 
 class DataFiles:
@@ -65,10 +62,10 @@ class DataFiles:
         CheckpointNotFoundError: the file is missing.
     """
 
-    def __init__(self, folder: Path | RemotePath) -> None:
+    def __init__(self, folder: Place) -> None:
         self.folder = folder
         self._open: dict[str, DataFile] = {}
-        self._ahead: Prefetcher | None = None
+        self._ahead: storage.Closeable | None = None
         #: The entries already read whole against their CRC-32 (:mod:`fsdpckpt.dcp._checked`),
         #: so a reader that takes many boxes of one entry checks it once.
         self.checked: set[object] = set()
@@ -78,17 +75,13 @@ class DataFiles:
         found = self._open.get(name)
         if found is not None:
             return found
-        if isinstance(self.folder, RemotePath):
-            remote = data_file_path(self.folder, name).open_file()
-            found = self._open[name] = DataFile(remote.path, remote.file(), remote)
-        else:
-            fd = open_data_file(self.folder, name)
-            try:
-                file = os.fdopen(fd, "rb")  # owns fd from here: closing it closes fd
-            except BaseException:
-                os.close(fd)
-                raise
-            found = self._open[name] = DataFile(self.folder / name, file)
+        opened = open_data_file(self.folder, name)
+        try:
+            found = DataFile(self.folder / name, opened.file(), opened)
+        except BaseException:
+            opened.close()
+            raise
+        self._open[name] = found
         return found
 
     def prefetch(self, ranges: Iterable[tuple[str | None, int, int]]) -> None:
@@ -98,19 +91,20 @@ class DataFiles:
 
         A file that cannot be opened is left out here: reading it raises, in its place.
         """
-        if not isinstance(self.folder, RemotePath):
-            return
-        wanted = []
-        for name, offset, length in ranges:
-            try:
-                remote = self.open(name).remote if name is not None else None
-            except FsdpCkptError:
-                continue
-            if remote is not None:
-                wanted.append((remote, offset, length))
         if self._ahead is not None:
             self._ahead.close()
-        self._ahead = prefetch(wanted)
+        self._ahead = storage.prefetch(self.folder, self._opened(ranges))
+
+    def _opened(self, ranges: Iterable[tuple[str | None, int, int]]
+                ) -> Iterator[tuple[OpenFile, int, int]]:
+        for name, offset, length in ranges:
+            if name is None:
+                continue
+            try:
+                opened = self.open(name).opened
+            except FsdpCkptError:
+                continue
+            yield opened, offset, length
 
     def close(self) -> None:
         """Close every file opened; the object can be used again afterwards."""
@@ -119,10 +113,7 @@ class DataFiles:
             self._ahead = None
         files, self._open = list(self._open.values()), {}
         for data_file in files:
-            if data_file.remote is not None:
-                data_file.remote.close()
-            else:
-                data_file.file.close()
+            data_file.opened.close()
 
     def __enter__(self) -> DataFiles:
         return self

@@ -27,26 +27,25 @@ against the file's real size before it is used.
 from __future__ import annotations
 
 import math
-import os
 import re
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io import storage
 from fsdpckpt._io.jsonio import loads_json
 from fsdpckpt._io.rawio import ReadAt, pread_into
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._archive import RawTensor
-from fsdpckpt.dcp._perrank import PerRankChunk, read_part_folder
+from fsdpckpt.dcp._perrank import PerRankChunk
 from fsdpckpt.dcp.dtypes import DTYPES, DType
 from fsdpckpt.dcp.metadata import DataFile, DcpMetadata, TensorEntry
-from fsdpckpt.dcp.reader import DcpFolder, data_file_path, open_data_file
+from fsdpckpt.dcp.reader import DcpFolder, open_data_file
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, FsdpCkptError
 
 __all__ = ["HfStorageFolder", "HfStoragePart", "SafetensorsHeader", "check_hf_files",
            "find_hf_storage", "hf_part_named", "parse_header", "read_hf_storage",
-           "read_hf_storage_at", "read_part"]
+           "read_hf_storage_at"]
 
 _SHARD_FILE = re.compile(r"^shard-(\d{5,9})-model-(\d{5,9})-of-(\d{5,9})\.safetensors$")
 _MODEL_FILE = re.compile(r"^model-(\d{5,9})-of-(\d{5,9})\.safetensors$")
@@ -213,32 +212,17 @@ def _sharding(extra: dict[str, Any], tensors: dict[str, tuple[DType, tuple[int, 
     return offsets
 
 
-def _names(folder: Path | RemotePath) -> list[str]:
-    """The names in ``folder`` (none when it is no folder)."""
-    if isinstance(folder, RemotePath):
-        return sorted(p.name for p in folder.iterdir())
-    try:
-        return sorted(os.listdir(folder))
-    except OSError:
-        return []
-
-
-def _read_header(folder: Path | RemotePath, name: str) -> tuple[SafetensorsHeader, int]:
+def _read_header(folder: Place, name: str) -> tuple[SafetensorsHeader, int]:
     """The checked header of the file ``name`` of ``folder`` and the file's size; a remote
     file's by ranged reads of its first bytes (its size from the listing)."""
-    source = str(folder / name)
-    if isinstance(folder, RemotePath):
-        remote = data_file_path(folder, name).open_file()
-        return parse_header(remote, remote.size, source), remote.size
-    fd = open_data_file(folder, name)
+    opened = open_data_file(folder, name)
     try:
-        size = os.fstat(fd).st_size
-        return parse_header(fd, size, source), size
+        return parse_header(opened, opened.size, str(folder / name)), opened.size
     finally:
-        os.close(fd)
+        opened.close()
 
 
-def find_hf_storage(folder: Path | RemotePath, names: list[str]) -> HfStoragePart | None:
+def find_hf_storage(folder: Place, names: list[str]) -> HfStoragePart | None:
     """The ``HuggingFaceStorageWriter`` save among ``names`` (the files of ``folder``), if any.
 
     Shard files (``shard-*-model-*-of-*.safetensors``) are one by their names. Whole files
@@ -253,7 +237,7 @@ def find_hf_storage(folder: Path | RemotePath, names: list[str]) -> HfStoragePar
     whole = sorted(n for n in names if _MODEL_FILE.match(n))
     if not whole:
         return None
-    sharded = _names(folder / SHARDED_DIR)
+    sharded = storage.names(folder / SHARDED_DIR)
     if any(_SHARD_FILE.match(n) for n in sharded):
         return HfStoragePart(MODEL_PART, tuple(whole), index, *_shard_world(sharded))
     try:
@@ -264,11 +248,11 @@ def find_hf_storage(folder: Path | RemotePath, names: list[str]) -> HfStoragePar
         if header.offsets is not None else None
 
 
-def hf_part_named(folder: Path | RemotePath, name: str) -> HfStoragePart | None:
+def hf_part_named(folder: Place, name: str) -> HfStoragePart | None:
     """The save that the layout part ``name`` of ``folder`` stands for, or None."""
     if name not in (SHARDS_PART, MODEL_PART) or not folder.is_dir():
         return None
-    part = find_hf_storage(folder, _names(folder))
+    part = find_hf_storage(folder, storage.names(folder))
     return part if part and part.name == name else None
 
 
@@ -296,7 +280,7 @@ def _missing_file(part: HfStoragePart) -> str | None:
     return None
 
 
-def read_hf_storage(folder: Path | RemotePath, part: HfStoragePart) -> HfStorageFolder:
+def read_hf_storage(folder: Place, part: HfStoragePart) -> HfStorageFolder:
     """Read every header of ``part`` (one file at a time) into one :class:`HfStorageFolder`.
 
     Raises:
@@ -342,34 +326,21 @@ def read_hf_storage(folder: Path | RemotePath, part: HfStoragePart) -> HfStorage
                            world_size=part.world_size, world_size_exact=part.exact)
 
 
-def read_hf_storage_at(folder: Path | RemotePath) -> HfStorageFolder | None:
+def read_hf_storage_at(folder: Place) -> HfStorageFolder | None:
     """The ``HuggingFaceStorageWriter`` save in ``folder``, read; None when there is none."""
-    part = find_hf_storage(folder, _names(folder)) if folder.is_dir() else None
+    part = find_hf_storage(folder, storage.names(folder)) if folder.is_dir() else None
     return read_hf_storage(folder, part) if part else None
 
 
-def read_part(path: Path | RemotePath, name: str) -> DcpFolder:
-    """A layout part as a DCP folder: a ``HuggingFaceStorageWriter`` save read here, any
-    other by :func:`fsdpckpt.dcp._perrank.read_part_folder`."""
-    part = hf_part_named(path, name)
-    if part is None:
-        return read_part_folder(path, name)
-    return read_hf_storage(path, part)
-
-
-def check_hf_files(path: Path | RemotePath,
-                   name: str) -> list[tuple[Path | RemotePath, str]]:
-    """What is wrong with the files of the save ``name`` in ``path`` (``[]`` for another part):
-    a header that does not parse, or data bytes no tensor owns (safetensors files hold no
-    checksum, so this and the structure are what can be checked).
+def check_hf_files(path: Place, part: HfStoragePart) -> list[tuple[Place, str]]:
+    """What is wrong with the files of the save ``part`` in ``path``: a header that does not
+    parse, or data bytes no tensor owns (safetensors files hold no checksum, so this and
+    the structure are what can be checked).
 
     Returns:
         ``(file, what is wrong)`` for each damaged file.
     """
-    part = hf_part_named(path, name)
-    found: list[tuple[Path | RemotePath, str]] = []
-    if part is None:
-        return found
+    found: list[tuple[Place, str]] = []
     for file_name in part.files:
         try:
             header, _ = _read_header(path, file_name)

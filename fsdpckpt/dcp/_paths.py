@@ -6,13 +6,15 @@ a file a checkpoint names, locally or on object storage.
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io import storage
+from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
+
+if TYPE_CHECKING:
+    from fsdpckpt._io.remote import RemotePath
 
 __all__ = ["METADATA_FILE", "data_file_path", "open_data_file", "path_inside"]
 
@@ -26,10 +28,10 @@ def path_inside(folder: Path, relative: str) -> Path: ...
 @overload
 def path_inside(folder: RemotePath, relative: str) -> RemotePath: ...
 @overload
-def path_inside(folder: Path | RemotePath, relative: str) -> Path | RemotePath: ...
+def path_inside(folder: Place, relative: str) -> Place: ...
 
 
-def path_inside(folder: Path | RemotePath, relative: str) -> Path | RemotePath:
+def path_inside(folder: Place, relative: str) -> Place:
     """``folder / relative``, checked to stay inside ``folder`` once symlinks are followed.
 
     This is the one rule every reader applies before it opens or sizes a data file:
@@ -41,21 +43,7 @@ def path_inside(folder: Path | RemotePath, relative: str) -> Path | RemotePath:
     Raises:
         NotACheckpointError: the path leads outside ``folder``; the message says where.
     """
-    if isinstance(folder, RemotePath):  # object stores have no links; '/'-checks the name
-        if relative.startswith("/"):
-            raise NotACheckpointError(f"{folder}: names {relative!r}, outside the checkpoint "
-                                      f"folder; {_ONLY_INSIDE}")
-        return folder / relative
-    path = folder / relative
-    root = os.path.realpath(folder)
-    real = os.path.realpath(path)
-    if os.path.isabs(relative) or os.path.commonpath([root, real]) != root or real == root:
-        how = f"a symlink to {real}" if os.path.islink(path) else f"resolves to {real}"
-        fix = (f"; replace the link by the file itself (cp --remove-destination {real} {path})"
-               if os.path.islink(path) else "; use an intact copy of the checkpoint")
-        raise NotACheckpointError(f"{path}: {how}, outside the checkpoint folder {folder}; "
-                                  f"{_ONLY_INSIDE}{fix}")
-    return path
+    return storage.inside(folder, relative, rule=_ONLY_INSIDE)
 
 
 @overload
@@ -63,10 +51,10 @@ def data_file_path(folder: Path, name: str) -> Path: ...
 @overload
 def data_file_path(folder: RemotePath, name: str) -> RemotePath: ...
 @overload
-def data_file_path(folder: Path | RemotePath, name: str) -> Path | RemotePath: ...
+def data_file_path(folder: Place, name: str) -> Place: ...
 
 
-def data_file_path(folder: Path | RemotePath, name: str) -> Path | RemotePath:
+def data_file_path(folder: Place, name: str) -> Place:
     """The path of the data file ``name`` of the DCP folder ``folder``, checked.
 
     DCP's ``FileSystemWriter`` names data files by plain file names (``__0_0.distcp``);
@@ -85,11 +73,11 @@ def data_file_path(folder: Path | RemotePath, name: str) -> Path | RemotePath:
     return path_inside(folder, name)
 
 
-def open_data_file(folder: Path, name: str) -> int:
-    """Open the data file ``name`` of ``folder`` for reading (by :func:`data_file_path`'s rule).
+def open_data_file(folder: Place, name: str) -> storage.OpenFile:
+    """Open the data file ``name`` of ``folder`` for reads by offset (by
+    :func:`data_file_path`'s rule); the caller closes it.
 
-    Returns:
-        A file descriptor; the caller closes it.
+    A local file is opened as it resolves, so no link is followed after the check.
 
     Raises:
         NotACheckpointError: the name or the file leads outside the folder, or it is
@@ -97,11 +85,11 @@ def open_data_file(folder: Path, name: str) -> int:
         CheckpointNotFoundError: the file is missing.
     """
     path = data_file_path(folder, name)
-    real = os.path.realpath(path)  # opened as resolved, so no link is followed after the check
     try:
-        if not stat.S_ISREG(os.stat(real).st_mode):
-            raise NotACheckpointError(f"{path}: not a regular file; a data file must be one")
-        return os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
+        return storage.open_file(path)
+    except CheckpointNotFoundError:
         raise CheckpointNotFoundError(f"{path}: missing data file; copy it from the machine that "
                                       "wrote the checkpoint") from None
+    except NotACheckpointError:
+        raise NotACheckpointError(f"{path}: not a regular file; a data file must be one") \
+            from None

@@ -18,24 +18,23 @@ and ``load_full_state_dict`` then read it as they read a DCP folder, one chunk a
 
 from __future__ import annotations
 
-import os
 import re
 import zipfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io import storage
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._objects import DecodedObject, dumps
 from fsdpckpt.dcp._perrank_file import RankTensor, open_rank_file, read_rank
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, TensorEntry
-from fsdpckpt.dcp.reader import DcpFolder, data_file_path, read_dcp_folder
+from fsdpckpt.dcp.reader import DcpFolder, data_file_path
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
 __all__ = ["PerRankChunk", "PerRankFolder", "PerRankSet", "find_rank_sets", "read_rank_set",
-           "rank_set_named", "read_part_folder", "check_rank_files"]
+           "rank_set_named", "check_rank_files"]
 
 # (pattern, kind, style): group 1 the model/optimizer index or the world size, group 2 the rank.
 _RANK_FILES = [
@@ -118,7 +117,7 @@ class PerRankFolder(DcpFolder):
         return sum(f.size for f in self.files)
 
 
-def read_rank_set(folder: Path | RemotePath, rank_set: PerRankSet) -> PerRankFolder:
+def read_rank_set(folder: Place, rank_set: PerRankSet) -> PerRankFolder:
     """Read every rank file of ``rank_set`` (one at a time) into one :class:`PerRankFolder`.
 
     Tensors and non-tensor values (an optimizer's ``param_groups``) are keyed as in
@@ -204,7 +203,7 @@ def read_rank_set(folder: Path | RemotePath, rank_set: PerRankSet) -> PerRankFol
     return PerRankFolder(folder, DcpMetadata(tensors_out, objects_out), files)
 
 
-def _check_replicated(path: Path | RemotePath, rank_set: PerRankSet, key: KeyPath,
+def _check_replicated(path: Place, rank_set: PerRankSet, key: KeyPath,
                       first: tuple[RankTensor, str], local: RankTensor) -> None:
     """Take a piece that an earlier rank also holds as replicated only when both hold the
     same bytes: the same view of storages whose zip entries record the same size and
@@ -221,7 +220,7 @@ def _check_replicated(path: Path | RemotePath, rank_set: PerRankSet, key: KeyPat
                       f"not {first[0].crc:08x})")
 
 
-def _whole_everywhere(folder: Path | RemotePath, rank_set: PerRankSet,
+def _whole_everywhere(folder: Place, rank_set: PerRankSet,
                       whole_on: dict[KeyPath, list[int]], world: int) -> None:
     """A plain tensor is replicated only if every rank stores it: one that some ranks lack
     is one rank's own state (FSDP1 with ``use_orig_params=True`` keeps optimizer state only
@@ -251,7 +250,7 @@ def _looks_rank_local(rank_set: PerRankSet, key: KeyPath) -> bool:
         isinstance(part, str) and part in _FLAT_NAMES for part in key)
 
 
-def _rank_local(path: Path | RemotePath, rank_set: PerRankSet, key: KeyPath,
+def _rank_local(path: Place, rank_set: PerRankSet, key: KeyPath,
                 what: str) -> NotACheckpointError:
     """The refusal of a tensor every rank stores whole, each with its own bytes."""
     label = ".".join(map(str, (rank_set.kind, *key)))
@@ -275,14 +274,12 @@ def _rank_local(path: Path | RemotePath, rank_set: PerRankSet, key: KeyPath,
         f"it cannot be merged. {fix}")
 
 
-def _size(folder: Path | RemotePath, name: str) -> int:
+def _size(folder: Place, name: str) -> int:
     """The size of the rank file ``name`` (from the listing on object storage)."""
-    if isinstance(folder, RemotePath):
-        return data_file_path(folder, name).stat().st_size
-    return os.stat(folder / name).st_size
+    return storage.size(data_file_path(folder, name))
 
 
-def _agree(folder: Path | RemotePath, name: str, rank: int, seen: dict[KeyPath, tuple[str, Any]],
+def _agree(folder: Place, name: str, rank: int, seen: dict[KeyPath, tuple[str, Any]],
            values: list[tuple[KeyPath, Any]]) -> None:
     """Record rank 0's non-tensor values in ``seen``; refuse another rank's that differ.
 
@@ -307,37 +304,23 @@ def _agree(folder: Path | RemotePath, name: str, rank: int, seen: dict[KeyPath, 
                 "or steps. Use one save's files.")
 
 
-def rank_set_named(folder: Path | RemotePath, name: str) -> PerRankSet | None:
+def rank_set_named(folder: Place, name: str) -> PerRankSet | None:
     """The per-rank set of ``folder`` that :class:`~fsdpckpt.dcp.layout.DcpPart` ``name``
     stands for, or None when ``name`` names no such set."""
     if "*" not in name or not folder.is_dir():
         return None
-    names = [p.name for p in folder.iterdir()] if isinstance(folder, RemotePath) else \
-        sorted(os.listdir(folder))
-    found = [r for r in find_rank_sets(names) if r.name == name]
+    found = [r for r in find_rank_sets(storage.names(folder)) if r.name == name]
     return found[0] if found else None
 
 
-def read_part_folder(path: Path | RemotePath, name: str) -> DcpFolder:
-    """A layout part as a DCP folder: a per-rank set read by :func:`read_rank_set`, or a real
-    DCP folder by :func:`~fsdpckpt.dcp.reader.read_dcp_folder`."""
-    rank_set = rank_set_named(path, name)
-    if rank_set is None:
-        return read_dcp_folder(path)
-    return read_rank_set(path, rank_set)
-
-
-def check_rank_files(path: Path | RemotePath, name: str) -> list[tuple[Path | RemotePath, str]]:
-    """Read every entry of every rank file of the set ``name`` against its zip CRC-32, one
-    block at a time; ``[]`` for a ``name`` that is no per-rank set.
+def check_rank_files(path: Place, rank_set: PerRankSet) -> list[tuple[Place, str]]:
+    """Read every entry of every rank file of ``rank_set`` against its zip CRC-32, one
+    block at a time.
 
     Returns:
         ``(file, what is wrong)`` for each damaged or unreadable rank file.
     """
-    rank_set = rank_set_named(path, name)
-    if rank_set is None:
-        return []
-    found: list[tuple[Path | RemotePath, str]] = []
+    found: list[tuple[Place, str]] = []
     for file_name in sorted(rank_set.files.values()):
         try:
             with open_rank_file(path, file_name) as (file, _), zipfile.ZipFile(file) as archive:

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any
 
 from fsdpckpt import _torch
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._allowlist import BUILTIN_GLOBALS, brief
 from fsdpckpt.dcp._archive import (
     _STORAGE_GLOBALS,
@@ -47,7 +45,7 @@ from fsdpckpt.dcp._safe_pickle import RestrictedUnpickler, safe_loads
 from fsdpckpt.dcp._ziparchive import entry_info, open_archive, read_entry
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import KeyPath
-from fsdpckpt.dcp.reader import data_file_path, open_data_file
+from fsdpckpt.dcp.reader import open_data_file
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
 
 __all__ = ["RankTensor", "open_rank_file", "read_rank"]
@@ -259,7 +257,7 @@ _FLAT_PARAM_NAMES = ("_flat_param", "flat_param")
 
 
 @contextlib.contextmanager
-def open_rank_file(folder: Path | RemotePath, name: str) -> Iterator[tuple[IO[bytes], int]]:
+def open_rank_file(folder: Place, name: str) -> Iterator[tuple[IO[bytes], int]]:
     """The rank file ``name`` of ``folder`` (by the data files' inside-the-folder rule) as a
     seekable file object and its size; on object storage, a buffered reader over ranged
     reads (its size from the listing), so only the zip's headers and ``data.pkl`` are read.
@@ -268,19 +266,14 @@ def open_rank_file(folder: Path | RemotePath, name: str) -> Iterator[tuple[IO[by
         NotACheckpointError: the name leads outside the folder, or is no regular file.
         CheckpointNotFoundError: the file is missing.
     """
-    if isinstance(folder, RemotePath):
-        remote = data_file_path(folder, name).open_file()
-        try:
-            yield remote.file(), remote.size
-        finally:
-            remote.close()
-        return
-    fd = open_data_file(folder, name)
-    with os.fdopen(fd, "rb") as file:
-        yield file, os.fstat(fd).st_size
+    opened = open_data_file(folder, name)
+    try:
+        yield opened.file(), opened.size
+    finally:
+        opened.close()
 
 
-def read_rank(folder: Path | RemotePath, name: str) -> tuple[dict[KeyPath, list[RankTensor]],
+def read_rank(folder: Place, name: str) -> tuple[dict[KeyPath, list[RankTensor]],
                                                 list[tuple[KeyPath, Any]], int]:
     """Parse one rank file: its tensors' pieces and their places, its other values
     (decoded), and the most ranks that wrote a DTensor or ShardedTensor (0 without them).

@@ -15,15 +15,16 @@ the file and the field.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pickle
 import warnings
 import zipfile
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io import storage
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._archive import is_plain_int, read_archive_with_tensors
 from fsdpckpt.dcp._graph import bounded_repr
 from fsdpckpt.dcp._objects import TensorValue, latin1_bytes, to_torch
@@ -129,7 +130,7 @@ def _one_line(exc: FsdpCkptError) -> FsdpCkptError:
     return exc if text == str(exc) else type(exc)(text)
 
 
-def side_file_size(path: Path | RemotePath, what: str) -> int:
+def side_file_size(path: Place, what: str) -> int:
     """The size of the side file ``path`` (``what`` it holds, for messages), local or remote.
 
     Raises:
@@ -144,13 +145,15 @@ def side_file_size(path: Path | RemotePath, what: str) -> int:
         raise NotACheckpointError(f"{path}: cannot read the {what} file ({exc})") from None
 
 
-def open_side_file(path: Path | RemotePath) -> Any:
-    """``path`` opened for reading: a remote file (buffered, ranged reads) reads as a local
-    one, so both go through the same bounded parse."""
-    return path.open_file().file() if isinstance(path, RemotePath) else open(path, "rb")
+@contextlib.contextmanager
+def open_side_file(path: Place) -> Iterator[BinaryIO]:
+    """``path`` opened for reading, as a context manager: a remote file (buffered, ranged
+    reads) reads as a local one, so both go through the same bounded parse."""
+    with storage.opened(path) as opened:
+        yield opened.file()
 
 
-def read_rng_archive(path: Path | RemotePath) -> dict[Any, Any]:
+def read_rng_archive(path: Place) -> dict[Any, Any]:
     """Decode an RNG file's ``torch.save`` archive into plain values and stand-in records.
 
     Tensors become :class:`~fsdpckpt.dcp._objects.TensorValue`; numpy's arrays and dtypes
@@ -188,7 +191,7 @@ def read_rng_archive(path: Path | RemotePath) -> dict[Any, Any]:
     return state
 
 
-def _check_entries(file: Any, size: int, path: Path | RemotePath) -> None:
+def _check_entries(file: Any, size: int, path: Place) -> None:
     """Refuse archives that would make reading them cost more than their bytes.
 
     ``torch.save`` stores every entry uncompressed, and an RNG file has a handful;
@@ -206,7 +209,7 @@ def _check_entries(file: Any, size: int, path: Path | RemotePath) -> None:
                     "than the file, which torch.save never writes; it is not an RNG state file")
 
 
-def rng_fields(state: dict[Any, Any], path: Path | RemotePath, *,
+def rng_fields(state: dict[Any, Any], path: Place, *,
                build: bool = True) -> dict[str, Any]:
     """Check every field of a decoded RNG file and build the real values, under Accelerate's keys.
 

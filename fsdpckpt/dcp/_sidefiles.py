@@ -17,10 +17,9 @@ did not finish left them.
 from __future__ import annotations
 
 import zipfile
-from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._archive import read_archive_with_tensors
 from fsdpckpt.dcp._objects import _OBJECT_GLOBALS, TensorValue, check_plain_value
 from fsdpckpt.dcp._rngfile import open_side_file, read_rng_archive, rng_fields, side_file_size
@@ -50,7 +49,7 @@ _STATE_KINDS = {
 _ARCHIVE_KINDS = ("sampler", "dataloader", "training_args", "extra_state")
 
 
-def _size(path: Path | RemotePath, what: str) -> int:
+def _size(path: Place, what: str) -> int:
     size = side_file_size(path, what)
     if size == 0:
         raise NotACheckpointError(
@@ -61,7 +60,7 @@ def _size(path: Path | RemotePath, what: str) -> int:
     return size
 
 
-def _one_line(path: Path | RemotePath, what: str, exc: Exception) -> FsdpCkptError:
+def _one_line(path: Place, what: str, exc: Exception) -> FsdpCkptError:
     text = " ".join(str(exc).split())
     if isinstance(exc, UnsafePickleError):
         return exc if text == str(exc) else UnsafePickleError(text)
@@ -76,7 +75,7 @@ def _one_line(path: Path | RemotePath, what: str, exc: Exception) -> FsdpCkptErr
     )
 
 
-def read_state_file(path: Path | RemotePath, what: str = "state") -> Any:
+def read_state_file(path: Place, what: str = "state") -> Any:
     """Decode a ``torch.save`` of a state dict (scheduler, scaler, custom state), never
     running anything from it.
 
@@ -111,7 +110,7 @@ def read_state_file(path: Path | RemotePath, what: str = "state") -> Any:
     return value
 
 
-def _check_archive(path: Path | RemotePath, what: str) -> None:
+def _check_archive(path: Place, what: str) -> None:
     """The archive of a file fsdpckpt never loads: its directory, and (up to
     :data:`MAX_CHECKED_BYTES`) every entry against its CRC-32."""
     size = _size(path, what)
@@ -129,7 +128,7 @@ def _check_archive(path: Path | RemotePath, what: str) -> None:
         raise _one_line(path, what, exc) from None
 
 
-def _check_one(path: Path | RemotePath, kind: str) -> None:
+def _check_one(path: Place, kind: str) -> None:
     if kind == "rng" and _size(path, "RNG state"):
         rng_fields(read_rng_archive(path), path, build=False)
     elif kind in _STATE_KINDS and _size(path, _STATE_KINDS[kind]) <= MAX_CHECKED_BYTES:
@@ -138,7 +137,7 @@ def _check_one(path: Path | RemotePath, kind: str) -> None:
         _check_archive(path, _STATE_KINDS.get(kind, kind.replace("_", " ")))
 
 
-def check_side_files(root: Path | RemotePath, files: Any) -> list[Problem]:
+def check_side_files(root: Place, files: Any) -> list[Problem]:
     """Decode each side file as ``load_state`` would; one :class:`Problem` per file that fails.
 
     Args:
@@ -165,7 +164,7 @@ def check_side_files(root: Path | RemotePath, files: Any) -> list[Problem]:
     return problems
 
 
-def stray_temporaries(root: Path | RemotePath, other_files: tuple[str, ...]) -> list[Problem]:
+def stray_temporaries(root: Place, other_files: tuple[str, ...]) -> list[Problem]:
     """The temporary files (``*.tmp``) among ``other_files``: a save that did not finish."""
     return [
         Problem(

@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io import storage
+from fsdpckpt._io.remote import location
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import find_hf_storage
 from fsdpckpt.dcp._perrank import find_rank_sets
 from fsdpckpt.dcp.reader import METADATA_FILE
@@ -66,7 +67,7 @@ class DcpPart:
     name: str
     kind: str
     index: int | None
-    path: Path | RemotePath
+    path: Place
     complete: bool
 
 
@@ -99,7 +100,7 @@ class CheckpointLayout:
         other_files: names of anything else in the folder.
     """
 
-    path: Path | RemotePath
+    path: Place
     style: str
     parts: tuple[DcpPart, ...]
     side_files: tuple[SideFile, ...]
@@ -110,26 +111,25 @@ class CheckpointLayout:
 
 
 class _Entry:
-    """One entry of a folder, local (``os.DirEntry``) or remote, as the code below asks."""
+    """One entry of a folder as the layout sees it: a local link is what it leads to (a
+    linked model folder is a model folder), as :func:`os.scandir`'s answers follow links."""
 
-    def __init__(self, path: Path | RemotePath, entry: os.DirEntry[str] | None = None) -> None:
-        self.path, self.name, self._entry = path, path.name, entry
+    def __init__(self, entry: storage.Entry) -> None:
+        self.path, self.name, self._entry = entry.path, entry.name, entry
 
     def is_dir(self) -> bool:
-        return self._entry.is_dir() if self._entry is not None else self.path.is_dir()
+        return self._entry.is_dir or (self._entry.is_link and self.path.is_dir())
 
     def size(self) -> int:
-        return self._entry.stat().st_size if self._entry is not None else self.path.stat().st_size
+        return storage.size(self.path) if self._entry.is_link else self._entry.size
 
 
-def _scan(folder: Path | RemotePath) -> list[_Entry]:
+def _scan(folder: Place) -> list[_Entry]:
     """The entries of ``folder``, sorted by name."""
-    if isinstance(folder, RemotePath):
-        return [_Entry(p) for p in folder.iterdir()]
-    return sorted((_Entry(Path(e.path), e) for e in os.scandir(folder)), key=lambda e: e.name)
+    return [_Entry(e) for e in storage.entries(folder)]
 
 
-def _classify_dir(path: Path | RemotePath) -> DcpPart | None:
+def _classify_dir(path: Place) -> DcpPart | None:
     name = path.name
     complete = (path / METADATA_FILE).is_file()
     if match := _MODEL_DIR.match(name):
@@ -141,7 +141,7 @@ def _classify_dir(path: Path | RemotePath) -> DcpPart | None:
     return None
 
 
-def _holds_checkpoint(path: Path | RemotePath) -> bool:
+def _holds_checkpoint(path: Place) -> bool:
     try:
         return any(e.is_dir() and (_MODEL_DIR.match(e.name) or _OPTIMIZER_DIR.match(e.name))
                    for e in _scan(path))
@@ -151,22 +151,23 @@ def _holds_checkpoint(path: Path | RemotePath) -> bool:
         return False
 
 
-def _unfinished_save(folder: Path | RemotePath) -> bool:
+def _unfinished_save(folder: Place) -> bool:
     """Whether ``folder`` (on object storage) is what a ``save_state`` that did not finish
     left: its intent marker and no manifest (the commit; training/_remote.py)."""
-    return isinstance(folder, RemotePath) and (folder / INCOMPLETE).is_file() \
+    # Policy, not mechanism: only a save to object storage commits by a marker (a local one
+    # renames a finished folder into place), so only there can a folder be a save cut short.
+    return storage.is_remote(folder) and (folder / INCOMPLETE).is_file() \
         and not (folder / _MANIFEST).is_file()
 
 
-def refuse_unfinished_save(root: Path | RemotePath) -> None:
+def refuse_unfinished_save(root: Place) -> None:
     """Refuse a remote folder, or a DCP folder inside one, that a save did not finish.
 
     Raises:
         NotACheckpointError: it holds ``.fsdpckpt-incomplete`` and no ``fsdpckpt.json``.
     """
     folders = [root]
-    if isinstance(root, RemotePath) and (_MODEL_DIR.match(root.name)
-                                         or _OPTIMIZER_DIR.match(root.name)):
+    if _MODEL_DIR.match(root.name) or _OPTIMIZER_DIR.match(root.name):
         folders.append(root.parent)  # a DCP folder of a checkpoint: its save's marker
     for folder in folders:
         if _unfinished_save(folder):
@@ -182,7 +183,7 @@ def _natural_key(name: str) -> list[tuple[int, int | str]]:
             for part in re.split(r"(\d+)", name) if part]
 
 
-def _is_finished(path: Path | RemotePath) -> bool:
+def _is_finished(path: Place) -> bool:
     """Whether a checkpoint folder's save finished: every DCP folder in it has ``.metadata``."""
     if _unfinished_save(path):
         return False
@@ -198,7 +199,7 @@ def _is_finished(path: Path | RemotePath) -> bool:
     return bool(dirs) and all((e.path / METADATA_FILE).is_file() for e in dirs)
 
 
-def _several_checkpoints(root: Path | RemotePath, names: list[str]) -> NotACheckpointError:
+def _several_checkpoints(root: Place, names: list[str]) -> NotACheckpointError:
     """The error for a folder of checkpoints: list them, newest last, and suggest the newest
     one whose save finished (names sort by their numbers, so ``checkpoint-1000`` is newer
     than ``checkpoint-500``)."""
@@ -224,7 +225,7 @@ def _side_file(entry: _Entry) -> SideFile | None:
     return None
 
 
-def find_layout(path: str | os.PathLike[str] | RemotePath) -> CheckpointLayout:
+def find_layout(path: str | os.PathLike[str] | Place) -> CheckpointLayout:
     """Name the parts of the checkpoint at ``path``.
 
     Args:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io import storage
+from fsdpckpt._io.remote import location
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._allowlist import METADATA_GLOBALS, STORAGE_INFO_KIND, Record, brief
 from fsdpckpt.dcp._paths import METADATA_FILE, data_file_path, open_data_file, path_inside
 from fsdpckpt.dcp._safe_pickle import safe_loads
@@ -34,7 +35,7 @@ class DcpFolder:
         files: the ``*.distcp`` files present, sorted by name, with their sizes.
     """
 
-    path: Path | RemotePath
+    path: Place
     metadata: DcpMetadata
     files: tuple[DataFile, ...]
 
@@ -48,7 +49,7 @@ class DcpFolder:
         return sum(f.size for f in self.files) + (self.path / METADATA_FILE).stat().st_size
 
 
-def is_dcp_folder(path: Path | RemotePath) -> bool:
+def is_dcp_folder(path: Place) -> bool:
     """Whether ``path`` is a folder holding a ``.metadata`` file."""
     return (path / METADATA_FILE).is_file()
 
@@ -61,19 +62,16 @@ def is_dcp_folder(path: Path | RemotePath) -> bool:
 METADATA_SLACK = 8 << 20
 
 
-def _data_files(folder: Path | RemotePath) -> list[tuple[str, int]]:
+def _data_files(folder: Place) -> list[tuple[str, int]]:
     """``(name, size)`` of the ``*.distcp`` regular files in ``folder`` (links not followed)."""
-    if isinstance(folder, RemotePath):
-        return [(p.name, p.stat().st_size) for p in folder.iterdir()
-                if p.name.endswith(".distcp") and p.is_file()]
-    return [(e.name, e.stat(follow_symlinks=False).st_size) for e in os.scandir(folder)
-            if e.name.endswith(".distcp") and e.is_file(follow_symlinks=False)]
+    return [(e.name, e.size) for e in storage.entries(folder)
+            if e.name.endswith(".distcp") and e.is_file]
 
 
-def _read_metadata_bounded(folder: Path | RemotePath, meta_path: Path | RemotePath) -> bytes:
+def _read_metadata_bounded(folder: Place, meta_path: Place) -> bytes:
     """The bytes of ``.metadata``, refused unread when larger than the data it could describe."""
     path = path_inside(folder, METADATA_FILE)
-    size = path.stat().st_size if isinstance(path, RemotePath) else os.stat(path).st_size
+    size = storage.size(path)
     if size > METADATA_SLACK:
         data = sum(size for _, size in _data_files(folder))
         if size > METADATA_SLACK + data:
@@ -82,10 +80,10 @@ def _read_metadata_bounded(folder: Path | RemotePath, meta_path: Path | RemotePa
                 f".metadata is a small part of its checkpoint (at most {METADATA_SLACK} bytes "
                 "more than its data files), so this one is damaged, crafted, or its data "
                 "files are missing: use an intact copy")
-    return path.read_bytes()
+    return storage.read_bytes(path)
 
 
-def read_dcp_folder(path: str | os.PathLike[str] | RemotePath) -> DcpFolder:
+def read_dcp_folder(path: str | os.PathLike[str] | Place) -> DcpFolder:
     """Read a DCP folder's metadata and list its data files, without unpickling anything unsafe.
 
     Args:
@@ -121,14 +119,10 @@ def read_dcp_folder(path: str | os.PathLike[str] | RemotePath) -> DcpFolder:
     metadata = parse_metadata(_read_metadata_bounded(folder, meta_path), source=str(meta_path))
     for name in sorted(metadata.referenced_files):  # before any of them is sized or opened
         data_file_path(folder, name)
-    if isinstance(folder, RemotePath):
-        files = tuple(DataFile(name, size) for name, size in sorted(_data_files(folder)))
-    else:
-        files = tuple(
-            DataFile(entry.name, os.stat(data_file_path(folder, entry.name)).st_size)
-            for entry in sorted(os.scandir(folder), key=lambda e: e.name)
-            if entry.name.endswith(".distcp") and entry.is_file()
-        )
+    # A link is taken when it leads to a regular file inside the folder (sized as resolved).
+    files = tuple(DataFile(e.name, storage.size(data_file_path(folder, e.name)))
+                  for e in storage.entries(folder) if e.name.endswith(".distcp")
+                  and (e.is_file or (e.is_link and e.path.is_file())))
     return DcpFolder(folder, metadata, files)
 
 

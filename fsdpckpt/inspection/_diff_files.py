@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.download import download
+from fsdpckpt._io import storage
 from fsdpckpt._io.rawio import ReadAt
-from fsdpckpt._io.remote import RemoteFile, RemotePath, location
+from fsdpckpt._io.remote import location
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import parse_header
 from fsdpckpt.dcp._objects import loads, to_torch
 from fsdpckpt.dcp.dtypes import dtype_from_name
@@ -55,10 +56,10 @@ class SafetensorsSource(Source):
 
     kind = "safetensors"
 
-    def __init__(self, files: list[Path | RemotePath], *, path: Path | RemotePath,
+    def __init__(self, files: list[Place], *, path: Place,
                  keep_keys: bool) -> None:
         self.path = path
-        self._fds: list[int | RemoteFile] = []
+        self._fds: list[storage.OpenFile] = []
         # name -> (descriptor or remote file, data start, file)
         self._where: dict[str, tuple[int | ReadAt, int, str]] = {}
         self._objects: dict[str, Any] = {}
@@ -77,16 +78,10 @@ class SafetensorsSource(Source):
                                              "dropped; pass --keep-keys"))
             self.tensors[info.name] = info
 
-    def _open(self, file: Path | RemotePath, keep_keys: bool) -> list[TensorInfo]:
-        fd: int | RemoteFile
-        if isinstance(file, RemotePath):
-            fd = file.open_file()
-            size = fd.size
-            self._fds.append(fd)
-        else:
-            fd = os.open(file, os.O_RDONLY)
-            self._fds.append(fd)
-            size = os.fstat(fd).st_size
+    def _open(self, file: Place, keep_keys: bool) -> list[TensorInfo]:
+        opened = storage.open_file(file)
+        self._fds.append(opened)
+        fd, size = storage.descriptor(opened), opened.size
         source = str(file)
         header = parse_header(fd, size, source)  # the one safetensors header parser
         meta = header.metadata
@@ -130,10 +125,7 @@ class SafetensorsSource(Source):
     def close(self) -> None:
         fds, self._fds = self._fds, []
         for fd in fds:
-            if isinstance(fd, int):
-                os.close(fd)
-            else:
-                fd.close()
+            fd.close()
 
 
 def _row_major_index(shape: Sequence[int], index: Sequence[int]) -> int:
@@ -204,7 +196,7 @@ class TorchSource(Source):
 
     kind = "torch"
 
-    def __init__(self, files: list[tuple[Path | RemotePath, str]], *, path: Path | RemotePath,
+    def __init__(self, files: list[tuple[Place, str]], *, path: Place,
                  keep_keys: bool) -> None:
         self.path = path
         self._downloads: Path | None = None
@@ -214,18 +206,19 @@ class TorchSource(Source):
             self.close()
             raise
 
-    def _local(self, file: Path | RemotePath) -> Path:
+    def _local(self, file: Place) -> Path:
         """``file``, downloaded into this side's temporary folder when it is remote."""
-        if not isinstance(file, RemotePath):
-            return file
+        return storage.local_file(file, self._scratch)
+
+    def _scratch(self) -> Path:
+        """A new empty folder in this side's temporary folder (made on first use)."""
         if self._downloads is None:
             self._downloads = Path(tempfile.mkdtemp(prefix="fsdpckpt-diff-"))
         folder = self._downloads / str(len(list(self._downloads.iterdir())))
         folder.mkdir()
-        download(file, folder / file.name)
-        return folder / file.name
+        return folder
 
-    def _load(self, files: list[tuple[Path | RemotePath, str]], keep_keys: bool) -> None:
+    def _load(self, files: list[tuple[Place, str]], keep_keys: bool) -> None:
         import torch
 
         from fsdpckpt._torch import flatten_state_dict
@@ -283,8 +276,8 @@ class TorchSource(Source):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _file_source(path: Path | RemotePath, *, keep_keys: bool,
-                 shown: Path | RemotePath) -> Source:
+def _file_source(path: Place, *, keep_keys: bool,
+                 shown: Place) -> Source:
     from fsdpckpt.merging._convert_source import shards, sniff
 
     files = shards(path)
@@ -337,4 +330,5 @@ def open_source(path: str | os.PathLike[str], *, optimizer: bool = False,
     parts = choose_parts(layout, optimizer=optimizer, model_index=model_index)
     if optimizer:
         parts = [part for part in parts if part.kind == "optimizer"] or parts
-    return DcpSource(parts[-1].path if optimizer else parts[0].path, keep_keys=keep_keys)
+    part = parts[-1] if optimizer else parts[0]
+    return DcpSource(part.path, keep_keys=keep_keys, name=part.name)

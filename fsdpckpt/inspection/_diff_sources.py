@@ -22,18 +22,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 from fsdpckpt._io.rawio import ReadAt
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._objects import read_object, to_torch
 from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, KeyPath, ObjectEntry, TensorEntry
-from fsdpckpt.dcp.reader import read_dcp_folder
+from fsdpckpt.dcp.parts import open_part
 from fsdpckpt.errors import NotACheckpointError
 from fsdpckpt.inspection._diff_tiles import Piece
 from fsdpckpt.merging._copy import MemorySink, locate_stored_chunk, place_chunk
@@ -109,7 +108,7 @@ class Source:
         tensors: every tensor, by name, in the source's order.
     """
 
-    path: Path | RemotePath
+    path: Place
     kind: str
     tensors: dict[str, TensorInfo]
 
@@ -144,7 +143,7 @@ class Source:
 
 
 def _names(key_paths: Sequence[KeyPath], *, keep_keys: bool,
-           source: Path | RemotePath) -> list[str]:
+           source: Place) -> list[str]:
     strip = shares_top_key(key_paths)
     names = [output_name(p, strip_top=strip, clean=not keep_keys) for p in key_paths]
     seen: set[str] = set()
@@ -157,13 +156,17 @@ def _names(key_paths: Sequence[KeyPath], *, keep_keys: bool,
 
 
 class DcpSource(Source):
-    """A DCP folder: metadata read once, chunks placed box by box with the copy engine."""
+    """A checkpoint part read as a DCP folder (:func:`~fsdpckpt.dcp.parts.open_part`: a DCP
+    folder, per-rank ``torch.save`` files, ``HuggingFaceStorageWriter`` safetensors):
+    metadata read once, chunks placed box by box with the copy engine."""
 
     kind = "dcp"
 
-    def __init__(self, path: Path | RemotePath, *, keep_keys: bool) -> None:
+    def __init__(self, path: Place, *, keep_keys: bool, name: str | None = None) -> None:
+        """``path`` and ``name``: a :class:`~fsdpckpt.dcp.layout.DcpPart`'s (no ``name``:
+        ``path`` is a DCP folder)."""
         self.path = path
-        folder = read_dcp_folder(path)
+        folder = open_part(path, path.name if name is None else name)
         require_whole(folder)  # declared sizes checked against the bytes before any read
         meta = folder.metadata
         entries = list(meta.tensors) + list(meta.objects)
@@ -171,7 +174,7 @@ class DcpSource(Source):
         self._entries = dict(zip(names, entries))
         self.tensors = {n: TensorInfo(n, e.dtype, e.shape) for n, e in self._entries.items()
                         if isinstance(e, TensorEntry)}
-        self._files = DataFiles(path)
+        self._files = DataFiles(folder.path)
         self._raws: tuple[str, list[tuple[Chunk, RawTensor, int | ReadAt, str]]] | None = None
 
     def object_names(self) -> list[str]:

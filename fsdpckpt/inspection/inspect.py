@@ -16,12 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdpckpt._io.remote import RemotePath, location
-from fsdpckpt.dcp._hfstorage import HfStorageFolder, read_part
+from fsdpckpt.dcp._hfstorage import HfStorageFolder
 from fsdpckpt.dcp._perrank import PerRankFolder
 from fsdpckpt.dcp._sidefiles import check_side_files, stray_temporaries
 from fsdpckpt.dcp.checks import Problem, check_folder, known_world_size
 from fsdpckpt.dcp.layout import DcpPart, find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
+from fsdpckpt.dcp.parts import open_part
 from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport
 
@@ -153,7 +154,7 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
     for part in layout.parts:
         folder = None
         if part.complete:
-            folder = read_part(part.path, part.name)
+            folder = open_part(part.path, part.name)
             problems.extend(check_folder(folder))
         else:
             problems.append(Problem(str(part.path), "no .metadata: this save never finished "

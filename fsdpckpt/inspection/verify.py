@@ -11,21 +11,21 @@ blocks; no tensor is ever held whole.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.checksums import crc32_range, file_checksums, new_digest
+from fsdpckpt._io import storage
+from fsdpckpt._io.checksums import crc32_range, new_digest
 from fsdpckpt._io.rawio import reusing_scratch
-from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io.remote import location
+from fsdpckpt._io.storage import Place
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._archive import locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
-from fsdpckpt.dcp._hfstorage import check_hf_files, hf_part_named
-from fsdpckpt.dcp._perrank import check_rank_files, rank_set_named
 from fsdpckpt.dcp._zstd import ZstdEntry, chunk_limit, open_entry
 from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.dcp.metadata import DcpMetadata
+from fsdpckpt.dcp.parts import check_part_files, find_part
 from fsdpckpt.dcp.reader import path_inside, read_dcp_folder
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.inspection.inspect import inspect_checkpoint
@@ -35,7 +35,7 @@ from fsdpckpt.training.manifest import MANIFEST, data_entry_crc, manifest_digest
 
 __all__ = ["verify_checkpoint"]
 
-def _check_chunks(folder: Path | RemotePath, problems: list[Problem], *, only_file: str | None,
+def _check_chunks(folder: Place, problems: list[Problem], *, only_file: str | None,
                   expected: dict[tuple[str, str, tuple[int, ...]], int] | None,
                   progress: ProgressCallback | None) -> None:
     """Check each chunk's data against ``expected`` CRCs, or its zip's own CRC when None."""
@@ -45,7 +45,7 @@ def _check_chunks(folder: Path | RemotePath, problems: list[Problem], *, only_fi
                           progress=progress)
 
 
-def _check_each_chunk(folder: Path | RemotePath, meta: DcpMetadata, files: DataFiles,
+def _check_each_chunk(folder: Place, meta: DcpMetadata, files: DataFiles,
                       problems: list[Problem], *, only_file: str | None,
                       expected: dict[tuple[str, str, tuple[int, ...]], int] | None,
                       progress: ProgressCallback | None) -> None:
@@ -88,7 +88,7 @@ def _check_each_chunk(folder: Path | RemotePath, meta: DcpMetadata, files: DataF
                                         "checksum (a changed byte)"))
 
 
-def _chunk_bytes(folders: list[Path | RemotePath]) -> tuple[int, int]:
+def _chunk_bytes(folders: list[Place]) -> tuple[int, int]:
     """Bytes and data files that checking every chunk of ``folders`` reads, from the metadata:
     each chunk's data (DCP saves a chunk's own elements, no more)."""
     total, files = 0, set()
@@ -102,34 +102,17 @@ def _chunk_bytes(folders: list[Path | RemotePath]) -> tuple[int, int]:
     return total, len(files)
 
 
-def _walk(root: Path | RemotePath) -> tuple[list[str], list[str]]:
-    """Every file under ``root`` and every symlink to a folder (not followed), relative."""
-    if isinstance(root, RemotePath):  # one recursive listing; object stores have no links
-        prefix = root.path.rstrip("/") + "/"
-        keys = root.fs.find(root.path)
-        return sorted(k[len(prefix):] for k in keys
-                      if k.startswith(prefix) and not k.endswith("/")), []
-    found, linked = [], []
-    for dirpath, dirs, names in os.walk(root):
-        for name in names:
-            found.append(os.path.relpath(os.path.join(dirpath, name), root))
-        linked += [os.path.relpath(os.path.join(dirpath, d), root) for d in dirs
-                   if os.path.islink(os.path.join(dirpath, d))]
-    return sorted(found), sorted(linked)
-
-
-def _checksums(file: Path | RemotePath, progress: ProgressCallback | None,
+def _checksums(file: Place, progress: ProgressCallback | None,
                digest: str | None) -> tuple[int, int, str | None]:
     """``(size, crc32, digest)`` of a whole file, local or remote (ranged reads in blocks)."""
-    if not isinstance(file, RemotePath):
-        return file_checksums(file, progress, digest)
-    remote = file.open_file()
     hasher = new_digest(digest)
-    crc = crc32_range(remote, 0, remote.size, progress, source=str(file), hasher=hasher)
-    return remote.size, crc, hasher.hexdigest() if hasher is not None else None
+    with storage.opened(file) as opened:
+        crc = crc32_range(storage.descriptor(opened), 0, opened.size, progress, source=str(file),
+                          hasher=hasher)
+    return opened.size, crc, hasher.hexdigest() if hasher is not None else None
 
 
-def _check_digest(root: Path | RemotePath, expect: str, problems: list[Problem]) -> str | None:
+def _check_digest(root: Place, expect: str, problems: list[Problem]) -> str | None:
     """Compare the manifest's digest with ``expect``; return the digest (None: no manifest)."""
     want = expect if expect.startswith("sha256:") else "sha256:" + expect
     try:
@@ -197,9 +180,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     # saves (no checksums): every header read again, and every data byte owned by a tensor.
     for part in layout.parts:
         problems += [Problem(str(where), why) for where, why in
-                     check_rank_files(part.path, part.name) + check_hf_files(part.path, part.name)]
-    folders = [p.path for p in layout.parts if p.complete and rank_set_named(p.path, p.name)
-               is None and hf_part_named(p.path, p.name) is None]
+                     check_part_files(part.path, part.name)]
+    folders = [p.path for p in layout.parts
+               if p.complete and find_part(p.path, p.name).kind == "dcp"]
     for folder in folders:  # never part of a committed checkpoint; load_state refuses them
         for stray in stray_metadata_files(folder):
             problems.append(Problem(str(stray), "stray rank-local DCP metadata "
@@ -211,14 +194,14 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             _check_chunks(folder, problems, only_file=None, expected=None, progress=callback)
         # Safetensors record no checksum: without a manifest their data cannot be checked.
         unchecked = tuple(str(p.path / name) for p in layout.parts
-                          if (hf := hf_part_named(p.path, p.name)) is not None
+                          if (hf := find_part(p.path, p.name).hf) is not None
                           for name in hf.files)
         return _report(root, problems, manifest=False, digest=digest, file_digest=None,
                        unchecked=unchecked)
 
     file_digest = manifest.get("digest")  # schema-checked: None, or one of DIGESTS
     named = {p.path for p in problems}  # stray metadata files are named above already
-    files, linked_folders = _walk(root)
+    files, linked_folders = storage.walk(root)
     for name in files:
         if name != MANIFEST and name not in manifest["files"] and str(root / name) not in named:
             problems.append(Problem(str(root / name), "stray file: not in the "
@@ -231,7 +214,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
                 for folder, chunks in manifest.get("chunks", {}).items() for c in chunks}
     listed = {name: (info["size"], info["crc32"], info.get(file_digest) if file_digest else None)
               for name, info in manifest["files"].items()}
-    whole: list[tuple[Path | RemotePath, int, str | None]] = []
+    whole: list[tuple[Place, int, str | None]] = []
     for name, (want_size, want_crc, want_digest) in listed.items():
         file = root / name
         try:
@@ -270,7 +253,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     return _report(root, problems, manifest=True, digest=digest, file_digest=file_digest)
 
 
-def _report(root: Path | RemotePath, problems: list[Problem], *, manifest: bool, digest: str | None,
+def _report(root: Place, problems: list[Problem], *, manifest: bool, digest: str | None,
             file_digest: str | None, unchecked: tuple[str, ...] = ()) -> VerifyReport:
     if manifest and digest is None:
         digest = manifest_digest(root)

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fsdpckpt._io.remote import RemotePath
-from fsdpckpt.dcp._hfstorage import read_part
 from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.layout import CheckpointLayout, DcpPart, find_layout
+from fsdpckpt.dcp.parts import open_part
 from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.errors import CheckpointNotFoundError, MergePlanError, NotACheckpointError
 from fsdpckpt.formats import OutputFormat, get_format
@@ -120,7 +120,7 @@ def _kind(part: DcpPart, folder: DcpFolder) -> str:
 
 
 def _read_checked(part: DcpPart) -> MergeSource:
-    folder = read_part(part.path, part.name)
+    folder = open_part(part.path, part.name)
     require_whole(folder)  # fail before writing, from metadata and file sizes alone
     return MergeSource(folder, _kind(part, folder))
 

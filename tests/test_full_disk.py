@@ -179,7 +179,7 @@ def test_a_full_disk_while_writing_a_side_file_raises_disk_full_error_and_leaves
         Path(path).write_bytes(data[:4096])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(state, "write_bytes", short_write)
+    monkeypatch.setattr(state, "put_bytes", short_write)
     model, optimizer = _model_and_optimizer()
     with pytest.raises(fsdpckpt.DiskFullError, match="random_states_0.pkl: no space left") as e:
         fsdpckpt.save_state(tmp_path / "ckpt", model, optimizer, step=1)

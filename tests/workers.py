@@ -243,7 +243,7 @@ def save_into_a_full_disk(rank: int, world: int, ckpt: str, failing_rank: int) -
             Path(path).write_bytes(data[:4096])
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        state.write_bytes = short_write
+        state.put_bytes = short_write
     model = wrap(make_model(), "fsdp2")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     try:

@@ -345,3 +345,40 @@ class Closeable(Protocol):
 
     def close(self) -> None:
         """Release it."""
+
+
+# --- added by train ---
+
+__all__ += ["replace_bytes", "free_space"]
+
+
+def replace_bytes(file: Place, data: bytes) -> tuple[int, int]:
+    """Write ``data`` as the whole of ``file`` so that a reader sees the old bytes or the new,
+    never a part; ``(size, crc32)``.
+
+    Local: written durably beside it as ``<name>.tmp``, then renamed over it. Remote: one
+    PUT, which an object store shows whole or not at all.
+    """
+    if is_remote(file):
+        return put_bytes(file, data)
+    local = cast(Path, file)
+    tmp = local.with_name(local.name + ".tmp")
+    written = write_bytes(tmp, data)
+    os.replace(tmp, local)
+    return written
+
+
+def free_space(place: Place) -> int | None:
+    """The bytes free to an unprivileged writer on the file system holding ``place`` (or its
+    nearest existing parent); None where that is not known: an object store has no such
+    limit, and a local ``statvfs`` may fail."""
+    if is_remote(place):
+        return None
+    folder = cast(Path, place)
+    while not folder.is_dir() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        found = os.statvfs(folder)
+    except OSError:
+        return None
+    return found.f_bavail * found.f_frsize

@@ -24,13 +24,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.remote import RemotePath
-from fsdpckpt._torch import (
-    fsspec_filesystem_class,
-    fsspec_reader_class,
-    storage_info,
-    store_loaded_value,
-)
+from fsdpckpt._io.dcp_storage import dcp_reader
+from fsdpckpt._io.storage import Place
+from fsdpckpt._torch import storage_info, store_loaded_value
 from fsdpckpt.dcp._checked import check_archive
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._zstd import OBJECT_LIMIT, chunk_limit, open_entry
@@ -44,7 +40,7 @@ __all__ = ["check_local_reads", "check_reads", "safe_storage_reader", "safe_load
            "stray_metadata_files"]
 
 
-def stray_metadata_files(folder: Path | RemotePath) -> list[Path | RemotePath]:
+def stray_metadata_files(folder: Place) -> list[Place]:
     """The rank-local metadata files (``__{rank}.metadata``) in the DCP folder ``folder``.
 
     DCP writes them only when a save runs without collectives, and then writes no
@@ -55,7 +51,7 @@ def stray_metadata_files(folder: Path | RemotePath) -> list[Path | RemotePath]:
                   key=str)
 
 
-def _refuse_strays(folder: Path | RemotePath) -> None:
+def _refuse_strays(folder: Place) -> None:
     strays = stray_metadata_files(folder)
     if strays:
         raise NotACheckpointError(
@@ -66,7 +62,7 @@ def _refuse_strays(folder: Path | RemotePath) -> None:
             "get an intact copy")
 
 
-def check_reads(folder: Path | RemotePath, archives: set[_Archive]) -> None:
+def check_reads(folder: Place, archives: set[_Archive]) -> None:
     """Read every entry of each of ``archives`` (``(file, offset, length, transforms,
     limit)``) of ``folder`` against the CRC-32s its zip records: torch's loader does not.
 
@@ -90,7 +86,7 @@ def check_local_reads(reader: Any, state_dict: Any) -> None:
     reader.check_items(planner.create_local_plan().items)
 
 
-def _torch_metadata(folder: Path | RemotePath) -> tuple[Any, dict[Any, _Archive]]:
+def _torch_metadata(folder: Place) -> tuple[Any, dict[Any, _Archive]]:
     """``folder``'s metadata as torch's ``Metadata``, built from fsdpckpt's safe parse, and
     where each storage index's archive lies (for :func:`check_reads`)."""
     import torch
@@ -140,7 +136,7 @@ def _torch_metadata(folder: Path | RemotePath) -> tuple[Any, dict[Any, _Archive]
                     version=meta.version), limits
 
 
-def safe_storage_reader(folder: Path | RemotePath) -> Any:
+def safe_storage_reader(folder: Place) -> Any:
     """A ``FileSystemReader`` for the DCP folder ``folder`` that never unpickles metadata
     (for a remote folder, torch's ``FsspecReader`` over the client fsdpckpt resolved).
 
@@ -153,14 +149,14 @@ def safe_storage_reader(folder: Path | RemotePath) -> Any:
         UnsafePickleError: ``.metadata`` names a global outside the allowlist.
         CheckpointNotFoundError: the folder or its ``.metadata`` is missing.
     """
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     _refuse_strays(folder)
     metadata, limits = _torch_metadata(folder)
-    base: Any = fsspec_reader_class() if isinstance(folder, RemotePath) else FileSystemReader
 
-    class SafeFileSystemReader(base):
+    class SafeFileSystemReader:
+        load_id: Any  # set by torch's reader, which this class goes before
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             # Asked with rank=... (torch's fallback to rank-local files), the answer is
             # the same: only ``.metadata``, as fsdpckpt parsed it.
@@ -172,12 +168,7 @@ def safe_storage_reader(folder: Path | RemotePath) -> Any:
             check_reads(folder, {limits[item.storage_index] for item in items
                                  if item.storage_index in limits})
 
-    reader = SafeFileSystemReader(str(folder))
-    if isinstance(folder, RemotePath):
-        filesystem = fsspec_filesystem_class()()
-        filesystem.fs = folder.fs  # the client location() built: its credentials and endpoint
-        reader.fs = filesystem
-    return reader
+    return dcp_reader(folder, SafeFileSystemReader)
 
 
 def safe_load_planner() -> Any:

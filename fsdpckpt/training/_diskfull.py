@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io import storage
+from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import DiskFullError
+from fsdpckpt.training._layout import commits_by_marker
 
 __all__ = ["disk_full", "raising_disk_full", "removed_on_failure"]
 
@@ -53,20 +52,12 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         stack += [c for c in (current.__cause__, current.__context__) if c is not None]
 
 
-def _no_space_left(where: Path | RemotePath) -> bool:
-    if isinstance(where, RemotePath):
-        return False
-    folder = Path(where)
-    while not folder.is_dir() and folder != folder.parent:
-        folder = folder.parent
-    try:
-        stat = os.statvfs(folder)
-    except OSError:
-        return False
-    return stat.f_bavail * stat.f_frsize < _NEARLY_FULL
+def _no_space_left(where: Place) -> bool:
+    free = storage.free_space(where)  # None on object storage: no such limit there
+    return free is not None and free < _NEARLY_FULL
 
 
-def disk_full(exc: BaseException, where: Path | RemotePath) -> DiskFullError | None:
+def disk_full(exc: BaseException, where: Place) -> DiskFullError | None:
     """The :class:`DiskFullError` for ``exc`` raised while writing ``where``, or None when
     ``exc`` is not about a full disk."""
     for cause in _causes(exc):
@@ -88,7 +79,7 @@ def disk_full(exc: BaseException, where: Path | RemotePath) -> DiskFullError | N
 
 
 @contextlib.contextmanager
-def raising_disk_full(where: Path | RemotePath) -> Iterator[None]:
+def raising_disk_full(where: Place) -> Iterator[None]:
     """Within the block, a full disk raises :class:`DiskFullError` naming ``where``; any
     other failure passes unchanged."""
     try:
@@ -103,11 +94,13 @@ def raising_disk_full(where: Path | RemotePath) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def removed_on_failure(root: Path | RemotePath, remove: Any, *, rank: int) -> Iterator[None]:
+def removed_on_failure(root: Place, remove: Any, *, rank: int) -> Iterator[None]:
     """If the block fails (on every rank: the save's steps agree), rank 0 removes what the
-    save wrote into the local folder ``root`` with ``remove(root)``, and the error goes on.
+    save wrote into ``root`` with ``remove(root)``, and the error goes on.
 
-    A Ctrl-C is left alone: the folder then holds no manifest, and the next save into it
+    A save that commits by a marker (object storage) is left as it is: its intent marker
+    already says it is no checkpoint, and the CheckpointManager's sweep deletes it. A
+    Ctrl-C is left alone too: the folder then holds no manifest, and the next save into it
     (or the CheckpointManager) clears it.
     """
     try:
@@ -115,11 +108,12 @@ def removed_on_failure(root: Path | RemotePath, remove: Any, *, rank: int) -> It
     except BaseException as exc:
         if (
             rank == 0
-            and not isinstance(root, RemotePath)
+            and not commits_by_marker(root)
             and not isinstance(exc, (KeyboardInterrupt, SystemExit))
         ):
             with contextlib.suppress(OSError):
                 remove(root)
-                for leftover in Path(root).glob("*.tmp"):
-                    shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+                for leftover in storage.entries(root):
+                    if leftover.name.endswith(".tmp"):
+                        storage.remove(leftover.path)
         raise

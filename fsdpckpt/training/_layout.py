@@ -5,6 +5,8 @@
 ``scaler.pt``, ``random_states_{rank}.pkl``, ``custom_checkpoint_{i}.pkl``, and fsdpckpt's
 ``fsdpckpt.json``. Using Accelerate's names lets ``accelerator.load_state`` read what
 fsdpckpt saves, and fsdpckpt read what Accelerate saves.
+
+How a save into a folder commits depends on where the folder is: :func:`commits_by_marker`.
 """
 
 from __future__ import annotations
@@ -12,22 +14,37 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io import storage
+from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
-__all__ = ["model_folder", "optimizer_folder", "scheduler_file", "remove_stale_parts",
-           "check_parts"]
+__all__ = ["commits_by_marker", "model_folder", "optimizer_folder", "scheduler_file",
+           "remove_stale_parts", "check_parts"]
 
 
-def model_folder(root: Path | RemotePath, i: int) -> Any:
+def commits_by_marker(root: Place) -> bool:
+    """Whether a save into ``root`` commits by its manifest appearing, under the intent
+    marker of :mod:`fsdpckpt.training._remote` (docs/remote-training.md), rather than in a
+    local folder it prepares and cleans up itself.
+
+    Policy, not mechanism, so it is asked here, once for the package: object storage has
+    no rename and no way to make a folder appear whole, so there the manifest written last
+    is the only commit there is. Such a save needs its manifest, starts with the intent
+    marker, and a failed one is left for the sweep; a local save prepares its folder and
+    removes what a failed one wrote.
+    """
+    return storage.is_remote(root)
+
+
+def model_folder(root: Place, i: int) -> Any:
     return root / f"pytorch_model_fsdp_{i}"
 
 
-def optimizer_folder(root: Path | RemotePath, i: int) -> Any:
+def optimizer_folder(root: Place, i: int) -> Any:
     return root / f"optimizer_{i}"
 
 
-def scheduler_file(root: Path | RemotePath, i: int, *, reading: bool = False) -> Any:
+def scheduler_file(root: Place, i: int, *, reading: bool = False) -> Any:
     name = "scheduler.bin" if i == 0 else f"scheduler_{i}.bin"
     if reading and i == 0 and not (root / name).exists() and (root / "scheduler.pt").exists():
         return root / "scheduler.pt"  # HF Trainer's name
@@ -41,6 +58,7 @@ _PART_PATTERNS = ("pytorch_model_fsdp_*", "optimizer_*", "random_states_*.pkl", 
 def remove_stale_parts(root: Path) -> None:
     # Saving into a folder that holds an older checkpoint must not leave parts of the old
     # one beside the new (an optimizer saved then, and not now, would be loaded later).
+    # A local folder only: a save that commits by a marker empties its folder first.
     import shutil
 
     for pattern in _PART_PATTERNS:
@@ -48,7 +66,7 @@ def remove_stale_parts(root: Path) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def check_parts(root: Path | RemotePath, models: list, optimizers: list,
+def check_parts(root: Place, models: list, optimizers: list,
                 schedulers: list) -> None:
     """Refuse a load before it starts when a part asked for is not in ``root``."""
     if not root.is_dir():

@@ -18,10 +18,9 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._rngfile import read_rng_archive, rng_fields
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError, UnsafePickleError
 
@@ -29,7 +28,7 @@ __all__ = ["capture_rng_state", "rng_state_bytes", "load_rng_file", "restore_rng
            "prepare_rng", "PreparedRng"]
 
 
-def rng_file(checkpoint_dir: Path | RemotePath, rank: int) -> Path | RemotePath:
+def rng_file(checkpoint_dir: Place, rank: int) -> Place:
     """Accelerate's name for ``rank``'s RNG file (HF Trainer's ``rng_state_{rank}.pth`` if only
     that exists)."""
     accelerate = checkpoint_dir / f"random_states_{rank}.pkl"
@@ -76,7 +75,7 @@ def torch_save_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def load_rng_file(path: Path | RemotePath) -> dict[str, Any]:
+def load_rng_file(path: Place) -> dict[str, Any]:
     """Read an RNG file exactly (see :mod:`fsdpckpt.dcp._rngfile`), keyed as Accelerate keys it.
 
     Never calls ``torch.load`` or numpy's unpickling: numpy's key array is built
@@ -90,7 +89,7 @@ def load_rng_file(path: Path | RemotePath) -> dict[str, Any]:
     return _normalize(read_rng_archive(path), path)
 
 
-def refused(path: Path | RemotePath, exc: BaseException, what: str) -> Exception:
+def refused(path: Place, exc: BaseException, what: str) -> Exception:
     """The error for a file ``torch.load(weights_only=True)`` would not load (fsdpckpt's own
     errors, a checksum that fails before torch reads, as they are)."""
     import pickle
@@ -109,7 +108,7 @@ def refused(path: Path | RemotePath, exc: BaseException, what: str) -> Exception
                                "it is damaged or not a torch.save file")
 
 
-def _normalize(state: dict[Any, Any], path: Path | RemotePath) -> dict[str, Any]:
+def _normalize(state: dict[Any, Any], path: Place) -> dict[str, Any]:
     """Check every field (HF Trainer's names too) and build the real states (:func:`rng_fields`)."""
     state = rng_fields(state, path)
     if "torch_manual_seed" not in state and "random_state" not in state:
@@ -166,7 +165,7 @@ class PreparedRng:
         self._apply()
 
 
-def _checked(path: Path | RemotePath, change: Callable[[], None]) -> Callable[[], None]:
+def _checked(path: Place, change: Callable[[], None]) -> Callable[[], None]:
     # The decoded state is tried once and the current state put back, so apply() later
     # cannot fail half-way: whatever python, numpy or torch would refuse is refused now,
     # before a load has changed anything.
@@ -182,13 +181,13 @@ def _checked(path: Path | RemotePath, change: Callable[[], None]) -> Callable[[]
     return change
 
 
-def _ranks(checkpoint_dir: Path | RemotePath, prefix: str, suffix: str) -> list[int]:
+def _ranks(checkpoint_dir: Place, prefix: str, suffix: str) -> list[int]:
     """The ranks of the files ``{prefix}{rank}{suffix}`` in the checkpoint folder."""
     found = (p.name[len(prefix):-len(suffix)] for p in checkpoint_dir.glob(f"{prefix}*{suffix}"))
     return sorted(int(rank) for rank in found if rank.isdigit())
 
 
-def prepare_rng(checkpoint_dir: Path | RemotePath, rank: int, world_size: int) -> PreparedRng:
+def prepare_rng(checkpoint_dir: Place, rank: int, world_size: int) -> PreparedRng:
     """Read and check everything :func:`restore_rng` needs, changing no RNG state.
 
     Args:
@@ -224,7 +223,7 @@ def prepare_rng(checkpoint_dir: Path | RemotePath, rank: int, world_size: int) -
     return PreparedRng(step, warnings, change)
 
 
-def restore_rng(checkpoint_dir: Path, rank: int, world_size: int) -> tuple[int | None, list[str]]:
+def restore_rng(checkpoint_dir: Place, rank: int, world_size: int) -> tuple[int | None, list[str]]:
     """Restore this rank's RNG state by the policy above; return the saved step and warnings.
 
     The same as :func:`prepare_rng` then ``apply()``: nothing changes unless every

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fsdpckpt import _torch
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp.reader import read_dcp_folder
 
 __all__ = ["Comparison", "ShapeMismatch", "compare", "flatten", "mismatch_message"]
@@ -58,7 +58,7 @@ def _global_shape(value: Any) -> tuple[int, ...] | None:
     return tuple(size()) if callable(size) else None
 
 
-def compare(folder: Path, state: Mapping[str, Any], prefix: str) -> Comparison:
+def compare(folder: Place, state: Mapping[str, Any], prefix: str) -> Comparison:
     """Compare ``state`` with the entries under ``prefix.`` of the DCP folder ``folder``."""
     metadata = read_dcp_folder(folder).metadata
     stored: dict[str, tuple[int, ...] | None] = {t.name: t.shape for t in metadata.tensors}
@@ -83,7 +83,7 @@ def flatten(state: Mapping[str, Any]) -> dict[str, Any]:
     return _torch.flatten_state_dict(dict(state))[0]
 
 
-def mismatch_message(folder: Path, comparison: Comparison, what: str = "model") -> str:
+def mismatch_message(folder: Place, comparison: Comparison, what: str = "model") -> str:
     """One message saying how ``what`` (``"model"``, ``"optimizer"``) differs from ``folder``."""
     parts = []
     for label, items in (("missing from the checkpoint", comparison.missing),

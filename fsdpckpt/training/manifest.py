@@ -22,24 +22,19 @@ import hashlib
 import json
 import os
 import time
-from pathlib import Path
 from typing import IO, Any
 
+from fsdpckpt._io import storage
 from fsdpckpt._io.checksums import DIGESTS, ChecksumStream, Pieces, crc32_range, resolve_pieces
-from fsdpckpt._io.durable import write_bytes
+from fsdpckpt._io.dcp_storage import dcp_writer
 from fsdpckpt._io.jsonio import parse_json
-from fsdpckpt._io.remote import RemotePath
-from fsdpckpt._torch import (
-    fsspec_filesystem_class,
-    fsspec_writer,
-    set_writer_filesystem,
-    written_file_name,
-)
+from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io.storage import Place
+from fsdpckpt._torch import written_file_name
 from fsdpckpt.dcp._archive import _open_archive, entry_data_start
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.reader import is_dcp_folder, read_dcp_folder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from fsdpckpt.training._remote import put_bytes
 
 __all__ = ["MANIFEST", "FileRecord", "build_manifest", "checksum_writer", "chunk_crcs",
            "data_entry_crc", "manifest_digest", "parse_manifest", "read_manifest",
@@ -57,36 +52,12 @@ def checksum_writer(path: str | os.PathLike[str] | RemotePath, record: dict[str,
                     digest: str | None = None) -> Any:
     """A DCP storage writer for ``path`` that records ``{file name: FileRecord}``: torch's
     ``FileSystemWriter``, or for a remote folder its ``FsspecWriter`` over the same client."""
-    from contextlib import contextmanager
+    def written(name: str, proxy: ChecksumStream) -> None:
+        # DCP writes .metadata under a temporary name, then renames it.
+        hexdigest = proxy.hasher.hexdigest() if proxy.hasher is not None else None
+        record[written_file_name(name)] = (proxy.size, proxy.pieces, hexdigest)
 
-    if isinstance(path, RemotePath):
-        base: Any = fsspec_filesystem_class()
-    else:
-        from torch.distributed.checkpoint.filesystem import FileSystem as base
-
-    class _ChecksumFileSystem(base):
-        @contextmanager
-        def create_stream(self, path: Any, mode: str):  # as FileSystem's
-            with super().create_stream(path, mode) as stream:
-                if "w" not in mode:
-                    yield stream
-                    return
-                proxy = ChecksumStream(stream, digest)
-                yield proxy
-            # DCP writes .metadata under a temporary name, then renames it.
-            hexdigest = proxy.hasher.hexdigest() if proxy.hasher is not None else None
-            record[written_file_name(str(path))] = (proxy.size, proxy.pieces, hexdigest)
-
-    filesystem = _ChecksumFileSystem()
-    if isinstance(path, RemotePath):
-        filesystem.fs = path.fs  # the client location() built: its credentials and endpoint
-        return fsspec_writer(str(path), filesystem)
-
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    writer = FileSystemWriter(path)
-    set_writer_filesystem(writer, filesystem)
-    return writer
+    return dcp_writer(path, lambda stream: ChecksumStream(stream, digest), written)
 
 
 def data_entry(handle: IO[bytes], start: int, length: int, *,
@@ -107,7 +78,7 @@ def data_entry_crc(handle: IO[bytes], start: int, length: int, *, source: str) -
     return data_entry(handle, start, length, source=source)[0]
 
 
-def chunk_crcs(folder: Path | RemotePath,
+def chunk_crcs(folder: Place,
                records: dict[str, dict[tuple[int, int], int]] | None = None,
                ) -> list[dict[str, Any]]:
     """Each tensor chunk of a DCP folder with the CRC-32 its zip directory stores for its data.
@@ -133,7 +104,7 @@ def chunk_crcs(folder: Path | RemotePath,
     return out
 
 
-def _file_crc(root: Path | RemotePath, name: str, crc: int | Pieces,
+def _file_crc(root: Place, name: str, crc: int | Pieces,
               records: dict[str, dict[str, dict[tuple[int, int], int]]]) -> int:
     """A file's CRC-32 from what was recorded while writing it."""
     if isinstance(crc, int):
@@ -141,19 +112,13 @@ def _file_crc(root: Path | RemotePath, name: str, crc: int | Pieces,
     folder, _, file = name.rpartition("/")
 
     def read_back(offset: int, length: int) -> int:
-        if isinstance(root, RemotePath):
-            return crc32_range((root / name).open_file(), offset, length,
-                               source=str(root / name))
-        fd = os.open(root / name, os.O_RDONLY)
-        try:
-            return crc32_range(fd, offset, length, source=str(root / name))
-        finally:
-            os.close(fd)
+        with storage.opened(root / name) as file:
+            return crc32_range(file, offset, length, source=str(root / name))
 
     return resolve_pieces(crc, records.get(folder, {}).get(file, {}), read_back)
 
 
-def build_manifest(root: Path | RemotePath, files: dict[str, FileRecord], *, world_size: int,
+def build_manifest(root: Place, files: dict[str, FileRecord], *, world_size: int,
                    step: int | None, digest: str | None = None) -> dict[str, Any]:
     """The manifest document for the checkpoint at ``root``; ``files`` maps relative paths
     to what was recorded while writing them. ``digest`` names the digest each record
@@ -189,7 +154,7 @@ def _content_checksum(document: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def write_manifest(root: Path | RemotePath, manifest: dict[str, Any]) -> str:
+def write_manifest(root: Place, manifest: dict[str, Any]) -> str:
     """Write ``fsdpckpt.json`` atomically and durably, with its own checksum.
 
     On object storage the manifest is one PUT, visible whole or not at all: the commit
@@ -201,12 +166,7 @@ def write_manifest(root: Path | RemotePath, manifest: dict[str, Any]) -> str:
     """
     document = dict(manifest, checksum=_content_checksum(manifest))
     data = (json.dumps(document, indent=1) + "\n").encode()
-    if isinstance(root, RemotePath):
-        put_bytes(root / MANIFEST, data)
-        return "sha256:" + hashlib.sha256(data).hexdigest()
-    tmp = root / (MANIFEST + ".tmp")
-    write_bytes(tmp, data)
-    os.replace(tmp, root / MANIFEST)
+    storage.replace_bytes(root / MANIFEST, data)
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
@@ -219,14 +179,14 @@ def manifest_digest(root: str | os.PathLike[str] | RemotePath) -> str:
     Raises:
         CheckpointNotFoundError: the checkpoint has no manifest.
     """
-    path = (root if isinstance(root, RemotePath) else Path(root)) / MANIFEST
+    path = location(root) / MANIFEST
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: no manifest; only checkpoints saved by "
                                       "fsdpckpt (save_state, CheckpointManager) have one")
     return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def read_manifest(root: Path | RemotePath) -> dict[str, Any] | None:
+def read_manifest(root: Place) -> dict[str, Any] | None:
     """The manifest at ``root``, validated, or None when there is none.
 
     Raises:
@@ -237,7 +197,7 @@ def read_manifest(root: Path | RemotePath) -> dict[str, Any] | None:
     return parse_manifest(path.read_bytes(), path) if path.is_file() else None
 
 
-def parse_manifest(data: bytes, path: Path | RemotePath) -> dict[str, Any]:
+def parse_manifest(data: bytes, path: Place) -> dict[str, Any]:
     """The manifest encoded in ``data`` (the bytes of ``path``), validated.
 
     Raises:

@@ -17,11 +17,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fsdpckpt._io.checksums import new_digest
-from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io.storage import Place, put_bytes, refresh
 from fsdpckpt.dcp._objects import to_torch
 from fsdpckpt.dcp._sidefiles import read_state_file
 from fsdpckpt.errors import (
@@ -38,6 +38,7 @@ from fsdpckpt.training._diskfull import raising_disk_full, removed_on_failure
 from fsdpckpt.training._dist import async_group, dcp_call, dist_or_none, everywhere, rank_world
 from fsdpckpt.training._layout import (
     check_parts,
+    commits_by_marker,
     model_folder,
     optimizer_folder,
     remove_stale_parts,
@@ -141,18 +142,20 @@ def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     new_digest(digest)  # an unknown name fails here, before anything is written
     if digest is not None and not manifest:
         raise OptionError("digest= is recorded in the manifest: it needs manifest=True")
-    if isinstance(root, RemotePath) and not manifest:
+    by_marker = commits_by_marker(root)
+    if by_marker and not manifest:
         raise OptionError(f"{root}: on object storage the manifest is the commit marker "
                          "(docs/remote-training.md): saving there needs manifest=True")
     models, optimizers = _as_list(model), _as_list(optimizer)
     def prepare() -> None:
         if rank != 0:
             return
-        if isinstance(root, RemotePath):
-            _remote.begin_save(root)  # intent marker first, then an empty folder
+        if by_marker:
+            _remote.begin_save(cast(RemotePath, root))  # intent marker, then an empty folder
         else:
-            root.mkdir(parents=True, exist_ok=True)
-            remove_stale_parts(root)
+            folder = cast(Path, root)  # a save that commits itself is a local one
+            folder.mkdir(parents=True, exist_ok=True)
+            remove_stale_parts(folder)
 
     everywhere(prepare)
     # A save that fails (a full disk...) leaves nothing that could pass for a checkpoint.
@@ -161,7 +164,7 @@ def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
                      async_save=async_save, manifest=manifest, digest=digest, rank=rank)
 
 
-def _save(root: Path | RemotePath, models: list[Any], optimizers: list[Any], scheduler: Any, *,
+def _save(root: Place, models: list[Any], optimizers: list[Any], scheduler: Any, *,
           step: int | None, scaler: Any, extra: Mapping[str, Any] | None, async_save: bool,
           manifest: bool, digest: str | None, rank: int) -> AsyncSave | None:
     """Write every part of a save into the prepared folder ``root``, then the manifest."""
@@ -174,7 +177,7 @@ def _save(root: Path | RemotePath, models: list[Any], optimizers: list[Any], sch
     futures = []
     records: dict[str, dict[str, FileRecord]] = {}  # folder -> file -> (size, crc32, digest)
 
-    def write(state: dict[str, Any], folder: Path | RemotePath) -> None:
+    def write(state: dict[str, Any], folder: Place) -> None:
         kwargs: dict[str, Any] = {}
         if manifest:
             kwargs["storage_writer"] = checksum_writer(folder, records.setdefault(folder.name, {}),
@@ -197,10 +200,9 @@ def _save(root: Path | RemotePath, models: list[Any], optimizers: list[Any], sch
         write({"optimizer": get_optimizer_state_dict(module, opt)}, optimizer_folder(root, i))
     side = records.setdefault("", {})
 
-    def write_side(path: Path | RemotePath, data: bytes) -> None:
+    def write_side(path: Place, data: bytes) -> None:
         with raising_disk_full(path):
-            size, crc = _remote.put_bytes(path, data) if isinstance(path, RemotePath) else \
-                write_bytes(path, data, sync=manifest)
+            size, crc = put_bytes(path, data, sync=manifest)  # remote: one PUT, always whole
         side[path.name] = (size, crc, hashlib.new(digest, data).hexdigest() if digest else None)
 
     def write_side_files() -> None:
@@ -227,7 +229,7 @@ def _save(root: Path | RemotePath, models: list[Any], optimizers: list[Any], sch
     return None
 
 
-def _read_everything(root: Path | RemotePath, models: list, optimizers: list, schedulers: list,
+def _read_everything(root: Place, models: list, optimizers: list, schedulers: list,
                      scaler: Any, extra: Mapping[str, Any], rank: int, world: int) -> Any:
     """Read and check every part of a checkpoint before any training state changes.
 
@@ -238,7 +240,7 @@ def _read_everything(root: Path | RemotePath, models: list, optimizers: list, sc
     model_readers = [safe_storage_reader(model_folder(root, i)) for i in range(len(models))]
     optimizer_readers = [safe_storage_reader(optimizer_folder(root, i))
                          for i in range(len(optimizers))]
-    def _load_trusted(path: Path | RemotePath, what: str = "state") -> Any:
+    def _load_trusted(path: Place, what: str = "state") -> Any:
         # The reader inspect and verify check side files with (never torch.load).
         return to_torch(read_state_file(path, what))
 
@@ -286,9 +288,8 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     root = location(checkpoint_dir, storage_options=storage_options)
     rank, world = rank_world()
     models, optimizers, schedulers = _as_list(model), _as_list(optimizer), _as_list(scheduler)
-    if isinstance(root, RemotePath):
-        _remote.refresh(root)
-        _remote.refuse_incomplete(root)
+    refresh(root)  # another process saved it: list it anew
+    _remote.refuse_incomplete(root)
     check_parts(root, models, optimizers, schedulers)
     # All or nothing: every part is read and checked (on every rank, which agree) before
     # the first one is loaded, so a damaged file changes no training state.

@@ -28,6 +28,7 @@ from fsdpckpt._io.remote import RemotePath
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp.layout import INCOMPLETE  # the intent marker: written first, removed last
 from fsdpckpt.errors import NotACheckpointError
+from fsdpckpt.training._layout import commits_by_marker
 
 __all__ = ["INCOMPLETE", "refresh", "put_bytes", "begin_save", "end_save", "delete",
            "is_incomplete", "refuse_incomplete", "sweep", "MarkerCommits"]
@@ -91,7 +92,8 @@ def refuse_incomplete(folder: Any) -> None:
     Raises:
         NotACheckpointError: it holds the intent marker and no manifest.
     """
-    if is_incomplete(folder):
+    # Only a save that commits by the marker (object storage) can be cut short in place.
+    if commits_by_marker(folder) and is_incomplete(folder):
         raise NotACheckpointError(
             f"{folder}: a save into it did not finish (it holds {INCOMPLETE} and no "
             f"{_MANIFEST}), so it is not a checkpoint; load an older one. The next "

@@ -264,14 +264,7 @@ def _write_local(stage: Path, out: Place, source: Place, local: list[tuple[Path,
                  key: str | None, callback: Callable[[int], None] | None,
                  total: int) -> ConvertResult:
     import torch
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from torch.distributed.checkpoint import metadata as dcp
 
     reported = 0
     entries: dict[str, Any] = {}
@@ -291,10 +284,10 @@ def _write_local(stage: Path, out: Place, source: Place, local: list[tuple[Path,
                     tensor = tensor.clone()  # as DCP does: save only the chunk's own bytes
                 torch.save(tensor, data)
                 zeros = torch.Size([0] * tensor.dim())
-                entries[fqn] = TensorStorageMetadata(
-                    TensorProperties.create_from_tensor(tensor), tensor.size(),
-                    [ChunkStorageMetadata(zeros, tensor.size())])
-                storage_data[MetadataIndex(fqn, zeros, 0)] = storage_info(
+                entries[fqn] = dcp.TensorStorageMetadata(
+                    dcp.TensorProperties.create_from_tensor(tensor), tensor.size(),
+                    [dcp.ChunkStorageMetadata(zeros, tensor.size())])
+                storage_data[dcp.MetadataIndex(fqn, zeros, 0)] = storage_info(
                     _DATA_FILE, offset, data.tell() - offset)
                 tensors, nbytes = tensors + 1, nbytes + tensor.nbytes
                 if callback and reported + tensor.nbytes <= total:
@@ -305,15 +298,15 @@ def _write_local(stage: Path, out: Place, source: Place, local: list[tuple[Path,
                 blob = io.BytesIO()
                 torch.save(value, blob)
                 data.write(blob.getbuffer())
-                entries[fqn] = BytesStorageMetadata()
-                storage_data[MetadataIndex(fqn)] = storage_info(_DATA_FILE, offset,
+                entries[fqn] = dcp.BytesStorageMetadata()
+                storage_data[dcp.MetadataIndex(fqn)] = storage_info(_DATA_FILE, offset,
                                                                 data.tell() - offset)
                 objects += 1
         data.flush()
         os.fsync(data.fileno())
     if callback and reported < total:  # headers and pickles: the bar ends at 100%
         callback(total - reported)
-    metadata = Metadata(entries, planner_data=planner, storage_data=storage_data,
+    metadata = dcp.Metadata(entries, planner_data=planner, storage_data=storage_data,
                         version="1.0.0")
     with open(stage / ".metadata", "wb") as meta:
         pickle.dump(metadata, meta)

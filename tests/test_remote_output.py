@@ -12,7 +12,7 @@ import json
 import pytest
 
 import fsdpckpt
-from fsdpckpt.merging import _remote_out
+from fsdpckpt._io import publish_remote as _remote_out  # where the upload (_put) lives
 from fsdpckpt.merging.writer import OutputExistsError, OutputNotWritableError
 
 from conftest import FIXTURES, assert_one_line_error, run_cli, upload

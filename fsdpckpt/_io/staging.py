@@ -1,6 +1,7 @@
 """Hidden staging folders that a signal cannot orphan, with the mode an output should have.
 
-Every output fsdpckpt publishes is built in a hidden folder and renamed into place. A
+Every output fsdpckpt publishes is built in a hidden folder and renamed into place
+(:mod:`fsdpckpt._io.publish`, the one publish helper, builds on what is here). A
 Ctrl-C or SIGTERM that lands after the folder exists but before the code that removes it
 on failure has its name would leave it behind (``OUT/.fsdpckpt-tmp-*``, mode 0700, and the
 ``OUT/`` a merge created). :func:`signals_deferred` closes that window: the signals are

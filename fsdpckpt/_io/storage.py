@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeAlias, cast
 
-from fsdpckpt._io.durable import write_bytes
+from fsdpckpt._io.durable import fsync_dir, write_bytes
 from fsdpckpt._io.rawio import pread_into
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
@@ -382,3 +382,25 @@ def free_space(place: Place) -> int | None:
     except OSError:
         return None
     return found.f_bavail * found.f_frsize
+
+
+# --- added by publish ---
+
+__all__ += ["remove_tree", "sync_names"]
+
+
+def remove_tree(place: Place) -> None:
+    """Delete the folder ``place`` and everything under it, failing loudly (unlike
+    :func:`remove`): for a deletion the user asked for, whose failure they must hear of."""
+    if is_remote(place):
+        remote = cast("RemotePath", place)
+        remote.fs.rm(remote.path, recursive=True)
+        return
+    shutil.rmtree(cast(Path, place))
+
+
+def sync_names(folder: Place) -> None:
+    """Make the names in ``folder`` (new files, renames) durable: a local folder is
+    fsynced; an object store has nothing to do (an object is durable once its PUT returned)."""
+    if not is_remote(folder):
+        fsync_dir(cast(Path, folder))

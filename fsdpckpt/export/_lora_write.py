@@ -3,17 +3,20 @@ or shards and their index as a merge splits them.
 
 Fusion keeps every shape, so the whole file (header, each tensor's offset) is laid out
 from the checkpoint's metadata before any data is read; each fused tensor is then written
-at its place and dropped. The file is staged beside the target and renamed at the end.
+at its place and dropped. The file is staged beside the target and renamed at the end
+(:func:`fsdpckpt._io.publish.beside`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io import publish
 from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._io.rawio import pwrite_all
 from fsdpckpt.dcp.dtypes import dtype_from_name
@@ -101,17 +104,19 @@ def _write_files(files: list[tuple[Path, list[TensorSpec]]],
                  tensors: Iterable[tuple[str, Any]]) -> int:
     # Every file laid out first (header and size), each staged beside its target; then each
     # tensor is written at its place as it comes, and the files renamed into place at the
-    # end. On any error the staged files are removed and no target is touched.
+    # end (fsdpckpt/_io/publish.py). On any error the staged files are removed and no
+    # target is touched.
     fmt = SafetensorsFormat()
     where: dict[str, tuple[int, int, TensorSpec]] = {}  # name -> (fd, offset, spec)
-    staged: list[tuple[Path, Path, int]] = []
     count = 0
-    try:
-        for path, specs in files:
+    with publish.beside([path for path, _ in files]) as staged, \
+            contextlib.ExitStack() as opened:
+        fds = []
+        for tmp, (_path, specs) in zip(staged, files, strict=True):
             file = fmt.layout(specs, [], nested=False)
-            tmp = path.with_name(f".{path.name}.tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            staged.append((tmp, path, fd))
+            opened.callback(os.close, fd)
+            fds.append(fd)
             os.ftruncate(fd, file.size)
             for offset, data in file.fixed:
                 pwrite_all(fd, memoryview(data), offset)
@@ -126,14 +131,8 @@ def _write_files(files: list[tuple[Path, list[TensorSpec]]],
                                              f"{tensor.dtype}; the layout said {spec.shape}")
             pwrite_all(fd, memoryview(data), offset)
             count += 1
-        for _tmp, _path, fd in staged:
+        for fd in fds:
             os.fsync(fd)
-        for tmp, path, _fd in staged:
-            os.replace(tmp, path)
-    finally:
-        for tmp, _path, fd in staged:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
     return count
 
 

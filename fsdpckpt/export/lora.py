@@ -302,13 +302,11 @@ def _save_safetensors(tensors: Mapping[str, Any], path: Path) -> None:
     # Staged beside the target and renamed: a crash leaves the old file or the new one.
     from safetensors.torch import save_file
 
-    staging = path.with_name(f".{path.name}.tmp")
-    try:
+    from fsdpckpt._io import publish
+
+    with publish.beside([path]) as (staging,):
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging),
                   metadata={"format": "pt"})
-        os.replace(staging, path)
-    finally:
-        staging.unlink(missing_ok=True)
 
 
 def export_adapter(checkpoint: _Where, output: str | os.PathLike[str],

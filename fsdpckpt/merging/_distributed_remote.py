@@ -4,7 +4,8 @@ The ranks need no shared file system: each writes its share of the output files 
 :func:`~fsdpckpt.merging._distributed.assign_files` split as on a shared disk) into its own
 local temporary folder and uploads them under their final names; once every rank's
 uploads are in, rank 0 writes and uploads each index, last, then removes the earlier
-outputs the new ones replace (the protocol of :mod:`fsdpckpt.merging._remote_out`).
+outputs the new ones replace (the protocol of :mod:`fsdpckpt.merging._remote_out`; the uploads are
+:mod:`fsdpckpt._io.publish_remote`'s).
 
 Every step ends with the ranks agreeing: a failure on any rank makes every rank delete
 the objects it uploaded, so nothing of the merge is left and an earlier output stays.
@@ -15,16 +16,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.publish_remote import check_remote_output, delete, local_stage, upload
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.merging._distributed import _outline, _Ranks, _write_share, assign_files
 from fsdpckpt.merging._jobs import MergeJob, MergeResult, merge_result
 from fsdpckpt.merging._outputs import claim_outputs
-from fsdpckpt.merging._remote_out import check_remote_output, delete, local_stage, upload
 from fsdpckpt.merging.writer import output_paths, sigterm_interrupts, write_index
+
+if TYPE_CHECKING:
+    from fsdpckpt._io.remote import RemotePath
 
 __all__ = ["run_spread_remote"]
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.merging.plan import MergePlan
 from fsdpckpt.merging.writer import commit
+
+if TYPE_CHECKING:
+    from fsdpckpt._io.remote import RemotePath
 
 __all__ = ["MergeResult", "MergeJob", "StagedPlan", "merge_result", "commit_job"]
 

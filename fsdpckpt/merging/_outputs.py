@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fsdpckpt._io.jsonio import parse_json
-from fsdpckpt._io.remote import RemotePath
 from fsdpckpt.errors import MergePlanError, OutputExistsError
 from fsdpckpt.merging.plan import MergePlan
 from fsdpckpt.merging.writer import output_paths
+
+if TYPE_CHECKING:
+    from fsdpckpt._io.remote import RemotePath
 
 __all__ = ["claim_outputs", "earlier_outputs"]
 
@@ -24,7 +26,7 @@ _INDEX_LIMIT = 64 * 2**20  # an index of 64 MiB would list millions of tensors: 
 
 
 #: A local folder or one on object storage: the checks below ask both the same questions.
-_P = TypeVar("_P", Path, RemotePath)
+_P = TypeVar("_P", "Path", "RemotePath")
 
 
 def claim_outputs(plans: Sequence[MergePlan], out: _P, *, overwrite: bool) -> tuple[_P, ...]:

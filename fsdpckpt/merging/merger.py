@@ -24,22 +24,27 @@ over ranks), once, for both verbs.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io import storage
+from fsdpckpt._io.publish import files_into
+from fsdpckpt._io.remote import location
+from fsdpckpt._io.storage import Place
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.errors import NotACheckpointError
 from fsdpckpt.merging._jobs import MergeJob, MergeResult, StagedPlan, commit_job
 from fsdpckpt.merging._outputs import claim_outputs
-from fsdpckpt.merging._remote_out import check_remote_output, local_stage, upload_results
+from fsdpckpt.merging._remote_out import COMMIT, publish_results
 from fsdpckpt.merging._validate import MergeRequest, resolve_folders, validate_merge
 from fsdpckpt.merging.plan import parse_dtype, plan_merge
 from fsdpckpt.merging.writer import sigterm_interrupts, staging, write_plan
+
+if TYPE_CHECKING:
+    from fsdpckpt._io.remote import RemotePath
 
 # MergeResult, MergeJob, StagedPlan and commit_job live in merging/_jobs.py, below every
 # output strategy; they are named here too, where they have always been imported from.
@@ -146,14 +151,15 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
                    overwrite=overwrite, progress=progress, process_group=process_group)
 
 
-def run_job(out: Path | RemotePath, plan: Callable[[Path], MergeJob], *, overwrite: bool,
+def run_job(out: Place, plan: Callable[[Path], MergeJob], *, overwrite: bool,
             progress: ProgressFactory | None, process_group: Any = None) -> list[MergeResult]:
     """The write and commit stages of the job ``plan(folder)`` returns, for the output folder
     ``out``: the one place that chooses how the output is written.
 
-    - local, one process: written into a staging folder inside ``out``, then renamed in;
-    - on object storage (``out`` is a :class:`RemotePath`): merged into a local temporary
-      folder, then uploaded file by file, the index last (:mod:`._remote_out`);
+    - one process: written into a staging folder, renamed in, then published into ``out``
+      (:func:`fsdpckpt._io.publish.files_into`): locally that folder is inside ``out``
+      and the renames are the publish; on object storage it is inside a local temporary
+      folder, and the files are uploaded file by file, the index last (:mod:`._remote_out`);
     - spread over the ranks of ``process_group``, local (:mod:`._distributed`) or on object
       storage (:mod:`._distributed_remote`).
 
@@ -162,33 +168,27 @@ def run_job(out: Path | RemotePath, plan: Callable[[Path], MergeJob], *, overwri
     """
     if process_group is not None:
         # Imported here: only a spread merge loads them (they import torch.distributed then).
-        if isinstance(out, RemotePath):
+        # The one choice of strategy by the kind of place: without a shared file system the
+        # ranks upload their shares themselves, and there is no common stage to rename from.
+        if storage.is_remote(out):
             from fsdpckpt.merging._distributed_remote import run_spread_remote
 
-            return run_spread_remote(out, plan, process_group, overwrite, progress)
+            return run_spread_remote(cast("RemotePath", out), plan, process_group, overwrite,
+                                     progress)
         from fsdpckpt.merging._distributed import agree_on, run_spread
 
-        return run_spread(agree_on(process_group, lambda: plan(out)), process_group, progress)
-    if isinstance(out, RemotePath):
-        return _run_remote(out, plan, overwrite, progress)
-    return _run(plan(out), progress)
-
-
-def _run_remote(out: RemotePath, plan: Callable[[Path], MergeJob], overwrite: bool,
-                progress: ProgressFactory | None) -> list[MergeResult]:
-    # Merged locally, then uploaded, the index last (merging/_remote_out.py says why).
-    check_remote_output(out)
-    with local_stage(out) as local:
-        job = plan(local)
-        stale = claim_outputs(job.plans, out, overwrite=overwrite)  # before any byte is read
-        results = _run(job, progress)
-        return upload_results(results, out, stale)
-
-
-def _run(job: MergeJob, progress: ProgressFactory | None) -> list[MergeResult]:
-    # SIGTERM (a job scheduler, `kill`) unwinds like Ctrl-C, so the staging folder goes too.
-    with sigterm_interrupts(), staging(job.output_dir) as stage:
-        return commit_job(job, write_job(job, stage, progress))
+        return run_spread(agree_on(process_group, lambda: plan(cast(Path, out))),
+                          process_group, progress)
+    with files_into(out, commit=COMMIT) as target:
+        job = plan(target.workdir)
+        # Into another folder than the one planned (a remote output): claimed there, before
+        # any byte is read. Locally the plan stage claimed the same files (the same answer).
+        stale = claim_outputs(job.plans, cast(Any, out), overwrite=overwrite)
+        # SIGTERM (a job scheduler, `kill`) unwinds like Ctrl-C, so the staging folder goes too.
+        with sigterm_interrupts():
+            with staging(job.output_dir) as stage:
+                results = commit_job(job, write_job(job, stage, progress))
+            return publish_results(target, results, stale)
 
 
 def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization: bool = True,
@@ -241,8 +241,5 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
     (result,) = run_job(location(output_path, storage_options=storage_options), plan,
                         overwrite=overwrite, progress=progress)
     if remove_checkpoint_dir:
-        if isinstance(result.source, RemotePath):
-            result.source.fs.rm(result.source.path, recursive=True)
-        else:
-            shutil.rmtree(result.source)
+        storage.remove_tree(result.source)
     return result.path

@@ -19,20 +19,21 @@ output is committed.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
 import re
 import shutil
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.download import download
+from fsdpckpt._io import publish, storage
 from fsdpckpt._io.jsonio import parse_json
-from fsdpckpt._io.remote import RemotePath, location
-from fsdpckpt._io.staging import make_stage, signals_deferred
+from fsdpckpt._io.remote import location
+from fsdpckpt._io.storage import Place
 from fsdpckpt._progress import ProgressFactory, start_progress
 from fsdpckpt._torch import flatten_state_dict, storage_info
 from fsdpckpt.dcp._objects import loads, torch_load_allowlisted
@@ -66,11 +67,11 @@ class ConvertResult:
         source: the file read (a folder given to :func:`convert` resolves to its model file).
     """
 
-    path: Path | RemotePath
+    path: Place
     tensors: int
     objects: int
     bytes: int
-    source: Path | RemotePath | None = None
+    source: Place | None = None
 
     def to_json(self) -> dict[str, Any]:
         """What ``fsdpckpt convert --json`` prints."""
@@ -103,12 +104,6 @@ def _torch_load(file: Path, kind: str) -> Any:
             raise  # a real I/O error, which names its file
         raise CorruptCheckpointError(f"{file}: not a readable torch.save file "
                                      f"({first_line(exc)}); it is truncated or damaged.") from None
-
-
-def _remove(stage: Path | None) -> None:
-    if stage is not None:
-        with signals_deferred():  # a second Ctrl-C does not cut the cleanup short
-            shutil.rmtree(stage, ignore_errors=True)
 
 
 def key_paths(text: str) -> dict[str, list[str | int]]:
@@ -151,20 +146,16 @@ def _safetensors_entries(file: Path, prefix: tuple) -> Iterator[tuple[tuple, Any
 _DOWNLOADS = ".downloads"
 
 
-def _local_copies(files: list[tuple[Path | RemotePath, str]],
-                  stage: Path) -> list[tuple[Path, str]]:
+def _local_copies(files: list[tuple[Place, str]], stage: Path) -> list[tuple[Path, str]]:
     """``files`` as local files: a remote one downloaded into ``stage``'s download folder
     (under its own name, in a folder of its own), a local one as it is."""
-    local: list[tuple[Path, str]] = []
-    for number, (file, kind) in enumerate(files):
-        if isinstance(file, RemotePath):
-            folder = stage / _DOWNLOADS / str(number)
-            folder.mkdir(parents=True)
-            download(file, folder / file.name)
-            local.append((folder / file.name, kind))
-        else:
-            local.append((file, kind))
-    return local
+    def scratch(number: int) -> Path:
+        folder = stage / _DOWNLOADS / str(number)
+        folder.mkdir(parents=True)
+        return folder
+
+    return [(storage.local_file(file, functools.partial(scratch, number)), kind)
+            for number, (file, kind) in enumerate(files)]
 
 
 def _entries(files: list[tuple[Path, str]], key: str | None) -> Iterator[tuple[tuple, Any]]:
@@ -220,97 +211,41 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
         >>> convert("merged/model.safetensors", "seed/pytorch_model_fsdp_0")
     """
     out = location(out_dir, storage_options=storage_options)
-    if isinstance(out, RemotePath):  # built locally, uploaded with .metadata last
-        from fsdpckpt.merging._remote_out import publish_folder
+    found: list[Any] = []  # (source, files), from prepare()
 
-        done, _ = publish_folder(out, lambda folder: convert(
-            full_file, folder, key=key, progress=progress, storage_options=storage_options),
-            overwrite=overwrite, last=(".metadata",))
-        return replace(done, path=out)
-    import torch
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    def prepare(target: Path) -> None:
+        # The input, then the folder the output replaces: all checked before writing.
+        source = resolve_source(location(full_file, storage_options=storage_options))
+        found[:] = [source, [(file, sniff(file)) for file in shards(source)]]
+        if target.exists() and not target.is_dir():
+            raise NotACheckpointError(f"{target}: is a file; pass a folder for the DCP output.")
+        if target.exists() and not overwrite:
+            raise OutputExistsError(f"{target}: already exists; pass overwrite=True to replace "
+                                    "it")
+        if target.exists() and any(target.iterdir()) and not (target / ".metadata").is_file():
+            # Replacing means deleting: only ever delete a folder that is a DCP checkpoint.
+            raise OutputExistsError(f"{target}: exists and is not a DCP folder, so "
+                                    "overwrite=True will not delete it; choose another output "
+                                    "folder")
 
-    source = resolve_source(location(full_file, storage_options=storage_options))
-    out = Path(out_dir)
-    files = [(file, sniff(file)) for file in shards(source)]  # all checked before writing
-    if out.exists() and not out.is_dir():
-        raise NotACheckpointError(f"{out}: is a file; pass a folder for the DCP output.")
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"{out}: already exists; pass overwrite=True to replace "
-                                "it")
-    if out.exists() and any(out.iterdir()) and not (out / ".metadata").is_file():
-        # Replacing means deleting: only ever delete a folder that is a DCP checkpoint.
-        raise OutputExistsError(f"{out}: exists and is not a DCP folder, so overwrite=True will "
-                                "not delete it; choose another output folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    total = sum(file.stat().st_size for file, _kind in files)
-    callback, reported = start_progress(progress, total, len(files)), 0
-    stage: Path | None = None
-    entries: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
-    planner: dict[str, tuple] = {}
-    tensors = objects = nbytes = 0
+    # Built in a hidden folder and published as a whole (on object storage: built locally,
+    # uploaded with .metadata last); fsdpckpt/_io/publish.py.
+    return publish.folder(out, lambda stage: _write(stage, out, found[0], found[1], key,
+                                                    progress),
+                          overwrite=overwrite, last=(".metadata",), prepare=prepare)
+
+
+def _write(stage: Path, out: Place, source: Place, files: list[tuple[Place, str]],
+           key: str | None, progress: ProgressFactory | None) -> ConvertResult:
+    """Every entry of ``files`` into the DCP folder ``stage``; what :func:`convert` returns
+    once it is published as ``out``."""
+    total = sum(storage.size(file) for file, _kind in files)
+    callback = start_progress(progress, total, len(files))  # before any byte is read
     local: list[tuple[Path, str]] = []
     try:
-        with signals_deferred():  # no Ctrl-C between mkdtemp and `stage` being set
-            # The folder itself is published: the umask's mode, not mkdtemp's 0700.
-            stage = make_stage(out.parent, f".{out.name}.fsdpckpt-tmp-",
-                               published_as_folder=True)
         local = _local_copies(files, stage)
-        with open(stage / _DATA_FILE, "wb") as data:
-            for path, value in _entries(local, key or None):
-                fqn = ".".join(map(str, path))
-                if fqn in planner:
-                    raise NotACheckpointError(f"{source}: two entries are both named '{fqn}'")
-                planner[fqn] = path
-                offset = data.tell()
-                if isinstance(value, torch.Tensor):
-                    tensor = value.detach().contiguous()
-                    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-                        tensor = tensor.clone()  # as DCP does: save only the chunk's own bytes
-                    torch.save(tensor, data)
-                    zeros = torch.Size([0] * tensor.dim())
-                    entries[fqn] = TensorStorageMetadata(
-                        TensorProperties.create_from_tensor(tensor), tensor.size(),
-                        [ChunkStorageMetadata(zeros, tensor.size())])
-                    storage[MetadataIndex(fqn, zeros, 0)] = storage_info(
-                        _DATA_FILE, offset, data.tell() - offset)
-                    tensors, nbytes = tensors + 1, nbytes + tensor.nbytes
-                    if callback and reported + tensor.nbytes <= total:
-                        callback(tensor.nbytes)
-                        reported += tensor.nbytes
-                    del tensor, value
-                else:
-                    blob = io.BytesIO()
-                    torch.save(value, blob)
-                    data.write(blob.getbuffer())
-                    entries[fqn] = BytesStorageMetadata()
-                    storage[MetadataIndex(fqn)] = storage_info(_DATA_FILE, offset,
-                                                               data.tell() - offset)
-                    objects += 1
-            data.flush()
-            os.fsync(data.fileno())
-        if callback and reported < total:  # headers and pickles: the bar ends at 100%
-            callback(total - reported)
-        metadata = Metadata(entries, planner_data=planner, storage_data=storage,
-                            version="1.0.0")
-        with open(stage / ".metadata", "wb") as meta:
-            pickle.dump(metadata, meta)
-            meta.flush()
-            os.fsync(meta.fileno())
-        shutil.rmtree(stage / _DOWNLOADS, ignore_errors=True)  # no part of the output
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(stage, out)
+        return _write_local(stage, out, source, local, key, callback, total)
     except FsdpCkptError as exc:
-        _remove(stage)
         copies = {str(copy): str(file) for (copy, _), (file, _) in zip(local, files)
                   if copy != file}
         message = str(exc)
@@ -320,8 +255,63 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
             raise
         raise type(exc)(message) from None
     except BaseException as exc:
-        _remove(stage)
         if isinstance(exc.__context__, KeyboardInterrupt):
             raise KeyboardInterrupt from None  # torch.save turns Ctrl-C into a RuntimeError
         raise
+
+
+def _write_local(stage: Path, out: Place, source: Place, local: list[tuple[Path, str]],
+                 key: str | None, callback: Callable[[int], None] | None,
+                 total: int) -> ConvertResult:
+    import torch
+    from torch.distributed.checkpoint import metadata as dcp
+
+    reported = 0
+    entries: dict[str, Any] = {}
+    storage_data: dict[Any, Any] = {}
+    planner: dict[str, tuple] = {}
+    tensors = objects = nbytes = 0
+    with open(stage / _DATA_FILE, "wb") as data:
+        for path, value in _entries(local, key or None):
+            fqn = ".".join(map(str, path))
+            if fqn in planner:
+                raise NotACheckpointError(f"{source}: two entries are both named '{fqn}'")
+            planner[fqn] = path
+            offset = data.tell()
+            if isinstance(value, torch.Tensor):
+                tensor = value.detach().contiguous()
+                if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                    tensor = tensor.clone()  # as DCP does: save only the chunk's own bytes
+                torch.save(tensor, data)
+                zeros = torch.Size([0] * tensor.dim())
+                entries[fqn] = dcp.TensorStorageMetadata(
+                    dcp.TensorProperties.create_from_tensor(tensor), tensor.size(),
+                    [dcp.ChunkStorageMetadata(zeros, tensor.size())])
+                storage_data[dcp.MetadataIndex(fqn, zeros, 0)] = storage_info(
+                    _DATA_FILE, offset, data.tell() - offset)
+                tensors, nbytes = tensors + 1, nbytes + tensor.nbytes
+                if callback and reported + tensor.nbytes <= total:
+                    callback(tensor.nbytes)
+                    reported += tensor.nbytes
+                del tensor, value
+            else:
+                blob = io.BytesIO()
+                torch.save(value, blob)
+                data.write(blob.getbuffer())
+                entries[fqn] = dcp.BytesStorageMetadata()
+                storage_data[dcp.MetadataIndex(fqn)] = storage_info(_DATA_FILE, offset,
+                                                                data.tell() - offset)
+                objects += 1
+        data.flush()
+        os.fsync(data.fileno())
+    if callback and reported < total:  # headers and pickles: the bar ends at 100%
+        callback(total - reported)
+    metadata = dcp.Metadata(entries, planner_data=planner, storage_data=storage_data,
+                        version="1.0.0")
+    with open(stage / ".metadata", "wb") as meta:
+        pickle.dump(metadata, meta)
+        meta.flush()
+        os.fsync(meta.fileno())
+    shutil.rmtree(stage / _DOWNLOADS, ignore_errors=True)  # no part of the output
+    return ConvertResult(out, tensors, objects, nbytes, source)
     return ConvertResult(out, tensors, objects, nbytes, source)

@@ -5,9 +5,10 @@ into place (:func:`commit`: staged paths in, final paths out).
 Files are staged in a hidden folder inside the output folder (same file system,
 so the final renames are atomic), space is reserved up front so a full disk
 fails before the copy rather than in the middle, and on any error, Ctrl-C or
-SIGTERM the staging folder is removed, leaving the output folder as it was. A
-staging folder that survived anyway (SIGKILL, a power cut) names its host and
-process, and the next merge into that folder removes it once that process is gone.
+SIGTERM the staging folder is removed, leaving the output folder as it was. The
+staging folder and the renames are the publish helper's (:mod:`fsdpckpt._io.publish`:
+a folder that survived anyway, SIGKILL or a power cut, names its host and process,
+and the next merge into that folder removes it once that process is gone).
 """
 
 from __future__ import annotations
@@ -15,22 +16,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import logging
 import os
-import re
 import shutil
 import signal
-import socket
 import threading
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsdpckpt._io.checksums import crc32_range
-from fsdpckpt._io.durable import fsync_dir, write_bytes
+from fsdpckpt._io.durable import write_bytes
+from fsdpckpt._io.publish import STAGING_PREFIX, clear_stale_stages, host, rename_into, stage_in
 from fsdpckpt._io.rawio import pwrite_all, reusing_scratch
-from fsdpckpt._io.remote import RemotePath
-from fsdpckpt._io.staging import make_stage, signals_deferred
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._objects import read_object
 from fsdpckpt.errors import (
@@ -44,14 +41,15 @@ from fsdpckpt.formats import ObjectValue
 from fsdpckpt.merging._copy import place_stored_chunk
 from fsdpckpt.merging.plan import MergePlan, PlannedFile
 
+if TYPE_CHECKING:
+    from fsdpckpt._io.remote import RemotePath
+
 __all__ = ["OutputExistsError", "DiskFullError", "OutputNotWritableError", "Terminated",
            "write_plan", "write_index", "output_paths", "staging", "commit", "sigterm_interrupts",
-           "STAGING_PREFIX"]
+           "STAGING_PREFIX", "clear_stale_stages"]
 
-log = logging.getLogger("fsdpckpt")
-
-#: Staging folders are ``{STAGING_PREFIX}{host}-{pid}-{random}`` inside the output folder.
-STAGING_PREFIX = ".fsdpckpt-tmp-"
+# Staging folders are ``{STAGING_PREFIX}{host}-{pid}-{random}`` inside the output folder:
+# made, cleared when stale, and published by fsdpckpt/_io/publish.py.
 
 
 @contextlib.contextmanager
@@ -82,7 +80,8 @@ def sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-_P = TypeVar("_P", Path, RemotePath)
+#: A local folder or one on object storage.
+_P = TypeVar("_P", "Path", "RemotePath")
 
 
 def output_paths(plan: MergePlan, output_dir: _P) -> list[_P]:
@@ -91,122 +90,10 @@ def output_paths(plan: MergePlan, output_dir: _P) -> list[_P]:
     return [output_dir / n for n in names]
 
 
-def _host() -> str:
-    # '-' separates the fields of the name, so it may not appear in the host part.
-    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
-
-
-_STAGE_NAME = re.compile(re.escape(STAGING_PREFIX)
-                         + r"(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-[^-]*$")
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, it is someone else's
-        return True
-    return True
-
-
-def clear_stale_stages(output_dir: Path) -> list[Path]:
-    """Remove the staging folders in ``output_dir`` that a merge on this host left behind
-    when it died; return them.
-
-    A folder is removed only when its name carries this host and a process id that no
-    longer exists. A running merge's folder (its process is alive), another host's
-    (shared file systems), and any folder named otherwise are kept.
-    """
-    removed: list[Path] = []
-    host = _host()
-    try:
-        candidates = [e for e in os.scandir(output_dir)
-                      if e.name.startswith(STAGING_PREFIX) and e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return removed
-    for entry in candidates:
-        match = _STAGE_NAME.match(entry.name)
-        if not match or match["host"] != host:
-            continue
-        pid = int(match["pid"])
-        if pid <= 0 or pid == os.getpid() or _process_alive(pid):
-            continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        log.warning("fsdpckpt: removed %s, left by an interrupted merge (process %d, no longer "
-                    "running)", entry.path, pid)
-        removed.append(Path(entry.path))
-    return removed
-
-
-def _not_writable(output_dir: Path, exc: OSError) -> OutputNotWritableError:
-    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
-        blocker = next((p for p in [output_dir, *output_dir.parents] if p.exists()
-                        and not p.is_dir()), output_dir)
-        why = f"{blocker} is a file, not a folder; choose another output folder"
-    elif exc.errno == errno.EROFS:
-        why = "the file system is read-only; choose an output folder on a writable one"
-    elif exc.errno in (errno.EACCES, errno.EPERM):
-        why = ("not allowed to write there; choose a folder you can write to, or change its "
-               "permissions")
-    else:
-        why = f"{exc.strerror or exc}; choose another output folder"
-    return OutputNotWritableError(exc.errno, f"{output_dir}: cannot write the output there: "
-                                  f"{why}")
-
-
-@contextlib.contextmanager
-def staging(output_dir: Path) -> Iterator[Path]:
-    """A hidden folder inside ``output_dir`` that is removed on exit, whatever happens.
-
-    ``output_dir`` (and missing parents) is created if needed, and removed again on
-    failure if it was. Stale staging folders of dead merges are cleared first. That
-    ``output_dir`` is not a file is the caller's check (the merge validates it first).
-
-    Raises:
-        OutputNotWritableError: ``output_dir`` cannot be created or written (a file is in
-            the way); the message names ``output_dir`` (never the hidden folder) and says
-            what to do.
-        DiskFullError: no space even for the staging folder.
-    """
-    created = output_dir  # the outermost folder this merge creates, removed on failure
-    while not created.parent.exists():
-        created = created.parent
-    if created.exists():
-        created = None  # type: ignore[assignment]
-    stage: Path | None = None
-    ok = False
-    try:
-        # Signals held while the folders are made and their names recorded: a Ctrl-C
-        # cannot land between mkdtemp and `stage` being set, where nothing would remove it.
-        with signals_deferred():
-            try:
-                output_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise _staging_error(output_dir, created, exc) from None
-        clear_stale_stages(output_dir)
-        with signals_deferred():
-            try:
-                stage = make_stage(output_dir, f"{STAGING_PREFIX}{_host()}-{os.getpid()}-")
-            except OSError as exc:
-                raise _staging_error(output_dir, created, exc) from None
-        yield stage
-        ok = True
-    finally:
-        with signals_deferred():  # a second Ctrl-C does not cut the cleanup short
-            if stage is not None:
-                shutil.rmtree(stage, ignore_errors=True)
-            if created is not None and not ok:
-                shutil.rmtree(created, ignore_errors=True)
-
-
-def _staging_error(output_dir: Path, created: Path | None, exc: OSError) -> OSError:
-    if created is not None:
-        shutil.rmtree(created, ignore_errors=True)
-    if exc.errno == errno.ENOSPC:
-        return DiskFullError(errno.ENOSPC, f"{output_dir}: no space left on the device; "
-                             "free some space or choose another output folder")
-    return _not_writable(output_dir, exc)
+#: The merge's stages are the publish helper's (fsdpckpt/_io/publish.py), under the names
+#: they have always had here.
+_host = host
+staging = stage_in
 
 
 def _reserve(fd: int, size: int, path: Path) -> None:
@@ -322,11 +209,4 @@ def write_index(plan: MergePlan, stage: Path) -> Path | None:
 def commit(written: list[Path], output_dir: Path) -> list[Path]:
     """The commit stage: rename staged files into ``output_dir`` in order (the index last)
     and make the renames durable; return the final paths."""
-    final = []
-    for path in written:
-        target = output_dir / path.name
-        os.replace(path, target)
-        final.append(target)
-    fsync_dir(output_dir)
-    return final
-
+    return rename_into(written, output_dir)

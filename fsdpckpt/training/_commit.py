@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fsdpckpt._io.durable import fsync_dir
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io import storage
 from fsdpckpt.training import _remote
 from fsdpckpt.training._diskfull import raising_disk_full, removed_on_failure
 from fsdpckpt.training._dist import dist_or_none, everywhere, rank_world
 from fsdpckpt.training._layout import remove_stale_parts
 from fsdpckpt.training.manifest import MANIFEST, FileRecord, build_manifest, write_manifest
+
+if TYPE_CHECKING:
+    from fsdpckpt._io.remote import RemotePath
 
 __all__ = ["AsyncSave", "Finish"]
 
@@ -98,8 +100,7 @@ class Finish:
 
         def on_rank_zero() -> None:
             if rank == 0 and self.manifest:
-                if isinstance(self.root, RemotePath):  # the other ranks' files, listed anew
-                    _remote.refresh(self.root)
+                storage.refresh(self.root)  # the other ranks' files, listed anew (remote)
                 with raising_disk_full(self.root / MANIFEST):
                     self.digest = write_manifest(
                         self.root,
@@ -117,10 +118,16 @@ class Finish:
                     self.root,
                     self.digest,
                 )
-                if isinstance(self.root, RemotePath):
-                    _remote.end_save(self.root)  # committed: the intent marker goes
-                    return
-                for folder in [self.root] + [self.root / f for f in self.records if f]:
-                    fsync_dir(folder)
+                # Committed: the names made durable (local), the intent marker gone (remote).
+                _after_manifest(self.root, [self.root / f for f in self.records if f])
 
         everywhere(on_rank_zero)
+
+
+def _after_manifest(root: Path | RemotePath, parts: list[Path | RemotePath]) -> None:
+    """The manifest is written (the commit): its names made durable (a local folder and
+    its parts fsynced), then the intent marker removed (only a save to object storage
+    wrote one, training/_remote.py)."""
+    for folder in [root, *parts]:
+        storage.sync_names(folder)
+    _remote.end_save(root)

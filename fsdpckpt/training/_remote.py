@@ -18,43 +18,37 @@ runs the same steps backwards: marker, manifest, data, marker last.
 
 from __future__ import annotations
 
-import contextlib
-import zlib
+import logging
+import re
+from collections.abc import Callable
 from typing import Any
 
+from fsdpckpt._io import storage
 from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp.layout import INCOMPLETE  # the intent marker: written first, removed last
 from fsdpckpt.errors import NotACheckpointError
+from fsdpckpt.training._layout import commits_by_marker
 
 __all__ = ["INCOMPLETE", "refresh", "put_bytes", "begin_save", "end_save", "delete",
-           "is_incomplete", "refuse_incomplete", "sweep"]
+           "is_incomplete", "refuse_incomplete", "sweep", "MarkerCommits"]
+
+log = logging.getLogger("fsdpckpt")
 
 _MANIFEST = "fsdpckpt.json"  # training.manifest.MANIFEST; not imported: manifest imports us
 
-
-def refresh(path: RemotePath) -> None:
-    """Forget every cached listing (fsdpckpt's and the fsspec client's): after this
-    process or another changed the store, the next question lists it again."""
-    path.forget_listings()
-    path.fs.invalidate_cache()
+#: Forget every cached listing (fsdpckpt's and the fsspec client's): after this process or
+#: another changed the store, the next question lists it again.
+refresh = storage.refresh
 
 
 def put_bytes(path: RemotePath, data: bytes) -> tuple[int, int]:
     """Upload ``data`` as one object (visible whole or not at all); ``(size, crc32)``."""
-    path.fs.pipe_file(path.path, data)
-    return len(data), zlib.crc32(data)
+    return storage.put_bytes(path, data)
 
 
-def _remove(path: RemotePath) -> None:
-    """Delete a file or a folder and everything under it (gone already: nothing to do)."""
-    for _attempt in range(2):
-        # A store with real folders (SeaweedFS) may keep a folder whose files were deleted
-        # in the same batch: a second pass, after a fresh look, deletes the empty folder.
-        path.fs.invalidate_cache()
-        if not path.fs.exists(path.path):
-            return
-        with contextlib.suppress(FileNotFoundError):
-            path.fs.rm(path.path, recursive=True)
+#: Delete a file or a folder and everything under it (gone already: nothing to do).
+_remove = storage.remove
 
 
 def _clear(folder: RemotePath, keep: str | None) -> None:
@@ -73,7 +67,7 @@ def begin_save(folder: RemotePath) -> None:
     _clear(folder, keep=INCOMPLETE)
 
 
-def end_save(folder: RemotePath) -> None:
+def end_save(folder: Place) -> None:
     """After the manifest is written (rank 0): the intent marker goes."""
     _remove(folder / INCOMPLETE)
     refresh(folder)
@@ -98,7 +92,8 @@ def refuse_incomplete(folder: Any) -> None:
     Raises:
         NotACheckpointError: it holds the intent marker and no manifest.
     """
-    if isinstance(folder, RemotePath) and is_incomplete(folder):
+    # Only a save that commits by the marker (object storage) can be cut short in place.
+    if commits_by_marker(folder) and is_incomplete(folder):
         raise NotACheckpointError(
             f"{folder}: a save into it did not finish (it holds {INCOMPLETE} and no "
             f"{_MANIFEST}), so it is not a checkpoint; load an older one. The next "
@@ -124,3 +119,36 @@ def sweep(root: RemotePath, names: list[str]) -> list[RemotePath]:
         swept.append(folder)
     refresh(root)
     return swept
+
+
+class MarkerCommits:
+    """The checkpoint folders ``{final}{key}`` of ``root`` committed in place by this
+    protocol: the :class:`~fsdpckpt._io.publish_folders.Commits` of an object store."""
+
+    def __init__(self, root: RemotePath, final: str) -> None:
+        self.root, self.final = root, final
+
+    def writing(self, key: int) -> RemotePath:
+        # In place: save_state uncommits an older copy of this key first (manifest first),
+        # so re-saving leaves no committed copy of it until it commits.
+        return self.root / f"{self.final}{key}"
+
+    def start(self, key: int) -> None:
+        """Nothing: :func:`begin_save` clears the folder once the intent marker is in."""
+
+    def commit(self, key: int) -> RemotePath:
+        # save_state committed it (the manifest); the listings are made fresh.
+        refresh(self.root)
+        return self.root / f"{self.final}{key}"
+
+    def recover(self, complete: Callable[[Any], bool], final: re.Pattern[str]) -> None:
+        refresh(self.root)
+        names = [p.name for p in self.root.iterdir() if final.match(p.name)]
+        for swept in sweep(self.root, names):
+            log.warning("fsdpckpt: removed %s, left by a save that did not finish", swept)
+
+    def delete(self, path: Any) -> None:
+        delete(path)  # intent marker, manifest, data, marker
+
+    def refresh(self) -> None:
+        refresh(self.root)

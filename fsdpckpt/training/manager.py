@@ -23,17 +23,15 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
-import tempfile
 import warnings
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from fsdpckpt._io.durable import fsync_dir
-from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io.publish_folders import commits
+from fsdpckpt._io.remote import location
+from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import OptionError, ResumeWarning
-from fsdpckpt.training import _remote
 from fsdpckpt.training._dist import dist_or_none, everywhere, rank_world
+from fsdpckpt.training._remote import MarkerCommits
 from fsdpckpt.training.manifest import MANIFEST, manifest_digest
 from fsdpckpt.training.state import AsyncSave, LoadResult, load_state, save_state
 
@@ -82,7 +80,12 @@ class CheckpointManager:
                  storage_options: dict[str, Any] | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise OptionError("keep_last must be at least 1 (or None to keep all)")
-        self.root: Path | RemotePath = location(root, storage_options=storage_options)
+        self.root: Place = location(root, storage_options=storage_options)
+        # How a checkpoint is committed (fsdpckpt/_io/publish_folders.py): locally written
+        # as .tmp-checkpoint_{step} and renamed; on object storage in place, by the intent
+        # marker and the manifest (training/_remote.py).
+        self._commits = commits(self.root, hidden=_TEMPORARY, final="checkpoint_",
+                                in_place=MarkerCommits)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.async_save, self.digest = async_save, digest
         #: On rank 0, the manifest digest of the last committed checkpoint
@@ -94,39 +97,13 @@ class CheckpointManager:
         everywhere(self._clean_up_on_rank_zero)
 
     def _clean_up_on_rank_zero(self) -> None:
-        rank, _world = rank_world()
-        if rank != 0:
-            return
-        if isinstance(self.root, RemotePath):
-            _remote.refresh(self.root)
-            names = [p.name for p in self.root.iterdir() if _COMMITTED.match(p.name)]
-            for swept in _remote.sweep(self.root, names):
-                log.warning("fsdpckpt: removed %s, left by a save that did not finish", swept)
-            return
-        self._disk.mkdir(parents=True, exist_ok=True)
-        for leftover in sorted(self._disk.glob(_TEMPORARY + "*")):
-            final = self._disk / leftover.name.replace(_TEMPORARY, "checkpoint_", 1)
-            if (leftover / MANIFEST).is_file() and _COMMITTED.match(final.name) and \
-                    not final.exists():
-                # Complete (the manifest is written last) but not renamed: a crash between
-                # the two, e.g. while replacing the same step. Commit it now.
-                log.warning("fsdpckpt: committing %s, complete but left unrenamed", leftover)
-                os.rename(leftover, final)
-                continue
-            log.warning("fsdpckpt: removing %s, left by a save that did not finish", leftover)
-            shutil.rmtree(leftover, ignore_errors=True)
-        fsync_dir(self._disk)
-
-    @property
-    def _disk(self) -> Path:
-        """``root`` on a local filesystem (only the local code paths ask)."""
-        return cast(Path, self.root)
+        if rank_world()[0] == 0:
+            self._commits.recover(lambda folder: (folder / MANIFEST).is_file(), _COMMITTED)
 
     def checkpoints(self) -> list[Any]:
         """The committed checkpoints (paths, or :class:`RemotePath` on object storage),
         oldest first."""
-        if isinstance(self.root, RemotePath):
-            _remote.refresh(self.root)  # another process may have committed or deleted
+        self._commits.refresh()  # another process may have committed or deleted
         found = []
         for entry in self.root.iterdir() if self.root.is_dir() else []:
             match = _COMMITTED.match(entry.name)
@@ -142,19 +119,11 @@ class CheckpointManager:
     def save(self, step: int, **parts: Any) -> None:
         """Save ``parts`` (model=, optimizer=, scheduler=... as for save_state) as step ``step``."""
         self.wait()
-        if isinstance(self.root, RemotePath):
-            # In place: save_state uncommits an older copy of this step first (manifest
-            # first), so re-saving a step leaves no committed copy of it until it commits.
-            self._finish(step, save_state(self.root / f"checkpoint_{step}", step=step,
-                                          async_save=self.async_save, manifest=True,
-                                          digest=self.digest, **parts))
-            return
         rank, _world = rank_world()
-        temporary = self._disk / f"{_TEMPORARY}{step}"
-        everywhere(lambda: shutil.rmtree(temporary) if rank == 0 and temporary.exists()
-                   else None)
-        self._finish(step, save_state(temporary, step=step, async_save=self.async_save,
-                                      manifest=True, digest=self.digest, **parts))
+        everywhere(lambda: self._commits.start(step) if rank == 0 else None)
+        self._finish(step, save_state(self._commits.writing(step), step=step,
+                                      async_save=self.async_save, manifest=True,
+                                      digest=self.digest, **parts))
 
     def _finish(self, step: int, handle: AsyncSave | None) -> None:
         if handle is None:
@@ -196,24 +165,10 @@ class CheckpointManager:
         everywhere(lambda: self._commit_on_rank_zero(step))
 
     def _commit_on_rank_zero(self, step: int) -> None:
-        rank, _world = rank_world()
-        if rank == 0 and isinstance(self.root, RemotePath):
-            # save_state committed it (the manifest); only then does retention run.
-            committed = self.root / f"checkpoint_{step}"
-            _remote.refresh(self.root)
+        if rank_world()[0] == 0:
+            committed = self._commits.commit(step)
             self.last_digest = manifest_digest(committed)
             self._apply_retention(just_committed=committed)
-        elif rank == 0:
-            final = self._disk / f"checkpoint_{step}"
-            replaced = None
-            if final.exists():  # the same step saved again: the old copy goes only after
-                replaced = self._uncommit(final)
-            os.rename(self._disk / f"{_TEMPORARY}{step}", final)
-            fsync_dir(self._disk)
-            self.last_digest = manifest_digest(final)
-            if replaced is not None:
-                shutil.rmtree(replaced, ignore_errors=True)
-            self._apply_retention(just_committed=final)
 
     def _apply_retention(self, *, just_committed: Any) -> None:
         committed = self.checkpoints()
@@ -223,19 +178,4 @@ class CheckpointManager:
             keep |= {p for p in committed if int(p.name.split("_")[1]) % self.keep_every == 0}
         for path in committed:
             if path not in keep:
-                self._delete(path)
-
-    def _uncommit(self, path: Path) -> Path:
-        # Atomically: a crash in the middle of rmtree must not leave a half-deleted folder
-        # that still looks committed. The rename makes it a leftover, removed on next start.
-        doomed = Path(tempfile.mkdtemp(prefix=f"{_TEMPORARY}deleting-{path.name}-",
-                                       dir=self._disk))
-        os.rename(path, doomed / path.name)
-        fsync_dir(self._disk)
-        return doomed
-
-    def _delete(self, path: Any) -> None:
-        if isinstance(path, RemotePath):
-            _remote.delete(path)  # intent marker, manifest, data, marker
-            return
-        shutil.rmtree(self._uncommit(path), ignore_errors=True)
+                self._commits.delete(path)

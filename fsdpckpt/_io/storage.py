@@ -404,3 +404,53 @@ def sync_names(folder: Place) -> None:
     fsynced; an object store has nothing to do (an object is durable once its PUT returned)."""
     if not is_remote(folder):
         fsync_dir(cast(Path, folder))
+
+
+# --- added by export ---
+
+__all__ += ["resolved", "within", "local_files"]
+
+
+def resolved(place: Place) -> Place:
+    """``place`` with its links followed (a local path, made absolute); an object store has
+    no links, so a remote place is itself."""
+    if is_remote(place):
+        return place
+    return cast(Path, place).resolve()
+
+
+def within(place: Place, folder: Place) -> bool:
+    """Whether ``place`` is ``folder`` or lies under it, by their names (pass them through
+    :func:`resolved` first to judge where links lead)."""
+    if is_remote(place) or is_remote(folder):
+        inner, outer = str(place).rstrip("/"), str(folder).rstrip("/")
+        return inner == outer or inner.startswith(outer + "/")
+    local, root = cast(Path, place), cast(Path, folder)
+    return local == root or root in local.parents
+
+
+@contextlib.contextmanager
+def local_files(folder: Place, names: list[str]) -> Iterator[Path]:
+    """A local folder in which ``names`` (relative to ``folder``) can be opened by loaders
+    that read local files only (``safetensors.safe_open``, ``torch.load``).
+
+    A local ``folder`` is itself. From object storage, each file is downloaded into a
+    temporary folder (in bounded pieces, each checked against the listed size) under its
+    relative name, and the folder is removed on exit: what was loaded from it must not
+    need the files' names any more (copies, or mappings that outlive the name).
+    """
+    if not is_remote(folder):
+        yield cast(Path, folder)
+        return
+    import tempfile
+
+    from fsdpckpt._io.download import download
+
+    remote = cast("RemotePath", folder)
+    with tempfile.TemporaryDirectory(prefix="fsdpckpt-load-") as scratch:
+        for name in dict.fromkeys(names):
+            source = remote / name  # RemotePath refuses '..'
+            target = Path(scratch, source.path[len(remote.path.rstrip("/")) + 1:])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            download(source, target)
+        yield Path(scratch)

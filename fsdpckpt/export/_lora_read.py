@@ -3,8 +3,8 @@
 A DCP folder (or an Accelerate / HF Trainer checkpoint's first model folder) is read
 tensor by tensor through fsdpckpt's own chunk reader (checked, allowlisted), so that
 memory holds one tensor at a time; a merged ``.safetensors`` file (or its index) is read
-lazily through ``safe_open``, or on object storage by ranged reads of its checked header
-and of each tensor's bytes (never a full download). Names are the model's state-dict
+by ranged reads of its checked header and of each tensor's bytes, locally as on object
+storage (never a full download). Names are the model's state-dict
 names: the top-level key a save wraps around them (``{"model": ...}``) and wrapper segments
 (``_fsdp_wrapped_module``...) dropped, as ``fsdpckpt merge`` names them.
 """
@@ -14,16 +14,17 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io import storage
 from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp.checks import require_whole
-from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
 from fsdpckpt.dcp.reader import read_dcp_folder
-from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
+from fsdpckpt.formats._shards import read_header
 
 __all__ = ["ModelSource", "open_model_source"]
 
@@ -38,12 +39,12 @@ class ModelSource:
         shapes, dtypes: each tensor's shape and dtype name (``"float32"``...), by name.
     """
 
-    path: Path | RemotePath
+    path: Place
     names: tuple[str, ...]
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, str]
     _entries: dict[str, Any]
-    _files: tuple[Path | RemotePath, ...] = ()
+    _files: tuple[Place, ...] = ()
 
     def read(self, want: Callable[[str], bool] | None = None) -> Iterator[tuple[str, Any]]:
         """``(name, tensor)`` for each tensor ``want`` accepts (all by default), in stored
@@ -76,19 +77,11 @@ class ModelSource:
                 yield name, full
 
     def _read_safetensors(self, want: Callable[[str], bool] | None) -> Iterator[tuple[str, Any]]:
-        from safetensors import safe_open
-
         for file in self._files:
-            if isinstance(file, RemotePath):
-                yield from _read_remote_safetensors(file, want)
-                continue
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - not a dict
-                    if want is None or want(name):
-                        yield name, handle.get_tensor(name)
+            yield from _read_safetensors(file, want)
 
 
-def _from_dcp(folder: Path | RemotePath) -> ModelSource:
+def _from_dcp(folder: Place) -> ModelSource:
     from fsdpckpt.merging._keys import output_name, shares_top_key
 
     dcp = read_dcp_folder(folder)
@@ -107,61 +100,38 @@ def _from_dcp(folder: Path | RemotePath) -> ModelSource:
                        {n: e.dtype.name for n, e in entries.items()}, dict(entries))
 
 
-def _remote_header(file: RemotePath) -> tuple[Any, Any]:
-    """The remote safetensors file opened for ranged reads, and its checked header."""
-    from fsdpckpt.dcp._hfstorage import parse_header
-
-    remote = file.open_file()
-    return remote, parse_header(remote, remote.size, str(file))
-
-
-def _read_remote_safetensors(file: RemotePath, want: Callable[[str], bool] | None
-                             ) -> Iterator[tuple[str, Any]]:
+def _read_safetensors(file: Place, want: Callable[[str], bool] | None
+                      ) -> Iterator[tuple[str, Any]]:
+    # Local or remote alike: the checked header, then each tensor's bytes by a ranged read.
     import torch
 
-    remote, header = _remote_header(file)
-    # In safe_open's order (sorted names), so both sources stream alike.
-    for name in sorted(header.tensors):
-        if want is not None and not want(name):
-            continue
-        dtype, shape, begin, end = header.tensors[name]  # checked against the file's size
-        torch_dtype = getattr(torch, dtype.name)
-        if end == begin:
-            yield name, torch.empty(shape, dtype=torch_dtype)
-            continue
-        memory = bytearray(end - begin)
-        remote.read_at(memoryview(memory), header.data_start + begin)
-        yield name, torch.frombuffer(memory, dtype=torch_dtype).view(shape)
+    with storage.opened(file) as opened:
+        header = read_header(file, opened)
+        # In name order, as safe_open lists them (the order the metadata gave the names).
+        for name in sorted(header.tensors):
+            if want is not None and not want(name):
+                continue
+            dtype, shape, begin, end = header.tensors[name]  # checked against the file's size
+            torch_dtype = getattr(torch, dtype.name)
+            if end == begin:
+                yield name, torch.empty(shape, dtype=torch_dtype)
+                continue
+            memory = bytearray(end - begin)
+            opened.read_at(memoryview(memory), header.data_start + begin)
+            yield name, torch.frombuffer(memory, dtype=torch_dtype).view(shape)
 
 
-def _from_safetensors(path: Path | RemotePath) -> ModelSource:
-    from safetensors import SafetensorError, safe_open
-
+def _from_safetensors(path: Place) -> ModelSource:
     from fsdpckpt.merging.full import shard_files
 
-    files: tuple[Path | RemotePath, ...] = \
-        tuple(shard_files(path)) if isinstance(path, RemotePath) else tuple(shard_files(path))
+    files = tuple(shard_files(path))
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
     for file in files:
-        if isinstance(file, RemotePath):
-            _, header = _remote_header(file)
-            for name in sorted(header.tensors):
-                dtype, shape, _, _ = header.tensors[name]
-                shapes[name], dtypes[name] = shape, dtype.name
-            continue
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - not a dict
-                    piece = handle.get_slice(name)
-                    shapes[name] = tuple(piece.get_shape())
-                    code = str(piece.get_dtype())  # "F32": torch's name, as DCP gives it
-                    dtypes[name] = next((d.name for d in DTYPES.values()
-                                         if d.safetensors == code), code)
-        except (SafetensorError, OSError) as exc:
-            detail = (str(exc).splitlines() or ["?"])[0][:200]
-            raise CorruptCheckpointError(f"{file}: not a readable safetensors file ({detail})"
-                                         ) from None
+        header = read_header(file)
+        for name in sorted(header.tensors):
+            dtype, shape, _, _ = header.tensors[name]
+            shapes[name], dtypes[name] = shape, dtype.name
     return ModelSource(path, tuple(shapes), shapes, dtypes, {}, files)
 
 

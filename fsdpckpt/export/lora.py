@@ -49,21 +49,25 @@ __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "AdapterExport", 
 _Where: TypeAlias = str | os.PathLike[str] | RemotePath
 _Config: TypeAlias = _Where | Mapping[str, Any]
 
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-           "fp32": "float32", "float32": "float32"}
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: PEFT's EMBEDDING_LAYER_NAMES: adapted modules saved whole in the adapter file.
 _EMBEDDING_LAYERS = ("embed_tokens", "lm_head")
 
 
 def _torch_dtype(dtype: str | None) -> Any:
+    # The merge's reading of a dtype name (plan.parse_dtype), worded for these functions.
     if dtype is None:
         return None
     import torch
 
-    if dtype not in _DTYPES:
-        raise OptionError(f"dtype={dtype!r}: use one of bf16, fp16, fp32")
-    return getattr(torch, _DTYPES[dtype])
+    from fsdpckpt.errors import MergePlanError
+    from fsdpckpt.merging.plan import parse_dtype
+
+    try:
+        found = parse_dtype(dtype)
+    except MergePlanError:
+        raise OptionError(f"dtype={dtype!r}: use one of bf16, fp16, fp32") from None
+    return getattr(torch, str(found))
 
 
 def fuse_weight(weight: Any, lora_a: Any, lora_b: Any, scaling: float, *,

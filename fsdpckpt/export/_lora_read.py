@@ -1,6 +1,6 @@
 """A model's tensors, one at a time, from a checkpoint: what LoRA export and fusion read.
 
-A DCP folder (or an Accelerate / HF Trainer checkpoint's first model folder) is read
+A DCP folder (or a checkpoint's model folder, chosen as merge chooses it) is read
 tensor by tensor through fsdpckpt's own chunk reader (checked, allowlisted), so that
 memory holds one tensor at a time; a merged ``.safetensors`` file (or its index) is read
 by ranged reads of its checked header and of each tensor's bytes, locally as on object
@@ -20,11 +20,12 @@ from fsdpckpt._io import storage
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp.checks import require_whole
-from fsdpckpt.dcp.layout import find_layout
+from fsdpckpt.dcp.layout import DcpPart, find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
-from fsdpckpt.dcp.reader import read_dcp_folder
+from fsdpckpt.dcp.parts import open_part
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 from fsdpckpt.formats._shards import read_header
+from fsdpckpt.merging._validate import choose_parts
 
 __all__ = ["ModelSource", "open_model_source"]
 
@@ -81,10 +82,11 @@ class ModelSource:
             yield from _read_safetensors(file, want)
 
 
-def _from_dcp(folder: Place) -> ModelSource:
+def _from_dcp(part: DcpPart) -> ModelSource:
     from fsdpckpt.merging._keys import output_name, shares_top_key
 
-    dcp = read_dcp_folder(folder)
+    dcp = open_part(part.path, part.name)  # as merge reads it: any layout's part
+    folder = dcp.path
     require_whole(dcp)  # declared sizes checked against the bytes before anything is read
     tensors = dcp.metadata.tensors
     strip = shares_top_key([t.key_path for t in tensors])
@@ -136,18 +138,22 @@ def _from_safetensors(path: Place) -> ModelSource:
 
 
 def open_model_source(checkpoint: str | os.PathLike[str] | RemotePath, *,
-                      storage_options: dict[str, Any] | None = None) -> ModelSource:
+                      storage_options: dict[str, Any] | None = None,
+                      model_index: int | None = None) -> ModelSource:
     """The model tensors of ``checkpoint``.
 
     Args:
-        checkpoint: a DCP folder; a checkpoint folder in Accelerate's or HF Trainer's layout
-            (its first model folder, ``pytorch_model_fsdp_0/``, is read); or a merged
+        checkpoint: a DCP folder; a checkpoint folder in any layout merge reads (its model
+            folder, ``pytorch_model_fsdp_0/``, chosen as merge chooses it); or a merged
             ``.safetensors`` file or index. Local, or on object storage (a URL).
         storage_options: for URLs: the fsspec filesystem's options (docs/remote.md).
+        model_index: of several model folders, the one numbered so (merge's
+            ``model_index``).
 
     Raises:
         CheckpointNotFoundError: nothing at the path.
-        NotACheckpointError: no model weights there.
+        NotACheckpointError: no model weights there; several model folders and none
+            chosen; the chosen one unfinished (no ``.metadata``).
         CorruptCheckpointError: the metadata disagrees with the data files.
     """
     path = location(checkpoint, storage_options=storage_options)
@@ -159,9 +165,11 @@ def open_model_source(checkpoint: str | os.PathLike[str] | RemotePath, *,
         raise NotACheckpointError(f"{path}: not a DCP folder or a .safetensors file; pass the "
                                   "checkpoint folder")
     layout = find_layout(path)
-    models = [p for p in layout.parts if p.kind in ("model", "dcp") and p.complete]
-    if not models:
+    if not any(p.kind in ("model", "dcp") for p in layout.parts):
         raise NotACheckpointError(f"{path}: holds no finished model folder "
                                   "(pytorch_model_fsdp_0/ with .metadata); pass the checkpoint "
                                   "that holds the model")
-    return _from_dcp(models[0].path)
+    # The merge's choice: the one model folder (or the one numbered ``model_index``); several
+    # and none chosen, or an unfinished one, is refused as merge refuses it.
+    (part, *_) = choose_parts(layout, model_index=model_index)
+    return _from_dcp(part)

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
 
+from fsdpckpt._io import storage
 from fsdpckpt._io.remote import RemotePath, is_url, location
+from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
     NotACheckpointError,
@@ -217,14 +219,10 @@ def find_adapter_config(checkpoint: _Where, *,
     if lora_config is not None:
         return read_lora_config(lora_config, storage_options=storage_options)
     path = location(checkpoint, storage_options=storage_options)
-    places: list[Path | RemotePath]
-    if isinstance(path, RemotePath):
-        start = path if path.is_dir() else path.parent
-        places = list(dict.fromkeys([start, start.parent, start.parent.parent]))  # a bucket's
-        # parent is itself
-    else:
-        here = path.resolve() if path.resolve().is_dir() else path.resolve().parent
-        places = [here, *list(here.parents)[:2]]
+    here = storage.resolved(path)  # a local link followed (object stores have none)
+    here = here if here.is_dir() else here.parent
+    # The folder and its two parents; the root's parent (a bucket's too) is itself.
+    places: list[Place] = list(dict.fromkeys([here, here.parent, here.parent.parent]))
     if base is not None:
         places.append(location(base, storage_options=storage_options))
     for place in places:

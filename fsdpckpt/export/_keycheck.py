@@ -23,9 +23,9 @@ from typing import Any
 
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import SafetensorsHeader
-from fsdpckpt.errors import ExportMismatchError, NotACheckpointError
+from fsdpckpt.errors import ExportMismatchError
 from fsdpckpt.export._config import CONFIG, _check_inside
-from fsdpckpt.formats._shards import MAX_INDEX_BYTES, Refuse, read_header, read_shard_index
+from fsdpckpt.formats._shards import MAX_INDEX_BYTES, read_header, read_shard_index
 
 __all__ = ["ExportMismatchError", "custom_code", "custom_code_reason", "check_declared_sizes",
            "declared_bound", "numbered_siblings", "base_weights", "check_against_base",
@@ -157,19 +157,15 @@ def _header(file: Place) -> SafetensorsHeader:
     return read_header(file)
 
 
-def _refuse_index(index: Place) -> Refuse:
-    def refuse(kind: str, detail: str) -> Exception:
-        if kind == "size":
-            return NotACheckpointError(f"{index}: {detail} bytes, over the {MAX_INDEX_BYTES} "
-                                       "a shard index may have; pass --base with an intact "
-                                       "model folder")
-        if kind == "json":
-            return NotACheckpointError(f"{index}: cannot read it as JSON ({detail}); pass "
-                                       "--base with an intact model folder")
-        return NotACheckpointError(f"{index}: not a shard index (a 'weight_map' of names to "
-                                   "file names in its folder); pass --base with an intact "
-                                   "model folder")
-    return refuse
+#: How a base folder's shard index that cannot be read is refused (formats._shards.Wording).
+_INDEX_WORDING = {
+    "size": f"{{index}}: {{detail}} bytes, over the {MAX_INDEX_BYTES} a shard index may have; "
+            "pass --base with an intact model folder",
+    "json": "{index}: cannot read it as JSON ({detail}); pass --base with an intact model "
+            "folder",
+    "*": "{index}: not a shard index (a 'weight_map' of names to file names in its folder); "
+         "pass --base with an intact model folder",
+}
 
 
 def base_weights(base: Place) -> tuple[dict[str, Shape | None], Place] | None:
@@ -183,7 +179,7 @@ def base_weights(base: Place) -> tuple[dict[str, Shape | None], Place] | None:
     """
     index = base / _INDEX
     if index.is_file():
-        weight_map = read_shard_index(index, refuse=_refuse_index(index)).weight_map
+        weight_map = read_shard_index(index, wording=_INDEX_WORDING).weight_map
         files = [base / name for name in dict.fromkeys(weight_map.values())]
         if not all(f.is_file() for f in files):  # the names alone
             return {str(name): None for name in weight_map}, index

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,10 +35,13 @@ __all__ = ["MAX_INDEX_BYTES", "ShardIndex", "read_shard_index", "index_document"
 #: is refused before it is read.
 MAX_INDEX_BYTES = 64 << 20
 
-#: What :func:`read_shard_index` calls to make the error it raises: ``refuse(kind, detail)``
-#: with ``kind`` one of ``"size"`` (detail: the size), ``"json"`` (the parser's reason),
-#: ``"form"`` (what is wrong with its shape), ``"outside"`` (the name, and why).
-Refuse = Callable[[str, str], Exception]
+#: How :func:`read_shard_index` words a refusal: a template per kind of problem, formatted
+#: with ``index`` (the file) and ``detail``; ``"*"`` for every kind not named. The kinds:
+#: ``"size"`` (detail: its size), ``"json"`` (the parser's reason), ``"form"`` (what is
+#: wrong with its shape), ``"outside"`` (the name, and why).
+Wording = Mapping[str, str]
+
+_WORDING: Wording = {"*": "{index}: not a shard index ({detail})"}
 
 
 @dataclass(frozen=True)
@@ -70,25 +73,26 @@ def _leaves_folder(name: str) -> bool:
         ".." in re.split(r"[\\/]", name)
 
 
-def _refuse(index: Place) -> Refuse:
-    def refuse(kind: str, detail: str) -> Exception:
-        return NotACheckpointError(f"{index}: not a shard index ({detail})")
-    return refuse
+def _refusal(wording: Wording, kind: str, index: Place, detail: str) -> NotACheckpointError:
+    template = wording.get(kind, wording.get("*", _WORDING["*"]))
+    return NotACheckpointError(template.format(index=index, detail=detail))
 
 
-def read_shard_index(index: Place, *, refuse: Refuse | None = None) -> ShardIndex:
+def read_shard_index(index: Place, *, wording: Wording = _WORDING) -> ShardIndex:
     """Read the shard index ``index`` and check it.
 
     Args:
-        refuse: makes the error raised for an index that cannot be used (see
-            :data:`Refuse`); by default a NotACheckpointError naming the file.
+        wording: the caller's words for each problem (see :data:`Wording`).
 
     Raises:
-        What ``refuse`` makes: the file is over :data:`MAX_INDEX_BYTES`, is not JSON, has
-            no ``weight_map`` object of names to non-empty file names, or names a file
-            outside its folder. CheckpointNotFoundError: no such file.
+        NotACheckpointError: worded by ``wording``: the file is over
+            :data:`MAX_INDEX_BYTES`, is not JSON, has no ``weight_map`` object of names to
+            non-empty file names, or names a file outside its folder.
+        CheckpointNotFoundError: no such file.
     """
-    refuse = refuse or _refuse(index)
+    def refuse(kind: str, detail: str) -> NotACheckpointError:
+        return _refusal(wording, kind, index, detail)
+
     size = storage.size(index)
     if size > MAX_INDEX_BYTES:
         raise refuse("size", str(size))

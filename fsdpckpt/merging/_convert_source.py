@@ -86,13 +86,9 @@ def shards(path: Place) -> list[Place]:
     """The files to read: those a shard index lists, else ``path`` alone; each checked."""
     if not path.name.endswith(".index.json"):
         return [path]
-
-    def refuse(kind: str, detail: str) -> Exception:
-        return NotACheckpointError(
-            f"{path}: not a shard index (a JSON file with a 'weight_map' of names to files: "
-            f"{detail}); {_ACCEPTS}.")
-
-    files = read_shard_index(path, refuse=refuse).files
+    files = read_shard_index(path, wording={
+        "*": "{index}: not a shard index (a JSON file with a 'weight_map' of names to files: "
+             "{detail}); " + _ACCEPTS + "."}).files
     for file in files:
         if not file.is_file():
             raise CheckpointNotFoundError(f"{file}: listed in {path.name} but missing; copy "

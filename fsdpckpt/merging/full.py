@@ -26,7 +26,7 @@ from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.reader import DcpFolder, is_dcp_folder, read_dcp_folder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
-from fsdpckpt.formats._shards import Refuse, read_shard_index
+from fsdpckpt.formats._shards import read_shard_index
 from fsdpckpt.formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from fsdpckpt.merging._copy import MemorySink, place_stored_chunk
 from fsdpckpt.merging._runs import chunk_runs
@@ -121,21 +121,15 @@ def _from_safetensors(files: list[Path]) -> dict[Any, Any]:
     return unflatten((tuple(paths.get(name, [name])), value) for name, value in flat.items())
 
 
-def _refuse_index(path: Place) -> Refuse:
-    def refuse(kind: str, detail: str) -> Exception:
-        if kind == "size":
-            return NotACheckpointError(f"{path}: {detail} bytes is too large for a shard "
-                                       "index; pass the model.safetensors.index.json a merge "
-                                       "wrote")
-        if kind == "json":  # as loads_json words it
-            return NotACheckpointError(f"{path}: {detail}; the file is damaged or was not "
-                                       "written as JSON.")
-        if kind == "outside":
-            return NotACheckpointError(f"{path}: {detail}; a shard index names the files "
-                                       "beside it")
-        return NotACheckpointError(f"{path}: not a shard index (a JSON object with a "
-                                   "'weight_map' of names to file names).")
-    return refuse
+#: How a shard index that cannot be read is refused here (formats._shards.Wording).
+_INDEX_WORDING = {
+    "size": "{index}: {detail} bytes is too large for a shard index; pass the "
+            "model.safetensors.index.json a merge wrote",
+    "json": "{index}: {detail}; the file is damaged or was not written as JSON.",
+    "outside": "{index}: {detail}; a shard index names the files beside it",
+    "*": "{index}: not a shard index (a JSON object with a 'weight_map' of names to file "
+         "names).",
+}
 
 
 def shard_files(path: Place) -> list[Place]:
@@ -147,7 +141,7 @@ def shard_files(path: Place) -> list[Place]:
             too large to be one, or names a file outside its folder.
     """
     if path.name.endswith(".index.json"):
-        return read_shard_index(path, refuse=_refuse_index(path)).files
+        return read_shard_index(path, wording=_INDEX_WORDING).files
     return [path]
 
 
@@ -185,7 +179,7 @@ def _from_merged(path: Place) -> dict[Any, Any]:
     """
     names = [path.name]
     if path.name.endswith(".index.json"):
-        names += read_shard_index(path, refuse=_refuse_index(path)).names
+        names += read_shard_index(path, wording=_INDEX_WORDING).names
     with storage.local_files(path.parent, names) as here:
         return _from_file(here / path.name)
 

@@ -408,7 +408,7 @@ def sync_names(folder: Place) -> None:
 
 # --- added by export ---
 
-__all__ += ["resolved", "within", "local_files"]
+__all__ += ["resolved", "within"]
 
 
 def resolved(place: Place) -> Place:
@@ -427,30 +427,3 @@ def within(place: Place, folder: Place) -> bool:
         return inner == outer or inner.startswith(outer + "/")
     local, root = cast(Path, place), cast(Path, folder)
     return local == root or root in local.parents
-
-
-@contextlib.contextmanager
-def local_files(folder: Place, names: list[str]) -> Iterator[Path]:
-    """A local folder in which ``names`` (relative to ``folder``) can be opened by loaders
-    that read local files only (``safetensors.safe_open``, ``torch.load``).
-
-    A local ``folder`` is itself. From object storage, each file is downloaded into a
-    temporary folder (in bounded pieces, each checked against the listed size) under its
-    relative name, and the folder is removed on exit: what was loaded from it must not
-    need the files' names any more (copies, or mappings that outlive the name).
-    """
-    if not is_remote(folder):
-        yield cast(Path, folder)
-        return
-    import tempfile
-
-    from fsdpckpt._io.download import download
-
-    remote = cast("RemotePath", folder)
-    with tempfile.TemporaryDirectory(prefix="fsdpckpt-load-") as scratch:
-        for name in dict.fromkeys(names):
-            source = remote / name  # RemotePath refuses '..'
-            target = Path(scratch, source.path[len(remote.path.rstrip("/")) + 1:])
-            target.parent.mkdir(parents=True, exist_ok=True)
-            download(source, target)
-        yield Path(scratch)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -173,15 +175,25 @@ def _from_merged(path: Place) -> dict[Any, Any]:
     """A merged file (or shard index), local or on object storage.
 
     safetensors' and torch's loaders read local files only: from object storage, the file
-    and the shards its index lists are downloaded first (:func:`storage.local_files`), into
-    a temporary folder removed before this returns (the tensors loaded no longer need it:
-    they are copies, or mappings that outlive the file's name).
+    and the shards its index lists are copied (:func:`storage.local_file`), each under its
+    name relative to the index, into a temporary folder removed before this returns (the
+    tensors loaded no longer need it: they are copies, or mappings that outlive the name).
     """
     names = [path.name]
     if path.name.endswith(".index.json"):
         names += read_shard_index(path, wording=_INDEX_WORDING).names
-    with storage.local_files(path.parent, names) as here:
-        return _from_file(here / path.name)
+    with tempfile.TemporaryDirectory(prefix="fsdpckpt-load-") as scratch:
+        def folder_of(name: str) -> Callable[[], Path]:  # where a copy of ``name`` goes
+            def make() -> Path:
+                folder = Path(scratch, name).parent  # the index refused '..' and '/abs'
+                folder.mkdir(parents=True, exist_ok=True)
+                return folder
+            return make
+
+        local = storage.local_file(path, folder_of(path.name))
+        for name in names[1:]:
+            storage.local_file(path.parent / name, folder_of(name))
+        return _from_file(local)
 
 
 def load_full_state_dict(path: str | os.PathLike[str], *,

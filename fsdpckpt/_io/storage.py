@@ -404,3 +404,26 @@ def sync_names(folder: Place) -> None:
     fsynced; an object store has nothing to do (an object is durable once its PUT returned)."""
     if not is_remote(folder):
         fsync_dir(cast(Path, folder))
+
+
+# --- added by export ---
+
+__all__ += ["resolved", "within"]
+
+
+def resolved(place: Place) -> Place:
+    """``place`` with its links followed (a local path, made absolute); an object store has
+    no links, so a remote place is itself."""
+    if is_remote(place):
+        return place
+    return cast(Path, place).resolve()
+
+
+def within(place: Place, folder: Place) -> bool:
+    """Whether ``place`` is ``folder`` or lies under it, by their names (pass them through
+    :func:`resolved` first to judge where links lead)."""
+    if is_remote(place) or is_remote(folder):
+        inner, outer = str(place).rstrip("/"), str(folder).rstrip("/")
+        return inner == outer or inner.startswith(outer + "/")
+    local, root = cast(Path, place), cast(Path, folder)
+    return local == root or root in local.parents

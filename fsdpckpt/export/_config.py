@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io import storage
 from fsdpckpt._io.jsonio import parse_json
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
 __all__ = ["SideFiles", "CONFIG", "MAX_SIDE_BYTES", "GENERATION_CONFIG", "TOKENIZER_FILES",
@@ -36,9 +36,6 @@ _MAX_CONFIG_BYTES = 16 * 2**20
 #: The largest side file copied (a tokenizer.json of a large vocabulary is tens of MB):
 #: each is read whole, so this bounds the memory a copy takes.
 MAX_SIDE_BYTES = 128 * 2**20
-
-#: A folder or file where the side files are looked for: local, or on object storage.
-Place = Path | RemotePath
 
 #: FSDP2's ``fully_shard`` renames the class to ``FSDP<Class>``.
 _FSDP_PREFIX = re.compile(r"^FSDP(?=[A-Z])")
@@ -214,14 +211,14 @@ def _check_inside(path: Place, folder: Place) -> None:
     Raises:
         NotACheckpointError: ``path`` resolves outside ``folder``.
     """
-    if isinstance(path, RemotePath) or isinstance(folder, RemotePath):
-        return  # object stores have no links; RemotePath refuses '..' in names
-    root = folder.resolve()
-    target = path.resolve()
+    # Object stores have no links (and RemotePath refuses '..' in names): there a file is
+    # always inside the folder it was listed in.
+    root = storage.resolved(folder)
+    target = storage.resolved(path)
     roots = [root]
     if root.parent.name == "snapshots":  # hub cache: models--org--name/snapshots/<rev>
         roots.append(root.parent.parent / "blobs")
-    if not any(target == r or r in target.parents for r in roots):
+    if not any(storage.within(target, r) for r in roots):
         raise NotACheckpointError(f"{path}: a symlink to {target}, outside {folder}; side "
                                   "files are only copied from inside their folder: copy the "
                                   "file into the folder or pass --base with one that holds it")

@@ -18,23 +18,20 @@ Three rules, all decided from files alone (no transformers, no code from a check
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Collection, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.jsonio import parse_json
-from fsdpckpt._io.remote import RemotePath
-from fsdpckpt.dcp._hfstorage import SafetensorsHeader, parse_header
-from fsdpckpt.errors import ExportMismatchError, NotACheckpointError
-from fsdpckpt.export._config import CONFIG, _check_inside, side_file_bytes
+from fsdpckpt._io.storage import Place
+from fsdpckpt.dcp._hfstorage import SafetensorsHeader
+from fsdpckpt.errors import ExportMismatchError
+from fsdpckpt.export._config import CONFIG, _check_inside
+from fsdpckpt.formats._shards import MAX_INDEX_BYTES, read_header, read_shard_index
 
 __all__ = ["ExportMismatchError", "custom_code", "custom_code_reason", "check_declared_sizes",
            "declared_bound", "numbered_siblings", "base_weights", "check_against_base",
            "key_problems"]
 
 
-Place = Path | RemotePath
 Shape = tuple[int, ...]
 
 #: Config fields that count layers (transformers' names across model families).
@@ -155,16 +152,20 @@ def key_problems(shapes: Mapping[str, Shape], wanted: Mapping[str, Shape | None]
 
 
 def _header(file: Place) -> SafetensorsHeader:
-    # The checked header of a safetensors file (dcp._hfstorage's reader), by ranged reads.
-    if isinstance(file, RemotePath):
-        remote = file.open_file()
-        return parse_header(remote, remote.size, str(file))
+    # The checked header of a safetensors file (the one parser), by ranged reads.
     _check_inside(file, file.parent)  # a hub snapshot's links into blobs/ are inside
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        return parse_header(fd, os.fstat(fd).st_size, str(file))
-    finally:
-        os.close(fd)
+    return read_header(file)
+
+
+#: How a base folder's shard index that cannot be read is refused (formats._shards.Wording).
+_INDEX_WORDING = {
+    "size": f"{{index}}: {{detail}} bytes, over the {MAX_INDEX_BYTES} a shard index may have; "
+            "pass --base with an intact model folder",
+    "json": "{index}: cannot read it as JSON ({detail}); pass --base with an intact model "
+            "folder",
+    "*": "{index}: not a shard index (a 'weight_map' of names to file names in its folder); "
+         "pass --base with an intact model folder",
+}
 
 
 def base_weights(base: Place) -> tuple[dict[str, Shape | None], Place] | None:
@@ -178,18 +179,7 @@ def base_weights(base: Place) -> tuple[dict[str, Shape | None], Place] | None:
     """
     index = base / _INDEX
     if index.is_file():
-        try:
-            doc = parse_json(side_file_bytes(index))
-        except ValueError as exc:
-            raise NotACheckpointError(f"{index}: cannot read it as JSON ({exc}); pass --base "
-                                      "with an intact model folder") from None
-        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(n, str) and n and "/" not in n and "\\" not in n and n != ".."
-                for n in weight_map.values()):
-            raise NotACheckpointError(f"{index}: not a shard index (a 'weight_map' of names to "
-                                      "file names in its folder); pass --base with an intact "
-                                      "model folder")
+        weight_map = read_shard_index(index, wording=_INDEX_WORDING).weight_map
         files = [base / name for name in dict.fromkeys(weight_map.values())]
         if not all(f.is_file() for f in files):  # the names alone
             return {str(name): None for name in weight_map}, index

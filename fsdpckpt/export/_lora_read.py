@@ -1,10 +1,10 @@
 """A model's tensors, one at a time, from a checkpoint: what LoRA export and fusion read.
 
-A DCP folder (or an Accelerate / HF Trainer checkpoint's first model folder) is read
+A DCP folder (or a checkpoint's model folder, chosen as merge chooses it) is read
 tensor by tensor through fsdpckpt's own chunk reader (checked, allowlisted), so that
 memory holds one tensor at a time; a merged ``.safetensors`` file (or its index) is read
-lazily through ``safe_open``, or on object storage by ranged reads of its checked header
-and of each tensor's bytes (never a full download). Names are the model's state-dict
+by ranged reads of its checked header and of each tensor's bytes, locally as on object
+storage (never a full download). Names are the model's state-dict
 names: the top-level key a save wraps around them (``{"model": ...}``) and wrapper segments
 (``_fsdp_wrapped_module``...) dropped, as ``fsdpckpt merge`` names them.
 """
@@ -14,16 +14,18 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io import storage
 from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp.checks import require_whole
-from fsdpckpt.dcp.dtypes import DTYPES
-from fsdpckpt.dcp.layout import find_layout
+from fsdpckpt.dcp.layout import DcpPart, find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
-from fsdpckpt.dcp.reader import read_dcp_folder
-from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.dcp.parts import open_part
+from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
+from fsdpckpt.formats._shards import read_header
+from fsdpckpt.merging._validate import choose_parts
 
 __all__ = ["ModelSource", "open_model_source"]
 
@@ -38,12 +40,12 @@ class ModelSource:
         shapes, dtypes: each tensor's shape and dtype name (``"float32"``...), by name.
     """
 
-    path: Path | RemotePath
+    path: Place
     names: tuple[str, ...]
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, str]
     _entries: dict[str, Any]
-    _files: tuple[Path | RemotePath, ...] = ()
+    _files: tuple[Place, ...] = ()
 
     def read(self, want: Callable[[str], bool] | None = None) -> Iterator[tuple[str, Any]]:
         """``(name, tensor)`` for each tensor ``want`` accepts (all by default), in stored
@@ -76,22 +78,15 @@ class ModelSource:
                 yield name, full
 
     def _read_safetensors(self, want: Callable[[str], bool] | None) -> Iterator[tuple[str, Any]]:
-        from safetensors import safe_open
-
         for file in self._files:
-            if isinstance(file, RemotePath):
-                yield from _read_remote_safetensors(file, want)
-                continue
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - not a dict
-                    if want is None or want(name):
-                        yield name, handle.get_tensor(name)
+            yield from _read_safetensors(file, want)
 
 
-def _from_dcp(folder: Path | RemotePath) -> ModelSource:
+def _from_dcp(part: DcpPart) -> ModelSource:
     from fsdpckpt.merging._keys import output_name, shares_top_key
 
-    dcp = read_dcp_folder(folder)
+    dcp = open_part(part.path, part.name)  # as merge reads it: any layout's part
+    folder = dcp.path
     require_whole(dcp)  # declared sizes checked against the bytes before anything is read
     tensors = dcp.metadata.tensors
     strip = shares_top_key([t.key_path for t in tensors])
@@ -107,77 +102,58 @@ def _from_dcp(folder: Path | RemotePath) -> ModelSource:
                        {n: e.dtype.name for n, e in entries.items()}, dict(entries))
 
 
-def _remote_header(file: RemotePath) -> tuple[Any, Any]:
-    """The remote safetensors file opened for ranged reads, and its checked header."""
-    from fsdpckpt.dcp._hfstorage import parse_header
-
-    remote = file.open_file()
-    return remote, parse_header(remote, remote.size, str(file))
-
-
-def _read_remote_safetensors(file: RemotePath, want: Callable[[str], bool] | None
-                             ) -> Iterator[tuple[str, Any]]:
+def _read_safetensors(file: Place, want: Callable[[str], bool] | None
+                      ) -> Iterator[tuple[str, Any]]:
+    # Local or remote alike: the checked header, then each tensor's bytes by a ranged read.
     import torch
 
-    remote, header = _remote_header(file)
-    # In safe_open's order (sorted names), so both sources stream alike.
-    for name in sorted(header.tensors):
-        if want is not None and not want(name):
-            continue
-        dtype, shape, begin, end = header.tensors[name]  # checked against the file's size
-        torch_dtype = getattr(torch, dtype.name)
-        if end == begin:
-            yield name, torch.empty(shape, dtype=torch_dtype)
-            continue
-        memory = bytearray(end - begin)
-        remote.read_at(memoryview(memory), header.data_start + begin)
-        yield name, torch.frombuffer(memory, dtype=torch_dtype).view(shape)
+    with storage.opened(file) as opened:
+        header = read_header(file, opened)
+        # In name order, as safe_open lists them (the order the metadata gave the names).
+        for name in sorted(header.tensors):
+            if want is not None and not want(name):
+                continue
+            dtype, shape, begin, end = header.tensors[name]  # checked against the file's size
+            torch_dtype = getattr(torch, dtype.name)
+            if end == begin:
+                yield name, torch.empty(shape, dtype=torch_dtype)
+                continue
+            memory = bytearray(end - begin)
+            opened.read_at(memoryview(memory), header.data_start + begin)
+            yield name, torch.frombuffer(memory, dtype=torch_dtype).view(shape)
 
 
-def _from_safetensors(path: Path | RemotePath) -> ModelSource:
-    from safetensors import SafetensorError, safe_open
-
+def _from_safetensors(path: Place) -> ModelSource:
     from fsdpckpt.merging.full import shard_files
 
-    files: tuple[Path | RemotePath, ...] = \
-        tuple(shard_files(path)) if isinstance(path, RemotePath) else tuple(shard_files(path))
+    files = tuple(shard_files(path))
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
     for file in files:
-        if isinstance(file, RemotePath):
-            _, header = _remote_header(file)
-            for name in sorted(header.tensors):
-                dtype, shape, _, _ = header.tensors[name]
-                shapes[name], dtypes[name] = shape, dtype.name
-            continue
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - not a dict
-                    piece = handle.get_slice(name)
-                    shapes[name] = tuple(piece.get_shape())
-                    code = str(piece.get_dtype())  # "F32": torch's name, as DCP gives it
-                    dtypes[name] = next((d.name for d in DTYPES.values()
-                                         if d.safetensors == code), code)
-        except (SafetensorError, OSError) as exc:
-            detail = (str(exc).splitlines() or ["?"])[0][:200]
-            raise CorruptCheckpointError(f"{file}: not a readable safetensors file ({detail})"
-                                         ) from None
+        header = read_header(file)
+        for name in sorted(header.tensors):
+            dtype, shape, _, _ = header.tensors[name]
+            shapes[name], dtypes[name] = shape, dtype.name
     return ModelSource(path, tuple(shapes), shapes, dtypes, {}, files)
 
 
 def open_model_source(checkpoint: str | os.PathLike[str] | RemotePath, *,
-                      storage_options: dict[str, Any] | None = None) -> ModelSource:
+                      storage_options: dict[str, Any] | None = None,
+                      model_index: int | None = None) -> ModelSource:
     """The model tensors of ``checkpoint``.
 
     Args:
-        checkpoint: a DCP folder; a checkpoint folder in Accelerate's or HF Trainer's layout
-            (its first model folder, ``pytorch_model_fsdp_0/``, is read); or a merged
+        checkpoint: a DCP folder; a checkpoint folder in any layout merge reads (its model
+            folder, ``pytorch_model_fsdp_0/``, chosen as merge chooses it); or a merged
             ``.safetensors`` file or index. Local, or on object storage (a URL).
         storage_options: for URLs: the fsspec filesystem's options (docs/remote.md).
+        model_index: of several model folders, the one numbered so (merge's
+            ``model_index``).
 
     Raises:
         CheckpointNotFoundError: nothing at the path.
-        NotACheckpointError: no model weights there.
+        NotACheckpointError: no model weights there; several model folders and none
+            chosen; the chosen one unfinished (no ``.metadata``).
         CorruptCheckpointError: the metadata disagrees with the data files.
     """
     path = location(checkpoint, storage_options=storage_options)
@@ -189,9 +165,11 @@ def open_model_source(checkpoint: str | os.PathLike[str] | RemotePath, *,
         raise NotACheckpointError(f"{path}: not a DCP folder or a .safetensors file; pass the "
                                   "checkpoint folder")
     layout = find_layout(path)
-    models = [p for p in layout.parts if p.kind in ("model", "dcp") and p.complete]
-    if not models:
+    if not any(p.kind in ("model", "dcp") for p in layout.parts):
         raise NotACheckpointError(f"{path}: holds no finished model folder "
                                   "(pytorch_model_fsdp_0/ with .metadata); pass the checkpoint "
                                   "that holds the model")
-    return _from_dcp(models[0].path)
+    # The merge's choice: the one model folder (or the one numbered ``model_index``); several
+    # and none chosen, or an unfinished one, is refused as merge refuses it.
+    (part, *_) = choose_parts(layout, model_index=model_index)
+    return _from_dcp(part)

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
 
+from fsdpckpt._io import storage
 from fsdpckpt._io.remote import RemotePath, is_url, location
+from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
     NotACheckpointError,
@@ -49,21 +51,25 @@ __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "AdapterExport", 
 _Where: TypeAlias = str | os.PathLike[str] | RemotePath
 _Config: TypeAlias = _Where | Mapping[str, Any]
 
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-           "fp32": "float32", "float32": "float32"}
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: PEFT's EMBEDDING_LAYER_NAMES: adapted modules saved whole in the adapter file.
 _EMBEDDING_LAYERS = ("embed_tokens", "lm_head")
 
 
 def _torch_dtype(dtype: str | None) -> Any:
+    # The merge's reading of a dtype name (plan.parse_dtype), worded for these functions.
     if dtype is None:
         return None
     import torch
 
-    if dtype not in _DTYPES:
-        raise OptionError(f"dtype={dtype!r}: use one of bf16, fp16, fp32")
-    return getattr(torch, _DTYPES[dtype])
+    from fsdpckpt.errors import MergePlanError
+    from fsdpckpt.merging.plan import parse_dtype
+
+    try:
+        found = parse_dtype(dtype)
+    except MergePlanError:
+        raise OptionError(f"dtype={dtype!r}: use one of bf16, fp16, fp32") from None
+    return getattr(torch, str(found))
 
 
 def fuse_weight(weight: Any, lora_a: Any, lora_b: Any, scaling: float, *,
@@ -213,14 +219,10 @@ def find_adapter_config(checkpoint: _Where, *,
     if lora_config is not None:
         return read_lora_config(lora_config, storage_options=storage_options)
     path = location(checkpoint, storage_options=storage_options)
-    places: list[Path | RemotePath]
-    if isinstance(path, RemotePath):
-        start = path if path.is_dir() else path.parent
-        places = list(dict.fromkeys([start, start.parent, start.parent.parent]))  # a bucket's
-        # parent is itself
-    else:
-        here = path.resolve() if path.resolve().is_dir() else path.resolve().parent
-        places = [here, *list(here.parents)[:2]]
+    here = storage.resolved(path)  # a local link followed (object stores have none)
+    here = here if here.is_dir() else here.parent
+    # The folder and its two parents; the root's parent (a bucket's too) is itself.
+    places: list[Place] = list(dict.fromkeys([here, here.parent, here.parent.parent]))
     if base is not None:
         places.append(location(base, storage_options=storage_options))
     for place in places:

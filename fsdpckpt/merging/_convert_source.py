@@ -6,18 +6,17 @@ on object storage; anything else is refused in one line naming what convert acce
 
 from __future__ import annotations
 
-import os
 import struct
 import zipfile
-from pathlib import Path
 
-from fsdpckpt._io.jsonio import parse_json
-from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io import storage
+from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NotACheckpointError,
 )
+from fsdpckpt.formats._shards import read_shard_index
 
 __all__ = ["MODEL_FILES", "first_line", "resolve_source", "shards", "sniff"]
 
@@ -37,24 +36,16 @@ def first_line(exc: BaseException) -> str:
     return text[0][:200] if text else type(exc).__name__
 
 
-def _head(file: Path | RemotePath) -> tuple[bytes, int, bool]:
+def _head(file: Place) -> tuple[bytes, int, bool]:
     """The first 64 bytes of ``file``, its size, and whether it reads as a zip archive."""
-    if isinstance(file, RemotePath):
-        remote = file.open_file()
-        first = bytearray(min(64, remote.size))
-        remote.read_at(memoryview(first), 0)
-        try:
-            is_zip = first.startswith(_ZIP_MAGIC) and zipfile.is_zipfile(remote.file())
-        finally:
-            remote.close()
-        return bytes(first), remote.size, is_zip
-    with open(file, "rb") as handle:
-        head = handle.read(64)
-        size = os.fstat(handle.fileno()).st_size
-    return head, size, head.startswith(_ZIP_MAGIC) and zipfile.is_zipfile(file)
+    with storage.opened(file) as opened:
+        first = bytearray(min(64, opened.size))
+        opened.read_at(memoryview(first), 0)
+        is_zip = first.startswith(_ZIP_MAGIC) and zipfile.is_zipfile(opened.file())
+        return bytes(first), opened.size, is_zip
 
 
-def sniff(file: Path | RemotePath) -> str:
+def sniff(file: Place) -> str:
     """``"safetensors"`` or ``"torch"`` (``"torch-legacy"`` for the pre-zip format), by content.
 
     Raises:
@@ -91,27 +82,13 @@ def _is_text(head: bytes) -> bool:
     return True
 
 
-def shards(path: Path | RemotePath) -> list[Path | RemotePath]:
+def shards(path: Place) -> list[Place]:
     """The files to read: those a shard index lists, else ``path`` alone; each checked."""
     if not path.name.endswith(".index.json"):
         return [path]
-    try:
-        index = parse_json(path.read_bytes())
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise TypeError("no 'weight_map' object")
-        names = list(dict.fromkeys(weight_map.values()))
-        if not all(isinstance(n, str) and n for n in names):
-            raise TypeError("a file name is not a string")
-        # Shards lie beside their index (symlinks, as in the Hugging Face cache, are fine):
-        # an index may not send us to read files elsewhere.
-        if outside := [n for n in names if os.path.isabs(n) or ".." in Path(n).parts]:
-            raise ValueError(f"'{outside[0]}' lies outside the index's folder")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise NotACheckpointError(
-            f"{path}: not a shard index (a JSON file with a 'weight_map' of names to files: "
-            f"{first_line(exc)}); {_ACCEPTS}.") from None
-    files = [path.parent / name for name in names]
+    files = read_shard_index(path, wording={
+        "*": "{index}: not a shard index (a JSON file with a 'weight_map' of names to files: "
+             "{detail}); " + _ACCEPTS + "."}).files
     for file in files:
         if not file.is_file():
             raise CheckpointNotFoundError(f"{file}: listed in {path.name} but missing; copy "
@@ -119,7 +96,7 @@ def shards(path: Path | RemotePath) -> list[Path | RemotePath]:
     return files
 
 
-def resolve_source(source: Path | RemotePath) -> Path | RemotePath:
+def resolve_source(source: Place) -> Place:
     """The file to convert: ``source`` itself, or the model file of a folder.
 
     A folder holding a merged or Hugging Face model stands for its model file (the first of
@@ -143,10 +120,8 @@ def resolve_source(source: Path | RemotePath) -> Path | RemotePath:
         raise NotACheckpointError(
             f"{source}: is a DCP checkpoint already; convert turns a full .safetensors or "
             f".bin file into one. To get a full file from it: fsdpckpt merge {source} OUT_DIR")
-    entries = source.iterdir() if isinstance(source, RemotePath) else \
-        [Path(e.path) for e in os.scandir(source)]
-    candidates = sorted(e.name for e in entries if e.is_file() and
-                        e.name.endswith((".safetensors", ".bin", ".pt", ".index.json")))
+    candidates = [name for name in storage.names(source) if (source / name).is_file() and
+                  name.endswith((".safetensors", ".bin", ".pt", ".index.json"))]
     hint = f"; pass one of its files, e.g. {source / candidates[0]}" if candidates else \
         f"; {_ACCEPTS}"
     raise NotACheckpointError(f"{source}: is a folder without {' or '.join(MODEL_FILES[1::2])}"

@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, cast
 
-from fsdpckpt._io.download import download
-from fsdpckpt._io.jsonio import loads_json
+from fsdpckpt._io import storage
 from fsdpckpt._io.rawio import reusing_scratch
-from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io.remote import location
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._hfstorage import read_hf_storage_at
 from fsdpckpt.dcp._nesting import unflatten
@@ -27,6 +28,7 @@ from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.reader import DcpFolder, is_dcp_folder, read_dcp_folder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.formats._shards import read_shard_index
 from fsdpckpt.formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from fsdpckpt.merging._copy import MemorySink, place_stored_chunk
 from fsdpckpt.merging._runs import chunk_runs
@@ -37,10 +39,6 @@ _MERGED_NAMES = ["model.safetensors.index.json", "model.safetensors",
                  "pytorch_model.bin.index.json",
                  "pytorch_model.bin", "optimizer.safetensors.index.json", "optimizer.safetensors",
                  "optimizer.bin.index.json", "optimizer.bin"]
-#: A shard index is a small JSON file (a few MB for the largest models); a larger "index"
-#: is refused before it is read.
-_MAX_INDEX_BYTES = 64 << 20
-_P = TypeVar("_P", Path, RemotePath)
 
 
 def _empty(dtype: DType, shape: tuple[int, ...]) -> tuple[Any, MemorySink]:
@@ -54,15 +52,14 @@ def _empty(dtype: DType, shape: tuple[int, ...]) -> tuple[Any, MemorySink]:
     return flat.view(shape), MemorySink(memoryview(memory))
 
 
-def _from_dcp(path: Path | RemotePath) -> dict[Any, Any]:
+def _from_dcp(path: Place) -> dict[Any, Any]:
     return _from_folder(read_dcp_folder(path), [])
 
 
-def _from_rank_files(path: Path | RemotePath) -> dict[Any, Any] | None:
+def _from_rank_files(path: Place) -> dict[Any, Any] | None:
     """A folder of per-rank ``torch.save`` files (Accelerate ``use_dcp=False``, VeRL): the
     model's, read like a DCP folder (with rank 0's non-tensor values), or None."""
-    names = [q.name for q in path.iterdir()] if isinstance(path, RemotePath) else \
-        sorted(os.listdir(path))
+    names = storage.names(path)
     sets = [s for s in find_rank_sets(names) if s.kind == "model"] or find_rank_sets(names)
     if not sets:
         return None
@@ -126,26 +123,27 @@ def _from_safetensors(files: list[Path]) -> dict[Any, Any]:
     return unflatten((tuple(paths.get(name, [name])), value) for name, value in flat.items())
 
 
-def shard_files(path: _P) -> list[_P]:
+#: How a shard index that cannot be read is refused here (formats._shards.Wording).
+_INDEX_WORDING = {
+    "size": "{index}: {detail} bytes is too large for a shard index; pass the "
+            "model.safetensors.index.json a merge wrote",
+    "json": "{index}: {detail}; the file is damaged or was not written as JSON.",
+    "outside": "{index}: {detail}; a shard index names the files beside it",
+    "*": "{index}: not a shard index (a JSON object with a 'weight_map' of names to file "
+         "names).",
+}
+
+
+def shard_files(path: Place) -> list[Place]:
     """The files a shard index (``*.index.json``) lists, in order; any other path alone
     (local, or on object storage).
 
     Raises:
-        NotACheckpointError: the index is not a JSON object with a ``weight_map``, or is
-            too large to be one.
+        NotACheckpointError: the index is not a JSON object with a ``weight_map``, is
+            too large to be one, or names a file outside its folder.
     """
     if path.name.endswith(".index.json"):
-        size = path.stat().st_size
-        if size > _MAX_INDEX_BYTES:
-            raise NotACheckpointError(f"{path}: {size} bytes is too large for a shard index; "
-                                      "pass the model.safetensors.index.json a merge wrote")
-        index = loads_json(path.read_bytes(), source=str(path), error=NotACheckpointError)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(n, str) and n for n in weight_map.values()):
-            raise NotACheckpointError(f"{path}: not a shard index (a JSON object with a "
-                                      "'weight_map' of names to file names).")
-        return [path.parent / n for n in dict.fromkeys(weight_map.values())]
+        return read_shard_index(path, wording=_INDEX_WORDING).files
     return [path]
 
 
@@ -160,7 +158,7 @@ def _deep_update(target: dict[Any, Any], extra: dict[Any, Any]) -> None:
 
 def _from_file(path: Path) -> dict[Any, Any]:
     if path.name.endswith(".index.json"):
-        shards = shard_files(path)
+        shards = [cast(Path, f) for f in shard_files(path)]
         if path.name.startswith(("model.safetensors", "optimizer.safetensors")) or \
                 shards and shards[0].suffix == ".safetensors":
             return _from_safetensors(shards)
@@ -173,21 +171,28 @@ def _from_file(path: Path) -> dict[Any, Any]:
     return torch_load_allowlisted(path)
 
 
-def _from_remote_file(path: RemotePath) -> dict[Any, Any]:
-    """A merged file (or shard index) on object storage, loaded as the local one is.
+def _from_merged(path: Place) -> dict[Any, Any]:
+    """A merged file (or shard index), local or on object storage.
 
-    safetensors' and torch's loaders read local files only: the file and the shards its
-    index lists are downloaded, in bounded pieces each checked against the listed size,
-    into a temporary folder removed before this returns (the tensors loaded no longer
-    need it: they are copies, or mappings that outlive the file's name).
+    safetensors' and torch's loaders read local files only: from object storage, the file
+    and the shards its index lists are copied (:func:`storage.local_file`), each under its
+    name relative to the index, into a temporary folder removed before this returns (the
+    tensors loaded no longer need it: they are copies, or mappings that outlive the name).
     """
+    names = [path.name]
+    if path.name.endswith(".index.json"):
+        names += read_shard_index(path, wording=_INDEX_WORDING).names
     with tempfile.TemporaryDirectory(prefix="fsdpckpt-load-") as scratch:
-        local = Path(scratch) / path.name
-        download(path, local)
-        for shard in shard_files(path) if path.name.endswith(".index.json") else []:
-            target = Path(scratch, shard.path[len(path.parent.path) + 1:])  # "/".."-free
-            target.parent.mkdir(parents=True, exist_ok=True)
-            download(shard, target)
+        def folder_of(name: str) -> Callable[[], Path]:  # where a copy of ``name`` goes
+            def make() -> Path:
+                folder = Path(scratch, name).parent  # the index refused '..' and '/abs'
+                folder.mkdir(parents=True, exist_ok=True)
+                return folder
+            return make
+
+        local = storage.local_file(path, folder_of(path.name))
+        for name in names[1:]:
+            storage.local_file(path.parent / name, folder_of(name))
         return _from_file(local)
 
 
@@ -219,28 +224,18 @@ def load_full_state_dict(path: str | os.PathLike[str], *,
     p = location(path, storage_options=storage_options)
     if not p.exists():
         raise CheckpointNotFoundError(f"{p}: no such file or folder; check the path.")
-    if isinstance(p, RemotePath):
-        if is_dcp_folder(p):
-            return _from_dcp(p)
-        if p.is_dir() and (from_ranks := _from_rank_files(p)) is not None:
-            return from_ranks
-        if (hf_storage := read_hf_storage_at(p)) is not None:  # HuggingFaceStorageWriter
-            return _from_folder(hf_storage, [])
-        if p.is_file():
-            return _from_remote_file(p)
-        return _from_remote_file(_merged_output(p))
     if p.is_file():
-        return _from_file(p)
+        return _from_merged(p)
     if is_dcp_folder(p):
         return _from_dcp(p)
     if (from_ranks := _from_rank_files(p)) is not None:
         return from_ranks
     if (hf_storage := read_hf_storage_at(p)) is not None:  # torch's HuggingFaceStorageWriter
         return _from_folder(hf_storage, [])
-    return _from_file(_merged_output(p))
+    return _from_merged(_merged_output(p))
 
 
-def _merged_output(folder: _P) -> _P:
+def _merged_output(folder: Place) -> Place:
     """The merged output (its index when sharded) a folder holds."""
     found = [folder / name for name in _MERGED_NAMES if (folder / name).is_file()]
     if not found:

@@ -20,6 +20,7 @@ from fsdpckpt.dcp.metadata import KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
 from fsdpckpt.errors import MergePlanError
 from fsdpckpt.formats import FORMATS, OutputFormat, TensorSpec, get_format
+from fsdpckpt.formats._shards import index_document
 from fsdpckpt.formats.safetensors import RESERVED_NAME
 from fsdpckpt.merging._keys import clean_key, output_name, select, shares_top_key
 from fsdpckpt.merging._runs import Runs, RunStarts, chunk_runs
@@ -100,8 +101,7 @@ class MergePlan:
 
     def index(self) -> dict:
         """The HF index document (``metadata.total_size`` and ``weight_map``)."""
-        return {"metadata": {"total_size": self.tensor_bytes},
-                "weight_map": {t.spec.name: f.name for f in self.files for t in f.tensors}}
+        return index_document((f.name, (t.spec for t in f.tensors)) for f in self.files)
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

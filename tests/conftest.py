@@ -141,6 +141,9 @@ def s3_server():
 
     server = s3server.start()
     yield server
+    # At once: the session is over and its data goes with it; SIGTERM alone leaves the
+    # server running until stop()'s 10 s grace ends.
+    server.kill()
     server.stop()
 
 

@@ -97,13 +97,15 @@ def _piece(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _imports(path: Path, *, module_level: bool = False) -> set[str]:
+@functools.cache
+def _imports(path: Path, *, module_level: bool = False) -> frozenset[str]:
     """The fsdpckpt subpackages and top-level modules ``path`` imports, by :func:`_piece`:
     anywhere in the file (every ``import`` and ``from ... import`` node, relative ones
     resolved), or with ``module_level`` only the statements at the top of the module."""
     modules = _package_modules()
     name = next(n for n, p in modules.items() if p == path)
-    return {_piece(m) for m in _imported_modules(name, path, modules, module_level=module_level)}
+    return frozenset(_piece(m) for m in _imported_modules(name, path, modules,
+                                                      module_level=module_level))
 
 
 @functools.cache

@@ -56,38 +56,6 @@ def reference_state_dict(folder: Path) -> dict:
     return _REFERENCE[key]
 
 
-def flatten(tree, prefix=()) -> dict:
-    """``{key_path: leaf}`` of a nested dict/list state dict (tensors and plain values)."""
-    import torch
-
-    out = {}
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) \
-        if isinstance(tree, list) and any(isinstance(v, (dict, list, torch.Tensor)) for v in tree) \
-        else None
-    if items is None:
-        return {prefix: tree}
-    for key, value in items:
-        out.update(flatten(value, prefix + (key,)))
-    return out
-
-
-def assert_same_state(got, expected) -> None:
-    """Equal nesting, and every tensor equal byte for byte (dtype and shape included)."""
-    import torch
-
-    got_flat, expected_flat = flatten(got), flatten(expected)
-    assert got_flat.keys() == expected_flat.keys()
-    for key, value in expected_flat.items():
-        if isinstance(value, torch.Tensor):
-            other = got_flat[key]
-            assert isinstance(other, torch.Tensor), key
-            assert other.dtype == value.dtype and other.shape == value.shape, key
-            assert torch.equal(other.reshape(-1).contiguous().view(torch.uint8),
-                               value.reshape(-1).contiguous().view(torch.uint8)), key
-        else:
-            assert got_flat[key] == value and type(got_flat[key]) is type(value), key
-
-
 def run_cli(*args):
     """Run the CLI in-process; stdout and stderr stay apart."""
     from click.testing import CliRunner
@@ -173,6 +141,9 @@ def s3_server():
 
     server = s3server.start()
     yield server
+    # At once: the session is over and its data goes with it; SIGTERM alone leaves the
+    # server running until stop()'s 10 s grace ends.
+    server.kill()
     server.stop()
 
 

@@ -101,7 +101,8 @@ def test_merge_weights_of_a_flipped_bit_exits_1_and_writes_nothing(damaged, tmp_
 
 
 def test_an_untouched_checkpoint_still_merges_bit_exact(tmp_path):
-    from conftest import assert_same_state, reference_state_dict
+    from conftest import reference_state_dict
+    from deep_compare import assert_same_state
 
     folder = CKPT / "pytorch_model_fsdp_0"
     (result,) = fsdpckpt.merge(folder, tmp_path / "out", keep_keys=True)

@@ -319,6 +319,7 @@ def test_boxes_cover_every_element_once_in_order_and_stay_small():
 
 # ---- memory --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_diff_memory_is_flat_for_a_large_tensor(tmp_path):
     from chunked import split, write_dcp
 

@@ -78,6 +78,7 @@ def test_transposed_sides_read_long_runs_on_both():
     assert tile_sizes((8192, 4096), (4096, 1), (8192, 1), 2**19) == (128, 4096)
 
 
+@pytest.mark.slow
 def test_bin_diff_memory_does_not_grow_with_the_file(tmp_path):
     imports = "import torch, fsdpckpt, fsdpckpt.inspection.diff\n"
     peaks = []

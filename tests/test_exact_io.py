@@ -20,7 +20,8 @@ from fsdpckpt._io import rawio
 from fsdpckpt.errors import CorruptCheckpointError
 
 from chunked import split, whole, write_dcp
-from conftest import assert_same_state, reference_state_dict
+from conftest import reference_state_dict
+from deep_compare import assert_same_state
 
 
 def _values(*shape: int, dtype=torch.float32) -> torch.Tensor:

@@ -15,6 +15,9 @@ import pytest
 
 from conftest import FIXTURES, peak_rss_mib
 
+# Fresh processes exporting a 2 x 64 MiB tied pair, each measured.
+pytestmark = pytest.mark.slow
+
 #: The whole process without transformers: the interpreter, fsdpckpt, two 8 MiB boxes and
 #: the merge's buffers; torch alone would be about 220 MB, either tensor 64 MiB.
 PEAK_LIMIT_MIB = 150

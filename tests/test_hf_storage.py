@@ -32,6 +32,8 @@ from fsdpckpt.dcp._hfstorage import MODEL_PART, SHARDS_PART, parse_header
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from tests.fuzzing import damaged, fuzz_settings
 
+from deep_compare import assert_same_tensors
+
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 SHARDS = FIXTURES / "hf_storage" / "shards"
 CONSOLIDATED = FIXTURES / "hf_storage" / "consolidated"
@@ -56,14 +58,6 @@ def _torch_reads(folder: Path) -> dict[str, torch.Tensor]:
              for fqn, md in meta.state_dict_metadata.items()}
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=True)
     return state
-
-
-def _same_bytes(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
-        assert got[name].contiguous().view(torch.uint8).equal(
-            tensor.contiguous().view(torch.uint8)), name
 
 
 def _header(path: Path) -> tuple[dict, bytes]:
@@ -143,22 +137,22 @@ def test_a_plain_hugging_face_model_folder_is_still_not_a_checkpoint(tmp_path):
 @pytest.mark.parametrize("which", FOLDERS)
 def test_merge_is_bit_exact_against_torchs_own_reader(which, tmp_path):
     merge(FOLDERS[which], tmp_path)
-    _same_bytes(load_file(tmp_path / "model.safetensors"), _torch_reads(FOLDERS[which]))
+    assert_same_tensors(load_file(tmp_path / "model.safetensors"), _torch_reads(FOLDERS[which]))
 
 
 @pytest.mark.parametrize("which", FOLDERS)
 def test_load_full_state_dict_is_bit_exact_against_torchs_own_reader(which):
-    _same_bytes(load_full_state_dict(FOLDERS[which]), _torch_reads(FOLDERS[which]))
+    assert_same_tensors(load_full_state_dict(FOLDERS[which]), _torch_reads(FOLDERS[which]))
 
 
 def test_the_shards_merge_to_the_trained_llama_and_consolidation_to_its_files(tmp_path):
     merge(SHARDS, tmp_path / "llama")
-    _same_bytes(load_file(tmp_path / "llama" / "model.safetensors"),
+    assert_same_tensors(load_file(tmp_path / "llama" / "model.safetensors"),
                 load_file(LLAMA / "trained.safetensors"))
     merge(CONSOLIDATED, tmp_path / "small")
     whole = {**load_file(CONSOLIDATED / "model-00001-of-00002.safetensors"),
              **load_file(CONSOLIDATED / "model-00002-of-00002.safetensors")}
-    _same_bytes(load_file(tmp_path / "small" / "model.safetensors"), whole)
+    assert_same_tensors(load_file(tmp_path / "small" / "model.safetensors"), whole)
 
 
 def test_a_rank0_save_without_distribution_is_read(tmp_path):
@@ -170,12 +164,12 @@ def test_a_rank0_save_without_distribution_is_read(tmp_path):
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp_path / "ckpt")),
              no_dist=True)
     assert find_layout(tmp_path / "ckpt").parts[0].name == MODEL_PART
-    _same_bytes(load_full_state_dict(tmp_path / "ckpt"), state)
+    assert_same_tensors(load_full_state_dict(tmp_path / "ckpt"), state)
 
 
 def test_export_hf_of_shards_gives_the_trained_llama(tmp_path):
     export_hf(SHARDS, tmp_path / "out", base=LLAMA)
-    _same_bytes(load_file(tmp_path / "out" / "model.safetensors"),
+    assert_same_tensors(load_file(tmp_path / "out" / "model.safetensors"),
                 load_file(LLAMA / "trained.safetensors"))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == \
         ["LlamaForCausalLM"]

@@ -17,7 +17,8 @@ import torch
 import fsdpckpt
 
 import workers
-from conftest import assert_same_state, hostile_pickle
+from conftest import hostile_pickle
+from deep_compare import assert_same_rng, assert_same_state
 
 
 def _torch_rejects(folder) -> None:
@@ -156,13 +157,6 @@ def _rng_state():
     return random.getstate(), np.random.get_state(), torch.get_rng_state()
 
 
-def _assert_same_rng(got, expected) -> None:
-    assert got[0] == expected[0]
-    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
-               for a, b in zip(got[1], expected[1]))
-    assert torch.equal(got[2], expected[2])
-
-
 _PART_FILES = {"rng": "random_states_0.pkl", "scheduler": "scheduler.bin",
                "scaler": "scaler.pt", "extra": "custom_checkpoint_0.pkl"}
 
@@ -191,7 +185,7 @@ def _load_changes_nothing(ckpt, error=fsdpckpt.FsdpCkptError) -> None:
     assert_same_state(optimizer.state_dict(), opt_state)
     assert scheduler.state_dict() == sched_state
     assert (scaler.value, counter.value) == (1, 2)
-    _assert_same_rng(_rng_state(), rng)
+    assert_same_rng(_rng_state(), rng)
 
 
 @pytest.mark.parametrize("part", sorted(_PART_FILES))

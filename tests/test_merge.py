@@ -12,7 +12,8 @@ import fsdpckpt
 from fsdpckpt.merging.full import load_full_state_dict
 from fsdpckpt.merging.plan import MergePlanError
 
-from conftest import DCP_FOLDERS, FIXTURES, assert_same_state, reference_state_dict
+from conftest import DCP_FOLDERS, FIXTURES, reference_state_dict
+from deep_compare import assert_same_state
 
 
 def _stripped(reference: dict) -> dict:
@@ -104,7 +105,7 @@ def test_export_dtype_converts_floats_only(tmp_path):
     (result,) = fsdpckpt.merge(folder, tmp_path, dtype="bf16")
     expected = _stripped(reference_state_dict(folder))
     got = load_full_state_dict(result.path)
-    from conftest import flatten
+    from deep_compare import flatten
 
     flat_expected = flatten(expected)
     for key, value in flatten(got).items():

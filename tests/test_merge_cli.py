@@ -16,10 +16,10 @@ from conftest import (
     DCP_FOLDERS,
     FIXTURES,
     assert_one_line_error,
-    assert_same_state,
     reference_state_dict,
 )
 from conftest import run_cli as run
+from deep_compare import assert_same_state
 
 
 def assert_untouched(output_dir, before=()):

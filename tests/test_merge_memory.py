@@ -13,6 +13,9 @@ import pytest
 from chunked import split, write_dcp
 from conftest import peak_rss_mib
 
+# Fresh torch processes merging 128-256 MiB tensors, each measured.
+pytestmark = pytest.mark.slow
+
 #: What one merge may add over its imports: two 16 MiB tiles and torch's own scratch.
 GROWTH_LIMIT_MIB = 64
 #: The whole process, torch included (the issue's goal).

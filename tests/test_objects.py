@@ -52,16 +52,11 @@ def _merge(folder, out, fmt):
     return out
 
 
-def _same_allowing_nan(got, expected):
-    # Tensors inside tuples compared byte for byte; complex('nan+infj') equal to itself.
-    assert_same_deep(got, expected)
-
-
 def test_tensor_hyperparameters_load_from_the_folder_as_torch_loads_them(tensor_hyperparameters):
     got = load_full_state_dict(tensor_hyperparameters)
     group = got["optimizer"]["param_groups"][0]
     assert isinstance(group["lr"], torch.Tensor) and isinstance(group["betas"][0], torch.Tensor)
-    _same_allowing_nan(got, reference_state_dict(tensor_hyperparameters))
+    assert_same_deep(got, reference_state_dict(tensor_hyperparameters))
 
 
 def test_a_bin_merge_keeps_tensor_hyperparameters_as_real_tensors(tensor_hyperparameters,
@@ -73,8 +68,8 @@ def test_a_bin_merge_keeps_tensor_hyperparameters_as_real_tensors(tensor_hyperpa
     assert all(isinstance(b, torch.Tensor) for b in plain["optimizer"]["param_groups"][0]["betas"])
     with zipfile.ZipFile(merged) as archive:  # sound, with the betas' own storage entries
         assert archive.testzip() is None
-    _same_allowing_nan(plain, reference_state_dict(tensor_hyperparameters))
-    _same_allowing_nan(load_full_state_dict(out), reference_state_dict(tensor_hyperparameters))
+    assert_same_deep(plain, reference_state_dict(tensor_hyperparameters))
+    assert_same_deep(load_full_state_dict(out), reference_state_dict(tensor_hyperparameters))
 
 
 def test_a_safetensors_merge_keeps_tensor_hyperparameters_typed_in_its_metadata(
@@ -88,7 +83,7 @@ def test_a_safetensors_merge_keeps_tensor_hyperparameters_typed_in_its_metadata(
     # lr, a tensor itself, is a tensor entry; betas, a tuple of tensors, is an object.
     betas = objects["optimizer.param_groups.0.betas"]["__tuple__"]
     assert [b["__tensor__"]["dtype"] for b in betas] == ["float32", "float32"]
-    _same_allowing_nan(load_full_state_dict(out), reference_state_dict(tensor_hyperparameters))
+    assert_same_deep(load_full_state_dict(out), reference_state_dict(tensor_hyperparameters))
 
 
 def test_sets_frozensets_and_complex_values_survive_both_merges(tensor_hyperparameters, tmp_path):

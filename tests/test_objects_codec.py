@@ -19,23 +19,7 @@ from fsdpckpt.dcp._objects import TensorValue, dumps, loads, to_torch
 from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.errors import CorruptCheckpointError
 
-
-def _same(got, expected) -> bool:
-    """Equal, of the same type all the way down (1 is not True, a tuple is not a list), with
-    NaN equal to itself."""
-    if type(got) is not type(expected):
-        return False
-    if isinstance(expected, float):
-        return got == expected and math.copysign(1, got) == math.copysign(1, expected) \
-            or (math.isnan(got) and math.isnan(expected))
-    if isinstance(expected, complex):
-        return _same(got.real, expected.real) and _same(got.imag, expected.imag)
-    if isinstance(expected, (list, tuple)):
-        return len(got) == len(expected) and all(map(_same, got, expected))
-    if isinstance(expected, dict):
-        return list(got) == list(expected) and all(
-            type(a) is type(b) and _same(got[a], expected[b]) for a, b in zip(got, expected))
-    return got == expected
+from deep_compare import same_value
 
 
 def _round_trip(value):
@@ -81,12 +65,12 @@ _VALUES = {
 @pytest.mark.parametrize("name", sorted(_VALUES))
 def test_every_value_kind_round_trips_equal_and_of_the_same_type(name):
     value = _VALUES[name]
-    assert _same(_round_trip(value), value)
+    assert same_value(_round_trip(value), value)
 
 
 def test_a_value_nesting_every_kind_round_trips():
     value = {"all": [tuple(_VALUES.values()), {"inner": dict(_VALUES["dict"])}]}
-    assert _same(_round_trip(value), value)
+    assert same_value(_round_trip(value), value)
 
 
 @pytest.mark.parametrize("value", [
@@ -95,7 +79,7 @@ def test_a_value_nesting_every_kind_round_trips():
     {"a": {"__set__": [1]}},
 ], ids=lambda v: next(iter(v)))
 def test_a_dict_that_looks_like_an_encoding_stays_a_dict(value):
-    assert _same(_round_trip(value), value)
+    assert same_value(_round_trip(value), value)
 
 
 def test_a_list_and_a_tuple_stay_apart():

@@ -19,8 +19,9 @@ from safetensors import safe_open
 import fsdpckpt
 from fsdpckpt.merging.plan import MergePlanError
 
-from conftest import DCP_FOLDERS, assert_one_line_error, assert_same_state, reseal
+from conftest import DCP_FOLDERS, assert_one_line_error, reseal
 from conftest import run_cli as run
+from deep_compare import assert_same_state
 
 
 def _save(folder: Path, state: dict) -> Path:

@@ -15,7 +15,8 @@ from fsdpckpt.dcp.checks import check_folder, known_world_size
 from fsdpckpt.dcp.reader import read_dcp_folder
 from fsdpckpt.inspection.verify import verify_checkpoint
 
-from conftest import assert_same_state, reference_state_dict, run_cli
+from conftest import reference_state_dict, run_cli
+from deep_compare import assert_same_state
 
 
 def _state(owner: bool) -> dict:

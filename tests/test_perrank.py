@@ -27,6 +27,8 @@ from fsdpckpt import (
 )
 from fsdpckpt.errors import CheckpointNotFoundError, UnsafePickleError
 
+from deep_compare import tensor_bytes
+
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ACCELERATE = FIXTURES / "accelerate_rank_bin"
 VERL = FIXTURES / "verl"
@@ -65,10 +67,6 @@ def _torch_reference(folder: Path, pattern: str, world: int = 2) -> dict[str, to
                 pieces.setdefault(name, []).append(value)
     return {name: torch.cat(parts, dims[name]) if dims[name] is not None else parts[0]
             for name, parts in pieces.items()}
-
-
-def _bytes(tensor: torch.Tensor) -> bytes:
-    return bytes(tensor.contiguous().reshape(-1).view(torch.uint8).tolist())
 
 
 @pytest.mark.parametrize("which", sorted(SETS))
@@ -113,7 +111,7 @@ def test_merge_is_bit_exact_against_torchs_loader(which, tmp_path):
             for name, tensor in want.items():
                 got = merged.get_tensor(name)
                 assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
-                assert _bytes(got) == _bytes(tensor), name
+                assert tensor_bytes(got) == tensor_bytes(tensor), name
 
 
 @pytest.mark.parametrize("which", sorted(SETS))
@@ -123,7 +121,7 @@ def test_load_full_state_dict_is_bit_exact_against_torchs_loader(which):
     got = load_full_state_dict(folder)["model"]  # nested as from Accelerate's DCP folders
     assert set(got) == set(want)
     for name, tensor in want.items():
-        assert _bytes(got[name]) == _bytes(tensor), name
+        assert tensor_bytes(got[name]) == tensor_bytes(tensor), name
 
 
 def _globals_named(pickle_bytes: bytes) -> set[tuple[str, str]]:

@@ -28,6 +28,8 @@ from fsdpckpt.errors import (
     UnsafePickleError,
 )
 
+from deep_compare import tensor_bytes
+
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 FSDP1 = FIXTURES / "accelerate_rank_bin_fsdp1"
 FSDP2 = FIXTURES / "accelerate_rank_bin"
@@ -85,10 +87,6 @@ def _torch_reference(folder: Path, pattern: str, monkeypatch) -> dict[str, torch
     return full
 
 
-def _bytes(tensor: torch.Tensor) -> bytes:
-    return bytes(tensor.contiguous().reshape(-1).view(torch.uint8).tolist())
-
-
 def test_fsdp1_sharded_tensor_files_are_inspected():
     report = inspect_checkpoint(FSDP1)
     assert report.ok, report.problems
@@ -114,7 +112,7 @@ def test_fsdp1_merge_is_bit_exact_against_torchs_loader(tmp_path, monkeypatch):
             for name, tensor in want.items():
                 got = merged.get_tensor(name)
                 assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
-                assert _bytes(got) == _bytes(tensor), name
+                assert tensor_bytes(got) == tensor_bytes(tensor), name
 
 
 def test_fsdp1_load_full_state_dict_is_bit_exact_against_torchs_loader(monkeypatch):
@@ -122,7 +120,7 @@ def test_fsdp1_load_full_state_dict_is_bit_exact_against_torchs_loader(monkeypat
     got = load_full_state_dict(FSDP1)["model"]
     assert set(got) == set(want)
     for name, tensor in want.items():
-        assert _bytes(got[name]) == _bytes(tensor), name
+        assert tensor_bytes(got[name]) == tensor_bytes(tensor), name
 
 
 def _rewrite_pickle(path: Path, change) -> None:

@@ -11,11 +11,11 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 import fsdpckpt
 
 from conftest import FIXTURES, upload
+from deep_compare import assert_same_deep
 
 CKPT = FIXTURES / "fsdp2_accelerate"
 
@@ -25,21 +25,6 @@ _OUTPUTS = {
     "bin": ({"format": "bin"}, "pytorch_model.bin"),
     "bin-sharded": ({"format": "bin", "max_shard_size": "1KB"}, "pytorch_model.bin.index.json"),
 }
-
-
-def _same(got, want, where="") -> None:
-    """Equal nested state dicts: the same keys, tensors of the same dtype, shape and bytes."""
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and list(got) == list(want), where
-        for key in want:
-            _same(got[key], want[key], f"{where}/{key}")
-    elif isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), where
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), where
-        assert got.contiguous().view(-1).view(torch.uint8).tolist() == \
-            want.contiguous().view(-1).view(torch.uint8).tolist(), where
-    else:
-        assert got == want, where
 
 
 @pytest.fixture
@@ -64,7 +49,7 @@ def test_a_remote_merged_file_loads_as_the_local_one(s3, merged, tmp_path, monke
 
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
     got = fsdpckpt.load_full_state_dict(f"{url}/{name}", storage_options=server.options)
-    _same(got, fsdpckpt.load_full_state_dict(out / name))
+    assert_same_deep(got, fsdpckpt.load_full_state_dict(out / name), dicts_only=True, ordered=True)
     assert os.listdir(scratch) == []  # the downloaded copy is gone
 
 
@@ -75,7 +60,7 @@ def test_a_remote_folder_holding_a_merged_output_loads_as_the_local_one(s3, merg
     out, _ = merged
     url = upload(server, out, f"s3://{root}/merged")
     got = fsdpckpt.load_full_state_dict(url, storage_options=server.options)
-    _same(got, fsdpckpt.load_full_state_dict(out))
+    assert_same_deep(got, fsdpckpt.load_full_state_dict(out), dicts_only=True, ordered=True)
 
 
 @pytest.mark.s3

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 import fsdpckpt
 from fsdpckpt.training._rng import load_rng_file, rng_state_bytes
 
+from deep_compare import assert_same_numpy_state
 from fuzzing import damaged, fuzz_settings
 
 
@@ -49,12 +50,6 @@ def _refused(path: Path, error=fsdpckpt.NotACheckpointError, *words: str) -> str
     return message
 
 
-def _assert_numpy_state_equal(got, expected) -> None:
-    assert got[0] == expected[0] and got[2:] == expected[2:]
-    assert got[1].dtype == np.uint32 and got[1].shape == (624,)
-    assert got[1].tobytes() == expected[1].tobytes()
-
-
 # --- real files round-trip ---------------------------------------------------------------------
 
 def test_a_file_written_by_accelerates_own_save_round_trips(tmp_path, monkeypatch):
@@ -70,7 +65,7 @@ def test_a_file_written_by_accelerates_own_save_round_trips(tmp_path, monkeypatc
     state = load_rng_file(tmp_path / "random_states_0.pkl")
     assert state["step"] == 11
     assert state["random_state"] == expected[0]
-    _assert_numpy_state_equal(state["numpy_random_seed"], expected[1])
+    assert_same_numpy_state(state["numpy_random_seed"], expected[1])
     assert torch.equal(state["torch_manual_seed"], expected[2])
     assert set(state) <= {"step", "random_state", "numpy_random_seed", "torch_manual_seed",
                           "torch_cuda_manual_seed"}
@@ -84,7 +79,7 @@ def test_a_file_written_by_the_capture_code_round_trips(tmp_path):
 
     state = load_rng_file(path)
     assert state["step"] == 9 and state["random_state"] == expected[0]
-    _assert_numpy_state_equal(state["numpy_random_seed"], expected[1])
+    assert_same_numpy_state(state["numpy_random_seed"], expected[1])
     assert torch.equal(state["torch_manual_seed"], expected[2])
 
 
@@ -96,7 +91,7 @@ def test_hf_trainers_layout_round_trips_under_accelerates_keys(tmp_path):
     state = load_rng_file(_save(tmp_path / "rng_state_0.pth", saved))
 
     assert state["random_state"] == saved["python"]
-    _assert_numpy_state_equal(state["numpy_random_seed"], saved["numpy"])
+    assert_same_numpy_state(state["numpy_random_seed"], saved["numpy"])
     assert torch.equal(state["torch_manual_seed"], saved["cpu"])
     assert state["torch_cuda_manual_seed"] == []
 

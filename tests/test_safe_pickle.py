@@ -312,7 +312,8 @@ def test_inspecting_a_poisoned_folder_leaves_a_later_merge_bit_exact(tmp_path, d
     import fsdpckpt
     from fsdpckpt.merging.full import load_full_state_dict
 
-    from conftest import DCP_FOLDERS, assert_same_state, reference_state_dict, run_cli
+    from conftest import DCP_FOLDERS, reference_state_dict, run_cli
+    from deep_compare import assert_same_state
 
     (dtensor_copy / ".metadata").write_bytes(_poisoned_metadata(dtensor_copy))
     result = run_cli("inspect", dtensor_copy)

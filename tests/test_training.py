@@ -14,16 +14,15 @@ import fsdpckpt
 from fsdpckpt.training.state import StateMismatchError
 
 import workers
-from conftest import FIXTURES, assert_same_state
+from conftest import FIXTURES
+from deep_compare import assert_same_state, assert_same_tensors
 from multirank import run_ranks
 
 multirank = pytest.mark.multirank
 
 
 def _equal_params(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert_same_tensors(a, b, bitwise=False)  # by value: torch.equal
 
 
 @pytest.fixture(scope="module", params=["fsdp2", "fsdp1", "fsdp1-grad-op", "ddp"])

@@ -19,10 +19,10 @@ from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
 from conftest import (
     FIXTURES,
     assert_one_line_error,
-    assert_same_state,
     reference_state_dict,
     run_cli,
 )
+from deep_compare import assert_same_state
 
 ZSTD = FIXTURES / "dcp_zstd"
 

@@ -239,7 +239,8 @@ def save_forever_remote(rank: int, world: int, url: str, options: str, log: str)
     model = workers.wrap(workers.make_model(), "fsdp2")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     manager = fsdpckpt.CheckpointManager(url, keep_last=3, storage_options=json.loads(options))
-    step = (manager.restore(model=model, optimizer=optimizer) or -1) + 1
+    last = manager.restore(model=model, optimizer=optimizer)
+    step = 0 if last is None else last + 1  # a restored step 0 is resumed, not saved again
     with open(log, "a") as out:
         out.write("started\n")
         out.flush()

@@ -67,7 +67,8 @@ class CheckpointManager:
 
     Example:
         >>> mgr = CheckpointManager("run/ckpts", keep_last=3)
-        >>> start = (mgr.restore(model=model, optimizer=opt) or -1) + 1
+        >>> last = mgr.restore(model=model, optimizer=opt)  # None on a fresh run
+        >>> start = 0 if last is None else last + 1  # not `last or -1`: step 0 is a step
         >>> for step in range(start, steps):
         ...     train_step()
         ...     mgr.save(step, model=model, optimizer=opt)

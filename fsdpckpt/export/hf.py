@@ -49,6 +49,7 @@ from fsdpckpt.export._keycheck import (
     custom_code,
     key_problems,
 )
+from fsdpckpt.export._lora_read import folder_source
 from fsdpckpt.export._model import (
     ModelExpectation,
     expect_model,
@@ -59,7 +60,7 @@ from fsdpckpt.export._tied import same_bytes
 from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._remote_out import publish_folder
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
-from fsdpckpt.merging.merger import MergeJob, MergeResult, commit_job, plan_job, write_job
+from fsdpckpt.merging.merger import MergeJob, commit_job, plan_job, write_job
 from fsdpckpt.merging.writer import commit, sigterm_interrupts, staging
 
 __all__ = ["export_hf", "ExportResult", "ExportMismatchError"]
@@ -255,7 +256,9 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     request = validate_merge(layout, output, dtype=dtype, max_shard_size=max_shard_size,
                              overwrite=overwrite)
     job = plan_job(request)  # also: is the output free, and which earlier outputs go
-    fused = plan_fused(where, dtype=dtype) if lora == "fuse" else None
+    folder = request.sources[0].folder  # the part merge merges, its metadata read once
+    fused = plan_fused(where, folder_source(folder), folder=folder, dtype=dtype,
+                       lora_config=lora_at, base=base_at) if lora == "fuse" else None
     if fused is not None:  # the base model with the adapter fused in, by plain names
         export_dtype, shapes = fused.dtype, fused.shapes
     else:
@@ -303,19 +306,10 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
                                                 if (k, v) not in compared}))
             _refuse_differing(request, tied, compared, side.config)
             job = plan_job(_excluding(request, sorted(tied)))
-        if fused is not None:
-            staged_weights, count = fused.write(stage, dtype=dtype, exclude=set(tied),
-                                                limit=request.options.max_shard_size,
-                                                lora_config=lora_at, base=base_at)
-            written = commit(staged_weights, request.output_dir)
-            for path in job.replaced:  # an earlier export's shards, now replaced
-                if path not in written:
-                    path.unlink(missing_ok=True)
-            nbytes = sum(n for k, n in fused.nbytes.items() if k not in tied)
-            result = MergeResult(fused.source.path, tuple(written), count, nbytes, (), 0.0)
-        else:
-            staged = write_job(job, stage, progress)
-            (result,) = commit_job(job, staged)
+        if fused is not None:  # the plan whose tensors the fuser computes, tied targets out
+            job = fused.job(request.output_dir, exclude=tied, overwrite=overwrite,
+                            max_shard_size=request.options.max_shard_size)
+        (result,) = commit_job(job, write_job(job, stage, progress))
         for target in nested:
             (request.output_dir / target.parent.name).mkdir(exist_ok=True)
         nested_files = [commit([t], request.output_dir / t.parent.name)[0] for t in nested]

@@ -23,11 +23,13 @@ import dataclasses
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.durable import write_bytes
+from fsdpckpt._io.publish_built import built_into
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp._datafiles import DataFiles
@@ -58,7 +60,6 @@ from fsdpckpt.export._model import (
 )
 from fsdpckpt.export._tied import same_bytes
 from fsdpckpt.export.lora import AdapterExport, export_adapter
-from fsdpckpt.merging._remote_out import publish_folder
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
 from fsdpckpt.merging.merger import MergeJob, commit_job, plan_job, write_job
 from fsdpckpt.merging.writer import commit, sigterm_interrupts, staging
@@ -132,15 +133,14 @@ def _exported_dtype(job: MergeJob) -> str:
     return sizes.most_common(1)[0][0] if sizes else "float32"
 
 
-def _uploaded(result: ExportResult | AdapterExport, local: Path,
-              out: RemotePath) -> ExportResult | AdapterExport:
-    # The result of an export built in ``local`` and uploaded to ``out``, naming the objects.
+def _placed(result: ExportResult | AdapterExport,
+            placed: Callable[[Any], Any]) -> ExportResult | AdapterExport:
+    # The result of an export, naming where its files were published (built_into).
     if isinstance(result, AdapterExport):
-        return dataclasses.replace(result, output=out)
+        return dataclasses.replace(result, output=placed(result.output))
     return dataclasses.replace(
-        result, output=out,
-        weights=tuple(out / Path(str(p)).relative_to(local).as_posix() for p in result.weights),
-        files=tuple(out / Path(str(p)).relative_to(local).as_posix() for p in result.files))
+        result, output=placed(result.output), weights=tuple(placed(p) for p in result.weights),
+        files=tuple(placed(p) for p in result.files))
 
 
 def _check_outputs(side: SideFiles, out: Path, overwrite: bool) -> None:
@@ -225,17 +225,26 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     Example:
         >>> fsdpckpt.export_hf("run/checkpoint-500", "exported", dtype="bf16")
     """
-    out = location(output, storage_options=storage_options)
-    if isinstance(out, RemotePath):
-        # Built locally, then uploaded; config.json last (merging/_remote_out.py).
-        exported, local = publish_folder(
-            out, lambda folder: export_hf(checkpoint, folder, base=base, dtype=dtype,
-                                          max_shard_size=max_shard_size, lora=lora,
-                                          lora_config=lora_config, untie=untie,
-                                          progress=progress, storage_options=storage_options,
-                                          trust_remote_code=trust_remote_code),
-            overwrite=overwrite, last=(CONFIG,))
-        return _uploaded(exported, local, out)
+    # Locally written in place; on object storage built in $TMPDIR and uploaded, config.json
+    # last (fsdpckpt/_io/publish_built.py chooses).
+    exported, placed = built_into(
+        location(output, storage_options=storage_options),
+        lambda folder: _export(checkpoint, folder, base=base, dtype=dtype,
+                               max_shard_size=max_shard_size, overwrite=overwrite, lora=lora,
+                               lora_config=lora_config, untie=untie, progress=progress,
+                               storage_options=storage_options,
+                               trust_remote_code=trust_remote_code),
+        overwrite=overwrite, last=(CONFIG,))
+    return _placed(exported, placed)
+
+
+def _export(checkpoint: str | os.PathLike[str], output: Path, *,
+            base: str | os.PathLike[str] | None, dtype: str | None,
+            max_shard_size: str | int, overwrite: bool, lora: str | None,
+            lora_config: str | os.PathLike[str] | None, untie: bool,
+            progress: ProgressFactory | None, storage_options: dict[str, Any] | None,
+            trust_remote_code: bool) -> ExportResult | AdapterExport:
+    # export_hf into the local folder ``output``.
     start = time.perf_counter()
     if lora not in (None, "adapter", "fuse"):
         raise MergePlanError(f"lora={lora!r}: use 'adapter' (write the LoRA adapter) or "

@@ -174,7 +174,7 @@ def pick_adapter(layout: LoraLayout, adapter: str | None,
         return adapter
     if not layout.adapters:
         raise NotACheckpointError(f"{at}the checkpoint holds no LoRA adapter (no lora_A/lora_B "
-                                  "tensors); export it without --lora")
+                                  "tensors); export it with lora=None")
     if len(layout.adapters) > 1:
         raise NotACheckpointError(f"{at}the checkpoint holds adapters "
                                   f"{', '.join(layout.adapters)}; name the one to use "
@@ -210,8 +210,8 @@ def find_adapter_config(checkpoint: _Where, *,
             return read_lora_config(place / ADAPTER_CONFIG)
     looked = ", ".join(str(p) for p in places)
     raise CheckpointNotFoundError(f"{checkpoint}: no {ADAPTER_CONFIG} found (looked in {looked});"
-                                  " pass the one the run's PEFT model wrote with --lora-config "
-                                  "(or lora_config=)")
+                                  " pass the one the run's PEFT model wrote with "
+                                  "lora_config=...")
 
 
 def load(source: ModelSource, keys: set[str]) -> dict[str, Any]:

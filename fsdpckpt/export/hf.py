@@ -303,7 +303,7 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
             if problems:
                 raise ExportMismatchError(
                     f"{request.sources[0].folder.path}: does not match {expect.model_class} "
-                    f"as {side.config} describes it: " + "; ".join(problems) + "; pass --base "
+                    f"as {side.config} describes it: " + "; ".join(problems) + "; pass base=... "
                     "with the config of the model this run trained")
         else:  # not built: the reason says why; the base's own weight names, if any
             tied = tied_without_transformers(fixed, shapes)
@@ -365,4 +365,4 @@ def _refuse_differing(request: MergeRequest, tied: dict[str, str],
             f"{request.sources[0].folder.path}: {target} and {source} differ, but {config} "
             f"ties them (tie_word_embeddings), so {target} would not be written and the model "
             f"would change; pass --untie (untie=True) to write both and set "
-            f"tie_word_embeddings: false, or pass --base with the config this run trained")
+            f"tie_word_embeddings: false, or pass base=... with the config this run trained")

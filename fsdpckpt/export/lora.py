@@ -100,7 +100,7 @@ class AdapterExport:
 def _require_local(output: str | os.PathLike[str]) -> None:
     if is_url(output):
         raise NotACheckpointError(f"{output}: these write to a local folder; export to object "
-                                  "storage with export_hf(..., lora=...) (export-hf --lora)")
+                                  "storage with export_hf(..., lora=...)")
 
 
 def _prepare_output(output: Path, names: list[str], overwrite: bool) -> None:
@@ -164,7 +164,7 @@ def export_adapter(checkpoint: _Where, output: str | os.PathLike[str],
     if bias not in ("none", None):
         raise NotACheckpointError(f"adapter config field 'bias' is {bias!r}: the trained base "
                                   "biases are not exported as adapter weights yet; fuse instead "
-                                  "(--lora fuse)")
+                                  "(lora='fuse')")
     LoraFuser(layout, config, load(source, set(layout.adapter_keys)), adapter=name)  # checks
     out = Path(output)
     _prepare_output(out, [ADAPTER_WEIGHTS, ADAPTER_CONFIG], overwrite)

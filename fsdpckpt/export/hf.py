@@ -3,7 +3,9 @@
 The weights go through the merge pipeline (:mod:`fsdpckpt.merging`: validate, plan, write,
 commit), so they stream in constant memory and come out bit-exact after the chosen cast,
 as safetensors named as Hugging Face names them (``model.safetensors``, or shards with
-``model.safetensors.index.json``). Beside them: the config (``architectures`` without
+``model.safetensors.index.json``); with ``lora="fuse"`` the plan's tensors are computed by
+the LoRA fuser instead of copied (:mod:`fsdpckpt.export._fuse_hf`), through the same stages.
+Beside them: the config (``architectures`` without
 FSDP2's ``FSDP`` prefix, the dtype field set to the exported dtype), the generation
 config, the tokenizer and its chat template, from ``base`` or from where trainers leave
 them. Tied targets (``lm_head.weight`` with ``tie_word_embeddings``) are decided by the

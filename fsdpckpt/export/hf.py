@@ -1,22 +1,21 @@
 """``export_hf``: a sharded checkpoint to a folder ``from_pretrained`` loads as it is.
 
 The weights go through the merge pipeline (:mod:`fsdpckpt.merging`: validate, plan, write,
-commit), so they stream in constant memory and come out bit-exact after the chosen cast,
-as safetensors named as Hugging Face names them (``model.safetensors``, or shards with
+commit), so they stream in constant memory and come out bit-exact after the chosen cast, as
+safetensors named as Hugging Face names them (``model.safetensors``, or shards with
 ``model.safetensors.index.json``); with ``lora="fuse"`` the plan's tensors are computed by
 the LoRA fuser instead of copied (:mod:`fsdpckpt.export._fuse_hf`), through the same stages.
-Beside them: the config (``architectures`` without
-FSDP2's ``FSDP`` prefix, the dtype field set to the exported dtype), the generation
-config, the tokenizer and its chat template, from ``base`` or from where trainers leave
-them. Tied targets (``lm_head.weight`` with ``tie_word_embeddings``) are decided by the
-config and not written, after checking that the checkpoint holds the same bytes under
-both names (``untie`` writes both when they differ). Before a byte is written, the
-exported keys and shapes are checked against the config's model class (built on the
-meta device when transformers is installed, after its declared layer and expert counts
-are bounded by the checkpoint's keys); a model whose class needs custom code is built only
-with ``trust_remote_code`` and otherwise checked against the base's weights
-(:mod:`fsdpckpt.export._keycheck`). Everything is staged in the output folder and renamed
-into place at the end; on any error the output folder is left as it was.
+Beside them: the config (``architectures`` without FSDP2's ``FSDP`` prefix, the dtype field
+set to the exported dtype), the generation config, the tokenizer and its chat template, from
+``base`` or from where trainers leave them. Tied targets (``lm_head.weight`` with
+``tie_word_embeddings``) are decided by the config and not written, after checking that the
+checkpoint holds the same bytes under both names (``untie`` writes both when they differ).
+Before a byte is written, the exported keys and shapes are checked against the config's
+model class (built on the meta device when transformers is installed, after its declared
+layer and expert counts are bounded by the checkpoint's keys); a model whose class needs
+custom code is built only with ``trust_remote_code`` and otherwise checked against the
+base's weights (:mod:`fsdpckpt.export._keycheck`). Everything is staged in the output folder
+and renamed into place at the end; on any error the output folder is left as it was.
 """
 
 from __future__ import annotations

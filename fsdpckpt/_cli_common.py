@@ -56,6 +56,11 @@ FLAGS = (
     ("overwrite=True (--overwrite)", "--overwrite"),
     ("overwrite=True", "--overwrite"),
     ("format='bin'", "--format bin"),
+    ("--untie (untie=True)", "--untie"),
+    ("lora_config=...", "--lora-config"),
+    ("base=...", "--base"),
+    ("lora='fuse'", "--lora fuse"),
+    ("with lora=None", "without --lora"),
 )
 
 

@@ -152,7 +152,7 @@ def test_a_failing_sharded_fuse_leaves_no_shard_behind(run, tmp_path, monkeypatc
         yield from []
         raise OSError("disk went away")
 
-    monkeypatch.setattr(_fuse_hf, "fused_tensors", failing)
+    monkeypatch.setattr(_fuse_hf, "fused_from", failing)
     with pytest.raises(OSError, match="disk went away"):
         fsdpckpt.export_hf(ckpt, tmp_path / "out", base=base, lora="fuse", max_shard_size="10KB")
     assert not tmp_path.joinpath("out").exists() or not list((tmp_path / "out").iterdir())

@@ -1,27 +1,38 @@
-"""The weights of ``export-hf --lora fuse``: the base model with a LoRA adapter fused in.
+"""The weights of ``export-hf --lora fuse`` and :func:`~fsdpckpt.export.lora.fuse_into`: the
+base model with a LoRA adapter fused in, as a merge plan whose tensors come from a fuser.
 
-The merge pipeline copies stored bytes; fusing computes ``W + scaling * (B @ A)`` per layer,
-so these weights come from :func:`fsdpckpt.export.lora.fused_tensors` (one base tensor in
-memory at a time, fused in fp32, then cast) and are written in place into
-``model.safetensors`` (or shards and their index, split as a merge splits them) laid out
-from the metadata first. Everything else in the export (the
-config and tokenizer files, the key check against the model class, tied weights, staging
-and commit) is :func:`fsdpckpt.export.hf.export_hf`'s.
+The merge pipeline copies stored bytes; fusing computes ``W + scaling * (B @ A)`` per layer.
+Fusion keeps every shape, so what the fused model holds (each plain name, its shape, its
+dtype after the cast) is known from the metadata alone: :func:`plan_fused` finds it, and
+:meth:`FusedWeights.plan` makes it a :class:`~fsdpckpt.merging.plan.MergePlan`
+(:func:`~fsdpckpt.merging.plan.computed_plan`, split as a merge splits) whose tensors come
+from :func:`~fsdpckpt.export._lora_fuse.fused_from`, one in memory at a time. The merge's
+writer, commit and result do the rest, as for any merge.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt._io.remote import RemotePath
-from fsdpckpt.export._lora_keys import LoraLayout
-from fsdpckpt.export._lora_read import ModelSource, open_model_source
-from fsdpckpt.export._lora_write import fused_specs, write_sharded
-from fsdpckpt.export.lora import _pick_adapter, _torch_dtype, find_lora, fused_tensors
+from fsdpckpt.dcp.dtypes import dtype_from_name
+from fsdpckpt.dcp.reader import DcpFolder
+from fsdpckpt.errors import CorruptCheckpointError
+from fsdpckpt.export._lora_fuse import (
+    find_adapter_config,
+    fused_from,
+    pick_adapter,
+    torch_dtype,
+)
+from fsdpckpt.export._lora_keys import LoraLayout, find_lora
+from fsdpckpt.export._lora_read import ModelSource
+from fsdpckpt.formats import TensorSpec
+from fsdpckpt.merging._jobs import MergeJob
+from fsdpckpt.merging._outputs import claim_outputs
+from fsdpckpt.merging.plan import MergePlan, computed_plan, no_metadata, parse_dtype
 
 __all__ = ["FusedWeights", "plan_fused"]
 
@@ -31,50 +42,95 @@ class FusedWeights:
     """The fused model's tensors, known from the metadata before any is read.
 
     Attributes:
-        shapes: each plain (Hugging Face) name's shape. dtype: the exported dtype of most
-            floating-point bytes (what the config will say). nbytes: each tensor's bytes.
+        specs: each plain (Hugging Face) name with its shape and exported dtype, in stored
+            order. dtype: the exported dtype of most floating-point bytes (what the
+            config will say). adapter: the adapter fused.
     """
 
-    checkpoint: str | os.PathLike[str] | RemotePath
+    folder: DcpFolder
     source: ModelSource
     layout: LoraLayout
     adapter: str
-    shapes: dict[str, tuple[int, ...]]
-    nbytes: dict[str, int]
+    specs: tuple[TensorSpec, ...]
     dtype: str
+    _cast: str | None
+    _find_config: dict[str, Any]
 
-    def write(self, folder: Path, *, dtype: str | None, exclude: set[str], limit: int | None,
-              lora_config: Any, base: Any) -> tuple[list[Path], int]:
-        """Write the fused tensors but ``exclude`` (tied targets) into ``folder``, split into
-        shards of at most ``limit`` bytes as a merge splits them.
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {s.name: tuple(s.shape) for s in self.specs}
 
-        Returns:
-            The files written (the index last, when sharded) and how many tensors.
+    def plan(self, *, exclude: Iterable[str] = (), max_shard_size: int | None = None
+             ) -> MergePlan:
+        """The merge plan of the fused tensors but ``exclude`` (tied targets), split into
+        shards of at most ``max_shard_size`` bytes as a merge splits them."""
+        left = frozenset(exclude)
+        return computed_plan(self.folder, [s for s in self.specs if s.name not in left],
+                             self._tensors, max_shard_size=max_shard_size)
+
+    def job(self, output_dir: Path, *, exclude: Iterable[str] = (),
+            max_shard_size: int | None = None, overwrite: bool) -> MergeJob:
+        """The merge job writing :meth:`plan` into ``output_dir``: its outputs claimed there
+        as a merge claims them (earlier outputs it replaces, removed at commit).
+
+        Raises:
+            OutputExistsError: an output exists and ``overwrite`` is False.
         """
-        tensors = fused_tensors(self.checkpoint, lora_config=lora_config, base=base,
-                                dtype=dtype, adapter=self.adapter)
-        return write_sharded(self.source, self.layout, self.adapter, folder, dtype, tensors,
-                             exclude=frozenset(exclude), limit=limit)
+        plan = self.plan(exclude=exclude, max_shard_size=max_shard_size)
+        return MergeJob((plan,), output_dir, claim_outputs((plan,), output_dir,
+                                                           overwrite=overwrite))
+
+    def _tensors(self) -> Iterable[tuple[str, Any]]:
+        # Called by the writer: the adapter config is looked for only now, as it always was.
+        config = find_adapter_config(**self._find_config)
+        return fused_from(self.source, self.layout, config, adapter=self.adapter,
+                          dtype=self._cast)
 
 
-def plan_fused(checkpoint: str | os.PathLike[str] | RemotePath, *, dtype: str | None,
-               adapter: str | None = None) -> FusedWeights:
-    """What the fused export will hold, from the checkpoint's metadata alone.
+def plan_fused(checkpoint: Any, source: ModelSource, *, dtype: str | None,
+               folder: DcpFolder | None = None, adapter: str | None = None,
+               lora_config: Any = None, base: Any = None,
+               storage_options: dict[str, Any] | None = None) -> FusedWeights:
+    """What the fused export of ``source`` (read from ``checkpoint``) will hold, from its
+    metadata alone. ``folder``: the DCP folder ``source`` reads, as the merge found it
+    (None: ``source`` is a merged file). The rest: as for :func:`~fsdpckpt.export.lora.
+    fused_tensors`, whose adapter config lookup this defers to the write.
 
     Raises:
         NotACheckpointError: the checkpoint holds no LoRA adapter (or several, and none
-            is named); ValueError for an unknown ``dtype``.
+            is named). OptionError: an unknown ``dtype``. CorruptCheckpointError: a stored
+            dtype the output cannot hold.
     """
-    _torch_dtype(dtype)  # a wrong name fails before anything is read or written
-    source = open_model_source(checkpoint)
+    torch_dtype(dtype)  # a wrong name fails before anything is read or written
     layout = find_lora(source.names)
-    name = _pick_adapter(layout, adapter, source.path)
-    specs = fused_specs(source, layout, name, dtype)
+    name = pick_adapter(layout, adapter, source.path)
+    specs = _fused_specs(source, layout, name, dtype)
     sizes: Counter[str] = Counter()
     for spec in specs:
         if spec.dtype.is_floating:
             sizes[spec.dtype.name] += spec.nbytes
     exported = sizes.most_common(1)[0][0] if sizes else "float32"
-    return FusedWeights(checkpoint, source, layout, name,
-                        {s.name: tuple(s.shape) for s in specs},
-                        {s.name: s.nbytes for s in specs}, exported)
+    lookup = {"checkpoint": checkpoint, "lora_config": lora_config, "base": base,
+              "storage_options": storage_options}
+    return FusedWeights(folder or no_metadata(source.path), source, layout, name, tuple(specs),
+                        exported, dtype, lookup)
+
+
+def _fused_specs(source: ModelSource, layout: LoraLayout, adapter: str,
+                 dtype: str | None) -> list[TensorSpec]:
+    # Each plain name, in stored order, with its shape and its dtype after the cast to
+    # ``dtype`` (floating-point tensors only).
+    target = parse_dtype(dtype)
+    specs = []
+    for stored in source.names:
+        plain = layout.plain_name(stored, adapter)
+        if plain is None:
+            continue
+        stored_dtype = dtype_from_name(source.dtypes[stored])
+        cast = target is not None and stored_dtype is not None and stored_dtype.is_floating
+        found = target if cast else stored_dtype
+        if found is None:
+            raise CorruptCheckpointError(f"{stored}: dtype {source.dtypes[stored]} cannot be "
+                                         "written")
+        specs.append(TensorSpec(plain, (plain,), found, source.shapes[stored]))
+    return specs

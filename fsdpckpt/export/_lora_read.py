@@ -23,11 +23,12 @@ from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.layout import DcpPart, find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
 from fsdpckpt.dcp.parts import open_part
+from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 from fsdpckpt.formats._shards import read_header
 from fsdpckpt.merging._validate import choose_parts
 
-__all__ = ["ModelSource", "open_model_source"]
+__all__ = ["ModelSource", "open_model_source", "folder_source"]
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,17 @@ class ModelSource:
 
 
 def _from_dcp(part: DcpPart) -> ModelSource:
+    dcp = open_part(part.path, part.name)  # as merge reads it: any layout's part
+    require_whole(dcp)  # declared sizes checked against the bytes before anything is read
+    return folder_source(dcp)
+
+
+def folder_source(dcp: DcpFolder) -> ModelSource:
+    """The model tensors of a DCP folder already read (and checked whole), as a merge's
+    validate stage reads it: its ``.metadata`` is not read again."""
     from fsdpckpt.merging._keys import output_name, shares_top_key
 
-    dcp = open_part(part.path, part.name)  # as merge reads it: any layout's part
     folder = dcp.path
-    require_whole(dcp)  # declared sizes checked against the bytes before anything is read
     tensors = dcp.metadata.tensors
     strip = shares_top_key([t.key_path for t in tensors])
     entries: dict[str, TensorEntry] = {}

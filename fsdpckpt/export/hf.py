@@ -1,20 +1,21 @@
 """``export_hf``: a sharded checkpoint to a folder ``from_pretrained`` loads as it is.
 
 The weights go through the merge pipeline (:mod:`fsdpckpt.merging`: validate, plan, write,
-commit), so they stream in constant memory and come out bit-exact after the chosen cast,
-as safetensors named as Hugging Face names them (``model.safetensors``, or shards with
-``model.safetensors.index.json``). Beside them: the config (``architectures`` without
-FSDP2's ``FSDP`` prefix, the dtype field set to the exported dtype), the generation
-config, the tokenizer and its chat template, from ``base`` or from where trainers leave
-them. Tied targets (``lm_head.weight`` with ``tie_word_embeddings``) are decided by the
-config and not written, after checking that the checkpoint holds the same bytes under
-both names (``untie`` writes both when they differ). Before a byte is written, the
-exported keys and shapes are checked against the config's model class (built on the
-meta device when transformers is installed, after its declared layer and expert counts
-are bounded by the checkpoint's keys); a model whose class needs custom code is built only
-with ``trust_remote_code`` and otherwise checked against the base's weights
-(:mod:`fsdpckpt.export._keycheck`). Everything is staged in the output folder and renamed
-into place at the end; on any error the output folder is left as it was.
+commit), so they stream in constant memory and come out bit-exact after the chosen cast, as
+safetensors named as Hugging Face names them (``model.safetensors``, or shards with
+``model.safetensors.index.json``); with ``lora="fuse"`` the plan's tensors are computed by
+the LoRA fuser instead of copied (:mod:`fsdpckpt.export._fuse_hf`), through the same stages.
+Beside them: the config (``architectures`` without FSDP2's ``FSDP`` prefix, the dtype field
+set to the exported dtype), the generation config, the tokenizer and its chat template, from
+``base`` or from where trainers leave them. Tied targets (``lm_head.weight`` with
+``tie_word_embeddings``) are decided by the config and not written, after checking that the
+checkpoint holds the same bytes under both names (``untie`` writes both when they differ).
+Before a byte is written, the exported keys and shapes are checked against the config's
+model class (built on the meta device when transformers is installed, after its declared
+layer and expert counts are bounded by the checkpoint's keys); a model whose class needs
+custom code is built only with ``trust_remote_code`` and otherwise checked against the
+base's weights (:mod:`fsdpckpt.export._keycheck`). Everything is staged in the output folder
+and renamed into place at the end; on any error the output folder is left as it was.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import dataclasses
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.durable import write_bytes
+from fsdpckpt._io.publish_built import built_into
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.dcp._datafiles import DataFiles
@@ -49,6 +52,7 @@ from fsdpckpt.export._keycheck import (
     custom_code,
     key_problems,
 )
+from fsdpckpt.export._lora_read import folder_source
 from fsdpckpt.export._model import (
     ModelExpectation,
     expect_model,
@@ -57,9 +61,8 @@ from fsdpckpt.export._model import (
 )
 from fsdpckpt.export._tied import same_bytes
 from fsdpckpt.export.lora import AdapterExport, export_adapter
-from fsdpckpt.merging._remote_out import publish_folder
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
-from fsdpckpt.merging.merger import MergeJob, MergeResult, commit_job, plan_job, write_job
+from fsdpckpt.merging.merger import MergeJob, commit_job, plan_job, write_job
 from fsdpckpt.merging.writer import commit, sigterm_interrupts, staging
 
 __all__ = ["export_hf", "ExportResult", "ExportMismatchError"]
@@ -131,15 +134,14 @@ def _exported_dtype(job: MergeJob) -> str:
     return sizes.most_common(1)[0][0] if sizes else "float32"
 
 
-def _uploaded(result: ExportResult | AdapterExport, local: Path,
-              out: RemotePath) -> ExportResult | AdapterExport:
-    # The result of an export built in ``local`` and uploaded to ``out``, naming the objects.
+def _placed(result: ExportResult | AdapterExport,
+            placed: Callable[[Any], Any]) -> ExportResult | AdapterExport:
+    # The result of an export, naming where its files were published (built_into).
     if isinstance(result, AdapterExport):
-        return dataclasses.replace(result, output=out)
+        return dataclasses.replace(result, output=placed(result.output))
     return dataclasses.replace(
-        result, output=out,
-        weights=tuple(out / Path(str(p)).relative_to(local).as_posix() for p in result.weights),
-        files=tuple(out / Path(str(p)).relative_to(local).as_posix() for p in result.files))
+        result, output=placed(result.output), weights=tuple(placed(p) for p in result.weights),
+        files=tuple(placed(p) for p in result.files))
 
 
 def _check_outputs(side: SideFiles, out: Path, overwrite: bool) -> None:
@@ -224,17 +226,26 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     Example:
         >>> fsdpckpt.export_hf("run/checkpoint-500", "exported", dtype="bf16")
     """
-    out = location(output, storage_options=storage_options)
-    if isinstance(out, RemotePath):
-        # Built locally, then uploaded; config.json last (merging/_remote_out.py).
-        exported, local = publish_folder(
-            out, lambda folder: export_hf(checkpoint, folder, base=base, dtype=dtype,
-                                          max_shard_size=max_shard_size, lora=lora,
-                                          lora_config=lora_config, untie=untie,
-                                          progress=progress, storage_options=storage_options,
-                                          trust_remote_code=trust_remote_code),
-            overwrite=overwrite, last=(CONFIG,))
-        return _uploaded(exported, local, out)
+    # Locally written in place; on object storage built in $TMPDIR and uploaded, config.json
+    # last (fsdpckpt/_io/publish_built.py chooses).
+    exported, placed = built_into(
+        location(output, storage_options=storage_options),
+        lambda folder: _export(checkpoint, folder, base=base, dtype=dtype,
+                               max_shard_size=max_shard_size, overwrite=overwrite, lora=lora,
+                               lora_config=lora_config, untie=untie, progress=progress,
+                               storage_options=storage_options,
+                               trust_remote_code=trust_remote_code),
+        overwrite=overwrite, last=(CONFIG,))
+    return _placed(exported, placed)
+
+
+def _export(checkpoint: str | os.PathLike[str], output: Path, *,
+            base: str | os.PathLike[str] | None, dtype: str | None,
+            max_shard_size: str | int, overwrite: bool, lora: str | None,
+            lora_config: str | os.PathLike[str] | None, untie: bool,
+            progress: ProgressFactory | None, storage_options: dict[str, Any] | None,
+            trust_remote_code: bool) -> ExportResult | AdapterExport:
+    # export_hf into the local folder ``output``.
     start = time.perf_counter()
     if lora not in (None, "adapter", "fuse"):
         raise MergePlanError(f"lora={lora!r}: use 'adapter' (write the LoRA adapter) or "
@@ -255,7 +266,9 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
     request = validate_merge(layout, output, dtype=dtype, max_shard_size=max_shard_size,
                              overwrite=overwrite)
     job = plan_job(request)  # also: is the output free, and which earlier outputs go
-    fused = plan_fused(where, dtype=dtype) if lora == "fuse" else None
+    folder = request.sources[0].folder  # the part merge merges, its metadata read once
+    fused = plan_fused(where, folder_source(folder), folder=folder, dtype=dtype,
+                       lora_config=lora_at, base=base_at) if lora == "fuse" else None
     if fused is not None:  # the base model with the adapter fused in, by plain names
         export_dtype, shapes = fused.dtype, fused.shapes
     else:
@@ -291,7 +304,7 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
             if problems:
                 raise ExportMismatchError(
                     f"{request.sources[0].folder.path}: does not match {expect.model_class} "
-                    f"as {side.config} describes it: " + "; ".join(problems) + "; pass --base "
+                    f"as {side.config} describes it: " + "; ".join(problems) + "; pass base=... "
                     "with the config of the model this run trained")
         else:  # not built: the reason says why; the base's own weight names, if any
             tied = tied_without_transformers(fixed, shapes)
@@ -303,19 +316,10 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
                                                 if (k, v) not in compared}))
             _refuse_differing(request, tied, compared, side.config)
             job = plan_job(_excluding(request, sorted(tied)))
-        if fused is not None:
-            staged_weights, count = fused.write(stage, dtype=dtype, exclude=set(tied),
-                                                limit=request.options.max_shard_size,
-                                                lora_config=lora_at, base=base_at)
-            written = commit(staged_weights, request.output_dir)
-            for path in job.replaced:  # an earlier export's shards, now replaced
-                if path not in written:
-                    path.unlink(missing_ok=True)
-            nbytes = sum(n for k, n in fused.nbytes.items() if k not in tied)
-            result = MergeResult(fused.source.path, tuple(written), count, nbytes, (), 0.0)
-        else:
-            staged = write_job(job, stage, progress)
-            (result,) = commit_job(job, staged)
+        if fused is not None:  # the plan whose tensors the fuser computes, tied targets out
+            job = fused.job(request.output_dir, exclude=tied, overwrite=overwrite,
+                            max_shard_size=request.options.max_shard_size)
+        (result,) = commit_job(job, write_job(job, stage, progress))
         for target in nested:
             (request.output_dir / target.parent.name).mkdir(exist_ok=True)
         nested_files = [commit([t], request.output_dir / t.parent.name)[0] for t in nested]
@@ -362,4 +366,4 @@ def _refuse_differing(request: MergeRequest, tied: dict[str, str],
             f"{request.sources[0].folder.path}: {target} and {source} differ, but {config} "
             f"ties them (tie_word_embeddings), so {target} would not be written and the model "
             f"would change; pass --untie (untie=True) to write both and set "
-            f"tie_word_embeddings: false, or pass --base with the config this run trained")
+            f"tie_word_embeddings: false, or pass base=... with the config this run trained")

@@ -6,17 +6,21 @@ resolved :class:`OutputFormat` object, the file-name stem, every output file's n
 and tensors, and for each tensor the chunk runs that say where its stored chunks'
 elements land (:func:`chunk_runs`). :func:`plan_merge` validates everything a user
 could get wrong, raising once with every problem, before a byte is written.
+
+A planned tensor comes either from stored chunks (a merge: copied, cast on the way) or
+from a fuser (:func:`computed_plan`: LoRA fusion, each tensor computed in turn from the
+stored ones); the writer, the commit and the result are the same for both.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fsdpckpt.dcp.dtypes import DType, dtype_from_name
-from fsdpckpt.dcp.metadata import KeyPath, ObjectEntry, TensorEntry
+from fsdpckpt.dcp.metadata import DcpMetadata, KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
 from fsdpckpt.errors import MergePlanError
 from fsdpckpt.formats import FORMATS, OutputFormat, TensorSpec, get_format
@@ -29,7 +33,12 @@ _T = TypeVar("_T")
 
 __all__ = ["MergePlanError", "PlannedTensor", "PlannedObject", "PlannedFile", "MergePlan",
            "plan_merge", "chunk_runs", "RunStarts", "parse_size", "parse_dtype", "RESERVED_NAME",
-           "split_shards"]
+           "split_shards", "TensorStream", "computed_plan", "no_metadata"]
+
+#: A fuser, for the writer: called once, it yields each planned tensor as ``(name,
+#: torch.Tensor)`` in plan order, each computed when it is reached and not kept (names
+#: the plan does not hold are skipped).
+TensorStream = Callable[[], Iterable[tuple[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,8 @@ class MergePlan:
         index_name: the HF index file (``model.safetensors.index.json``) when sharded.
         stem: the base of the file names (``model``, ``pytorch_model``, ``optimizer``):
             the single file is ``{stem}.{suffix}``, shards ``{stem}-00001-of-00002.{suffix}``.
+        fuser: None when every tensor is copied from its stored chunks; otherwise the
+            tensors come from it, computed one at a time (:func:`computed_plan`).
     """
 
     folder: DcpFolder
@@ -85,6 +96,7 @@ class MergePlan:
     nested: bool
     index_name: str | None
     stem: str = "model"
+    fuser: TensorStream | None = field(default=None, compare=False, repr=False)
 
     @property
     def suffix(self) -> str:
@@ -323,17 +335,39 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *,
         raise MergePlanError(f"cannot merge {folder.path}: " + "; ".join(problems))
     nested = any(len(t.spec.key_path) > 1 for t in tensors) or \
         any(len(o.key_path) > 1 for o in objects)
-    shards = _shard(tensors, limit)
     stem = fmt.file_stem(stem)
-    files: tuple[PlannedFile, ...]
-    if len(shards) == 1:  # as huggingface_hub: what fits in one shard is one unindexed file
-        files = (PlannedFile(file_name or fmt.single_file_name(stem), tuple(shards[0])),)
-        index_name = None
-    else:
-        files = tuple(PlannedFile(fmt.shard_file_name(stem, i, len(shards)), tuple(s))
-                      for i, s in enumerate(shards, 1))
-        index_name = fmt.index_file_name(stem)
+    files, index_name = _files(fmt, stem, _shard(tensors, limit), file_name)
     return MergePlan(folder, fmt, files, tuple(objects), nested, index_name, stem)
+
+
+def _files(fmt: OutputFormat, stem: str, shards: list[list[PlannedTensor]],
+           file_name: str | None) -> tuple[tuple[PlannedFile, ...], str | None]:
+    # The output files of ``shards`` and the index's name (None: one file, no index).
+    if len(shards) == 1:  # as huggingface_hub: what fits in one shard is one unindexed file
+        return (PlannedFile(file_name or fmt.single_file_name(stem), tuple(shards[0])),), None
+    return (tuple(PlannedFile(fmt.shard_file_name(stem, i, len(shards)), tuple(s))
+                  for i, s in enumerate(shards, 1)), fmt.index_file_name(stem))
+
+
+def no_metadata(path: Any) -> DcpFolder:
+    """The source of a :func:`computed_plan` that is no DCP folder (a merged ``.safetensors``
+    a fuser reads): its path, no metadata and no data files of its own."""
+    return DcpFolder(path, DcpMetadata((), ()), ())
+
+
+def computed_plan(folder: DcpFolder, specs: Sequence[TensorSpec], fuser: TensorStream, *,
+                  max_shard_size: int | None = None, stem: str = "model") -> MergePlan:
+    """A plan whose tensors are computed by ``fuser`` rather than copied from stored chunks:
+    ``specs`` (plain names, in the order ``fuser`` yields them; their shapes and dtypes
+    known from the metadata) laid out into safetensors files split as :func:`plan_merge`
+    splits them. The tensors have no stored chunks; ``folder`` is what the fuser reads.
+    """
+    fmt = get_format("safetensors")
+    tensors = [PlannedTensor(s, TensorEntry(s.name, s.dtype, tuple(s.shape), (), s.key_path), ())
+               for s in specs]
+    stem = fmt.file_stem(stem)
+    files, index_name = _files(fmt, stem, _shard(tensors, max_shard_size), None)
+    return MergePlan(folder, fmt, files, (), False, index_name, stem, fuser)
 
 
 def _uncoded_problem(fmt: OutputFormat, uncoded: dict[DType, list[str]]) -> str:

@@ -31,13 +31,14 @@ from fsdpckpt._io.rawio import pwrite_all, reusing_scratch
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._objects import read_object
 from fsdpckpt.errors import (
+    CorruptCheckpointError,
     DiskFullError,
     NotACheckpointError,
     OutputExistsError,
     OutputNotWritableError,
     Terminated,
 )
-from fsdpckpt.formats import ObjectValue
+from fsdpckpt.formats import ObjectValue, TensorSpec
 from fsdpckpt.merging._copy import place_stored_chunk
 from fsdpckpt.merging.plan import MergePlan, PlannedFile
 
@@ -173,16 +174,15 @@ def write_plan(plan: MergePlan, stage: Path, *,
         CorruptCheckpointError, CheckpointNotFoundError: a data file is damaged or missing.
     """
     chosen = [(i, f) for i, f in enumerate(plan.files) if only is None or f.name in only]
-    free = shutil.disk_usage(stage).free
+    _check_space(stage, [f for _, f in chosen])
+    if plan.fuser is not None:  # computed tensors: no stored chunk is copied
+        written = _write_computed(plan, [f for _, f in chosen], stage, progress)
+        index_path = write_index(plan, stage) if index else None
+        return written + ([index_path] if index_path else [])
     sources = DataFiles(plan.folder.path)
     try:
         # The objects go into the first file, so only its writer reads them.
         objects = _read_objects(plan, sources) if chosen and chosen[0][0] == 0 else []
-        needed = sum(f.nbytes for _, f in chosen) + 2**20 * len(chosen)
-        if needed > free:
-            raise DiskFullError(errno.ENOSPC, f"{stage.parent}: the merge needs about {needed} "
-                                f"bytes, only {free} are free; free some space or choose "
-                                "another output folder")
         # On object storage, the chunks' bytes are fetched ahead in this order (no-op locally).
         sources.prefetch((c.file, c.offset, c.length) for _, f in chosen for t in f.tensors
                          for c in t.source.chunks)
@@ -195,6 +195,61 @@ def write_plan(plan: MergePlan, stage: Path, *,
         return written + ([index_path] if index_path else [])
     finally:
         sources.close()
+
+
+def _check_space(stage: Path, files: list[PlannedFile]) -> None:
+    free = shutil.disk_usage(stage).free
+    needed = sum(f.nbytes for f in files) + 2**20 * len(files)
+    if needed > free:
+        raise DiskFullError(errno.ENOSPC, f"{stage.parent}: the merge needs about {needed} "
+                            f"bytes, only {free} are free; free some space or choose "
+                            "another output folder")
+
+
+def _write_computed(plan: MergePlan, files: list[PlannedFile], stage: Path,
+                    progress: Callable[[int], None] | None) -> list[Path]:
+    # Every file laid out first (header and size, from the plan); then each tensor the
+    # fuser yields is written at its place as it comes and dropped, so memory holds one.
+    assert plan.fuser is not None
+    paths = [stage / f.name for f in files]
+    where: dict[str, tuple[int, int, TensorSpec]] = {}  # name -> (fd, offset, spec)
+    with contextlib.ExitStack() as opened:
+        fds = []
+        for path, file in zip(paths, files, strict=True):
+            specs = [t.spec for t in file.tensors]
+            layout = plan.format.layout(specs, [], nested=plan.nested)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            opened.callback(os.close, fd)
+            fds.append(fd)
+            _reserve(fd, layout.size, path)
+            for offset, data in layout.fixed:
+                pwrite_all(fd, data, offset)
+            where.update((s.name, (fd, layout.starts[s.name], s)) for s in specs)
+        for name, tensor in plan.fuser():
+            if name not in where:  # not planned (a tied target), or another rank's share
+                continue
+            fd, offset, spec = where.pop(name)
+            data = tensor.contiguous().view(-1).view(dtype=_uint8()).numpy()
+            if tuple(tensor.shape) != tuple(spec.shape) or len(data) != spec.nbytes:
+                raise CorruptCheckpointError(f"{name}: came out {tuple(tensor.shape)}, "
+                                             f"{tensor.dtype}; the layout said {spec.shape}")
+            pwrite_all(fd, memoryview(data), offset)
+            _start_writeback(fd, offset, spec.nbytes)
+            if progress:
+                progress(spec.nbytes)
+        if where:
+            raise CorruptCheckpointError(f"{next(iter(where))}: planned, but never computed "
+                                         f"({len(where)} such tensors); the checkpoint changed "
+                                         "while it was read")
+        for fd in fds:
+            os.fsync(fd)
+    return paths
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
 
 
 def write_index(plan: MergePlan, stage: Path) -> Path | None:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from fsdpckpt._io import storage
+from fsdpckpt._io import storage, storage_paths
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
@@ -218,7 +218,7 @@ def _check_inside(path: Place, folder: Place) -> None:
     roots = [root]
     if root.parent.name == "snapshots":  # hub cache: models--org--name/snapshots/<rev>
         roots.append(root.parent.parent / "blobs")
-    if not any(storage.within(target, r) for r in roots):
+    if not any(storage_paths.within(target, r) for r in roots):
         raise NotACheckpointError(f"{path}: a symlink to {target}, outside {folder}; side "
                                   "files are only copied from inside their folder: copy the "
                                   "file into the folder or pass --base with one that holds it")

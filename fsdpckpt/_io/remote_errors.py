@@ -68,8 +68,8 @@ _ANSWERS = (
     FsdpCkptError,
 )
 _FIX = (
-    "check the endpoint (endpoint_url in --storage-options, AWS_ENDPOINT_URL); "
-    "raise the timeouts or retries through --storage-options (docs/remote.md)"
+    "check the endpoint (endpoint_url in storage_options=, AWS_ENDPOINT_URL); "
+    "raise the timeouts or retries through storage_options= (docs/remote.md)"
 )
 #: What a filesystem call was doing, for the message.
 _ACTIONS = {

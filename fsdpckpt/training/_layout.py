@@ -60,11 +60,9 @@ def remove_stale_parts(root: Path) -> None:
     # Saving into a folder that holds an older checkpoint must not leave parts of the old
     # one beside the new (an optimizer saved then, and not now, would be loaded later).
     # A local folder only: a save that commits by a marker empties its folder first.
-    import shutil
-
     for pattern in _PART_PATTERNS:
         for path in root.glob(pattern):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            storage.remove(path, strict=True)
 
 
 def check_parts(root: Place, models: list, optimizers: list,

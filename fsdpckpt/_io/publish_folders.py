@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from fsdpckpt._io.durable import fsync_dir
 from fsdpckpt._io.publish import discard
-from fsdpckpt._io.storage import Place, is_remote
+from fsdpckpt._io.storage import Place, commits_by_rename
 
 __all__ = ["Commits", "RenameCommits", "commits"]
 
@@ -107,6 +107,6 @@ def commits(root: Place, *, hidden: str, final: str,
     """The :class:`Commits` for folders ``{final}{key}`` in ``root``: by rename from
     ``{hidden}{key}`` on a local file system; on object storage, which has no rename,
     ``in_place(root, final)``, the caller's policy for committing a folder where it is."""
-    if is_remote(root):
-        return in_place(root, final)
-    return RenameCommits(cast(Path, root), hidden, final)
+    if commits_by_rename(root):
+        return RenameCommits(cast(Path, root), hidden, final)
+    return in_place(root, final)

@@ -8,8 +8,10 @@ The kinds differ underneath (a local folder is read through descriptors with ``p
 an object store by ranged GETs from one cached listing per folder; a local write is
 fsynced, a remote one is a single PUT that appears whole), not in what callers see.
 
-What stays a decision of policy, not of mechanism (how a save commits: rename or a
-commit marker), asks :func:`is_remote` once, in the module that owns that policy.
+What the kinds can do differs in one way that callers must plan for, a policy rather than a
+mechanism: a local folder can be published whole by a rename, object storage cannot
+(:func:`commits_by_rename`); the module that owns that policy asks once. The rules on where
+a path leads (links, containment) are :mod:`fsdpckpt._io.storage_paths`.
 
 Example::
 
@@ -40,8 +42,10 @@ from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 if TYPE_CHECKING:
     from fsdpckpt._io.remote import RemotePath
 
-__all__ = ["Place", "OpenFile", "LocalFile", "Entry", "is_remote", "open_file", "opened",
-           "names", "entries", "size", "walk", "read_bytes", "put_bytes", "remove", "refresh"]
+__all__ = ["Place", "OpenFile", "LocalFile", "Entry", "Closeable", "is_remote",
+           "commits_by_rename", "open_file", "opened", "descriptor", "prefetch", "local_file",
+           "names", "entries", "size", "walk", "resolved", "free_space", "read_bytes",
+           "put_bytes", "sync_names", "remove", "refresh"]
 
 #: A local folder or file, or one on object storage.
 Place: TypeAlias = "Path | RemotePath"
@@ -70,8 +74,29 @@ def _remote_type() -> type:
 
 
 def is_remote(place: object) -> bool:
-    """Whether ``place`` is on object storage. For policy (how to commit), not mechanism."""
+    """Whether ``place`` is on object storage: for ``fsdpckpt._io``, whose functions answer
+    for both kinds; code outside it asks :func:`commits_by_rename` instead."""
     return isinstance(place, _remote_type())
+
+
+def commits_by_rename(place: Place) -> bool:
+    """Whether a folder written at ``place`` can be made to appear whole by renaming a
+    finished one into place (a local file system), or must be committed where it is written.
+
+    Object storage has no rename and no way to make a folder appear at once: a save there
+    commits by its manifest, written last under an intent marker (training's
+    ``_remote`` protocol, docs/remote-training.md). The one capability a caller's policy
+    depends on; asked by :func:`fsdpckpt._io.publish_folders.commits` and by training's
+    ``commits_by_marker``.
+    """
+    return not is_remote(place)
+
+
+class Closeable(Protocol):
+    """Something to close when done (a prefetcher)."""
+
+    def close(self) -> None:
+        """Release it."""
 
 
 class LocalFile:
@@ -138,6 +163,41 @@ def opened(path: Place) -> Iterator[OpenFile]:
         yield file
     finally:
         file.close()
+
+
+def descriptor(file: OpenFile) -> int | OpenFile:
+    """What offset reads (:func:`~fsdpckpt._io.rawio.pread_into`) and kernel copies take:
+    a local file's descriptor, or the remote file itself (read by offset)."""
+    return file.handle if isinstance(file, LocalFile) else file
+
+
+def prefetch(folder: Place, ranges: Iterable[tuple[OpenFile, int, int]]) -> Closeable | None:
+    """Announce the ranges (``(file, offset, length)``, in reading order) of files in
+    ``folder`` about to be read: on object storage they are fetched ahead, in parallel and
+    bounded (:mod:`fsdpckpt._io.prefetch`); a local folder reads as fast without, and
+    never consumes ``ranges`` (so a generator of files to open opens none).
+
+    Returns:
+        What to close when the reads are done (None: nothing).
+    """
+    if not is_remote(folder):
+        return None
+    from fsdpckpt._io.remote import RemoteFile
+    from fsdpckpt._io.remote import prefetch as remote_prefetch
+    return remote_prefetch((cast(RemoteFile, f), o, n) for f, o, n in ranges)
+
+
+def local_file(file: Place, scratch: Callable[[], Path]) -> Path:
+    """``file`` as a local path, for readers that need one (torch's memory-mapped loader):
+    a local file itself; a remote one copied into the new empty folder ``scratch()`` gives,
+    one bounded piece at a time (:func:`~fsdpckpt._io.download.download`)."""
+    if not is_remote(file):
+        return cast(Path, file)
+    from fsdpckpt._io.download import download
+    remote = cast("RemotePath", file)
+    target = scratch() / remote.name
+    download(remote, target)
+    return target
 
 
 @dataclass(frozen=True)
@@ -223,149 +283,12 @@ def walk(root: Place) -> tuple[list[str], list[str]]:
     return sorted(found), sorted(linked)
 
 
-def read_bytes(file: Place) -> bytes:
-    """All the bytes of ``file``."""
-    return file.read_bytes()
-
-
-def put_bytes(file: Place, data: bytes, *, sync: bool = True) -> tuple[int, int]:
-    """Write ``data`` as the whole of ``file``; ``(size, crc32)``.
-
-    Local: written and (unless ``sync=False``) fsynced. Remote: one PUT, so the object
-    appears whole or not at all.
-    """
-    if is_remote(file):
-        import zlib
-
-        remote = cast("RemotePath", file)
-        remote.fs.pipe_file(remote.path, data)
-        return len(data), zlib.crc32(data)
-    return write_bytes(cast(Path, file), data, sync=sync)
-
-
-def remove(place: Place) -> None:
-    """Delete a file or a folder and everything under it; gone already: nothing to do."""
+def resolved(place: Place) -> Place:
+    """``place`` with its links followed (a local path, made absolute); an object store has
+    no links, so a remote place is itself."""
     if is_remote(place):
-        remote = cast("RemotePath", place)
-        for _attempt in range(2):
-            # A store with real folders (SeaweedFS) may keep a folder whose files were
-            # deleted in the same batch: a second pass, after a fresh look, deletes it.
-            remote.fs.invalidate_cache()
-            if not remote.fs.exists(remote.path):
-                return
-            with contextlib.suppress(FileNotFoundError):
-                remote.fs.rm(remote.path, recursive=True)
-        return
-    local = cast(Path, place)
-    if local.is_dir() and not local.is_symlink():
-        shutil.rmtree(local, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            local.unlink()
-
-
-def refresh(place: Place) -> None:
-    """Forget cached listings (fsdpckpt's and the fsspec client's) after this process or
-    another changed the store; a local folder caches nothing."""
-    if is_remote(place):
-        remote = cast("RemotePath", place)
-        remote.forget_listings()
-        remote.fs.invalidate_cache()
-
-
-# --- added by dcp ---
-
-__all__ += ["inside", "descriptor", "prefetch", "local_file", "Closeable"]
-
-def inside(folder: Place, relative: str, *, rule: str) -> Place:
-    """``folder / relative``, checked to stay inside ``folder`` (``rule`` ends the refusal).
-
-    A local symlink is followed only when it leads to a place inside the folder; an
-    absolute path, a ``..`` that climbs out, or a link to a file elsewhere is refused.
-    Object stores have no links: only a name starting with ``/`` is refused there (their
-    paths refuse ``..`` themselves).
-
-    Raises:
-        NotACheckpointError: the path leads outside ``folder``; the message says where.
-    """
-    if is_remote(folder):
-        if relative.startswith("/"):
-            raise NotACheckpointError(f"{folder}: names {relative!r}, outside the checkpoint "
-                                      f"folder; {rule}")
-        return folder / relative
-    path = cast(Path, folder) / relative
-    root = os.path.realpath(cast(Path, folder))
-    real = os.path.realpath(path)
-    if os.path.isabs(relative) or os.path.commonpath([root, real]) != root or real == root:
-        how = f"a symlink to {real}" if os.path.islink(path) else f"resolves to {real}"
-        fix = (f"; replace the link by the file itself (cp --remove-destination {real} {path})"
-               if os.path.islink(path) else "; use an intact copy of the checkpoint")
-        raise NotACheckpointError(f"{path}: {how}, outside the checkpoint folder {folder}; "
-                                  f"{rule}{fix}")
-    return path
-
-
-def descriptor(file: OpenFile) -> int | OpenFile:
-    """What offset reads (:func:`~fsdpckpt._io.rawio.pread_into`) and kernel copies take:
-    a local file's descriptor, or the remote file itself (read by offset)."""
-    return file.handle if isinstance(file, LocalFile) else file
-
-
-def prefetch(folder: Place, ranges: Iterable[tuple[OpenFile, int, int]]) -> Closeable | None:
-    """Announce the ranges (``(file, offset, length)``, in reading order) of files in
-    ``folder`` about to be read: on object storage they are fetched ahead, in parallel and
-    bounded (:mod:`fsdpckpt._io.prefetch`); a local folder reads as fast without, and
-    never consumes ``ranges`` (so a generator of files to open opens none).
-
-    Returns:
-        What to close when the reads are done (None: nothing).
-    """
-    if not is_remote(folder):
-        return None
-    from fsdpckpt._io.remote import RemoteFile
-    from fsdpckpt._io.remote import prefetch as remote_prefetch
-    return remote_prefetch((cast(RemoteFile, f), o, n) for f, o, n in ranges)
-
-
-def local_file(file: Place, scratch: Callable[[], Path]) -> Path:
-    """``file`` as a local path, for readers that need one (torch's memory-mapped loader):
-    a local file itself; a remote one copied into the new empty folder ``scratch()`` gives,
-    one bounded piece at a time (:func:`~fsdpckpt._io.download.download`)."""
-    if not is_remote(file):
-        return cast(Path, file)
-    from fsdpckpt._io.download import download
-    remote = cast("RemotePath", file)
-    target = scratch() / remote.name
-    download(remote, target)
-    return target
-
-
-class Closeable(Protocol):
-    """Something to close when done (a prefetcher)."""
-
-    def close(self) -> None:
-        """Release it."""
-
-
-# --- added by train ---
-
-__all__ += ["replace_bytes", "free_space"]
-
-
-def replace_bytes(file: Place, data: bytes) -> tuple[int, int]:
-    """Write ``data`` as the whole of ``file`` so that a reader sees the old bytes or the new,
-    never a part; ``(size, crc32)``.
-
-    Local: written durably beside it as ``<name>.tmp``, then renamed over it. Remote: one
-    PUT, which an object store shows whole or not at all.
-    """
-    if is_remote(file):
-        return put_bytes(file, data)
-    local = cast(Path, file)
-    tmp = local.with_name(local.name + ".tmp")
-    written = write_bytes(tmp, data)
-    os.replace(tmp, local)
-    return written
+        return place
+    return cast(Path, place).resolve()
 
 
 def free_space(place: Place) -> int | None:
@@ -384,19 +307,33 @@ def free_space(place: Place) -> int | None:
     return found.f_bavail * found.f_frsize
 
 
-# --- added by publish ---
+def read_bytes(file: Place) -> bytes:
+    """All the bytes of ``file``."""
+    return file.read_bytes()
 
-__all__ += ["remove_tree", "sync_names"]
 
+def put_bytes(file: Place, data: bytes, *, sync: bool = True,
+              atomic: bool = False) -> tuple[int, int]:
+    """Write ``data`` as the whole of ``file``; ``(size, crc32)``.
 
-def remove_tree(place: Place) -> None:
-    """Delete the folder ``place`` and everything under it, failing loudly (unlike
-    :func:`remove`): for a deletion the user asked for, whose failure they must hear of."""
-    if is_remote(place):
-        remote = cast("RemotePath", place)
-        remote.fs.rm(remote.path, recursive=True)
-        return
-    shutil.rmtree(cast(Path, place))
+    Remote: one PUT, so the object appears whole or not at all, and a reader sees the old
+    object or the new. Local: written and (unless ``sync=False``) fsynced in place, which a
+    reader may catch half-written; with ``atomic=True`` (a file that others read while it is
+    replaced, a manifest) written beside it as ``<name>.tmp`` and renamed over it instead.
+    """
+    if is_remote(file):
+        import zlib
+
+        remote = cast("RemotePath", file)
+        remote.fs.pipe_file(remote.path, data)
+        return len(data), zlib.crc32(data)
+    local = cast(Path, file)
+    if not atomic:
+        return write_bytes(local, data, sync=sync)
+    tmp = local.with_name(local.name + ".tmp")
+    written = write_bytes(tmp, data, sync=sync)
+    os.replace(tmp, local)
+    return written
 
 
 def sync_names(folder: Place) -> None:
@@ -406,24 +343,44 @@ def sync_names(folder: Place) -> None:
         fsync_dir(cast(Path, folder))
 
 
-# --- added by export ---
+def remove(place: Place, *, strict: bool = False) -> None:
+    """Delete a file or a folder and everything under it.
 
-__all__ += ["resolved", "within"]
-
-
-def resolved(place: Place) -> Place:
-    """``place`` with its links followed (a local path, made absolute); an object store has
-    no links, so a remote place is itself."""
+    By default a cleanup: gone already is nothing to do, and a local file that will not go
+    is left. ``strict=True`` for a deletion the user asked for, whose failure they must hear
+    of: any failure raises, a missing place included.
+    """
     if is_remote(place):
-        return place
-    return cast(Path, place).resolve()
+        remote = cast("RemotePath", place)
+        if strict:
+            remote.fs.rm(remote.path, recursive=True)
+        for _attempt in range(2):
+            # A store with real folders (SeaweedFS) may keep a folder whose files were
+            # deleted in the same batch: a second pass, after a fresh look, deletes it.
+            remote.fs.invalidate_cache()
+            if not remote.fs.exists(remote.path):
+                return
+            with contextlib.suppress(FileNotFoundError):
+                remote.fs.rm(remote.path, recursive=True)
+        return
+    local = cast(Path, place)
+    if local.is_dir() and not local.is_symlink():
+        shutil.rmtree(local, ignore_errors=not strict)
+        return
+    with contextlib.suppress(*(() if strict else (FileNotFoundError,))):
+        local.unlink()
 
 
-def within(place: Place, folder: Place) -> bool:
-    """Whether ``place`` is ``folder`` or lies under it, by their names (pass them through
-    :func:`resolved` first to judge where links lead)."""
-    if is_remote(place) or is_remote(folder):
-        inner, outer = str(place).rstrip("/"), str(folder).rstrip("/")
-        return inner == outer or inner.startswith(outer + "/")
-    local, root = cast(Path, place), cast(Path, folder)
-    return local == root or root in local.parents
+def remove_tree(place: Place) -> None:
+    """``remove(place, strict=True)``, under the name ``merging/merger.py`` calls it by
+    (to go once that caller says ``strict=True`` itself)."""
+    remove(place, strict=True)
+
+
+def refresh(place: Place) -> None:
+    """Forget cached listings (fsdpckpt's and the fsspec client's) after this process or
+    another changed the store; a local folder caches nothing."""
+    if is_remote(place):
+        remote = cast("RemotePath", place)
+        remote.forget_listings()
+        remote.fs.invalidate_cache()

@@ -11,9 +11,8 @@ of tensor bytes in fsdpckpt (the merge and everything built on it, ``load_full_s
   bytes as the reader takes them, in order; :meth:`CheckedRead.finish` reads whatever the
   reader skipped or took out of order, and compares. A merge reads each chunk once, so the
   check costs a CRC over bytes already in memory, not a second read.
-- :func:`verify_entry` checks a whole entry at once, for readers that take boxes of a
-  tensor (the tied-weight check, ``diff``); :func:`verify_entry_once` does it once per
-  entry for all the boxes read from it.
+- :func:`verify_entry_once` checks a whole entry at once, once per entry for all the boxes
+  read from it, for readers that take boxes of a tensor (the tied-weight check, ``diff``).
 - :func:`check_archive` reads every entry of a whole archive against its CRC, for readers
   that hand the bytes to ``torch.load`` (which does not check them).
 
@@ -39,7 +38,6 @@ __all__ = [
     "check_archive",
     "check_saved_file",
     "checksum_error",
-    "verify_entry",
     "verify_entry_once",
 ]
 
@@ -61,25 +59,6 @@ def checksum_error(source: str, entry: str | None, expected: int, actual: int) -
     )
 
 
-def verify_entry(
-    src: int | ReadAt,
-    start: int,
-    nbytes: int,
-    expected: int,
-    *,
-    source: str,
-    entry: str | None = None,
-) -> None:
-    """Read the ``nbytes`` at ``start`` of ``src`` whole and check them against ``expected``.
-
-    Raises:
-        ChecksumError: naming ``source`` and ``entry``, when they differ.
-    """
-    actual = crc32_range(src, start, nbytes, source=source)
-    if actual != expected:
-        raise checksum_error(source, entry, expected, actual)
-
-
 def verify_entry_once(
     done: set[Any],
     key: Any,
@@ -91,12 +70,16 @@ def verify_entry_once(
     source: str,
     entry: str | None = None,
 ) -> None:
-    """:func:`verify_entry`, unless ``key`` is already in ``done`` (the entries checked by
-    one reader, kept with its open files); nothing when no CRC is recorded or checking is
-    off."""
+    """Check the whole entry at once (a :class:`CheckedRead` finished before anything is
+    read through it), unless ``key`` is already in ``done`` (the entries checked by one
+    reader, kept with its open files); nothing when no CRC is recorded or checking is off.
+
+    Raises:
+        ChecksumError: naming ``source`` and ``entry``, when the CRC-32 differs.
+    """
     if expected is None or not ENABLED or key in done:
         return
-    verify_entry(src, start, nbytes, expected, source=source, entry=entry)
+    CheckedRead(src, start, nbytes, expected, source=source, entry=entry).finish()
     done.add(key)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, overload
 
-from fsdpckpt._io import storage
+from fsdpckpt._io import storage, storage_paths
 from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
@@ -43,7 +43,7 @@ def path_inside(folder: Place, relative: str) -> Place:
     Raises:
         NotACheckpointError: the path leads outside ``folder``; the message says where.
     """
-    return storage.inside(folder, relative, rule=_ONLY_INSIDE)
+    return storage_paths.inside(folder, relative, rule=_ONLY_INSIDE)
 
 
 @overload

@@ -262,7 +262,7 @@ def _rank_local(path: Place, rank_set: PerRankSet, key: KeyPath,
             "parameters, FSDP1's flat parameters, as optimizer.state_dict() gives it)"
     else:
         kind = "rank-local state (each rank's own value, not a replicated one)"
-    fix = ("Merge the model weights only (leave out --optimizer / optimizer=True), or save "
+    fix = ("Merge the model weights only (leave out optimizer=True), or save "
            "the optimizer with FSDP.optim_state_dict() or torch.distributed.checkpoint's "
            "get_optimizer_state_dict(), which record where each piece goes."
            if rank_set.kind == "optimizer" else

@@ -37,6 +37,7 @@ from fsdpckpt.dcp._perrank_sharded import (
     SHARDED_GLOBALS,
     ShardedTensorType,
     ShardedValue,
+    StandIn,
     local_shards,
     sharded_value,
     world_size,
@@ -53,26 +54,7 @@ __all__ = ["RankTensor", "open_rank_file", "read_rank"]
 # -- stand-ins for what a DTensor pickles ------------------------------------------------
 
 
-class _Spec:
-    """A stand-in for an instance of an allowlisted DTensor class: keeps what it is given."""
-
-    kind = "?"
-    args: tuple[Any, ...]
-    state: Any
-
-    def __new__(cls, *args: Any) -> _Spec:
-        self = object.__new__(cls)
-        self.args, self.state = args, None
-        return self
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def field(self, name: str) -> Any:
-        return self.state.get(name) if isinstance(self.state, dict) else None
-
-
-_SPEC_CLASSES = {key: type(kind, (_Spec,), {"kind": kind})
+_SPEC_CLASSES = {key: type(kind, (StandIn,), {"kind": kind})
                  for key, kind in _torch.DTENSOR_SPEC_CLASSES.items()}
 
 
@@ -170,10 +152,10 @@ def _ints(value: Any, what: str, source: str) -> tuple[int, ...]:
     return value
 
 
-def _mesh(spec: _Spec, source: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _mesh(spec: StandIn, source: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(mesh shape, this rank's coordinate)`` of a DTensor's device mesh."""
     mesh = spec.field("mesh")
-    if not isinstance(mesh, _Spec) or mesh.kind != "DeviceMesh":
+    if not isinstance(mesh, StandIn) or mesh.kind != "DeviceMesh":
         raise CorruptCheckpointError(f"{source}: a DTensor without a device mesh.")
     ranks = mesh.field("_rank_map")
     if not isinstance(ranks, _TensorRecord):  # torch < 2.9 pickled the mesh tensor itself
@@ -197,7 +179,7 @@ def _place(name: str, value: _Wrapper, raw: RawTensor,
     how many ranks its mesh spans."""
     shape = _ints(value.size, f"the global shape of '{name}'", source)
     spec = value.spec
-    if not isinstance(spec, _Spec) or spec.kind != "DTensorSpec":
+    if not isinstance(spec, StandIn) or spec.kind != "DTensorSpec":
         raise CorruptCheckpointError(f"{source}: DTensor '{name}' has no spec.")
     mesh_shape, coordinate = _mesh(spec, source)
     placements = spec.field("placements")

@@ -22,22 +22,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdpckpt import _torch
-from fsdpckpt.dcp._allowlist import brief
+from fsdpckpt.dcp._allowlist import Record, brief
 from fsdpckpt.dcp._archive import _TensorRecord, is_plain_int
 from fsdpckpt.errors import CorruptCheckpointError, UnsafePickleError
 
-__all__ = ["SHARDED_GLOBALS", "ShardedTensorType", "ShardedValue", "sharded_value",
+__all__ = ["StandIn", "SHARDED_GLOBALS", "ShardedTensorType", "ShardedValue", "sharded_value",
            "local_shards"]
 
 
-class _Record:
-    """A stand-in for an instance of an allowlisted ShardedTensor class: keeps its state."""
+class StandIn(Record):
+    """A stand-in for an instance of an allowlisted class of a per-rank file (DTensor's spec
+    classes, ShardedTensor's): keeps what it is given, however the pickle builds it.
+
+    Unlike the metadata's :class:`~fsdpckpt.dcp._allowlist.Record`, it is made by
+    ``__new__`` (a pickle's NEWOBJ calls no ``__init__``), so ``args`` and ``state`` are
+    always there, and :meth:`field` reads its state.
+    """
 
     kind = "?"
     args: tuple[Any, ...]
     state: Any
 
-    def __new__(cls, *args: Any) -> _Record:
+    def __new__(cls, *args: Any) -> StandIn:
         self = object.__new__(cls)
         self.args, self.state = args, None
         return self
@@ -57,7 +63,7 @@ class ShardedTensorType:
     """The stand-in for the ShardedTensor class itself."""
 
 
-_PROCESS_GROUP_STATE = type("ProcessGroupState", (_Record,), {"kind": "ProcessGroupState"})
+_PROCESS_GROUP_STATE = type("ProcessGroupState", (StandIn,), {"kind": "ProcessGroupState"})
 
 
 def _getattr(owner: Any, name: Any) -> Any:
@@ -71,7 +77,7 @@ def _getattr(owner: Any, name: Any) -> Any:
 
 #: What a pickled ShardedTensor names, mapped to stand-ins.
 SHARDED_GLOBALS: dict[tuple[str, str], Any] = {
-    **{key: type(kind, (_Record,), {"kind": kind})
+    **{key: type(kind, (StandIn,), {"kind": kind})
        for key, kind in _torch.SHARDED_TENSOR_CLASSES.items()},
     _torch.SHARDED_TENSOR: ShardedTensorType,
     ("__builtin__", "getattr"): _getattr,
@@ -122,7 +128,7 @@ def local_shards(value: ShardedValue, shape: tuple[int, ...],
             outside the global tensor.
     """
     meta = value.metadata
-    if not (isinstance(meta, _Record) and meta.kind == "ShardedTensorMetadata"):
+    if not (isinstance(meta, StandIn) and meta.kind == "ShardedTensorMetadata"):
         raise CorruptCheckpointError(f"{source}: a ShardedTensor without its metadata.")
     declared = meta.field("size")
     if _sizes(declared, "the ShardedTensor's size", source) != shape:
@@ -133,9 +139,9 @@ def local_shards(value: ShardedValue, shape: tuple[int, ...],
                                      f"{brief(value.shards)}.")
     found = []
     for shard in value.shards:
-        info = shard.field("metadata") if isinstance(shard, _Record) else None
-        tensor = shard.field("tensor") if isinstance(shard, _Record) else None
-        if not (isinstance(info, _Record) and info.kind == "ShardMetadata"
+        info = shard.field("metadata") if isinstance(shard, StandIn) else None
+        tensor = shard.field("tensor") if isinstance(shard, StandIn) else None
+        if not (isinstance(info, StandIn) and info.kind == "ShardMetadata"
                 and isinstance(tensor, _TensorRecord)):
             raise CorruptCheckpointError(f"{source}: a ShardedTensor's local shard is "
                                          f"{brief(shard)}, not a tensor and its metadata.")
@@ -153,5 +159,5 @@ def local_shards(value: ShardedValue, shape: tuple[int, ...],
 def world_size(value: ShardedValue) -> int:
     """The world size the writer's ProcessGroupState records (0 when it records none)."""
     group = value.group
-    size = group.field("global_world_size") if isinstance(group, _Record) else None
+    size = group.field("global_world_size") if isinstance(group, StandIn) else None
     return size if isinstance(size, int) and is_plain_int(size) and 0 < size < 1 << 20 else 0

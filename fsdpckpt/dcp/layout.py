@@ -152,16 +152,19 @@ def _holds_checkpoint(path: Place) -> bool:
 
 
 def _unfinished_save(folder: Place) -> bool:
-    """Whether ``folder`` (on object storage) is what a ``save_state`` that did not finish
-    left: its intent marker and no manifest (the commit; training/_remote.py)."""
-    # Policy, not mechanism: only a save to object storage commits by a marker (a local one
-    # renames a finished folder into place), so only there can a folder be a save cut short.
-    return storage.is_remote(folder) and (folder / INCOMPLETE).is_file() \
-        and not (folder / _MANIFEST).is_file()
+    """Whether ``folder`` is what a ``save_state`` that did not finish left: its intent
+    marker and no manifest (the commit; training/_remote.py).
+
+    Asked of any folder, not only of one on object storage, where such saves commit: no
+    local save writes the marker (it renames a finished folder into place), so a local
+    folder holding it is a copy of a remote save cut short, as unfinished as the original.
+    """
+    return (folder / INCOMPLETE).is_file() and not (folder / _MANIFEST).is_file()
 
 
 def refuse_unfinished_save(root: Place) -> None:
-    """Refuse a remote folder, or a DCP folder inside one, that a save did not finish.
+    """Refuse a checkpoint folder, or a DCP folder inside one, that a save did not finish:
+    the one refusal of ``load_state``, the readers and the CLI.
 
     Raises:
         NotACheckpointError: it holds ``.fsdpckpt-incomplete`` and no ``fsdpckpt.json``.
@@ -173,8 +176,8 @@ def refuse_unfinished_save(root: Place) -> None:
         if _unfinished_save(folder):
             raise NotACheckpointError(
                 f"{folder}: a save into it did not finish (it holds {INCOMPLETE} and no "
-                f"{_MANIFEST}), so it is not a checkpoint; use an earlier one. The next "
-                "CheckpointManager on its parent deletes it")
+                f"{_MANIFEST}), so it is not a checkpoint; use an earlier one. On object "
+                "storage the next CheckpointManager on its parent deletes it")
 
 
 def _natural_key(name: str) -> list[tuple[int, int | str]]:

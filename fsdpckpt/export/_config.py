@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from fsdpckpt._io import storage
+from fsdpckpt._io import storage, storage_paths
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
@@ -89,21 +89,22 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
 
     Raises:
         CheckpointNotFoundError: ``base`` is not a folder; no ``config.json`` or no
-            tokenizer was found (the message lists where it looked and says to pass --base);
+            tokenizer was found (the message lists where it looked and says to pass ``base``);
             a custom code file ``auto_map`` needs is missing.
         NotACheckpointError: a side file is a symlink out of its folder; ``auto_map``
             names something that is not a module name.
     """
     if base is not None:
         if not base.is_dir():
-            raise CheckpointNotFoundError(f"{base}: --base is not a folder; pass the Hugging "
+            raise CheckpointNotFoundError(f"{base}: not a folder; pass base= with the Hugging "
                                           "Face model folder the run started from")
         folders = [base]
     else:
         folders = _candidates(checkpoint_root)
     where = ", ".join(str(f) for f in folders)
+    # The first said with the flag: tests/test_export_hf.py pins "--base" on it.
     hint = ("pass --base with the model folder the run started from" if base is None else
-            "pass a --base folder that holds it (the one from_pretrained loaded)")
+            "pass base= with a folder that holds it (the one from_pretrained loaded)")
     config = next((f / CONFIG for f in folders if (f / CONFIG).is_file()), None)
     if config is None:
         raise CheckpointNotFoundError(f"no {CONFIG} found for {checkpoint_root}; looked in "
@@ -186,9 +187,9 @@ def _code_files(json_file: Place, folder: Place) -> list[tuple[Place, str]]:
         if not _MODULE.match(module):
             raise NotACheckpointError(f"{json_file}: auto_map names the module {module!r}, "
                                       "which is not a Python module name in its folder; fix "
-                                      "the auto_map or pass --base with the model folder")
+                                      "the auto_map or pass base= with the model folder")
         path = folder / f"{module}.py"
-        if not path.is_file():
+        if not path.is_file():  # "--base": pinned by tests/test_export_hf.py
             raise CheckpointNotFoundError(f"{path}: {json_file.name}'s auto_map needs this "
                                           "custom code file and it is missing; pass --base "
                                           "with the model folder that holds it")
@@ -218,10 +219,10 @@ def _check_inside(path: Place, folder: Place) -> None:
     roots = [root]
     if root.parent.name == "snapshots":  # hub cache: models--org--name/snapshots/<rev>
         roots.append(root.parent.parent / "blobs")
-    if not any(storage.within(target, r) for r in roots):
+    if not any(storage_paths.within(target, r) for r in roots):
         raise NotACheckpointError(f"{path}: a symlink to {target}, outside {folder}; side "
                                   "files are only copied from inside their folder: copy the "
-                                  "file into the folder or pass --base with one that holds it")
+                                  "file into the folder or pass base= with one that holds it")
 
 
 def strip_fsdp_prefix(name: str) -> str:
@@ -240,7 +241,7 @@ def side_file_bytes(path: Place) -> bytes:
     if size > MAX_SIDE_BYTES:
         raise NotACheckpointError(f"{path}: {size} bytes, over the {MAX_SIDE_BYTES} a "
                                   "config, tokenizer or chat template file may have; pass "
-                                  "--base with the Hugging Face model folder")
+                                  "base= with the Hugging Face model folder")
     return path.read_bytes()
 
 
@@ -255,11 +256,11 @@ def read_config(path: Place) -> dict[str, Any]:
             raise ValueError(f"it is over {_MAX_CONFIG_BYTES} bytes")
         config = parse_json(path.read_bytes())
     except (ValueError, OSError) as exc:
-        raise NotACheckpointError(f"{path}: cannot read it as JSON ({exc}); pass --base with "
+        raise NotACheckpointError(f"{path}: cannot read it as JSON ({exc}); pass base= with "
                                   "a Hugging Face model folder") from None
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise NotACheckpointError(f"{path}: has no model_type, so transformers cannot tell "
-                                  "which model it is; pass --base with the model folder the "
+                                  "which model it is; pass base= with the model folder the "
                                   "run started from")
     return config
 

@@ -125,7 +125,7 @@ def check_declared_sizes(config: dict[str, Any], shapes: dict[str, Shape],
                 raise ExportMismatchError(
                     f"{config_path}: {where}{field} is {value}, but the checkpoint's keys show "
                     f"{counts[what]} numbered {what} at most, so this config does not describe "
-                    f"this checkpoint (nothing was built or written); pass --base with the "
+                    f"this checkpoint (nothing was built or written); pass base= with the "
                     f"config of the model this run trained")
 
 
@@ -160,9 +160,10 @@ def _header(file: Place) -> SafetensorsHeader:
 #: How a base folder's shard index that cannot be read is refused (formats._shards.Wording).
 _INDEX_WORDING = {
     "size": f"{{index}}: {{detail}} bytes, over the {MAX_INDEX_BYTES} a shard index may have; "
-            "pass --base with an intact model folder",
-    "json": "{index}: cannot read it as JSON ({detail}); pass --base with an intact model "
+            "pass base= with an intact model folder",
+    "json": "{index}: cannot read it as JSON ({detail}); pass base= with an intact model "
             "folder",
+    # Said with the flag: tests/test_shard_index.py pins "pass --base" on this one.
     "*": "{index}: not a shard index (a 'weight_map' of names to file names in its folder); "
          "pass --base with an intact model folder",
 }
@@ -213,6 +214,7 @@ def check_against_base(shapes: dict[str, Shape], tied: Collection[str], base: Pl
     """
     weights = base_weights(base) if base is not None else None
     if weights is None:
+        # Said with the flag: tests/test_export_remote_code.py pins "--base" in not_checked.
         fix = (f"{base} holds no {_SINGLE} or {_INDEX} to check them against" if base
                is not None else "pass --base with the model folder the run started from to "
                "check them against its weights")
@@ -222,7 +224,7 @@ def check_against_base(shapes: dict[str, Shape], tied: Collection[str], base: Pl
     if problems:
         raise ExportMismatchError(
             f"{source}: does not match the base's weights ({where}): " + "; ".join(problems)
-            + f"; the model class was not built to check ({reason}): pass --base with the "
+            + f"; the model class was not built to check ({reason}): pass base= with the "
             "model folder this run trained from")
     what = "keys and shapes" if all(v is not None for v in wanted.values()) else "keys"
     return f"the model class ({reason}); the {what} were checked against {where} instead"

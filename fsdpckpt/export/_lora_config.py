@@ -96,7 +96,7 @@ def _field_error(source: str, name: str, want: str, value: Any) -> NotACheckpoin
     shown = repr(value)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     return NotACheckpointError(f"{source}: field '{name}' must be {want}, not {shown}; fix the "
-                               "adapter config or pass another with --lora-config")
+                               "adapter config or pass another as lora_config=")
 
 
 def _positive_int(doc: Mapping[str, Any], name: str, source: str) -> int:
@@ -198,7 +198,7 @@ def read_lora_config(path: str | os.PathLike[str] | RemotePath, *,
         p = p / ADAPTER_CONFIG
     if not p.is_file():
         raise CheckpointNotFoundError(f"{p}: no such file; pass the adapter_config.json the "
-                                      "run's PEFT model wrote (--lora-config)")
+                                      "run's PEFT model wrote as lora_config=")
     size = p.stat().st_size  # checked before a byte is read
     if size > _MAX_CONFIG_BYTES:
         raise NotACheckpointError(f"{p}: {size} bytes is too large for an "

@@ -75,7 +75,7 @@ class SafetensorsSource(Source):
             if info.name in self.tensors:
                 raise NotACheckpointError(f"{path}: two tensors are both named '{info.name}'"
                                           + ("" if keep_keys else " once wrapper segments are "
-                                             "dropped; pass --keep-keys"))
+                                             "dropped; pass keep_keys=True"))
             self.tensors[info.name] = info
 
     def _open(self, file: Place, keep_keys: bool) -> list[TensorInfo]:

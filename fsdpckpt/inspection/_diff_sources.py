@@ -150,7 +150,7 @@ def _names(key_paths: Sequence[KeyPath], *, keep_keys: bool,
     for name in names:
         if name in seen:
             raise NotACheckpointError(f"{source}: two entries are both named '{name}' once "
-                                      "wrapper segments are dropped; pass --keep-keys")
+                                      "wrapper segments are dropped; pass keep_keys=True")
         seen.add(name)
     return names
 

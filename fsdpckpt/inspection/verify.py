@@ -118,8 +118,9 @@ def _check_digest(root: Place, expect: str, problems: list[Problem]) -> str | No
     try:
         actual = manifest_digest(root)
     except FsdpCkptError as exc:
-        problems.append(Problem(str(root / MANIFEST), f"{exc}; --expect-digest "
-                         "needs a checkpoint saved with a manifest"))
+        problems.append(Problem(str(root / MANIFEST), f"{exc}; a digest to check "
+                         "(expect_digest=, --expect-digest) needs a checkpoint saved with a "
+                         "manifest"))
         return None
     if actual != want.lower():
         problems.append(Problem(str(root / MANIFEST), f"manifest digest is "

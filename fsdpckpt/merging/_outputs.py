@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from fsdpckpt._io.jsonio import parse_json
-from fsdpckpt.errors import MergePlanError, OutputExistsError
+from fsdpckpt.errors import MergePlanError, NotACheckpointError, OutputExistsError
+from fsdpckpt.formats._shards import read_shard_index
 from fsdpckpt.merging.plan import MergePlan
 from fsdpckpt.merging.writer import output_paths
 
@@ -21,9 +21,6 @@ if TYPE_CHECKING:
     from fsdpckpt._io.remote import RemotePath
 
 __all__ = ["claim_outputs", "earlier_outputs"]
-
-_INDEX_LIMIT = 64 * 2**20  # an index of 64 MiB would list millions of tensors: not one of ours
-
 
 #: A local folder or one on object storage: the checks below ask both the same questions.
 _P = TypeVar("_P", "Path", "RemotePath")
@@ -83,11 +80,9 @@ def earlier_outputs(plan: MergePlan, out: _P) -> list[_P]:
 
 
 def _index_files(index: Path | RemotePath) -> list[str]:
-    # A damaged or foreign index names nothing we may delete; the index itself is still ours.
+    # A damaged or foreign index (one naming a file outside the folder included) names
+    # nothing we may delete; the index itself is still ours.
     try:
-        if index.stat().st_size > _INDEX_LIMIT:
-            return []
-        weight_map = parse_json(index.read_bytes()).get("weight_map", {})
-        return sorted({n for n in weight_map.values() if isinstance(n, str)})
-    except (OSError, ValueError, AttributeError):  # parse_json's every failure is a ValueError
+        return sorted(read_shard_index(index).names)
+    except (NotACheckpointError, OSError):
         return []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import shutil
 import signal
@@ -39,6 +38,7 @@ from fsdpckpt.errors import (
     Terminated,
 )
 from fsdpckpt.formats import ObjectValue, TensorSpec
+from fsdpckpt.formats._shards import index_bytes
 from fsdpckpt.merging._copy import place_stored_chunk
 from fsdpckpt.merging.plan import MergePlan, PlannedFile
 
@@ -257,7 +257,7 @@ def write_index(plan: MergePlan, stage: Path) -> Path | None:
     if not plan.index_name:
         return None
     path = stage / plan.index_name
-    write_bytes(path, (json.dumps(plan.index(), indent=2) + "\n").encode())
+    write_bytes(path, index_bytes(plan.index()))
     return path
 
 

@@ -27,13 +27,14 @@ def commits_by_marker(root: Place) -> bool:
     marker of :mod:`fsdpckpt.training._remote` (docs/remote-training.md), rather than in a
     local folder it prepares and cleans up itself.
 
-    Policy, not mechanism, so it is asked here, once for the package: object storage has
-    no rename and no way to make a folder appear whole, so there the manifest written last
-    is the only commit there is. Such a save needs its manifest, starts with the intent
-    marker, and a failed one is left for the sweep; a local save prepares its folder and
-    removes what a failed one wrote.
+    Policy, so it is asked here, once for the package, of the storage seam's one capability
+    that differs (:func:`~fsdpckpt._io.storage.commits_by_rename`): where a folder cannot
+    be renamed into place (object storage), the manifest written last is the only commit
+    there is. Such a save needs its manifest, starts with the intent marker, and a failed
+    one is left for the sweep; a local save prepares its folder and removes what a failed
+    one wrote.
     """
-    return storage.is_remote(root)
+    return not storage.commits_by_rename(root)
 
 
 def model_folder(root: Place, i: int) -> Any:
@@ -59,11 +60,9 @@ def remove_stale_parts(root: Path) -> None:
     # Saving into a folder that holds an older checkpoint must not leave parts of the old
     # one beside the new (an optimizer saved then, and not now, would be loaded later).
     # A local folder only: a save that commits by a marker empties its folder first.
-    import shutil
-
     for pattern in _PART_PATTERNS:
         for path in root.glob(pattern):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            storage.remove(path, strict=True)
 
 
 def check_parts(root: Place, models: list, optimizers: list,

@@ -12,8 +12,9 @@ into place. Instead (docs/remote-training.md):
 
 A folder is committed exactly when its manifest exists. A folder holding the intent
 marker and no manifest is the leftover of a save (or a deletion) that did not finish:
-nothing reads it as a checkpoint, and :func:`sweep` deletes it. Deleting a checkpoint
-runs the same steps backwards: marker, manifest, data, marker last.
+nothing reads it as a checkpoint (:func:`fsdpckpt.dcp.layout.refuse_unfinished_save`), and
+:func:`sweep` deletes it. Deleting a checkpoint runs the same steps backwards: marker,
+manifest, data, marker last.
 """
 
 from __future__ import annotations
@@ -25,29 +26,18 @@ from typing import Any
 
 from fsdpckpt._io import storage
 from fsdpckpt._io.remote import RemotePath
-from fsdpckpt._io.storage import Place
+from fsdpckpt._io.storage import Place, put_bytes, refresh
 from fsdpckpt.dcp.layout import INCOMPLETE  # the intent marker: written first, removed last
-from fsdpckpt.errors import NotACheckpointError
-from fsdpckpt.training._layout import commits_by_marker
 
-__all__ = ["INCOMPLETE", "refresh", "put_bytes", "begin_save", "end_save", "delete",
-           "is_incomplete", "refuse_incomplete", "sweep", "MarkerCommits"]
+__all__ = ["INCOMPLETE", "begin_save", "end_save", "delete", "sweep", "MarkerCommits"]
 
 log = logging.getLogger("fsdpckpt")
 
 _MANIFEST = "fsdpckpt.json"  # training.manifest.MANIFEST; not imported: manifest imports us
+_MARKER_TEXT = b"a save or a deletion of this checkpoint has not finished\n"
 
-#: Forget every cached listing (fsdpckpt's and the fsspec client's): after this process or
-#: another changed the store, the next question lists it again.
-refresh = storage.refresh
-
-
-def put_bytes(path: RemotePath, data: bytes) -> tuple[int, int]:
-    """Upload ``data`` as one object (visible whole or not at all); ``(size, crc32)``."""
-    return storage.put_bytes(path, data)
-
-
-#: Delete a file or a folder and everything under it (gone already: nothing to do).
+#: Delete a file or a folder and everything under it (gone already: nothing to do): the
+#: seam's own, named here so that a test can cut a deletion short between two removals.
 _remove = storage.remove
 
 
@@ -63,7 +53,7 @@ def _clear(folder: RemotePath, keep: str | None) -> None:
 
 def begin_save(folder: RemotePath) -> None:
     """Step 1 of a save into ``folder`` (rank 0): intent marker, then an empty folder."""
-    put_bytes(folder / INCOMPLETE, b"a save or a deletion of this checkpoint has not finished\n")
+    put_bytes(folder / INCOMPLETE, _MARKER_TEXT)
     _clear(folder, keep=INCOMPLETE)
 
 
@@ -75,29 +65,10 @@ def end_save(folder: Place) -> None:
 
 def delete(folder: RemotePath) -> None:
     """Delete a checkpoint so that no crash leaves a half-deleted one that looks whole."""
-    put_bytes(folder / INCOMPLETE, b"a save or a deletion of this checkpoint has not finished\n")
+    put_bytes(folder / INCOMPLETE, _MARKER_TEXT)
     _clear(folder, keep=INCOMPLETE)
     _remove(folder)  # only the marker is left: it goes last, with the folder
     refresh(folder)
-
-
-def is_incomplete(folder: RemotePath) -> bool:
-    """Whether ``folder`` is the leftover of an unfinished save or deletion."""
-    return (folder / INCOMPLETE).is_file() and not (folder / _MANIFEST).is_file()
-
-
-def refuse_incomplete(folder: Any) -> None:
-    """Refuse to load a remote folder left by a save that did not finish.
-
-    Raises:
-        NotACheckpointError: it holds the intent marker and no manifest.
-    """
-    # Only a save that commits by the marker (object storage) can be cut short in place.
-    if commits_by_marker(folder) and is_incomplete(folder):
-        raise NotACheckpointError(
-            f"{folder}: a save into it did not finish (it holds {INCOMPLETE} and no "
-            f"{_MANIFEST}), so it is not a checkpoint; load an older one. The next "
-            "CheckpointManager on its parent deletes it")
 
 
 def sweep(root: RemotePath, names: list[str]) -> list[RemotePath]:

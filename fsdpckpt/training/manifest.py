@@ -166,7 +166,7 @@ def write_manifest(root: Place, manifest: dict[str, Any]) -> str:
     """
     document = dict(manifest, checksum=_content_checksum(manifest))
     data = (json.dumps(document, indent=1) + "\n").encode()
-    storage.replace_bytes(root / MANIFEST, data)
+    storage.put_bytes(root / MANIFEST, data, atomic=True)
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 

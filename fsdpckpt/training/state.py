@@ -24,6 +24,7 @@ from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._io.storage import Place, put_bytes, refresh
 from fsdpckpt.dcp._objects import to_torch
 from fsdpckpt.dcp._sidefiles import read_state_file
+from fsdpckpt.dcp.layout import refuse_unfinished_save
 from fsdpckpt.errors import (
     FsdpCkptError,
     NotACheckpointError,
@@ -289,7 +290,7 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     rank, world = rank_world()
     models, optimizers, schedulers = _as_list(model), _as_list(optimizer), _as_list(scheduler)
     refresh(root)  # another process saved it: list it anew
-    _remote.refuse_incomplete(root)
+    refuse_unfinished_save(root)  # a save cut short, or a copy of one
     check_parts(root, models, optimizers, schedulers)
     # All or nothing: every part is read and checked (on every rank, which agree) before
     # the first one is loaded, so a damaged file changes no training state.

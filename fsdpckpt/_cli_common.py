@@ -61,6 +61,11 @@ FLAGS = (
     ("base=...", "--base"),
     ("lora='fuse'", "--lora fuse"),
     ("with lora=None", "without --lora"),
+    ("keep_keys=True", "--keep-keys"),
+    ("optimizer=True", "--optimizer"),
+    ("as lora_config=", "as --lora-config"),
+    ("pass base=", "pass --base"),
+    ("storage_options=", "--storage-options"),
 )
 
 

@@ -113,8 +113,19 @@ def test_a_file_name_for_two_parts_names_the_parameter_not_a_flag(tmp_path):
      "a: already exists; pass --overwrite to replace it"),
     ("tensor 'x': safetensors has no float8 type; use format='bin'",
      "tensor 'x': safetensors has no float8 type; use --format bin"),
+    ("x: two entries would both be named 'w'; pass keep_keys=True",
+     "x: two entries would both be named 'w'; pass --keep-keys"),
+    ("x: not a model's weights; merge the model weights only (leave out optimizer=True)",
+     "x: not a model's weights; merge the model weights only (leave out --optimizer)"),
+    ("x: no config.json; pass base= with the model folder the run started from",
+     "x: no config.json; pass --base with the model folder the run started from"),
+    ("x: no adapter config; pass the one the run's PEFT model wrote as lora_config=",
+     "x: no adapter config; pass the one the run's PEFT model wrote as --lora-config"),
+    ("s3://b/x: no answer; check the endpoint (endpoint_url in storage_options=)",
+     "s3://b/x: no answer; check the endpoint (endpoint_url in --storage-options)"),
     ("a message without parameters", "a message without parameters"),
-], ids=["parameter", "parameter-and-flag", "format", "none"])
+], ids=["parameter", "parameter-and-flag", "format", "keep-keys", "optimizer", "base",
+        "lora-config", "storage-options", "none"])
 def test_the_command_line_turns_parameters_into_flags(library, command_line):
     assert as_flags(library) == command_line
 

@@ -70,8 +70,8 @@ _ANSWERS = (
 # Said with the flag: tests/test_remote_faults.py pins "--storage-options" on the command
 # line's message, and _cli_common.FLAGS has no "storage_options=" to say it there yet.
 _FIX = (
-    "check the endpoint (endpoint_url in --storage-options, AWS_ENDPOINT_URL); "
-    "raise the timeouts or retries through --storage-options (docs/remote.md)"
+    "check the endpoint (endpoint_url in storage_options=, AWS_ENDPOINT_URL); "
+    "raise the timeouts or retries through storage_options= (docs/remote.md)"
 )
 #: What a filesystem call was doing, for the message.
 _ACTIONS = {

@@ -69,8 +69,8 @@ _LAYERS = {
     "training": {"_io", "dcp"},
     # verify reads the manifest (training.manifest); diff reads chunks with the merge's engine.
     "inspection": {"_io", "dcp", "formats", "merging", "training"},
-    # _tied.py compares boxes with inspection._diff_sources.boxes.
-    "export": {"_io", "dcp", "formats", "merging", "inspection"},
+    # export builds on the merge pipeline, never on the read-side verbs.
+    "export": {"_io", "dcp", "formats", "merging"},
 }
 
 #: The command line: parses, calls the library, prints. Nothing else imports these.

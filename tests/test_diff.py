@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 import fsdpckpt
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from fsdpckpt.inspection import diff as diff_module
-from fsdpckpt.inspection._diff_sources import boxes
+from fsdpckpt.merging._runs import boxes
 
 from conftest import (
     DCP_FOLDERS,
@@ -342,3 +342,10 @@ def test_the_fixture_folders_are_all_covered():
     # have tests of their own.
     assert set(DCP_FOLDERS.values()) | {FIXTURES / "dtypes", FIXTURES / "dcp_zstd"} >= \
         {p for p in FIXTURES.iterdir() if p.is_dir() and (p / ".metadata").is_file()}
+
+
+def test_boxes_of_a_tensor_with_thousands_of_dims_do_not_recurse():
+    # A crafted .metadata may declare any number of size-1 dims; the walk is a loop.
+    shape = (1,) * 5000 + (3,)
+    assert list(boxes(shape, 2)) == [((0,) * 5001, (1,) * 5000 + (2,)),
+                                     ((0,) * 5000 + (2,), (1,) * 5000 + (1,))]

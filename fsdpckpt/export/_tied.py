@@ -13,9 +13,8 @@ from __future__ import annotations
 from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
-from fsdpckpt.inspection._diff_sources import boxes
 from fsdpckpt.merging._copy import MemorySink, locate_stored_chunk, place_chunk
-from fsdpckpt.merging._runs import chunk_runs
+from fsdpckpt.merging._runs import boxes, chunk_runs
 
 __all__ = ["BOX_BYTES", "same_bytes"]
 

@@ -20,7 +20,7 @@ merged file name their entries alike: the top-level key every entry shares (Acce
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -39,7 +39,7 @@ from fsdpckpt.merging._copy import MemorySink, locate_stored_chunk, place_chunk
 from fsdpckpt.merging._keys import output_name, shares_top_key
 from fsdpckpt.merging._runs import chunk_runs
 
-__all__ = ["MERGED_FILES", "DcpSource", "Source", "TensorInfo", "boxes"]
+__all__ = ["MERGED_FILES", "DcpSource", "Source", "TensorInfo"]
 
 #: What a folder that is no checkpoint is read as, first found first (model, then optimizer).
 MERGED_FILES = {
@@ -62,41 +62,6 @@ class TensorInfo:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-def boxes(shape: Sequence[int], max_elements: int) -> Iterator[tuple[tuple[int, ...],
-                                                                     tuple[int, ...]]]:
-    """Cut a tensor into boxes of at most ``max_elements`` elements (or one innermost
-    element's worth, if less), each a contiguous run of its row-major elements, in order.
-
-    Yields:
-        ``(offsets, sizes)`` of each box. A tensor with no elements yields nothing.
-    """
-    shape = tuple(shape)
-    if math.prod(shape) == 0:
-        return
-    if not shape:
-        yield (), ()
-        return
-    # The outermost dim whose trailing block fits: boxes take a range of it, every index
-    # of the dims after it, and one index of each dim before it.
-    dim = next(d for d in range(len(shape)) if math.prod(shape[d + 1:]) <= max_elements)
-    inner = math.prod(shape[dim + 1:])
-    step = max(1, max_elements // inner)
-    for lead in _indices(shape[:dim]):
-        for start in range(0, shape[dim], step):
-            size = min(step, shape[dim] - start)
-            yield lead + (start,) + (0,) * len(shape[dim + 1:]), \
-                (1,) * dim + (size,) + shape[dim + 1:]
-
-
-def _indices(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    if not shape:
-        yield ()
-        return
-    for first in range(shape[0]):
-        for rest in _indices(shape[1:]):
-            yield (first,) + rest
 
 
 class Source:

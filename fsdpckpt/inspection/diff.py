@@ -33,7 +33,7 @@ from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._zstd import ZstdEntry
 from fsdpckpt.errors import DiffOptionError
 from fsdpckpt.inspection._diff_files import open_source
-from fsdpckpt.inspection._diff_sources import Source, TensorInfo, boxes
+from fsdpckpt.inspection._diff_sources import Source, TensorInfo
 from fsdpckpt.inspection._diff_tiles import (
     Piece,
     overlaps,
@@ -43,6 +43,7 @@ from fsdpckpt.inspection._diff_tiles import (
     tiles_of,
 )
 from fsdpckpt.inspection.inspect import name_matcher
+from fsdpckpt.merging._runs import boxes
 
 __all__ = ["diff", "DiffReport", "TensorDiff", "ObjectDiff", "DiffOptionError", "BOX_ELEMENTS"]
 

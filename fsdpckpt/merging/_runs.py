@@ -3,12 +3,13 @@ consecutive elements, computed from the metadata's offsets and sizes alone."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 
 from fsdpckpt.dcp.metadata import Chunk
 
-__all__ = ["RunStarts", "chunk_runs", "Runs"]
+__all__ = ["RunStarts", "chunk_runs", "Runs", "boxes"]
 
 #: ``(run, starts)``: ``len(starts)`` runs of ``run`` consecutive elements each.
 Runs = tuple[int, Sequence[int]]
@@ -72,3 +73,29 @@ def chunk_runs(shape: Sequence[int], chunk: Chunk) -> tuple[int, Sequence[int]]:
     run = math.prod(chunk.sizes[k:])
     base = sum(o * s for o, s in zip(chunk.offsets, stride))
     return run, RunStarts(base, chunk.sizes[:k], stride[:k])
+
+
+def boxes(shape: Sequence[int], max_elements: int) -> Iterator[tuple[tuple[int, ...],
+                                                                     tuple[int, ...]]]:
+    """Cut a tensor into boxes of at most ``max_elements`` elements (or one innermost
+    element's worth, if less), each a contiguous run of its row-major elements, in order.
+
+    Yields:
+        ``(offsets, sizes)`` of each box. A tensor with no elements yields nothing.
+    """
+    shape = tuple(shape)
+    if math.prod(shape) == 0:
+        return
+    if not shape:
+        yield (), ()
+        return
+    # The outermost dim whose trailing block fits: boxes take a range of it, every index
+    # of the dims after it, and one index of each dim before it.
+    dim = next(d for d in range(len(shape)) if math.prod(shape[d + 1:]) <= max_elements)
+    inner = math.prod(shape[dim + 1:])
+    step = max(1, max_elements // inner)
+    for lead in itertools.product(*map(range, shape[:dim])):  # row-major, no recursion
+        for start in range(0, shape[dim], step):
+            size = min(step, shape[dim] - start)
+            yield lead + (start,) + (0,) * len(shape[dim + 1:]), \
+                (1,) * dim + (size,) + shape[dim + 1:]

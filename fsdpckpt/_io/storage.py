@@ -371,12 +371,6 @@ def remove(place: Place, *, strict: bool = False) -> None:
         local.unlink()
 
 
-def remove_tree(place: Place) -> None:
-    """``remove(place, strict=True)``, under the name ``merging/merger.py`` calls it by
-    (to go once that caller says ``strict=True`` itself)."""
-    remove(place, strict=True)
-
-
 def refresh(place: Place) -> None:
     """Forget cached listings (fsdpckpt's and the fsspec client's) after this process or
     another changed the store; a local folder caches nothing."""

@@ -241,5 +241,5 @@ def merge_fsdp_weights(checkpoint_dir: str, output_path: str, safe_serialization
     (result,) = run_job(location(output_path, storage_options=storage_options), plan,
                         overwrite=overwrite, progress=progress)
     if remove_checkpoint_dir:
-        storage.remove_tree(result.source)
+        storage.remove(result.source, strict=True)
     return result.path

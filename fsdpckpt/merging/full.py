@@ -20,18 +20,19 @@ from fsdpckpt._io.rawio import reusing_scratch
 from fsdpckpt._io.remote import location
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._datafiles import DataFiles
-from fsdpckpt.dcp._hfstorage import read_hf_storage_at
 from fsdpckpt.dcp._nesting import unflatten
 from fsdpckpt.dcp._objects import loads, read_object, to_torch, torch_load_allowlisted
-from fsdpckpt.dcp._perrank import find_rank_sets, read_rank_set
 from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
-from fsdpckpt.dcp.reader import DcpFolder, is_dcp_folder, read_dcp_folder
+from fsdpckpt.dcp.layout import find_layout
+from fsdpckpt.dcp.parts import open_part
+from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from fsdpckpt.formats._shards import read_shard_index
 from fsdpckpt.formats.safetensors import KEY_PATHS_KEY, OBJECTS_KEY
 from fsdpckpt.merging._copy import MemorySink, place_stored_chunk
 from fsdpckpt.merging._runs import chunk_runs
+from fsdpckpt.merging._validate import choose_parts
 
 __all__ = ["load_full_state_dict", "shard_files"]
 
@@ -52,22 +53,29 @@ def _empty(dtype: DType, shape: tuple[int, ...]) -> tuple[Any, MemorySink]:
     return flat.view(shape), MemorySink(memoryview(memory))
 
 
-def _from_dcp(path: Place) -> dict[Any, Any]:
-    return _from_folder(read_dcp_folder(path), [])
+def _from_checkpoint(path: Place) -> dict[Any, Any] | None:
+    """The model of the checkpoint folder ``path``, read, or None when it holds no DCP part.
 
+    The part is found and opened as merge finds and opens it (:func:`~fsdpckpt.dcp.layout.
+    find_layout`, the merge's choice, :func:`~fsdpckpt.dcp.parts.open_part`), so every
+    layout merge reads loads here too: a DCP folder, per-rank ``torch.save`` files
+    (Accelerate ``use_dcp=False``, VeRL), torch's ``HuggingFaceStorageWriter`` files, or
+    the model folder of a whole Accelerate / HF Trainer checkpoint.
 
-def _from_rank_files(path: Place) -> dict[Any, Any] | None:
-    """A folder of per-rank ``torch.save`` files (Accelerate ``use_dcp=False``, VeRL): the
-    model's, read like a DCP folder (with rank 0's non-tensor values), or None."""
-    names = storage.names(path)
-    sets = [s for s in find_rank_sets(names) if s.kind == "model"] or find_rank_sets(names)
-    if not sets:
-        return None
-    if len(sets) > 1:
-        raise NotACheckpointError(f"{path}: holds {len(sets)} sets of per-rank files "
-                                  f"({', '.join(s.name for s in sets)}); merge the one you want")
-    # Its non-tensor values are decoded objects of the folder: read as a DCP folder's are.
-    return _from_folder(read_rank_set(path, sets[0]), [])
+    Raises:
+        NotACheckpointError: the folder holds several models (the message lists them: pass
+            one).
+    """
+    try:
+        layout = find_layout(path)
+    except NotACheckpointError:
+        return None  # a merged output, or nothing this reads (_merged_output says which)
+    chosen = choose_parts(layout)
+    if len(chosen) != 1:  # a folder of several plain DCP folders
+        raise NotACheckpointError(f"{path}: holds {len(chosen)} DCP folders; pass one of: "
+                                  + ", ".join(str(part.path) for part in chosen))
+    part = chosen[0]
+    return _from_folder(open_part(part.path, part.name), [])
 
 
 @reusing_scratch()
@@ -226,12 +234,8 @@ def load_full_state_dict(path: str | os.PathLike[str], *,
         raise CheckpointNotFoundError(f"{p}: no such file or folder; check the path.")
     if p.is_file():
         return _from_merged(p)
-    if is_dcp_folder(p):
-        return _from_dcp(p)
-    if (from_ranks := _from_rank_files(p)) is not None:
-        return from_ranks
-    if (hf_storage := read_hf_storage_at(p)) is not None:  # torch's HuggingFaceStorageWriter
-        return _from_folder(hf_storage, [])
+    if (model := _from_checkpoint(p)) is not None:
+        return model
     return _from_merged(_merged_output(p))
 
 

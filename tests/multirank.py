@@ -25,8 +25,12 @@ def _context():
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
+        # Every rank imports these; preloaded, the fork has them (a name that fails to
+        # import is skipped by the forkserver, and the rank imports it as before).
         _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp",
-                                         "torch.distributed.checkpoint"])
+                                         "torch.distributed.checkpoint", "numpy", "pytest",
+                                         "fsdpckpt.training.manager", "fsdpckpt.training.state",
+                                         "fsdpckpt.inspection.verify", "fsspec", "s3fs"])
     return _CONTEXT
 
 

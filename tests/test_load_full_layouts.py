@@ -5,10 +5,11 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import FIXTURES
-from deep_compare import assert_same_state
 
 import fsdpckpt
+
+from conftest import FIXTURES
+from deep_compare import assert_same_state
 
 WHOLE = FIXTURES / "fsdp2_accelerate"
 

@@ -311,3 +311,19 @@ def test_the_merge_output_strategies_import_the_job_types_not_the_driver():
         imported = _imported_modules(name, modules[name], modules)
         assert "fsdpckpt.merging.merger" not in imported, name
         assert "fsdpckpt.merging._jobs" in imported, name
+
+
+# --- one storage seam: callers never ask which kind of place they hold ----------------------
+
+#: Every spelling of "is this place remote?" (the check, and the one capability built on it).
+_KIND_CHECK = re.compile(r"isinstance\([^)]*RemotePath|is_remote\(|commits_by_rename\(|"
+                         r"hasattr\([^)]*['\"]fs['\"]")
+
+
+def test_at_most_three_questions_about_the_kind_of_place_outside_io():
+    found = [f"{path.relative_to(PACKAGE)}:{number}"
+             for path in PACKAGE.rglob("*.py") if path.parent.name != "_io"
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if _KIND_CHECK.search(line) and not line.lstrip().startswith("#")]
+    assert len(found) <= 3, ("outside fsdpckpt/_io/ only a policy may ask which kind of place "
+                             f"it holds (docs/design.md, the storage seam); found {found}")

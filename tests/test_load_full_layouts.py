@@ -27,3 +27,4 @@ def test_a_checkpoint_of_two_models_is_refused_naming_both(tmp_path):
         fsdpckpt.load_full_state_dict(copy)
     assert "pytorch_model_fsdp_0" in str(caught.value)
     assert "pytorch_model_fsdp_1" in str(caught.value)
+    assert "--model-index" not in str(caught.value)  # merge's flag: this function has none

@@ -70,6 +70,10 @@ def _from_checkpoint(path: Place) -> dict[Any, Any] | None:
         layout = find_layout(path)
     except NotACheckpointError:
         return None  # a merged output, or nothing this reads (_merged_output says which)
+    models = [part for part in layout.parts if part.kind == "model"]
+    if layout.style != "dcp" and len(models) > 1:  # merge's refusal names its --model-index
+        raise NotACheckpointError(f"{path}: holds {len(models)} models; pass one of: "
+                                  + ", ".join(str(part.path) for part in models))
     chosen = choose_parts(layout)
     if len(chosen) != 1:  # a folder of several plain DCP folders
         raise NotACheckpointError(f"{path}: holds {len(chosen)} DCP folders; pass one of: "

@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 from fsdpckpt._io.publish_folders import commits
@@ -140,8 +141,13 @@ class CheckpointManager:
             handle.wait()
             self._commit(step)
 
-    def restore(self, **parts: Any) -> int | None:
+    def restore(self, *, exclude: str | Iterable[str] | None = None,
+                **parts: Any) -> int | None:
         """Load the newest checkpoint into ``parts``; return its step, or None if there is none.
+
+        ``exclude`` leaves parts (``"optimizer"``...) or model keys (globs such as
+        ``"lm_head.*"``) out, as for :func:`load_state`: to fine-tune from a run's
+        checkpoint with a new optimizer or head.
 
         What :func:`load_state` reports is not dropped: each of its warnings (the RNG
         policy applied when the world size changed...) is issued as a
@@ -156,7 +162,7 @@ class CheckpointManager:
         name = _from_rank_zero(newest.name if newest is not None else None)  # the same one
         if name is None:
             return None
-        result = load_state(self.root / name, **parts)
+        result = load_state(self.root / name, exclude=exclude, **parts)
         self.last_restore = result
         for message in result.warnings:
             warnings.warn(message, ResumeWarning, stacklevel=2)

@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -37,6 +37,7 @@ from fsdpckpt.training._commit import AsyncSave, Finish
 from fsdpckpt.training._dcp_io import check_local_reads, safe_load_planner, safe_storage_reader
 from fsdpckpt.training._diskfull import raising_disk_full, removed_on_failure
 from fsdpckpt.training._dist import async_group, dcp_call, dist_or_none, everywhere, rank_world
+from fsdpckpt.training._exclude import exclusion
 from fsdpckpt.training._layout import (
     check_parts,
     commits_by_marker,
@@ -66,16 +67,23 @@ class LoadResult:
         step: the step saved with the checkpoint, or None.
         restored: the parts restored, e.g. ``("model", "optimizer", "scheduler", "rng")``.
         warnings: things the caller should know (RNG policy on a new world size...).
+        excluded: what ``exclude=`` left out: the parts named, then ``"model:<key>"`` for
+            each model key a glob matched (empty without ``exclude``).
     """
 
     step: int | None
     restored: tuple[str, ...]
     warnings: tuple[str, ...]
+    excluded: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        """The result as JSON: ``{"step", "restored", "warnings"}``."""
-        return {"step": self.step, "restored": list(self.restored),
-                "warnings": list(self.warnings)}
+        """The result as JSON: ``{"step", "restored", "warnings"}``, and ``"excluded"``
+        when ``exclude=`` left something out (so a plain load's JSON is as it was)."""
+        data: dict[str, Any] = {"step": self.step, "restored": list(self.restored),
+                                "warnings": list(self.warnings)}
+        if self.excluded:
+            data["excluded"] = list(self.excluded)
+        return data
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -259,6 +267,7 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
                optimizer: Any = None,
                scheduler: Any = None, *, scaler: Any = None,
                extra: Mapping[str, Any] | None = None, strict: bool = True,
+               exclude: str | Iterable[str] | None = None,
                storage_options: dict[str, Any] | None = None) -> LoadResult:
     """Load what :func:`save_state` (or ``accelerator.save_state``) wrote; call it on every rank.
 
@@ -269,8 +278,18 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     ``checkpoint_dir`` may be a URL (``s3://...``, with ``storage_options=`` as for
     :func:`save_state`); a remote folder whose save did not finish is refused.
 
+    ``exclude`` (torchtitan's ``exclude_from_loading``), one name or several, leaves parts
+    out, e.g. to fine-tune with a new optimizer or head: ``"optimizer"``, ``"scheduler"``,
+    ``"scaler"``, ``"rng"`` (the step is still read from the RNG file) or ``"extra"`` are
+    neither read nor loaded, even when their objects are passed, which keep their state;
+    any other name is an fnmatch glob on the model's state-dict keys (``"lm_head.*"``):
+    those keys are not loaded, and the strict check ignores them, so a new head of
+    another shape loads the rest strictly. A glob matching no key of the model or the
+    checkpoint, or an unknown part, raises :class:`OptionError` before anything changes.
+
     Returns:
-        A :class:`LoadResult` with the saved step, the parts restored and warnings.
+        A :class:`LoadResult` with the saved step, the parts restored and excluded, and
+        warnings.
 
     Example:
         >>> result = fsdpckpt.load_state("ckpt/step_100", model, optimizer, scheduler)
@@ -289,6 +308,11 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     root = location(checkpoint_dir, storage_options=storage_options)
     rank, world = rank_world()
     models, optimizers, schedulers = _as_list(model), _as_list(optimizer), _as_list(scheduler)
+    skip = exclusion(exclude)  # excluded parts are dropped here: never read, never loaded
+    optimizers = [] if "optimizer" in skip else optimizers
+    schedulers = [] if "scheduler" in skip else schedulers
+    scaler = None if "scaler" in skip else scaler
+    extra = None if "extra" in skip else extra
     refresh(root)  # another process saved it: list it anew
     refuse_unfinished_save(root)  # a save cut short, or a copy of one
     check_parts(root, models, optimizers, schedulers)
@@ -298,11 +322,14 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
         everywhere(lambda: _read_everything(root, models, optimizers, schedulers, scaler,
                                             extra or {}, rank, world))
     templates = [get_model_state_dict(m) for m in models]
-    for i, state in enumerate(templates):
-        comparison = compare(model_folder(root, i), state, "model")
+    comparisons = [compare(model_folder(root, i), s, "model") for i, s in enumerate(templates)]
+    skip.check_globs([k for s, c in zip(templates, comparisons) for k in [*s, *c.unexpected]])
+    skipped_keys = [k for s in templates for k in s if skip.excludes_key(k)]
+    for i, (state, comparison) in enumerate(zip(templates, comparisons)):
+        comparison = skip.without_keys(comparison)
         if strict and comparison:
             raise StateMismatchError(mismatch_message(model_folder(root, i), comparison))
-        for key in comparison.unloadable:
+        for key in [*comparison.unloadable, *filter(skip.excludes_key, list(state))]:
             state.pop(key, None)
     optimizer_templates = [get_optimizer_state_dict(m, o) for m, o in _pairs(models, optimizers)]
     for i, optimizer_state in enumerate(optimizer_templates):
@@ -321,7 +348,8 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
         for module, state, reader in zip(models, templates, model_readers):
             wrapped = {"model": state}
             dcp_call(dcp.load, wrapped, storage_reader=reader, planner=safe_load_planner())
-            set_model_state_dict(module, wrapped["model"], options=StateDictOptions(strict=strict))
+            set_model_state_dict(module, wrapped["model"],
+                                 options=StateDictOptions(strict=strict and not skip.globs))
         restored += ["model"] * bool(models)
         for (module, opt), optimizer_state, reader in zip(
                 _pairs(models, optimizers), optimizer_templates, optimizer_readers):
@@ -346,6 +374,9 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     for (name, obj), state in zip((extra or {}).items(), extra_states):
         obj.load_state_dict(state)
         restored.append(f"extra:{name}")
+    excluded = (*sorted(skip.parts), *(f"model:{k}" for k in skipped_keys))
+    if "rng" in skip:  # the step only: the policy's warnings are about state not applied
+        return LoadResult(rng.step, tuple(restored), (), excluded)
     rng.apply()
     restored += ["rng"] * (rng.step is not None or not rng.warnings)
-    return LoadResult(rng.step, tuple(restored), tuple(rng.warnings))
+    return LoadResult(rng.step, tuple(restored), tuple(rng.warnings), excluded)

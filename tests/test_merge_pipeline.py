@@ -244,3 +244,27 @@ def test_data_files_name_a_missing_file():
             pytest.raises(fsdpckpt.CheckpointNotFoundError, match="missing data file"):
         files.open("__9_0.distcp")
 
+
+
+def test_a_computed_tensor_of_another_dtype_of_the_same_size_is_refused(tmp_path):
+    # A fuser that yields float16 where bfloat16 was planned: same bytes per element, other
+    # numbers. The writer refuses it rather than write the bytes under the planned dtype.
+    import torch
+
+    from fsdpckpt.dcp.dtypes import DTYPES
+    from fsdpckpt.errors import CorruptCheckpointError
+    from fsdpckpt.formats import TensorSpec
+    from fsdpckpt.merging.plan import computed_plan, no_metadata
+    from fsdpckpt.merging.writer import write_plan
+
+    spec = TensorSpec("w", ("w",), DTYPES["bfloat16"], (2, 3))
+    plan = computed_plan(no_metadata(tmp_path), [spec],
+                         lambda: [("w", torch.zeros(2, 3, dtype=torch.float16))])
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    with pytest.raises(CorruptCheckpointError, match="bfloat16"):
+        write_plan(plan, stage)
+    ok = computed_plan(no_metadata(tmp_path), [spec],
+                       lambda: [("w", torch.ones(2, 3, dtype=torch.bfloat16))])
+    (tmp_path / "ok").mkdir()
+    assert [p.name for p in write_plan(ok, tmp_path / "ok")] == ["model.safetensors"]

@@ -338,7 +338,7 @@ def _dead_pid() -> int:
 
 
 def test_a_stale_staging_folder_of_a_dead_merge_is_removed_with_a_log_line(tmp_path):
-    from fsdpckpt.merging.writer import _host
+    from fsdpckpt._io.publish import host as _host
 
     stale = tmp_path / "out" / f".fsdpckpt-tmp-{_host()}-{_dead_pid()}-abc_12"
     stale.mkdir(parents=True)
@@ -353,7 +353,7 @@ def test_a_stale_staging_folder_of_a_dead_merge_is_removed_with_a_log_line(tmp_p
 
 
 def test_staging_folders_of_live_or_unknown_merges_are_kept(tmp_path, caplog):
-    from fsdpckpt.merging.writer import _host
+    from fsdpckpt._io.publish import host as _host
 
     out = tmp_path / "out"
     kept = [f".fsdpckpt-tmp-{_host()}-{os.getppid()}-live",       # a process that runs
@@ -368,7 +368,7 @@ def test_staging_folders_of_live_or_unknown_merges_are_kept(tmp_path, caplog):
 
 def test_the_staging_folder_names_this_host_and_process(tmp_path, monkeypatch):
     import fsdpckpt.merging.merger as merger
-    from fsdpckpt.merging.writer import _host
+    from fsdpckpt._io.publish import host as _host
 
     seen = []
     real = merger.write_plan

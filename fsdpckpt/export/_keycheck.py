@@ -180,8 +180,8 @@ def base_weights(base: Place) -> tuple[dict[str, Shape | None], Place] | None:
     """
     index = base / _INDEX
     if index.is_file():
-        weight_map = read_shard_index(index, wording=_INDEX_WORDING).weight_map
-        files = [base / name for name in dict.fromkeys(weight_map.values())]
+        shards = read_shard_index(index, wording=_INDEX_WORDING)
+        weight_map, files = shards.weight_map, shards.files
         if not all(f.is_file() for f in files):  # the names alone
             return {str(name): None for name in weight_map}, index
         found: dict[str, Shape | None] = {}

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsdpckpt._io.checksums import crc32_range
 from fsdpckpt._io.durable import write_bytes
-from fsdpckpt._io.publish import STAGING_PREFIX, clear_stale_stages, host, rename_into, stage_in
+from fsdpckpt._io.publish import STAGING_PREFIX, clear_stale_stages, rename_into, stage_in
 from fsdpckpt._io.rawio import pwrite_all, reusing_scratch
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._objects import read_object
@@ -91,9 +91,8 @@ def output_paths(plan: MergePlan, output_dir: _P) -> list[_P]:
     return [output_dir / n for n in names]
 
 
-#: The merge's stages are the publish helper's (fsdpckpt/_io/publish.py), under the names
-#: they have always had here.
-_host = host
+#: The merge's stage is the publish helper's (fsdpckpt/_io/publish.py), under the name
+#: the pipeline's stages call it by.
 staging = stage_in
 
 
@@ -230,9 +229,11 @@ def _write_computed(plan: MergePlan, files: list[PlannedFile], stage: Path,
                 continue
             fd, offset, spec = where.pop(name)
             data = tensor.contiguous().view(-1).view(dtype=_uint8()).numpy()
-            if tuple(tensor.shape) != tuple(spec.shape) or len(data) != spec.nbytes:
+            if tuple(tensor.shape) != tuple(spec.shape) or len(data) != spec.nbytes or \
+                    str(tensor.dtype) != f"torch.{spec.dtype.name}":  # same size, other type
                 raise CorruptCheckpointError(f"{name}: came out {tuple(tensor.shape)}, "
-                                             f"{tensor.dtype}; the layout said {spec.shape}")
+                                             f"{tensor.dtype}; the layout said {spec.shape}, "
+                                             f"{spec.dtype.name}")
             pwrite_all(fd, memoryview(data), offset)
             _start_writeback(fd, offset, spec.nbytes)
             if progress:

@@ -343,7 +343,11 @@ def test_sigkill_during_remote_saves_never_loses_or_damages_a_committed_checkpoi
         for reported in committed:
             assert reported in steps or sum(s > reported for s in steps) >= 3, \
                 (trial, reported, committed[-3:], steps)
-        assert committed[-1] in steps, (trial, committed[-3:], steps)
+        # The newest checkpoint is never older than the last step reported committed. (Not
+        # "the last reported step is kept": a kill between a save's commit and its report,
+        # three trials running, commits three newer steps unreported, and keep_last=3 then
+        # rightly deletes the reported one; the loop above checks exactly that rule.)
+        assert max(steps) >= committed[-1], (trial, committed[-3:], steps)
         for path in manager.checkpoints():  # every committed checkpoint is whole: it loads
             assert fsdpckpt.load_state(path, workers.make_model()).step == \
                 int(path.name.split("_")[1])

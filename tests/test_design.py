@@ -66,7 +66,10 @@ _LAYERS = {
     "dcp": {"_io"},
     "formats": {"_io", "dcp"},
     "merging": {"_io", "dcp", "formats"},
-    "training": {"_io", "dcp"},
+    # load_pretrained / save_pretrained read and write Hugging Face folders: the shard
+    # index and header rules (formats), the shard split (merging), configs, ties and
+    # LoRA naming (export) are the ones export-hf uses, never a second copy.
+    "training": {"_io", "dcp", "formats", "merging", "export"},
     # verify reads the manifest (training.manifest); diff reads chunks with the merge's engine.
     "inspection": {"_io", "dcp", "formats", "merging", "training"},
     # export builds on the merge pipeline, never on the read-side verbs.

@@ -338,3 +338,34 @@ def test_two_ranks_resume_a_one_rank_run_and_accelerates_shared_file(tmp_path):
     assert_same_tensors(fine_tune[0]["params"], model.state_dict())
     for got in from_shared:  # every rank loads the one file, as accelerator.load_state does
         assert got["counter"] == 5 and got["warnings"] == ()
+
+
+def _accelerate_on_ranks(rank: int, world: int, ckpt: str) -> dict:
+    """Accelerate (FSDP2 on the CPU) saves a stateful loader from both ranks, as it does, to
+    one dl_state_dict.bin; fsdpckpt's load_state and accelerator.load_state then resume it."""
+    from accelerate.utils import DataLoaderConfiguration
+    from torch.utils.data import DataLoader
+
+    accelerator = workers._accelerator()
+    accelerator.dataloader_config = DataLoaderConfiguration(use_stateful_dataloader=True)
+    model = workers.make_model()
+    model, _optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    loader = accelerator.prepare(DataLoader(list(range(N)), batch_size=4))
+    iterator = iter(loader)
+    _take(iterator, 2)
+    accelerator.save_state(ckpt)
+    rest = _take(iterator, 2)
+    ours = accelerator.prepare(DataLoader(list(range(N)), batch_size=4))
+    result = fsdpckpt.load_state(ckpt, model, dataloader=ours)
+    return {"rest": rest, "ours": _take(iter(ours), 2), "warnings": result.warnings,
+            "restored": result.restored}
+
+
+@multirank
+def test_two_ranks_resume_what_accelerate_saved_on_two_ranks(tmp_path):
+    pytest.importorskip("accelerate")
+    ranks = run_ranks(_accelerate_on_ranks, str(tmp_path / "ckpt"))
+    assert ranks[0]["rest"] != ranks[1]["rest"]  # each rank its own shard of the data
+    for got in ranks:
+        assert got["ours"] == got["rest"] and got["warnings"] == ()
+        assert got["restored"] == ("model", "dataloader", "rng")

@@ -96,13 +96,18 @@ def _span(ranks: list[int]) -> str:
 
 def _policy(root: Place, saved: set[int], world: int) -> str:
     """The warning for the states of the ranks ``saved`` loaded on ``world`` ranks."""
-    said = (f"{root}: dataloader state saved by {len(saved)} ranks, this run has {world}: "
-            "each rank with a state of its own loads it")
+    count = f"{len(saved)} rank" + "s" * (len(saved) != 1)
+    said = (f"{root}: dataloader state saved by {count}, this run has {world}: each rank "
+            "with a state of its own loads it")
     if missing := [r for r in range(world) if r not in saved]:
-        said += (f"; {_span(missing)} without one load rank 0's (as accelerator.load_state "
-                 "does on every rank), so they start as far into the epoch")
+        first, one = min(saved), len(missing) == 1  # rank 0, unless its file is gone
+        said += (f"; {_span(missing)} {'has' if one else 'have'} none and "
+                 f"{'loads' if one else 'load'} rank {first}'s (as accelerator.load_state does "
+                 f"on every rank), so {'it starts' if one else 'they start'} as far into the "
+                 f"epoch as rank {first}")
     if gone := sorted(r for r in saved if r >= world):
-        said += f"; the state of {_span(gone)} is not used"
+        said += (f"; the state of {_span(gone)} is not used" if len(gone) == 1 else
+                 f"; the states of {_span(gone)} are not used")
     return said + ". Samples will not come in the order of an uninterrupted run"
 
 
@@ -151,7 +156,7 @@ def prepare_dataloaders(root: Place, loaders: list[Any], rank: int,
                 f"{dataloader_file(root, i, 0)}: no such file, so the checkpoint holds no "
                 f"state of dataloader {i}; pass exclude=\"dataloader\" to resume without it")
         shared = saved == {0} and len(rng_ranks) > 1  # Accelerate's one file for every rank
-        source = rank if rank in saved else 0 if 0 in saved else min(saved)
+        source = rank if rank in saved else min(saved)  # rank 0's, by the policy
         if not shared and saved != set(range(world)) and rank == 0:
             message = _policy(root, saved, world)
             warnings += [message] if message not in warnings else []

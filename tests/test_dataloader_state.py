@@ -201,6 +201,22 @@ def test_per_rank_names_are_side_files_of_their_rank(tmp_path, name, index, rank
         {k: f[k] for k in ("name", "kind", "rank")} for f in report["side_files"]]
 
 
+@pytest.mark.s3
+def test_a_loader_state_on_object_storage(s3):
+    server, root = s3
+    url = f"s3://{root}/ckpt"
+    loader = _shuffled(0)
+    iterator = iter(loader)
+    _take(iterator, 2)
+    fsdpckpt.save_state(url, workers.make_model(), dataloader=loader, step=2,
+                        storage_options=server.options)
+    fresh = _shuffled(8)
+    result = fsdpckpt.load_state(url, workers.make_model(), dataloader=fresh,
+                                 storage_options=server.options)
+    assert "dataloader" in result.restored
+    assert _take(iter(fresh), 3) == _take(iterator, 3)
+
+
 # --- Accelerate, both ways (one process; its stateful loaders wrap torchdata's) ---------------
 
 @pytest.fixture

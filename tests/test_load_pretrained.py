@@ -364,3 +364,48 @@ def test_a_source_on_s3_loads(sources, s3):
 ])
 def test_hf_name(key, name):
     assert hf_name(key) == name
+
+
+# --- memory --------------------------------------------------------------------------------
+
+#: What a load may add to a rank's peak memory beyond its own shards (the issue's bound).
+GROWTH_LIMIT_MIB = 128
+
+
+@pytest.fixture(scope="module")
+def large_sources(tmp_path_factory):
+    """Four 4096 x 4096 fp32 weights (256 MiB), as model.safetensors and pytorch_model.bin."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("large")
+    weights = {f"{i}.weight": torch.full((4096, 4096), float(i + 1)) for i in range(4)}
+    (root / "st").mkdir()
+    save_file(weights, root / "st" / "model.safetensors")
+    (root / "bin").mkdir()
+    torch.save(weights, root / "bin" / "pytorch_model.bin")
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["st", "bin"])
+def test_a_load_adds_a_bounded_amount_of_memory_whatever_the_model_size(large_sources, kind):
+    from conftest import peak_rss_mib
+
+    code = f"""
+import re, torch, fsdpckpt
+def rss(field):
+    with open('/proc/self/status') as status:
+        return int(re.search(field + r':\\s+(\\d+) kB', status.read()).group(1)) / 1024
+with torch.device('meta'):
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False) for _ in range(4)])
+model = model.to_empty(device='cpu').to(torch.bfloat16)
+fsdpckpt.load_pretrained(model, {str(large_sources / kind)!r})  # warm: imports, first use
+with open('/proc/self/clear_refs', 'w') as refs:
+    refs.write('5')  # the peak starts again from here
+before = rss('VmRSS')
+fsdpckpt.load_pretrained(model, {str(large_sources / kind)!r})
+growth = rss('VmHWM') - before
+assert growth < {GROWTH_LIMIT_MIB}, f'the load added {{growth:.0f}} MiB'
+assert bool((model[3].weight == 4).all())
+"""
+    peak_rss_mib(code)

@@ -259,6 +259,23 @@ def test_a_plain_module_built_on_meta_loads_bit_exact(sources, source, tied, dty
     _check_loaded(dict(model.state_dict()), _reference(sources[source], dtype))
 
 
+def test_a_sharded_bin_with_its_index_loads_bit_exact(sources, tmp_path):
+    import json
+
+    weights = _reference(sources["sharded"])
+    names = sorted(weights)
+    halves = {"pytorch_model-00001-of-00002.bin": names[::2],
+              "pytorch_model-00002-of-00002.bin": names[1::2]}
+    (tmp_path / "bins").mkdir()
+    for file, part in halves.items():
+        torch.save({n: weights[n] for n in part}, tmp_path / "bins" / file)
+    (tmp_path / "bins" / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {n: f for f, part in halves.items() for n in part}}))
+    model = _plain_on_meta(False, torch.bfloat16)
+    fsdpckpt.load_pretrained(model, tmp_path / "bins")
+    _check_loaded(dict(model.state_dict()), {k: v.to(torch.bfloat16) for k, v in weights.items()})
+
+
 def test_a_peft_model_loads_its_base_weights_and_keeps_its_adapters(sources):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_model(False, 3), peft.LoraConfig(
@@ -311,6 +328,36 @@ def test_a_file_longer_than_its_tensors_is_refused(sources, tmp_path):
         fsdpckpt.load_pretrained(model, folder)
 
 
+def _drop_a_shard(folder: Path) -> None:
+    sorted(folder.glob("model-*.safetensors"))[-1].unlink()
+
+
+def _index_a_name_no_shard_holds(folder: Path) -> None:
+    import json
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.extra.weight"] = sorted(set(index["weight_map"].values()))[0]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _empty(folder: Path) -> None:
+    for file in folder.iterdir():
+        file.unlink()
+
+
+@pytest.mark.parametrize("damage, error, match", [
+    (_drop_a_shard, fsdpckpt.CheckpointNotFoundError, "listed in model.safetensors.index.json"),
+    (_index_a_name_no_shard_holds, CorruptCheckpointError, "lists 'model.extra.weight'"),
+    (_empty, fsdpckpt.NotACheckpointError, "holds no model.safetensors.index.json"),
+])
+def test_a_broken_folder_is_refused_in_one_line(sources, tmp_path, damage, error, match):
+    folder = _copy(sources["sharded"], tmp_path / "broken")
+    damage(folder)
+    with pytest.raises(error, match=match) as caught:
+        fsdpckpt.load_pretrained(_model(False, 5), folder)
+    assert "\n" not in str(caught.value)
+
+
 def test_a_bin_whose_bytes_fail_their_crc_is_refused(sources, tmp_path):
     folder = _flip_a_data_byte(_copy(sources["bin"], tmp_path / "flipped"))
     model = _model(True, 5)
@@ -340,14 +387,15 @@ def test_a_model_left_on_meta_is_refused(sources):
 
 
 @pytest.mark.s3
-def test_a_source_on_s3_loads(sources, s3):
+@pytest.mark.parametrize("source, tied", [("sharded", False), ("bin", True)])
+def test_a_source_on_s3_loads(sources, s3, source, tied):
     from conftest import upload
 
     server, root = s3
-    url = upload(server, sources["sharded"], f"s3://{root}/llama")
-    model = _plain_on_meta(False, torch.bfloat16)
+    url = upload(server, sources[source], f"s3://{root}/llama")
+    model = _plain_on_meta(tied, torch.bfloat16)
     fsdpckpt.load_pretrained(model, url, storage_options=server.options)
-    _check_loaded(dict(model.state_dict()), _reference(sources["sharded"], torch.bfloat16))
+    _check_loaded(dict(model.state_dict()), _reference(sources[source], torch.bfloat16))
 
 
 @pytest.mark.parametrize("key, name", [

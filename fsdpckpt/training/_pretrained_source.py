@@ -29,10 +29,10 @@ from fsdpckpt.dcp import _checked
 from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._perrank_file import read_rank
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
-from fsdpckpt.formats._shards import read_header, read_shard_index
+from fsdpckpt.formats._shards import ShardIndex, read_header, read_shard_index
 from fsdpckpt.merging._convert_source import MODEL_FILES, sniff
 
-__all__ = ["Stored", "OpenFiles", "read_source", "weight_files", "verify"]
+__all__ = ["Stored", "OpenFiles", "read_source", "verify"]
 
 _ACCEPTS = ("load_pretrained reads a Hugging Face model folder or one of its weight files: "
             "model.safetensors, pytorch_model.bin, or their *.index.json")
@@ -51,8 +51,9 @@ class Stored:
         return tuple(self.raw.shape)
 
 
-def weight_files(root: Place) -> list[Place]:
-    """The weight files of ``root`` (a folder or a file), each checked to exist.
+def _weight_files(root: Place) -> tuple[list[Place], ShardIndex | None]:
+    """The weight files of ``root`` (a folder or a file), each checked to exist, and the
+    shard index that lists them, if any.
 
     Raises:
         CheckpointNotFoundError: ``root`` or a file its index lists is missing.
@@ -67,14 +68,14 @@ def weight_files(root: Place) -> list[Place]:
                                       f"{_ACCEPTS}.")
         root = found
     if not root.name.endswith(".index.json"):
-        return [root]
-    files = read_shard_index(root, wording={"*": "{index}: not a shard index ({detail}); "
-                                                 + _ACCEPTS + "."}).files
-    for file in files:
+        return [root], None
+    index = read_shard_index(root, wording={"*": "{index}: not a shard index ({detail}); "
+                                                  + _ACCEPTS + "."})
+    for file in index.files:
         if not file.is_file():
             raise CheckpointNotFoundError(f"{file}: listed in {root.name} but missing; "
                                           "download every shard beside the index.")
-    return files
+    return index.files, index
 
 
 def _safetensors(file: Place) -> dict[str, Stored]:
@@ -124,12 +125,9 @@ def read_source(root: Place) -> dict[str, Stored]:
         NotACheckpointError, CheckpointNotFoundError: no weights there.
         UnsafePickleError: a ``.bin`` pickle asks for anything but tensors.
     """
-    index = root if root.name.endswith(".index.json") else \
-        next((root / n for n in MODEL_FILES[::2] if root.is_dir() and (root / n).is_file()),
-             None)
-    weight_map = read_shard_index(index).weight_map if index is not None else None
+    files, index = _weight_files(root)
     found: dict[str, Stored] = {}
-    for file in weight_files(root):
+    for file in files:
         kind = sniff(file)
         if kind == "torch-legacy":
             raise NotACheckpointError(f"{file}: a torch.save file in the legacy (pre-zip) "
@@ -143,11 +141,11 @@ def read_source(root: Place) -> dict[str, Stored]:
                                              f"{found[name].file} holds too; the folder mixes "
                                              "two saves.")
             found[name] = stored
-    for name, file_name in (weight_map or {}).items():
+    for name, file_name in (index.weight_map if index is not None else {}).items():
         if name not in found:
-            raise CorruptCheckpointError(f"{index}: lists '{name}' in {file_name}, which lacks "
-                                         "it; the shards come from another save, download "
-                                         "them again.")
+            raise CorruptCheckpointError(f"{root}: its index lists '{name}' in {file_name}, "
+                                         "which lacks it; the shards come from another save, "
+                                         "download them again.")
     return found
 
 

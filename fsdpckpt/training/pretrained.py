@@ -98,6 +98,7 @@ def load_pretrained(model: Any, source: str | os.PathLike[str] | RemotePath, *,
         >>> model.to_empty(device="cuda")
         >>> fsdpckpt.load_pretrained(model, "s3://models/llama-3-8b")
     """
+    import torch
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -106,7 +107,9 @@ def load_pretrained(model: Any, source: str | os.PathLike[str] | RemotePath, *,
 
     root = location(source, storage_options=storage_options)
     state = get_model_state_dict(model)
-    names = {key: name for key in state if (name := hf_name(key)) is not None}
+    # Tensors only: a module's extra state (``get_extra_state``) is no Hugging Face weight.
+    names = {key: name for key, value in state.items()
+             if isinstance(value, torch.Tensor) and (name := hf_name(key)) is not None}
     ties = tied_keys(model, state)
     with OpenFiles() as files, reusing_scratch():
         plan = everywhere(lambda: _check(root, state, names, ties, files, strict))

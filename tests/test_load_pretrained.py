@@ -276,6 +276,19 @@ def test_a_sharded_bin_with_its_index_loads_bit_exact(sources, tmp_path):
     _check_loaded(dict(model.state_dict()), {k: v.to(torch.bfloat16) for k, v in weights.items()})
 
 
+def test_a_strided_parameter_is_filled_through_a_scratch_buffer(tmp_path):
+    from safetensors.torch import save_file
+
+    weights = {"weight": torch.randn(3, 5), "bias": torch.randn(3)}
+    save_file(weights, tmp_path / "model.safetensors")
+    model = torch.nn.Linear(5, 3).to(torch.bfloat16)
+    model.weight = torch.nn.Parameter(torch.zeros(5, 3, dtype=torch.bfloat16).t())
+    assert not model.weight.is_contiguous()
+    fsdpckpt.load_pretrained(model, tmp_path / "model.safetensors")
+    assert_same_tensors({"weight": model.weight.detach().contiguous(), "bias": model.bias},
+                        {k: v.to(torch.bfloat16) for k, v in weights.items()})
+
+
 def test_a_peft_model_loads_its_base_weights_and_keeps_its_adapters(sources):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_model(False, 3), peft.LoraConfig(

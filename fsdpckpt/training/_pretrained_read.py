@@ -72,14 +72,17 @@ def dtype_of(tensor: Any) -> str:
 
 
 def _read_boxes(shape: tuple[int, ...], offsets: tuple[int, ...], stored: Stored,
-                out: DType, files: OpenFiles, slot: str,
-                box_bytes: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], memoryview]]:
+                out: DType, files: OpenFiles, slot: str, box_bytes: int,
+                into: memoryview | None = None,
+                ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], memoryview]]:
     """The elements of the box ``offsets``/``shape`` of ``stored``, cast to ``out``, in boxes
-    of at most ``box_bytes``: ``(where in the box, sizes, the bytes)``, the bytes in the
-    scratch ``slot`` (valid until the next one)."""
+    of at most ``box_bytes``: ``(where in the box, sizes, the bytes)``. The bytes land in
+    ``into`` (the whole box's memory, row-major) at their place, else in the scratch
+    ``slot`` (valid until the next box)."""
     raw = stored.raw
     src, source = files.src(stored.file), f"{stored.file} (tensor at {list(offsets)})"
     per_box = max(1, box_bytes // max(raw.dtype.itemsize, out.itemsize))
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     for at, sizes in boxes(shape, per_box):
         first = [o + a for o, a in zip(offsets, at)]
         # The box as a strided view of the file's storage: the copy engine reads its runs.
@@ -87,15 +90,33 @@ def _read_boxes(shape: tuple[int, ...], offsets: tuple[int, ...], stored: Stored
         box = RawTensor(raw.storage_start, raw.storage_nbytes, raw.dtype,
                         raw.storage_offset + skip, sizes, raw.stride)
         chunk = Chunk((0,) * len(sizes), sizes, None, 0, 0)
-        buffer = scratch(math.prod(sizes) * out.itemsize, slot)
+        nbytes = math.prod(sizes) * out.itemsize
+        if into is not None:  # each box is one run of the whole box's row-major elements
+            start = sum(a * s for a, s in zip(at, strides)) * out.itemsize
+            buffer = into[start:start + nbytes]
+        else:
+            buffer = scratch(nbytes, slot)
         place_chunk(src, box, chunk, chunk_runs(sizes, chunk), out, MemorySink(buffer), 0,
                     source=source)
         yield at, sizes, buffer
 
 
+def _memory_of(tensor: Any) -> memoryview | None:
+    """The bytes of a contiguous CPU tensor, to be written in place; None for any other
+    (a GPU's, a strided one), which is filled through a scratch buffer."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
+        return None
+    import ctypes
+
+    array = (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(
+        tensor.data_ptr())
+    return memoryview(array).cast("B")
+
+
 def fill(piece: Piece, stored: Stored, files: OpenFiles, *, box_bytes: int = BOX_BYTES) -> None:
     """Read the elements of ``piece`` (a local tensor at its offsets) from ``stored``, cast
-    to the piece's dtype as ``Tensor.to`` casts, and copy them in; one box at a time.
+    to the piece's dtype as ``Tensor.to`` casts, and put them in; one box at a time, read
+    straight into the memory of a contiguous CPU tensor.
 
     Raises:
         CorruptCheckpointError: the file ends early.
@@ -103,11 +124,12 @@ def fill(piece: Piece, stored: Stored, files: OpenFiles, *, box_bytes: int = BOX
     import torch
 
     tensor, offsets = piece
-    out = DTYPES[dtype_of(tensor)]
+    out, memory = DTYPES[dtype_of(tensor)], _memory_of(tensor)
     for at, sizes, buffer in _read_boxes(tuple(tensor.shape), offsets, stored, out, files,
-                                         "pretrained", box_bytes):
-        made = torch.frombuffer(buffer, dtype=tensor.dtype, count=math.prod(sizes))
-        tensor[tuple(slice(a, a + s) for a, s in zip(at, sizes))].copy_(made.view(sizes))
+                                         "pretrained", box_bytes, memory):
+        if memory is None:
+            made = torch.frombuffer(buffer, dtype=tensor.dtype, count=math.prod(sizes))
+            tensor[tuple(slice(a, a + s) for a, s in zip(at, sizes))].copy_(made.view(sizes))
 
 
 def same_values(pieces: list[Piece], a: Stored, b: Stored, files: OpenFiles, *,

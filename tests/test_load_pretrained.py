@@ -276,6 +276,23 @@ def test_a_sharded_bin_with_its_index_loads_bit_exact(sources, tmp_path):
     _check_loaded(dict(model.state_dict()), {k: v.to(torch.bfloat16) for k, v in weights.items()})
 
 
+def test_activation_checkpointing_and_torch_compile_wrappers_are_seen_through(sources):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    model = _plain_on_meta(True, torch.bfloat16)
+    apply_activation_checkpointing(
+        model, check_fn=lambda m: isinstance(m, transformers.models.llama.modeling_llama
+                                              .LlamaDecoderLayer))
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+    compiled = torch.compile(model)
+    result = fsdpckpt.load_pretrained(compiled, sources["tied"])
+    assert not result.missing and not result.unexpected
+    state = {hf_name(k): v for k, v in model.state_dict().items()}
+    _check_loaded(state, _reference(sources["tied"], torch.bfloat16))
+
+
 def test_a_strided_parameter_is_filled_through_a_scratch_buffer(tmp_path):
     from safetensors.torch import save_file
 

@@ -149,16 +149,18 @@ def _check(root: Place, state: dict[str, Any], names: dict[str, str],
     if strict and result:
         raise StateMismatchError(mismatch_message(root, result))
     for key, pieces in plan.pieces.items():
+        if not any(t.numel() for t, _ in pieces):
+            continue
+        verify(files, plan.sources[key])
         own = stored.get(names[key])
-        if own is not None and own is not plan.sources[key] and \
-                not same_values(pieces, own, plan.sources[key], files):
-            raise StateMismatchError(
-                f"{root}: '{names[key]}' and '{plan.names[key]}' are one parameter in "
-                "the model (tied weights) but different tensors in the file, which the model "
-                "cannot hold. Nothing was loaded. Build the model untied "
-                "(tie_word_embeddings=False) to load both.")
-        if any(t.numel() for t, _ in pieces):
-            verify(files, plan.sources[key])
+        if own is not None and own is not plan.sources[key]:
+            verify(files, own)
+            if not same_values(pieces, own, plan.sources[key], files):
+                raise StateMismatchError(
+                    f"{root}: '{names[key]}' and '{plan.names[key]}' are tied in the model "
+                    "(one parameter, or the config's tie_word_embeddings) but different "
+                    "tensors in the file. Nothing was loaded. Build the model untied "
+                    "(tie_word_embeddings=False) to load both.")
     return plan
 
 

@@ -293,6 +293,14 @@ def test_activation_checkpointing_and_torch_compile_wrappers_are_seen_through(so
     _check_loaded(state, _reference(sources["tied"], torch.bfloat16))
 
 
+def test_non_persistent_buffers_are_left_alone(sources):
+    model = _model(False, 5)
+    model.model.rotary_emb.inv_freq.fill_(3.0)  # not in the state dict, so not the file's
+    fsdpckpt.load_pretrained(model, sources["sharded"])
+    assert bool((model.model.rotary_emb.inv_freq == 3.0).all())
+    _check_loaded(dict(model.state_dict()), _reference(sources["sharded"]))
+
+
 def test_a_strided_parameter_is_filled_through_a_scratch_buffer(tmp_path):
     from safetensors.torch import save_file
 

@@ -5,8 +5,9 @@ one box of the full tensor, placed as DCP places it), a ShardedTensor (FSDP1: it
 shards, each a box) or a plain tensor (DDP, a plain module: the whole). :func:`fill` reads
 exactly the elements of one box from the weight's file, in boxes of at most
 :data:`BOX_BYTES`, cast to the piece's dtype exactly as ``Tensor.to`` casts (the merge's
-copy engine: :func:`~fsdpckpt.merging._copy.place_chunk`), and copies them into the piece:
-memory holds one box beside the rank's own shards, however large the model.
+copy engine: :func:`~fsdpckpt.merging._copy.place_chunk`), straight into the memory of a
+contiguous CPU piece (through a scratch box and ``copy_`` for a GPU or strided one): memory
+holds at most one box beside the rank's own shards, however large the model.
 """
 
 from __future__ import annotations

@@ -293,6 +293,43 @@ def test_activation_checkpointing_and_torch_compile_wrappers_are_seen_through(so
     _check_loaded(state, _reference(sources["tied"], torch.bfloat16))
 
 
+def test_weights_of_the_base_model_load_into_one_with_a_head_and_back(sources, tmp_path):
+    torch.manual_seed(4)
+    transformers.LlamaModel(_config(True)).save_pretrained(tmp_path / "base")
+    model = _model(True, 5)
+    assert not fsdpckpt.load_pretrained(model, tmp_path / "base").missing
+    reference = _reference(sources["tied"])  # only for the names: the values are base's
+    assert set(model.state_dict()) == set(reference)
+    base = transformers.LlamaModel.from_pretrained(tmp_path / "base").state_dict()
+    _check_loaded({k.removeprefix("model."): v for k, v in model.state_dict().items()
+                   if k != "lm_head.weight"}, base)
+    assert torch.equal(model.lm_head.weight, base["embed_tokens.weight"])
+
+    headless = transformers.LlamaModel(_config(False))
+    result = fsdpckpt.load_pretrained(headless, sources["sharded"], strict=False)
+    assert result.unexpected == ("lm_head.weight",) and not result.missing
+    _check_loaded(dict(headless.state_dict()),
+                  {k.removeprefix("model."): v for k, v in
+                   _reference(sources["sharded"]).items() if k != "lm_head.weight"})
+
+
+def test_the_names_a_class_ignores_when_unexpected_are_ignored(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(6)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    weights = load_file(tmp_path / "gpt2" / "model.safetensors")
+    weights["transformer.h.0.attn.bias"] = torch.ones(1, 1, 8, 8)  # as old GPT-2 files hold
+    save_file(weights, tmp_path / "gpt2" / "model.safetensors", metadata={"format": "pt"})
+    model = transformers.GPT2LMHeadModel(config)
+    result = fsdpckpt.load_pretrained(model, tmp_path / "gpt2")
+    assert not result.unexpected
+    reference = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2").state_dict()
+    _check_loaded(dict(model.state_dict()), reference)
+
+
 def test_non_persistent_buffers_are_left_alone(sources):
     model = _model(False, 5)
     model.model.rotary_emb.inv_freq.fill_(3.0)  # not in the state dict, so not the file's
@@ -450,6 +487,20 @@ def test_a_source_on_s3_loads(sources, s3, source, tied):
 ])
 def test_hf_name(key, name):
     assert hf_name(key) == name
+
+
+@pytest.mark.parametrize("stored, wanted, renamed", [
+    (["layers.0.w"], ["model.layers.0.w"], {"model.layers.0.w": "layers.0.w"}),
+    (["model.layers.0.w", "lm_head.w"], ["layers.0.w"],
+     {"layers.0.w": "model.layers.0.w", "lm_head.w": "lm_head.w"}),
+    (["model.layers.0.w"], ["model.layers.0.w", "model.x"],
+     {"model.layers.0.w": "model.layers.0.w"}),
+    (["a.w"], ["b.w"], {"a.w": "a.w"}),
+])
+def test_align_prefix(stored, wanted, renamed):
+    from fsdpckpt.training._hf_names import align_prefix
+
+    assert align_prefix(stored, wanted, "model") == renamed
 
 
 # --- memory --------------------------------------------------------------------------------

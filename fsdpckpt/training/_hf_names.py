@@ -10,10 +10,12 @@ that; ``load_pretrained`` reads by it, and a writer of Hugging Face folders name
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from fsdpckpt.export._lora_keys import _ADAPTER, _ORIGINAL, PEFT_PREFIX
 from fsdpckpt.merging._keys import clean_key
 
-__all__ = ["hf_name"]
+__all__ = ["hf_name", "align_prefix"]
 
 
 def hf_name(model_key: str) -> str | None:
@@ -43,3 +45,33 @@ def hf_name(model_key: str) -> str | None:
         if original is not None:
             name = f"{original['module']}.{original['rest']}"
     return name.replace(".base_layer.", ".")
+
+
+def align_prefix(stored: Iterable[str], wanted: Iterable[str], prefix: str) -> dict[str, str]:
+    """The stored names renamed as ``from_pretrained`` renames them when a model and its
+    weights differ by the base model's prefix (``model``, ``transformer``, ``bert``): weights
+    saved from the base model (``layers.0...``) into a model with a head (``model.layers.0...``)
+    gain it, weights saved with a head into the base model lose it.
+
+    Args:
+        stored: the names in the weight files. wanted: the names the model holds.
+        prefix: the model class's ``base_model_prefix`` ("" for none).
+
+    Returns:
+        ``{name the model knows it by: stored name}``; every name as it is when neither
+        applies.
+
+    Example:
+        >>> align_prefix(["layers.0.w"], ["model.layers.0.w", "lm_head.w"], "model")
+        {'model.layers.0.w': 'layers.0.w'}
+    """
+    stored, wanted = list(stored), set(wanted)
+    lead = f"{prefix}." if prefix else ""
+    if lead and not any(n in wanted for n in stored):
+        if any(n.startswith(lead) for n in wanted) and \
+                not any(n.startswith(lead) for n in stored):
+            return {lead + n: n for n in stored}
+        if any(n.startswith(lead) for n in stored) and \
+                not any(n.startswith(lead) for n in wanted):
+            return {n.removeprefix(lead): n for n in stored}
+    return {n: n for n in stored}

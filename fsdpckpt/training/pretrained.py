@@ -22,11 +22,11 @@ from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import StateMismatchError
 from fsdpckpt.training._dist import everywhere
-from fsdpckpt.training._hf_names import hf_name
+from fsdpckpt.training._hf_names import align_prefix, hf_name
+from fsdpckpt.training._pretrained_model import ClassHints, class_hints, tied_keys
 from fsdpckpt.training._pretrained_read import Piece, local_pieces, same_values
 from fsdpckpt.training._pretrained_read import fill as fill_piece
 from fsdpckpt.training._pretrained_source import OpenFiles, Stored, read_source, verify
-from fsdpckpt.training._pretrained_ties import tied_keys
 from fsdpckpt.training._statecheck import Comparison, ShapeMismatch, mismatch_message
 from fsdpckpt.training.state import LoadResult
 
@@ -112,7 +112,8 @@ def load_pretrained(model: Any, source: str | os.PathLike[str] | RemotePath, *,
              if isinstance(value, torch.Tensor) and (name := hf_name(key)) is not None}
     ties = tied_keys(model, state)
     with OpenFiles() as files, reusing_scratch():
-        plan = everywhere(lambda: _check(root, state, names, ties, files, strict))
+        plan = everywhere(lambda: _check(root, state, names, ties, class_hints(model), files,
+                                         strict))
         everywhere(lambda: _fill(plan, files))
     if _is_fsdp1(model):
         # FSDP1's state-dict values are copies of its flat parameters' shards: set them.
@@ -125,18 +126,23 @@ def load_pretrained(model: Any, source: str | os.PathLike[str] | RemotePath, *,
 
 
 def _check(root: Place, state: dict[str, Any], names: dict[str, str],
-           ties: dict[str, list[str]], files: OpenFiles, strict: bool) -> _Plan:
+           ties: dict[str, list[str]], hints: ClassHints, files: OpenFiles,
+           strict: bool) -> _Plan:
     """Read and check the source, match it to the model, check every byte this rank will
     read that records a checksum; raise before anything changes."""
-    stored = read_source(root)
+    found = read_source(root)
+    # Weights saved from the base model into one with a head, or the other way round.
+    stored = {name: found[was] for name, was in
+              align_prefix(found, names.values(), hints.prefix).items()}
     plan = _Plan()
     result = plan.comparison
-    for key in names:
+    for key, name in names.items():
         group = [names[k] for k in ties.get(key, [key]) if k in names]
         # One value for every name of a tied parameter: the first the file holds.
         source = next((n for n in group if n in stored), None)
         if source is None:
-            result.missing.append(key)
+            if not hints.ignores(name, hints.ignore_missing):
+                result.missing.append(key)
             continue
         shape = tuple(state[key].shape)
         if stored[source].shape != shape:
@@ -145,7 +151,8 @@ def _check(root: Place, state: dict[str, Any], names: dict[str, str],
         plan.sources[key], plan.names[key] = stored[source], source
         plan.pieces[key] = local_pieces(key, state[key])
     wanted = set(names.values())
-    result.unexpected.extend(n for n in stored if n not in wanted)
+    result.unexpected.extend(n for n in stored if n not in wanted and
+                             not hints.ignores(n, hints.ignore_unexpected))
     if strict and result:
         raise StateMismatchError(mismatch_message(root, result))
     for key, pieces in plan.pieces.items():

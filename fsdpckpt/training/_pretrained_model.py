@@ -1,7 +1,10 @@
-"""Which keys of a model's state dict are one weight under several names (tied weights).
+"""What a model says about its weights beyond their names: which keys are one weight under
+several names (tied weights), and what its Hugging Face class tells ``from_pretrained``
+(:func:`class_hints`: the base model's prefix, the names to ignore when missing or
+unexpected).
 
-Two ways say so, and either suffices: the model shares one parameter under both names (what
-``named_parameters(remove_duplicate=False)`` shows, FSDP2 and FSDP1 keep it), and a
+For ties, two ways say so, and either suffices: the model shares one parameter under both
+names (what ``named_parameters(remove_duplicate=False)`` shows, FSDP2 and FSDP1 keep it), and a
 Hugging Face model's config (``tie_word_embeddings``: its output embeddings are its input
 embeddings). The config is asked too because ``to_empty()`` of a plain module built on the
 meta device gives each name its own parameter until ``tie_weights()`` is called.
@@ -9,11 +12,13 @@ meta device gives each name its own parameter until ``tie_weights()`` is called.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from fsdpckpt.merging._keys import clean_key
 
-__all__ = ["tied_keys"]
+__all__ = ["ClassHints", "class_hints", "tied_keys"]
 
 
 def tied_keys(model: Any, state: dict[str, Any]) -> dict[str, list[str]]:
@@ -64,3 +69,40 @@ def _config_ties(model: Any, state: dict[str, Any]) -> list[list[str]]:
         if len(keys) == 2 and all(k in state for k in keys) and keys[0] != keys[1]:
             found.append(keys)
     return found
+
+
+@dataclass(frozen=True)
+class ClassHints:
+    """What the Hugging Face class inside a model tells ``from_pretrained``.
+
+    Attributes:
+        prefix: its ``base_model_prefix`` (``model``); "" for none.
+        ignore_missing, ignore_unexpected: its ``_keys_to_ignore_on_load_missing`` /
+            ``_unexpected`` regular expressions (``attn.bias``: old GPT-2 files hold a
+            buffer the class no longer saves).
+    """
+
+    prefix: str = ""
+    ignore_missing: tuple[str, ...] = ()
+    ignore_unexpected: tuple[str, ...] = ()
+
+    def ignores(self, name: str, patterns: tuple[str, ...]) -> bool:
+        """Whether ``name`` matches one of ``patterns`` (as transformers, ``re.search``)."""
+        return any(re.search(p, name) for p in patterns)
+
+
+def class_hints(model: Any) -> ClassHints:
+    """The :class:`ClassHints` of the outermost Hugging Face model inside ``model``
+    (a module with a ``config`` and a string ``base_model_prefix``); empty without one."""
+    for module in model.modules():
+        prefix = getattr(type(module), "base_model_prefix", None)
+        if isinstance(prefix, str) and getattr(module, "config", None) is not None:
+            return ClassHints(prefix, _patterns(module, "_keys_to_ignore_on_load_missing"),
+                              _patterns(module, "_keys_to_ignore_on_load_unexpected"))
+    return ClassHints()
+
+
+def _patterns(module: Any, name: str) -> tuple[str, ...]:
+    found = getattr(module, name, None)  # a list on the class, a set on an instance
+    return tuple(sorted(p for p in found if isinstance(p, str))) \
+        if isinstance(found, (list, tuple, set, frozenset)) else ()

@@ -61,8 +61,10 @@ def load_pretrained(model: Any, source: str | os.PathLike[str] | RemotePath, *,
     loaded). Tied weights (one parameter under two names, as ``tie_word_embeddings``
     makes them) load from whichever name the file holds; a file holding both with different
     values is refused (transformers would untie them, which a model already built tied
-    cannot hold): build the model with ``tie_word_embeddings=False`` instead. Non-persistent
-    buffers (not in the state dict) are left as they are.
+    cannot hold): build the model with ``tie_word_embeddings=False`` instead. As
+    ``from_pretrained``, weights saved from the base model load into a model with a head and
+    back (``base_model_prefix``), and the names its class ignores when missing or unexpected
+    are ignored. Non-persistent buffers (not in the state dict) are left as they are.
 
     Files are checked before any parameter changes, on every rank, and every rank raises if
     one fails: a safetensors header strictly (a truncated or damaged file is refused), each

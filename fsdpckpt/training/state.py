@@ -71,20 +71,28 @@ class LoadResult:
             world size...).
         excluded: what ``exclude=`` left out: the parts named, then ``"model:<key>"`` for
             each model key a glob matched (empty without ``exclude``).
+        missing, unexpected, mismatched: what a load with ``strict=False`` left alone
+            (``load_pretrained``): the model's keys the source lacks, the source's names
+            the model lacks, and the keys both hold with different shapes (empty otherwise).
     """
 
     step: int | None
     restored: tuple[str, ...]
     warnings: tuple[str, ...]
     excluded: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    mismatched: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        """The result as JSON: ``{"step", "restored", "warnings"}``, and ``"excluded"``
-        when ``exclude=`` left something out (so a plain load's JSON is as it was)."""
+        """The result as JSON: ``{"step", "restored", "warnings"}``, and ``"excluded"``,
+        ``"missing"``, ``"unexpected"``, ``"mismatched"`` when not empty (so a plain load's
+        JSON is as it was)."""
         data: dict[str, Any] = {"step": self.step, "restored": list(self.restored),
                                 "warnings": list(self.warnings)}
-        if self.excluded:
-            data["excluded"] = list(self.excluded)
+        for name in ("excluded", "missing", "unexpected", "mismatched"):
+            if getattr(self, name):
+                data[name] = list(getattr(self, name))
         return data
 
 

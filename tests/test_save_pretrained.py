@@ -1,0 +1,266 @@
+"""save_pretrained (issue 19): a sharded model, from training code, to a folder from_pretrained
+loads, every rank writing only its own shards' bytes, and the same bytes as export-hf of a
+save_state of the same model.
+
+The model is a tiny real Llama (fixtures/tiny_llama/'s config, tied and untied), trained a
+step on 2 ranks (gloo, CPU); ``base`` is the fixture's run folder (config, tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import fsdpckpt
+from fsdpckpt import OutputExistsError
+
+from conftest import FIXTURES
+from multirank import run_ranks
+
+multirank = pytest.mark.multirank
+transformers = pytest.importorskip("transformers")
+
+TINY = FIXTURES / "tiny_llama"
+IDS = torch.tensor([[1, 5, 9, 23, 42, 7, 3, 11]])
+
+
+def _llama(variant: str):
+    config = transformers.LlamaConfig.from_pretrained(TINY / variant)
+    torch.manual_seed(0)  # the same initial weights on every rank
+    return transformers.LlamaForCausalLM(config)
+
+
+def _wrap(model, kind: str):
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        return fully_shard(model)
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    return model
+
+
+def _train(model) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _full_state(model) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from fsdpckpt.merging._keys import clean_key
+
+    if isinstance(model, FSDP):  # torch 2.13 fails a full FSDP1 state dict on CPU: summon
+        with FSDP.summon_full_params(model, writeback=False):
+            return {clean_key(n): p.detach().clone() for n, p in model.state_dict().items()}
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                  cpu_offload=True))
+    return {clean_key(k): v.clone() for k, v in state.items()}
+
+
+def _save_both(rank: int, world: int, variant: str, kind: str, root: str, options: dict) -> dict:
+    """Train a step, then save_state (for export-hf) and save_pretrained of the same model."""
+    model = _wrap(_llama(variant), kind)
+    _train(model)
+    fsdpckpt.save_state(Path(root) / "ckpt", model)
+    result = fsdpckpt.save_pretrained(model, Path(root) / "saved", base=TINY / variant,
+                                      **options)
+    full = _full_state(model)  # collective: on every rank
+    report = {k: v for k, v in result.to_json().items() if k != "seconds"}
+    return {"result": report, "full": full if rank == 0 else None}
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())
+            if p.name.endswith((".safetensors", ".index.json"))}
+
+
+def _load(folder: Path):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder,
+                                                                    output_loading_info=True)
+    return model, info
+
+
+def _logits(state: dict, variant: str) -> torch.Tensor:
+    model = _llama(variant)
+    model.load_state_dict(state, strict=False)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    return model(input_ids=IDS).logits
+
+
+def _tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for p in sorted(folder.glob("*.safetensors")) for k, v in load_file(p).items()}
+
+
+def _check_like_export(root: Path, variant: str, options: dict, full: dict,
+                       same_order: bool = True) -> None:
+    exported = root / "exported"
+    fsdpckpt.export_hf(root / "ckpt", exported, base=TINY / variant, **options)
+    saved = root / "saved"
+    if same_order:
+        assert _files(saved) == _files(exported)  # byte for byte: weights and index
+    else:  # the same tensors, bit for bit, in the model's order rather than DCP's
+        ours, theirs = _tensors(saved), _tensors(exported)
+        assert ours.keys() == theirs.keys()
+        for name, tensor in ours.items():
+            assert torch.equal(tensor, theirs[name]) and tensor.dtype == theirs[name].dtype
+    assert json.loads((saved / "config.json").read_bytes()) == \
+        json.loads((exported / "config.json").read_bytes())
+    if same_order:
+        assert sorted(p.name for p in saved.iterdir()) == \
+            sorted(p.name for p in exported.iterdir())
+    model, info = _load(saved)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    if options.get("dtype") is None:
+        torch.testing.assert_close(model(input_ids=IDS).logits, _logits(full, variant),
+                                   rtol=0, atol=0)
+
+
+@multirank
+@pytest.mark.parametrize("variant, options", [
+    ("untied", {}),
+    ("tied", {"max_shard_size": "30KB"}),
+])
+def test_two_rank_fsdp2_saves_what_export_hf_writes_and_from_pretrained_loads(
+        tmp_path, variant, options):
+    ranks = run_ranks(_save_both, variant, "fsdp2", str(tmp_path), options)
+    assert ranks[0]["result"] == ranks[1]["result"]
+    full = ranks[0]["full"]
+    _check_like_export(tmp_path, variant, options, full)
+    sharded = "max_shard_size" in options
+    assert (tmp_path / "saved" / "model.safetensors.index.json").is_file() == sharded
+    if variant == "tied":
+        assert ranks[0]["result"]["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert not [p for p in tmp_path.joinpath("saved").iterdir() if p.name.startswith(".")]
+
+
+@multirank
+def test_a_bf16_save_is_the_exact_cast(tmp_path):
+    from safetensors.torch import load_file
+
+    ranks = run_ranks(_save_both, "untied", "fsdp2", str(tmp_path), {"dtype": "bfloat16"})
+    _check_like_export(tmp_path, "untied", {"dtype": "bfloat16"}, ranks[0]["full"])
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    for name, tensor in ranks[0]["full"].items():
+        assert torch.equal(saved[name].view(torch.int16),
+                           tensor.to(torch.bfloat16).view(torch.int16)), name
+    config = json.loads((tmp_path / "saved" / "config.json").read_bytes())
+    assert config["dtype" if "dtype" in config else "torch_dtype"] == "bfloat16"
+
+
+@multirank
+def test_fsdp1_saves_what_export_hf_writes(tmp_path):
+    ranks = run_ranks(_save_both, "tied", "fsdp1", str(tmp_path), {"max_shard_size": "50KB"})
+    _check_like_export(tmp_path, "tied", {"max_shard_size": "50KB"}, ranks[0]["full"])
+
+
+@multirank
+def test_ddp_on_two_ranks_saves_the_same_tensors_once(tmp_path):
+    # DCP spreads a replicated tensor's write over the ranks and its metadata lists each
+    # rank's share in turn, so export-hf's order follows that balance; ours is the model's.
+    ranks = run_ranks(_save_both, "tied", "ddp", str(tmp_path), {"max_shard_size": "50KB"})
+    _check_like_export(tmp_path, "tied", {"max_shard_size": "50KB"}, ranks[0]["full"],
+                       same_order=False)
+
+
+def test_a_plain_model_in_one_process_saves_what_export_hf_writes(tmp_path):
+    result = _save_both(0, 1, "untied", "plain", str(tmp_path), {})
+    _check_like_export(tmp_path, "untied", {}, result["full"])
+
+
+def test_without_base_the_models_own_config_is_written(tmp_path):
+    model = _llama("tied")
+    result = fsdpckpt.save_pretrained(model, tmp_path / "out")
+    assert result.tied == (("lm_head.weight", "model.embed_tokens.weight"),)
+    config = json.loads((tmp_path / "out" / "config.json").read_bytes())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    loaded, info = _load(tmp_path / "out")
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    torch.testing.assert_close(loaded(input_ids=IDS).logits, model(input_ids=IDS).logits,
+                               rtol=0, atol=0)
+
+
+def test_overwrite_is_refused_then_allowed_and_an_earlier_layout_goes(tmp_path):
+    model = _llama("untied")
+    fsdpckpt.save_pretrained(model, tmp_path / "out", base=TINY / "untied")
+    with pytest.raises(OutputExistsError, match="overwrite=True"):
+        fsdpckpt.save_pretrained(model, tmp_path / "out", base=TINY / "untied")
+    (tmp_path / "out" / "README.md").write_text("mine")
+    fsdpckpt.save_pretrained(model, tmp_path / "out", base=TINY / "untied",
+                             max_shard_size="100KB", overwrite=True)
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert "model.safetensors" not in names  # the single file of before would be loaded first
+    assert "model.safetensors.index.json" in names and "README.md" in names
+    _, info = _load(tmp_path / "out")
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def _fails_on_rank_1(rank: int, world: int, root: str) -> dict:
+    from fsdpckpt._io import spread_local
+
+    model = _wrap(_llama("untied"), "fsdp2")
+    if rank == 1:
+        calls = []
+
+        def write(self, offset, data):
+            calls.append(offset)
+            if len(calls) == 3:
+                raise OSError(5, "simulated write failure")
+            original(self, offset, data)
+
+        original = spread_local._File.write
+        spread_local._File.write = write
+    try:
+        fsdpckpt.save_pretrained(model, Path(root) / "saved", base=TINY / "untied",
+                                 max_shard_size="40KB")
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None}
+
+
+@multirank
+def test_a_failure_on_one_rank_leaves_nothing_and_raises_on_every_rank(tmp_path):
+    ranks = run_ranks(_fails_on_rank_1, str(tmp_path))
+    assert ranks[1]["error"] == "OSError" and "simulated" in ranks[1]["message"]
+    assert ranks[0]["error"] is not None and "simulated" in ranks[0]["message"]
+    assert not (tmp_path / "saved").exists()
+    assert os.listdir(tmp_path) == []
+
+
+def _exists_everywhere(rank: int, world: int, root: str) -> list:
+    model = _wrap(_llama("untied"), "fsdp2")
+    found = []
+    for overwrite in (False, False, True):
+        try:
+            fsdpckpt.save_pretrained(model, Path(root) / "saved", overwrite=overwrite)
+            found.append(None)
+        except OutputExistsError as exc:
+            found.append(str(exc))
+    return found
+
+
+@multirank
+def test_an_existing_output_is_refused_on_every_rank(tmp_path):
+    ranks = run_ranks(_exists_everywhere, str(tmp_path))
+    for found in ranks:
+        assert found[0] is None and found[2] is None
+        assert "already holds files" in found[1]
+    assert ranks[0][1] == ranks[1][1]

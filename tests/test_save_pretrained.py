@@ -45,6 +45,21 @@ def _wrap(model, kind: str):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    if kind == "tp":  # tensor parallel: column-wise Shard(0), row-wise Shard(1) weights
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (2,))
+        plan = {}
+        for i in range(len(model.model.layers)):
+            plan.update({f"model.layers.{i}.mlp.gate_proj": ColwiseParallel(),
+                         f"model.layers.{i}.mlp.up_proj": ColwiseParallel(),
+                         f"model.layers.{i}.mlp.down_proj": RowwiseParallel()})
+        return parallelize_module(model, mesh, plan)
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -170,6 +185,12 @@ def test_a_bf16_save_is_the_exact_cast(tmp_path):
 def test_fsdp1_saves_what_export_hf_writes(tmp_path):
     ranks = run_ranks(_save_both, "tied", "fsdp1", str(tmp_path), {"max_shard_size": "50KB"})
     _check_like_export(tmp_path, "tied", {"max_shard_size": "50KB"}, ranks[0]["full"])
+
+
+@multirank
+def test_tensor_parallel_row_and_column_shards_save_what_export_hf_writes(tmp_path):
+    ranks = run_ranks(_save_both, "untied", "tp", str(tmp_path), {"dtype": "bf16"})
+    _check_like_export(tmp_path, "untied", {"dtype": "bf16"}, ranks[0]["full"])
 
 
 @multirank

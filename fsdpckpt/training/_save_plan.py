@@ -168,24 +168,26 @@ def exported_dtype_name(tensors: Sequence[SavedTensor]) -> str:
 
 
 def plan_save(state: Sequence[tuple[str, str, Any]], *, rank: int, dtype: Any,
-              max_shard_size: str | int, out: Path | Any,
-              skip: Callable[[str], bool] = lambda name: False) -> SavePlan:
+              max_shard_size: str | int | None, out: Path | Any,
+              skip: Callable[[str], bool] = lambda name: False,
+              stem: str = "model") -> SavePlan:
     """Plan the weights of ``save_pretrained``.
 
     Args:
         state: ``(key, Hugging Face name, value)`` of every tensor, in state-dict order
             (the order ``save_state`` stores them in, which export-hf keeps).
         rank: this rank. dtype: the cast of floating-point tensors (None: as held).
-        max_shard_size: the largest file, as export-hf reads it (``"5GB"``).
+        max_shard_size: the largest file, as export-hf reads it (``"5GB"``); None: one file.
         out: the output folder (named in the plan, never touched).
         skip: names left out (tied targets).
+        stem: the file names' (``model``; ``adapter_model`` for a PEFT adapter).
 
     Raises:
         MergePlanError: an unreadable size or dtype, a type safetensors cannot hold, two
             keys with one name, a Partial DTensor.
     """
     cast = parse_dtype(dtype)
-    limit = parse_size(max_shard_size)
+    limit = parse_size(max_shard_size) if max_shard_size is not None else None
     every: list[SavedTensor] = []
     seen: dict[str, str] = {}
     for key, name, value in state:
@@ -200,7 +202,8 @@ def plan_save(state: Sequence[tuple[str, str, Any]], *, rank: int, dtype: Any,
     if not tensors:
         raise MergePlanError("the model has no tensor to save")
     specs = [TensorSpec(t.name, (t.name,), t.dtype, t.shape) for t in tensors]
-    merge = computed_plan(no_metadata(out), specs, lambda: iter(()), max_shard_size=limit)
+    merge = computed_plan(no_metadata(out), specs, lambda: iter(()), max_shard_size=limit,
+                          stem=stem)
     by_name = {t.name: t for t in tensors}
     files = []
     for planned in merge.files:

@@ -18,7 +18,6 @@ visible if any rank failed, and then every rank raises.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from collections.abc import Callable
@@ -30,29 +29,31 @@ from fsdpckpt._io import storage
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._io.spread import spread_folder
 from fsdpckpt._io.spread_local import Exchange
-from fsdpckpt.errors import (
-    CheckpointNotFoundError,
-    ExportMismatchError,
-    MergePlanError,
-    NotACheckpointError,
-)
+from fsdpckpt.errors import ExportMismatchError, MergePlanError, NotACheckpointError
 from fsdpckpt.export._config import (
     CONFIG,
-    GENERATION_CONFIG,
     config_bytes,
     exported_config,
-    find_side_files,
-    read_config,
     side_file_bytes,
     strip_fsdp_prefix,
 )
-from fsdpckpt.export._lora_keys import find_lora
 from fsdpckpt.export._model import tied_without_transformers
 from fsdpckpt.export.hf import ExportResult
+from fsdpckpt.export.lora import AdapterExport
 from fsdpckpt.merging._keys import clean_key
 from fsdpckpt.merging._outputs import earlier_outputs
 from fsdpckpt.merging.writer import output_paths, sigterm_interrupts
+from fsdpckpt.training._save_lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    Lora,
+    adapter_state,
+    find_peft,
+    fused_state,
+    gather_full,
+)
 from fsdpckpt.training._save_plan import SavedTensor, SavePlan, local_tensors, plan_save
+from fsdpckpt.training._save_side import Side, peft_root, side_files, unwrapped
 from fsdpckpt.training._save_write import Elements, plain_elements, write_weights
 
 __all__ = ["save_pretrained", "ExportResult"]
@@ -62,52 +63,6 @@ def _hf_name(key: str) -> str:
     """The Hugging Face name of a model state-dict key: wrapper segments (FSDP1, activation
     checkpointing, ``torch.compile``) dropped, as export-hf names a ``save_state``'s keys."""
     return clean_key(key)
-
-
-def _unwrapped(model: Any) -> Any:
-    # The module the user built, under DDP / FSDP1 (``.module``) and torch.compile.
-    seen = 0
-    while seen < 8 and not hasattr(model, "config"):
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None:
-            break
-        model, seen = inner, seen + 1
-    return model
-
-
-@dataclass(frozen=True)
-class _Side:
-    """The files beside the weights: the exported config, and what rank 0 writes."""
-
-    config: dict[str, Any]
-    config_from: Any
-    copied: tuple[tuple[Any, str], ...]  # (source path, name) read and written by rank 0
-    made: tuple[tuple[str, bytes], ...]  # (name, bytes) from the model itself
-
-
-def _model_side(model: Any, output: Any) -> _Side:
-    inner = _unwrapped(model)
-    config = getattr(inner, "config", None)
-    if config is None or not hasattr(config, "to_json_string"):
-        raise CheckpointNotFoundError(
-            f"{output}: the model has no Hugging Face config (model.config) to write beside "
-            "the weights; pass base= with the model folder the run started from")
-    doc = json.loads(config.to_json_string(use_diff=False))
-    # As transformers' save_pretrained: the config names the class that is saved.
-    doc["architectures"] = [strip_fsdp_prefix(type(inner).__name__)]
-    made: list[tuple[str, bytes]] = []
-    generation = getattr(inner, "generation_config", None)
-    can_generate = getattr(inner, "can_generate", None)
-    if generation is not None and callable(can_generate) and can_generate():
-        made.append((GENERATION_CONFIG, generation.to_json_string(use_diff=True).encode()))
-    return _Side(doc, output / CONFIG, (), tuple(made))
-
-
-def _side(model: Any, base: Any, output: Any) -> _Side:
-    if base is None:
-        return _model_side(model, output)
-    files = find_side_files(base, base)
-    return _Side(read_config(files.config), files.config, files.copied, ())
 
 
 def _tied_differ(pairs: dict[str, str], names: dict[str, Any]) -> list[str]:
@@ -131,11 +86,13 @@ def _outline(plan: SavePlan) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+
 def save_pretrained(model: Any, output: str | os.PathLike[str] | RemotePath, *,
                     base: str | os.PathLike[str] | RemotePath | None = None,
                     dtype: str | Any | None = None, max_shard_size: str | int = "5GB",
                     overwrite: bool = False, lora: str | None = None,
-                    storage_options: dict[str, Any] | None = None) -> ExportResult:
+                    storage_options: dict[str, Any] | None = None
+                    ) -> ExportResult | AdapterExport:
     """Save a model as a Hugging Face folder, every rank writing only its own shards.
 
     Call it on every rank (no gather: rank 0 never holds more than its own shards). The
@@ -144,7 +101,7 @@ def save_pretrained(model: Any, output: str | os.PathLike[str] | RemotePath, *,
 
     Args:
         model: FSDP2 (``fully_shard``, 1-D or 2-D meshes, tensor-parallel ``Shard`` too),
-            FSDP1, DDP or a plain module.
+            FSDP1, DDP or a plain module; a PEFT model under any of them.
         output: the output folder: local (on a file system every rank sees) or a URL
             (``s3://bucket/run/final``).
         base: the Hugging Face model folder the run started from: config, generation
@@ -157,27 +114,30 @@ def save_pretrained(model: Any, output: str | os.PathLike[str] | RemotePath, *,
         overwrite: replace an earlier output in ``output`` (its weights, config and
             tokenizer files; the other files there are kept). Without it a folder that
             holds files is refused before anything is written.
-        lora: for a PEFT model: ``"adapter"`` writes the adapter as PEFT's
-            ``save_pretrained`` does, ``"fuse"`` the base model with it fused in (as
-            ``export-hf --lora``). Required for a PEFT model.
+        lora: for a PEFT LoRA model, required there: ``"adapter"`` writes the adapter as
+            PEFT's ``save_pretrained`` does (``adapter_model.safetensors`` and
+            ``adapter_config.json``, for ``PeftModel.from_pretrained(base_model, output)``;
+            returns an :class:`~fsdpckpt.export.lora.AdapterExport`); ``"fuse"`` writes the
+            base model with the adapter fused in (``W + scaling * B @ A`` in fp32, then
+            cast, as ``merge_and_unload``), as ``export-hf --lora fuse`` does.
         storage_options: fsspec options for an ``output`` or ``base`` on object storage.
 
     Returns:
-        The :class:`~fsdpckpt.export.hf.ExportResult` (the same on every rank; ``source``
-        is the output folder, as no checkpoint was read).
+        The :class:`~fsdpckpt.export.hf.ExportResult`, the same on every rank (``source`` is
+        the output folder: no checkpoint was read; ``model_class`` the model's class).
 
     Raises:
         OutputExistsError: ``output`` holds files and ``overwrite`` is False.
         CheckpointNotFoundError: no config (the model has none and no ``base``), or
             ``base`` lacks its config or tokenizer.
+        NotACheckpointError: a PEFT model without ``lora=``, or ``lora=`` without one.
         ExportMismatchError: the config ties two weights the model holds with other values.
-        MergePlanError: an unknown ``dtype`` or ``max_shard_size``, or ``lora``.
+        MergePlanError: an unknown ``dtype``, ``max_shard_size`` or ``lora``.
         DiskFullError, OutputNotWritableError: the output cannot be written.
         FsdpCkptError: another rank failed (the same error where it is fsdpckpt's own).
 
     Example:
-        >>> fsdpckpt.save_pretrained(model, "final", base="meta-llama/Llama-3.2-1B-local",
-        ...                          dtype="bf16")
+        >>> fsdpckpt.save_pretrained(model, "final", base="llama-3.2-1b", dtype="bf16")
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -187,66 +147,87 @@ def save_pretrained(model: Any, output: str | os.PathLike[str] | RemotePath, *,
     out = location(output, storage_options=storage_options)
     base_at = location(base, storage_options=storage_options) if base is not None else None
     with sigterm_interrupts():
+        found: list[Lora | None] = []
+        exchange.agree(lambda: found.append(_check_lora(model, state, lora, out)))
+        peft = found[0]
+        factors = gather_full(state, [peft.keys[n] for m in peft.modules
+                                      for n in m.adapter_keys], exchange.rank) \
+            if peft is not None and lora == "fuse" else {}
         held: list[_Prepared] = []  # this rank's plan; only its digest travels
 
         def prepare() -> tuple[str, list[str]]:
-            held.append(_prepare(model, state, out, base_at, rank=exchange.rank, dtype=dtype,
-                                 max_shard_size=max_shard_size, overwrite=overwrite,
-                                 lora=lora))
+            held.append(_prepare(model, state, out, base_at, peft, factors,
+                                 rank=exchange.rank, dtype=dtype,
+                                 max_shard_size=max_shard_size, overwrite=overwrite))
             return _outline(held[0].plan), held[0].differ
 
         reports = exchange.agree(prepare)
         ready = held[0]
         _refuse_disagreement(reports, ready)
-        plan, side = ready.plan, ready.side
-        fixed = exported_config(side.config, plan.dtype_name)
-        with spread_folder(out, overwrite=overwrite, commit=CONFIG) as target:
-            write_weights(target, plan, exchange.rank, ready.elements)
+        with spread_folder(out, overwrite=overwrite, commit=ready.made[-1][0]) as target:
+            write_weights(target, ready.plan, exchange.rank, ready.elements)
             if exchange.rank == 0:
-                for source, name in side.copied:
+                for source, name in ready.side.copied if ready.side else ():
                     target.put(name, side_file_bytes(source))
-                for name, data in side.made:
+                for name, data in ready.made:  # the config last
                     target.put(name, data)
-                target.put(CONFIG, config_bytes(fixed))
         # Only now that the new files are in place: an earlier output in another layout,
         # its index first (never seen without its shards).
         exchange.agree(lambda: _remove(ready.stale))
-    names = [f.name for f in plan.files] + ([plan.index[0]] if plan.index else [])
-    others = [name for _, name in side.copied] + [name for name, _ in side.made] + [CONFIG]
-    return ExportResult(out, out, tuple(out / n for n in names), tuple(out / n for n in others),
-                        plan.num_tensors, plan.tensor_bytes, plan.dtype_name,
-                        tuple(sorted(ready.tied.items())), side.config_from,
-                        strip_fsdp_prefix(type(_unwrapped(model)).__name__),
-                        time.perf_counter() - start, None)
+    return _result(ready, out, model, time.perf_counter() - start)
+
+
+def _check_lora(model: Any, state: dict[str, Any], lora: str | None, out: Any) -> Lora | None:
+    # export-hf's rule, in the library's words: a PEFT model says what to do with its adapter.
+    if lora not in (None, "adapter", "fuse"):
+        raise MergePlanError(f"lora={lora!r}: use 'adapter' (write the LoRA adapter) or "
+                             "'fuse' (fuse it into the base weights)")
+    peft = find_peft(peft_root(model), state)
+    if peft is None and lora is not None:
+        raise NotACheckpointError(f"{out}: lora={lora!r}, but the model holds no LoRA adapter "
+                                  "(no lora_A/lora_B tensors); save it with lora=None")
+    if peft is not None and lora is None:
+        raise NotACheckpointError(f"{out}: the model is a PEFT model with LoRA adapters; pass "
+                                  "lora='adapter' (write the LoRA adapter) or lora='fuse' "
+                                  "(fuse it into the base weights)")
+    if peft is not None and lora == "adapter" and \
+            peft.document.get("bias", "none") not in ("none", None):
+        raise NotACheckpointError(f"adapter config field 'bias' is {peft.document['bias']!r}: "
+                                  "the trained base biases are not exported as adapter weights "
+                                  "yet; fuse instead (lora='fuse')")
+    return peft
 
 
 @dataclass(frozen=True)
 class _Prepared:
-    """One rank's plan: the files, the side files, the tied pairs, what each tensor's bytes
-    are, and (rank 0, with ``overwrite``) the earlier outputs to remove."""
+    """One rank's plan: the weights, the side files (None for an adapter), the files made
+    (the commit file last), tied pairs and those whose values differ here, each tensor's
+    elements, and (rank 0, with ``overwrite``) the earlier outputs to remove."""
 
     plan: SavePlan
-    side: _Side
+    side: Side | None
+    made: list[tuple[str, bytes]]
     tied: dict[str, str]
     differ: list[str]
     elements: dict[str, Callable[[SavedTensor], Elements]]
     stale: list[Any]
+    peft: Lora | None
 
 
-def _prepare(model: Any, state: dict[str, Any], out: Any, base: Any, *, rank: int,
-             dtype: Any, max_shard_size: str | int, overwrite: bool,
-             lora: str | None) -> _Prepared:
-    if lora not in (None, "adapter", "fuse"):
-        raise MergePlanError(f"lora={lora!r}: use 'adapter' (write the LoRA adapter) or "
-                             "'fuse' (fuse it into the base weights)")
-    if lora is not None:
-        raise MergePlanError("save_pretrained(lora=...) is not done yet")
-    if find_lora(clean_key(k) for k in state).modules:
-        raise NotACheckpointError(f"{out}: the model is a PEFT model with LoRA adapters; pass "
-                                  "lora='adapter' (write the LoRA adapter) or lora='fuse' "
-                                  "(fuse it into the base weights)")
-    named = [(key, _hf_name(key), value) for key, value in state.items()]
-    side = _side(model, base, out)
+def _prepare(model: Any, state: dict[str, Any], out: Any, base: Any, peft: Lora | None,
+             factors: dict[str, Any], *, rank: int, dtype: Any, max_shard_size: str | int,
+             overwrite: bool) -> _Prepared:
+    if peft is not None and not factors:  # lora="adapter": PEFT's one file, its config
+        plan = plan_save(adapter_state(peft, state), rank=rank, dtype=dtype,
+                         max_shard_size=None, out=out, stem=ADAPTER_WEIGHTS.split(".")[0])
+        return _Prepared(plan, None, [(ADAPTER_CONFIG, peft.config_bytes())], {}, [],
+                         _as_held(state), [], peft)
+    if peft is not None:
+        named, elements = fused_state(peft, state, factors)
+    else:
+        named = [(key, _hf_name(key), value) for key, value in state.items()]
+        elements = _as_held(state)
+    side = side_files(model, base, out)
     # Tied targets follow the config alone, as export-hf decides them without transformers.
     tied = tied_without_transformers(side.config, {name for _, name, _ in named})
     plan = plan_save(named, rank=rank, dtype=dtype, max_shard_size=max_shard_size, out=out,
@@ -255,10 +236,14 @@ def _prepare(model: Any, state: dict[str, Any], out: Any, base: Any, *, rank: in
     if rank == 0 and overwrite:  # an earlier output of ours in another layout
         new = {str(p) for p in output_paths(plan.merge, out)}
         stale = [p for p in earlier_outputs(plan.merge, out) if str(p) not in new]
-    elements: dict[str, Callable[[SavedTensor], Elements]] = {
-        key: partial(plain_elements, value) for key, value in state.items()}
-    return _Prepared(plan, side, tied, _tied_differ(tied, {n: v for _, n, v in named}),
-                     elements, stale)
+    made = [*side.made, (CONFIG, config_bytes(exported_config(side.config, plan.dtype_name)))]
+    differ = _tied_differ(tied, {n: v for _, n, v in named}) if peft is None else []
+    return _Prepared(plan, side, made, tied, differ, elements, stale, peft)
+
+
+def _as_held(state: dict[str, Any]) -> dict[str, Callable[[SavedTensor], Elements]]:
+    # Every tensor's elements as the model holds them (cast only).
+    return {key: partial(plain_elements, value) for key, value in state.items()}
 
 
 def _refuse_disagreement(reports: list[tuple[str, list[str]]], ready: _Prepared) -> None:
@@ -267,7 +252,7 @@ def _refuse_disagreement(reports: list[tuple[str, list[str]]], ready: _Prepared)
         raise MergePlanError("the ranks planned different files; call save_pretrained on "
                              "every rank with the same model and arguments")
     differ = sorted({t for _, found in reports for t in found})
-    if differ:
+    if differ and ready.side is not None:
         raise ExportMismatchError(
             f"{differ[0]} and {ready.tied[differ[0]]} differ, but {ready.side.config_from} "
             f"ties them (tie_word_embeddings), so {differ[0]} would not be written and the "
@@ -278,3 +263,19 @@ def _refuse_disagreement(reports: list[tuple[str, list[str]]], ready: _Prepared)
 def _remove(stale: list[Any]) -> None:
     for path in sorted(stale, key=lambda p: not p.name.endswith(".index.json")):
         storage.remove(path)
+
+
+def _result(ready: _Prepared, out: Any, model: Any, seconds: float
+            ) -> ExportResult | AdapterExport:
+    plan = ready.plan
+    names = [f.name for f in plan.files] + ([plan.index[0]] if plan.index else [])
+    if ready.side is None and ready.peft is not None:
+        return AdapterExport(out, (*names, ADAPTER_CONFIG), plan.num_tensors,
+                             ready.peft.adapter, len(ready.peft.modules))
+    copied = [name for _, name in ready.side.copied] if ready.side else []
+    others = copied + [name for name, _ in ready.made]
+    return ExportResult(out, out, tuple(out / n for n in names), tuple(out / n for n in others),
+                        plan.num_tensors, plan.tensor_bytes, plan.dtype_name,
+                        tuple(sorted(ready.tied.items())),
+                        ready.side.config_from if ready.side else out / CONFIG,
+                        strip_fsdp_prefix(type(unwrapped(model)).__name__), seconds, None)

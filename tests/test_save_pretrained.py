@@ -285,3 +285,79 @@ def test_an_existing_output_is_refused_on_every_rank(tmp_path):
         assert found[0] is None and found[2] is None
         assert "already holds files" in found[1]
     assert ranks[0][1] == ranks[1][1]
+
+
+# --- PEFT LoRA models: lora="adapter" and lora="fuse", as export-hf --lora ----------------
+
+def _peft_llama(variant: str):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_llama(variant), peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    torch.manual_seed(1)  # the same adapters on every rank, not B = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def _save_peft(rank: int, world: int, variant: str, kind: str, root: str, lora: str,
+               options: dict) -> dict:
+    model = _peft_llama(variant)
+    with torch.no_grad():
+        want = model(input_ids=IDS).logits
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer)
+        model = fully_shard(model)
+    fsdpckpt.save_state(Path(root) / "ckpt", model)
+    if rank == 0:
+        model.peft_config["default"].save_pretrained(str(Path(root) / "ckpt"))
+    result = fsdpckpt.save_pretrained(model, Path(root) / "saved", base=TINY / variant,
+                                      lora=lora, **options)
+    return {"result": result.to_json(), "logits": want}
+
+
+@multirank
+@pytest.mark.parametrize("variant", ["untied", "tied"])
+def test_two_rank_lora_adapter_is_what_export_hf_writes_and_peft_loads(tmp_path, variant):
+    peft = pytest.importorskip("peft")
+    ranks = run_ranks(_save_peft, variant, "fsdp2", str(tmp_path), "adapter", {})
+    assert ranks[0]["result"]["files"] == ["adapter_model.safetensors", "adapter_config.json"]
+    fsdpckpt.export_hf(tmp_path / "ckpt", tmp_path / "exported", base=TINY / variant,
+                       lora="adapter")
+    saved = tmp_path / "saved"
+    assert _files(saved) == _files(tmp_path / "exported")
+    assert json.loads((saved / "adapter_config.json").read_bytes())["r"] == 2
+    loaded = peft.PeftModel.from_pretrained(_llama(variant), str(saved)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=IDS).logits, ranks[0]["logits"],
+                                   atol=0, rtol=0)
+
+
+@multirank
+@pytest.mark.parametrize("variant", ["untied", "tied"])
+def test_two_rank_lora_fuse_is_what_export_hf_writes_and_transformers_loads(tmp_path, variant):
+    options = {"max_shard_size": "60KB"}
+    ranks = run_ranks(_save_peft, variant, "fsdp2", str(tmp_path), "fuse", options)
+    fsdpckpt.export_hf(tmp_path / "ckpt", tmp_path / "exported", base=TINY / variant,
+                       lora="fuse", **options)
+    saved = tmp_path / "saved"
+    assert _files(saved) == _files(tmp_path / "exported")
+    model, info = _load(saved)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=IDS).logits, ranks[0]["logits"],
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_a_peft_model_needs_lora_and_a_plain_one_refuses_it(tmp_path):
+    with pytest.raises(fsdpckpt.NotACheckpointError, match="lora='adapter'.*lora='fuse'"):
+        fsdpckpt.save_pretrained(_peft_llama("untied"), tmp_path / "a")
+    with pytest.raises(fsdpckpt.NotACheckpointError, match="holds no LoRA adapter"):
+        fsdpckpt.save_pretrained(_llama("untied"), tmp_path / "b", lora="fuse")
+    with pytest.raises(fsdpckpt.MergePlanError, match="'adapter'.*'fuse'"):
+        fsdpckpt.save_pretrained(_llama("untied"), tmp_path / "c", lora="merge")
+    assert not any(tmp_path.iterdir())

@@ -45,6 +45,14 @@ def _wrap(model, kind: str):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         return FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    if kind == "hsdp":  # a 2-D mesh: replicated over one dim, sharded over the other
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     if kind == "tp":  # tensor parallel: column-wise Shard(0), row-wise Shard(1) weights
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (
@@ -119,29 +127,14 @@ def _logits(state: dict, variant: str) -> torch.Tensor:
     return model(input_ids=IDS).logits
 
 
-def _tensors(folder: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return {k: v for p in sorted(folder.glob("*.safetensors")) for k, v in load_file(p).items()}
-
-
-def _check_like_export(root: Path, variant: str, options: dict, full: dict,
-                       same_order: bool = True) -> None:
+def _check_like_export(root: Path, variant: str, options: dict, full: dict) -> None:
     exported = root / "exported"
     fsdpckpt.export_hf(root / "ckpt", exported, base=TINY / variant, **options)
     saved = root / "saved"
-    if same_order:
-        assert _files(saved) == _files(exported)  # byte for byte: weights and index
-    else:  # the same tensors, bit for bit, in the model's order rather than DCP's
-        ours, theirs = _tensors(saved), _tensors(exported)
-        assert ours.keys() == theirs.keys()
-        for name, tensor in ours.items():
-            assert torch.equal(tensor, theirs[name]) and tensor.dtype == theirs[name].dtype
+    assert _files(saved) == _files(exported)  # byte for byte: weights and index
     assert json.loads((saved / "config.json").read_bytes()) == \
         json.loads((exported / "config.json").read_bytes())
-    if same_order:
-        assert sorted(p.name for p in saved.iterdir()) == \
-            sorted(p.name for p in exported.iterdir())
+    assert sorted(p.name for p in saved.iterdir()) == sorted(p.name for p in exported.iterdir())
     model, info = _load(saved)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     if options.get("dtype") is None:
@@ -194,12 +187,26 @@ def test_tensor_parallel_row_and_column_shards_save_what_export_hf_writes(tmp_pa
 
 
 @multirank
-def test_ddp_on_two_ranks_saves_the_same_tensors_once(tmp_path):
-    # DCP spreads a replicated tensor's write over the ranks and its metadata lists each
-    # rank's share in turn, so export-hf's order follows that balance; ours is the model's.
+def test_hsdp_replicas_are_written_once(tmp_path):
+    ranks = run_ranks(_save_both, "tied", "hsdp", str(tmp_path), {"max_shard_size": "50KB"})
+    _check_like_export(tmp_path, "tied", {"max_shard_size": "50KB"}, ranks[0]["full"])
+
+
+def test_the_elements_of_a_non_contiguous_tensor_come_in_row_major_order():
+    from fsdpckpt.training._save_write import elements_of
+
+    tensor = torch.arange(5 * 6 * 7, dtype=torch.float32).reshape(5, 6, 7).transpose(0, 2)
+    flat = tensor.reshape(-1)
+    for start, stop in [(0, 210), (3, 4), (5, 41), (29, 31), (41, 200), (209, 210)]:
+        assert torch.equal(elements_of(tensor, start, stop), flat[start:stop])
+
+
+@multirank
+def test_ddp_on_two_ranks_writes_each_tensor_once_in_export_hfs_order(tmp_path):
+    # DCP gives each replicated tensor to one rank, balancing bytes, and lists them rank by
+    # rank: export-hf keeps that order, and so does save_pretrained.
     ranks = run_ranks(_save_both, "tied", "ddp", str(tmp_path), {"max_shard_size": "50KB"})
-    _check_like_export(tmp_path, "tied", {"max_shard_size": "50KB"}, ranks[0]["full"],
-                       same_order=False)
+    _check_like_export(tmp_path, "tied", {"max_shard_size": "50KB"}, ranks[0]["full"])
 
 
 def test_a_plain_model_in_one_process_saves_what_export_hf_writes(tmp_path):

@@ -8,13 +8,14 @@ it exported by ``export-hf`` are byte for byte the same files. What this rank wr
 tensor is a list of boxes of the global tensor (:class:`~fsdpckpt.dcp.metadata.Chunk`:
 offsets and sizes), each from one of its local tensors: its own shards, and of a value held
 by several ranks (a replicated DTensor, a plain tensor under DDP) only where it is the
-designated writer, so every byte of a file is written by exactly one rank.
+designated writer, so every byte of a file is written by exactly one rank. The tensors come
+in the order a ``save_state`` of the model lists them in (:func:`dcp_order`), export-hf's.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,10 @@ from fsdpckpt.formats._shards import index_bytes
 from fsdpckpt.merging.plan import MergePlan, computed_plan, no_metadata, parse_dtype, parse_size
 
 __all__ = ["SavedTensor", "SavedFile", "SavePlan", "owned_boxes", "plan_save",
-           "exported_dtype_name"]
+           "exported_dtype_name", "held_chunks", "dcp_order"]
+
+#: A chunk a rank holds: ``(key, offsets, bytes)``.
+HeldChunk = tuple[str, tuple[int, ...], int]
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,57 @@ def owned_boxes(key: str, value: Any, rank: int) -> tuple[tuple[int, Chunk], ...
     if rank != 0 or value.numel() == 0:
         return ()
     return ((0, _box((0,) * value.dim(), tuple(value.shape))),)
+
+
+def held_chunks(state: Mapping[str, Any]) -> list[HeldChunk]:
+    """The chunks of ``state`` this rank holds, as DCP's save plan lists them (each
+    rank's DTensor box, replicas included; each local shard; a plain tensor whole)."""
+    held: list[HeldChunk] = []
+    for key, value in state.items():
+        if not hasattr(value, "shape"):
+            continue
+        size = value.dtype.itemsize
+        if hasattr(value, "device_mesh"):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            if value.device_mesh.get_coordinate() is None:
+                continue
+            shape, offset = compute_local_shape_and_global_offset(
+                value.shape, value.device_mesh, value.placements)
+            held.append((key, tuple(offset), math.prod(shape) * size))
+        elif hasattr(value, "local_shards"):
+            held += [(key, tuple(s.metadata.shard_offsets), s.tensor.numel() * size)
+                     for s in value.local_shards()]
+        else:
+            held.append((key, (0,) * value.dim(), value.numel() * size))
+    return held
+
+
+def dcp_order(plans: Sequence[Sequence[HeldChunk]]) -> list[str]:
+    """The order a ``dcp.save`` of this state lists its keys in (every rank's
+    :func:`held_chunks`), which export-hf keeps: torch's ``dedup_save_plans`` gives each
+    chunk held by several ranks to the one with the fewest bytes so far, then
+    ``create_default_global_save_plan`` lists the keys rank by rank. Where every rank holds
+    its own boxes (FSDP2, FSDP1, tensor parallel) this is the state dict's order; where
+    ranks hold replicas (DDP, HSDP, plain buffers) it follows that balance."""
+    holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    sizes: dict[tuple[str, tuple[int, ...]], int] = {}
+    for rank, plan in enumerate(plans):
+        for key, offsets, nbytes in plan:
+            holders.setdefault((key, offsets), []).append(rank)
+            sizes[(key, offsets)] = nbytes
+    load = [0] * len(plans)
+    kept: set[tuple[int, str, tuple[int, ...]]] = set()
+    for item, ranks in holders.items():
+        rank = min(sorted(ranks), key=lambda r: load[r])
+        load[rank] += sizes[item] or 1  # as torch: an empty tensor counts one
+        kept.add((rank, *item))
+    order: dict[str, None] = {}
+    for rank, plan in enumerate(plans):
+        for key, offsets, _ in plan:
+            if (rank, key, offsets) in kept:
+                order.setdefault(key, None)
+    return list(order)
 
 
 def exported_dtype_name(tensors: Sequence[SavedTensor]) -> str:

@@ -52,7 +52,14 @@ from fsdpckpt.training._save_lora import (
     fused_state,
     gather_full,
 )
-from fsdpckpt.training._save_plan import SavedTensor, SavePlan, local_tensors, plan_save
+from fsdpckpt.training._save_plan import (
+    SavedTensor,
+    SavePlan,
+    dcp_order,
+    held_chunks,
+    local_tensors,
+    plan_save,
+)
 from fsdpckpt.training._save_side import Side, peft_root, side_files, unwrapped
 from fsdpckpt.training._save_write import Elements, plain_elements, write_weights
 
@@ -153,6 +160,10 @@ def save_pretrained(model: Any, output: str | os.PathLike[str] | RemotePath, *,
         factors = gather_full(state, [peft.keys[n] for m in peft.modules
                                       for n in m.adapter_keys], exchange.rank) \
             if peft is not None and lora == "fuse" else {}
+        # The keys in the order export-hf finds them in a save_state of this model: every
+        # rank's list of the chunks it holds (metadata: keys, offsets, sizes) travels.
+        order = dcp_order(exchange.agree(lambda: held_chunks(state)))
+        state = {key: state[key] for key in order if key in state} | state
         held: list[_Prepared] = []  # this rank's plan; only its digest travels
 
         def prepare() -> tuple[str, list[str]]:

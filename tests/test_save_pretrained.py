@@ -241,11 +241,11 @@ def test_overwrite_is_refused_then_allowed_and_an_earlier_layout_goes(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
-def _fails_on_rank_1(rank: int, world: int, root: str) -> dict:
+def _fails_on_one_rank(rank: int, world: int, root: str, failing: int) -> dict:
     from fsdpckpt._io import spread_local
 
     model = _wrap(_llama("untied"), "fsdp2")
-    if rank == 1:
+    if rank == failing:
         calls = []
 
         def write(self, offset, data):
@@ -265,12 +265,33 @@ def _fails_on_rank_1(rank: int, world: int, root: str) -> dict:
 
 
 @multirank
-def test_a_failure_on_one_rank_leaves_nothing_and_raises_on_every_rank(tmp_path):
-    ranks = run_ranks(_fails_on_rank_1, str(tmp_path))
-    assert ranks[1]["error"] == "OSError" and "simulated" in ranks[1]["message"]
-    assert ranks[0]["error"] is not None and "simulated" in ranks[0]["message"]
-    assert not (tmp_path / "saved").exists()
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_failure_on_one_rank_leaves_nothing_and_raises_on_every_rank(tmp_path, failing):
+    ranks = run_ranks(_fails_on_one_rank, str(tmp_path), failing)
+    assert ranks[failing]["error"] == "OSError"
+    for rank in ranks:
+        assert "simulated write failure" in rank["message"]
+    assert ranks[1 - failing]["message"].startswith(f"rank {failing} failed")
+    assert not (tmp_path / "saved").exists()  # no output folder, no stage inside it
     assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_mid_write_leaves_nothing(tmp_path, monkeypatch):
+    from fsdpckpt.training import _save_write
+
+    original = _save_write._write_tensor
+    calls = []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        original(*args)
+
+    monkeypatch.setattr(_save_write, "_write_tensor", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fsdpckpt.save_pretrained(_llama("untied"), tmp_path / "out", base=TINY / "untied")
+    assert not (tmp_path / "out").exists()
 
 
 def _exists_everywhere(rank: int, world: int, root: str) -> list:

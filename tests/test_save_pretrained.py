@@ -103,6 +103,8 @@ def _save_both(rank: int, world: int, variant: str, kind: str, root: str, option
     fsdpckpt.save_state(Path(root) / "ckpt", model)
     result = fsdpckpt.save_pretrained(model, Path(root) / "saved", base=TINY / variant,
                                       **options)
+    # Without base: the model's own config, whatever wraps it.
+    fsdpckpt.save_pretrained(model, Path(root) / "own", **options)
     full = _full_state(model)  # collective: on every rank
     report = {k: v for k, v in result.to_json().items() if k != "seconds"}
     return {"result": report, "full": full if rank == 0 else None}
@@ -135,6 +137,9 @@ def _check_like_export(root: Path, variant: str, options: dict, full: dict) -> N
     assert json.loads((saved / "config.json").read_bytes()) == \
         json.loads((exported / "config.json").read_bytes())
     assert sorted(p.name for p in saved.iterdir()) == sorted(p.name for p in exported.iterdir())
+    own = json.loads((root / "own" / "config.json").read_bytes())
+    assert own["architectures"] == ["LlamaForCausalLM"]
+    assert _files(root / "own") == _files(saved)
     model, info = _load(saved)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     if options.get("dtype") is None:

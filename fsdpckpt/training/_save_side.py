@@ -22,30 +22,30 @@ __all__ = ["Side", "side_files", "unwrapped", "peft_root"]
 _DEPTH = 8
 
 
-def _inner(model: Any) -> Any:
-    return getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+def _innermost(model: Any) -> Any:
+    # Under DDP and FSDP1 (``.module``) and torch.compile (``._orig_mod``). FSDP1 forwards
+    # unknown attributes to the module it wraps, so the wrapper itself seems to have a
+    # config: it is looked through first.
+    for _ in range(_DEPTH):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None or not callable(getattr(inner, "state_dict", None)):
+            return model
+        model = inner
+    return model
 
 
 def peft_root(model: Any) -> Any:
     """The PEFT model under DDP / FSDP1 / ``torch.compile`` wrappers, or None."""
-    for _ in range(_DEPTH):
-        if model is None or hasattr(model, "peft_config"):
-            return model
-        model = _inner(model)
-    return None
+    model = _innermost(model)
+    return model if hasattr(model, "peft_config") else None
 
 
 def unwrapped(model: Any) -> Any:
     """The model the user built (its class names the architecture): under DDP / FSDP1
-    (``.module``) and ``torch.compile``, and the base model of a PEFT model."""
-    peft = peft_root(model)
-    if peft is not None and callable(getattr(peft, "get_base_model", None)):
-        return peft.get_base_model()
-    for _ in range(_DEPTH):
-        inner = _inner(model)
-        if hasattr(model, "config") or inner is None:
-            break
-        model = inner
+    and ``torch.compile``, and the base model of a PEFT model."""
+    model = _innermost(model)
+    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
     return model
 
 

@@ -43,13 +43,13 @@ __all__ = ["Exchange", "local_spread_folder"]
 _T = TypeVar("_T")
 
 
-def _same_error(kind: str, message: str, rank: int) -> BaseException:
+def _same_error(kind: str, message: str, code: int | None, rank: int) -> BaseException:
     # The failing rank's error as the other ranks raise it: the same class and message for
     # fsdpckpt's own errors (an existing output, a full disk...), else one naming the rank.
     cls = getattr(errors, kind, None)
     if isinstance(cls, type) and issubclass(cls, FsdpCkptError) and cls is not FsdpCkptError:
         # One argument for most; (errno, message) for those that print the message alone.
-        for args in [(message,), (errno.EIO, message)]:
+        for args in [(message,), (code or errno.EIO, message)]:
             try:
                 made = cls(*args)
             except TypeError:
@@ -87,8 +87,8 @@ class Exchange:
         reports = self._gather(None, result)
         failed = [(rank, error) for rank, (error, _) in enumerate(reports) if error]
         if failed:
-            rank, (kind, message) = failed[0]
-            raise self.fail(_same_error(kind, message, rank), rank)
+            rank, (kind, message, code) = failed[0]
+            raise self.fail(_same_error(kind, message, code, rank), rank)
         return [value for _, value in reports]
 
     def fail(self, error: BaseException, rank: int | None = None) -> BaseException:
@@ -105,9 +105,11 @@ class Exchange:
         if self.failed:
             return
         self.failed = True
-        self._gather((type(exc).__name__, str(exc) or type(exc).__name__), None)
+        code = getattr(exc, "errno", None)
+        self._gather((type(exc).__name__, str(exc) or type(exc).__name__,
+                      code if isinstance(code, int) else None), None)
 
-    def _gather(self, error: tuple[str, str] | None, result: Any) -> list[Any]:
+    def _gather(self, error: tuple[str, str, int | None] | None, result: Any) -> list[Any]:
         if self.dist is None:
             return [(error, result)]
         reports: list[Any] = [None] * self.world

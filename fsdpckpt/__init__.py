@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # what mypy and editors see; at run time, ``__getattr__`` bel
     from fsdpckpt.merging.to_dcp import ConvertResult, convert
     from fsdpckpt.training.manager import CheckpointManager
     from fsdpckpt.training.pretrained import load_pretrained
+    from fsdpckpt.training.pretrained_save import save_pretrained
     from fsdpckpt.training.state import AsyncSave, LoadResult, load_state, save_state
 
 #: Where each public name lives, imported on first use (PEP 562): ``import fsdpckpt`` loads
@@ -72,6 +73,7 @@ _LAZY = {
     "save_state": "training.state", "load_state": "training.state",
     "LoadResult": "training.state", "AsyncSave": "training.state",
     "CheckpointManager": "training.manager", "load_pretrained": "training.pretrained",
+    "save_pretrained": "training.pretrained_save",
     "export_hf": "export.hf", "ExportResult": "export.hf",
 }
 
@@ -135,6 +137,7 @@ __all__ = [
     "StateMismatchError",
     "ResumeWarning",
     "CheckpointManager",
+    "save_pretrained",
     "verify_checkpoint",
     "export_hf",
     "ExportResult",

@@ -66,12 +66,6 @@ from fsdpckpt.training._save_write import Elements, plain_elements, write_weight
 __all__ = ["save_pretrained", "ExportResult"]
 
 
-def _hf_name(key: str) -> str:
-    """The Hugging Face name of a model state-dict key: wrapper segments (FSDP1, activation
-    checkpointing, ``torch.compile``) dropped, as export-hf names a ``save_state``'s keys."""
-    return clean_key(key)
-
-
 def _tied_differ(pairs: dict[str, str], names: dict[str, Any]) -> list[str]:
     # Each tied (target, source) pair whose local shards differ here; every rank tells.
     import torch
@@ -236,7 +230,8 @@ def _prepare(model: Any, state: dict[str, Any], out: Any, base: Any, peft: Lora 
     if peft is not None:
         named, elements = fused_state(peft, state, factors)
     else:
-        named = [(key, _hf_name(key), value) for key, value in state.items()]
+        # Named as export-hf names a save_state's keys: wrapper segments dropped.
+        named = [(key, clean_key(key), value) for key, value in state.items()]
         elements = _as_held(state)
     side = side_files(model, base, out)
     # Tied targets follow the config alone, as export-hf decides them without transformers.

@@ -1,0 +1,260 @@
+"""Files every rank writes its own bytes of, on object storage (fsdpckpt/_io/spread_remote.py):
+multipart uploads whose parts each rank uploads, against the real S3 server (SeaweedFS).
+
+SeaweedFS refuses parts under 5 MiB but the last (as S3 does), so the tests lower the part
+size to that and write files of a few parts.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fsdpckpt._io import multipart, spread_remote
+from fsdpckpt._io.remote import location
+from fsdpckpt._io.spread import spread_folder
+from fsdpckpt.errors import FsdpCkptError, OptionError, OutputExistsError, RemoteStorageError
+
+from faultproxy import FaultProxy
+from multirank import run_ranks
+
+pytestmark = pytest.mark.s3
+multirank = pytest.mark.multirank
+
+PART = 5 << 20
+BUCKET = "fsdpckpt-tests"
+
+
+@pytest.fixture(autouse=True)
+def _small_parts(monkeypatch):
+    monkeypatch.setattr(multipart, "PART_SIZE", PART)
+
+
+def _data(size: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def _objects(server, root: str) -> dict[str, bytes]:
+    fs = server.filesystem()
+    return {p.removeprefix(root + "/"): fs.cat_file(p) for p in sorted(fs.find(root))}
+
+
+def _open_uploads(server, root: str) -> list[str]:
+    key = root.split("/", 1)[1]
+    return [u["Key"] for u in server.filesystem().list_multipart_uploads(BUCKET)
+            if u["Key"].startswith(key + "/")]
+
+
+def _windows(size: int, window: int, seed: int = 1) -> list[tuple[int, int]]:
+    spans = [(at, min(size, at + window)) for at in range(0, size, window)]
+    random.Random(seed).shuffle(spans)
+    return spans
+
+
+# -- one process ----------------------------------------------------------------------------
+
+def test_a_file_written_out_of_order_in_windows_reads_back_byte_exact(s3):
+    server, root = s3
+    big, small = _data(2 * PART + 12345, seed=1), _data(1000, seed=2)
+    out = location(f"s3://{root}/out", storage_options=server.options)
+    with spread_folder(out, overwrite=False, commit="config.json") as target:
+        f = target.open("model-00001-of-00002.safetensors", len(big))
+        for lo, hi in _windows(len(big), (1 << 20) + 7):
+            f.write(lo, big[lo:hi])
+            f.step()
+        f.finish()
+        g = target.open("model-00002-of-00002.safetensors", len(small))
+        g.write(0, memoryview(small))
+        g.finish()
+        target.put("model.safetensors.index.json", b"{}")
+        target.put("config.json", b'{"a": 1}')
+        assert _objects(server, root) == {}  # nothing visible before the block ends
+    assert _objects(server, root) == {
+        "out/config.json": b'{"a": 1}', "out/model-00001-of-00002.safetensors": big,
+        "out/model-00002-of-00002.safetensors": small, "out/model.safetensors.index.json": b"{}"}
+    assert _open_uploads(server, root) == []
+
+
+def test_a_tensor_and_an_empty_file_are_written(s3):
+    import torch
+
+    server, root = s3
+    data = _data(PART + 10, seed=3)
+    out = location(f"s3://{root}/out", storage_options=server.options)
+    with spread_folder(out, overwrite=False, commit="config.json") as target:
+        f = target.open("weights", len(data))
+        f.write(0, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        f.finish()
+        target.open("empty", 0).finish()
+        target.put("config.json", b"{}")
+    assert _objects(server, root) == {"out/weights": data, "out/empty": b"",
+                                      "out/config.json": b"{}"}
+
+
+def test_uploads_complete_in_order_then_the_small_files_then_the_commit_file(s3, monkeypatch):
+    server, root = s3
+    order: list[str] = []
+    complete, put = multipart.Upload.complete, spread_remote.put_bytes
+
+    def completed(self, etags):
+        order.append(self.path.name)
+        complete(self, etags)
+
+    def puts(file, data, **kwargs):
+        order.append(file.name)
+        return put(file, data, **kwargs)
+
+    monkeypatch.setattr(multipart.Upload, "complete", completed)
+    monkeypatch.setattr(spread_remote, "put_bytes", puts)
+    out = location(f"s3://{root}/out", storage_options=server.options)
+    with spread_folder(out, overwrite=False, commit="config.json") as target:
+        target.put("config.json", b"{}")
+        for name in ("b.safetensors", "a.safetensors"):
+            f = target.open(name, 3)
+            f.write(0, b"abc")
+            f.finish()
+        target.put("model.safetensors.index.json", b"{}")
+        assert order == []
+    assert order == ["b.safetensors", "a.safetensors", "model.safetensors.index.json",
+                     "config.json"]
+
+
+def test_an_output_holding_files_is_refused_unless_overwrite(s3):
+    server, root = s3
+    server.filesystem().pipe(f"{root}/out/config.json", b"earlier")
+    out = location(f"s3://{root}/out", storage_options=server.options)
+    with pytest.raises(OutputExistsError, match="config.json.*overwrite=True"), \
+            spread_folder(out, overwrite=False, commit="config.json"):
+        pytest.fail("entered")
+    with spread_folder(out, overwrite=True, commit="config.json") as target:
+        target.put("config.json", b"new")
+    assert _objects(server, root) == {"out/config.json": b"new"}
+
+
+def test_a_failure_in_the_block_leaves_nothing_and_an_earlier_output_as_it_was(s3):
+    server, root = s3
+    server.filesystem().pipe(f"{root}/out/model.safetensors", b"earlier")
+    data = _data(3 * PART, seed=4)
+    out = location(f"s3://{root}/out", storage_options=server.options)
+    with pytest.raises(ValueError, match="boom"), \
+            spread_folder(out, overwrite=True, commit="config.json") as target:
+        target.put("config.json", b"{}")
+        f = target.open("model.safetensors", len(data))
+        f.write(0, data[:2 * PART])
+        f.step()  # two parts uploaded
+        assert len(f.etags) == 2
+        raise ValueError("boom")
+    assert _objects(server, root) == {"out/model.safetensors": b"earlier"}
+    assert _open_uploads(server, root) == []
+
+
+@pytest.mark.parametrize("writes, match", [
+    ([(0, 10), (20, 30)], r"bytes 10\.\.20 were never written"),
+    ([(0, 20), (15, 30)], r"bytes 15\.\.20 written twice"),
+    ([(0, 31)], r"bytes 0\.\.31 lie outside"),
+], ids=["gap", "twice", "outside"])
+def test_bytes_not_written_exactly_once_are_refused_naming_the_file(s3, writes, match):
+    server, root = s3
+    out = location(f"s3://{root}/out", storage_options=server.options)
+    with pytest.raises(FsdpCkptError, match=f"{root}/out/weights: {match}"), \
+            spread_folder(out, overwrite=False, commit="config.json") as target:
+        f = target.open("weights", 30)
+        for lo, hi in writes:
+            f.write(lo, bytes(hi - lo))
+        f.finish()
+    assert _objects(server, root) == {}
+    assert _open_uploads(server, root) == []
+
+
+def test_a_store_without_multipart_uploads_is_refused():
+    out = location("memory://fsdpckpt-spread/out")
+    with pytest.raises(OptionError, match="s3://"), \
+            spread_folder(out, overwrite=False, commit="config.json"):
+        pytest.fail("entered")
+
+
+def test_a_5xx_on_a_part_upload_raises_naming_the_object_and_leaves_nothing(s3):
+    server, root = s3
+    data = _data(2 * PART + 1, seed=5)
+    with FaultProxy(server.endpoint) as proxy:
+        out = location(f"s3://{root}/out", storage_options=proxy.storage_options())
+        proxy.fault("error", when=lambda r: r.method == "PUT" and "partNumber=2" in r.target)
+        with pytest.raises(RemoteStorageError, match=f"{root}/out/weights.*part 2"), \
+                spread_folder(out, overwrite=False, commit="config.json") as target:
+            f = target.open("weights", len(data))
+            f.write(0, data)
+            f.finish()
+    assert _objects(server, root) == {}
+    assert _open_uploads(server, root) == []
+
+
+# -- two ranks ------------------------------------------------------------------------------
+
+def _runs(size: int, run: int) -> list[tuple[int, int, int]]:
+    """``(rank, start, end)``: runs of ``run`` bytes, owned by rank 0 and 1 in turn."""
+    return [((at // run) % 2, at, min(size, at + run)) for at in range(0, size, run)]
+
+
+def _two_rank_save(rank, world, options, url, fail):
+    import torch.distributed as dist
+
+    multipart.PART_SIZE = PART
+    big, small = _data(4 * PART + 999, seed=6), _data(3000, seed=7)
+    out = location(url, storage_options=options)
+    try:
+        with spread_folder(out, overwrite=False, commit="config.json") as target:
+            for name, data, run in (("big", big, (3 << 20) + 1), ("small", small, 100)):
+                f = target.open(name, len(data))
+                for window, (lo, hi) in enumerate(_windows(len(data), 8 << 20)):
+                    for owner, a, b in _runs(len(data), run):
+                        if owner == rank and a < hi and b > lo:
+                            f.write(max(a, lo), data[max(a, lo):min(b, hi)])
+                    if fail == "error" and rank == 1 and window == 1:
+                        raise ValueError("rank 1 broke mid-file")
+                    if fail == "upload" and rank == 1 and window == 1:
+                        def broken(self, number, body):
+                            raise RemoteStorageError(f"{self.path}: injected on part {number}")
+                        multipart.Upload.part = broken
+                    f.step()
+                if fail == "steps" and rank == 1:
+                    f.step()
+                f.finish()
+            if rank == 0:
+                target.put("config.json", b"{}")
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        return type(exc).__name__, str(exc)
+    dist.barrier()
+    return None
+
+
+@multirank
+def test_two_ranks_owning_alternating_runs_write_files_that_read_back_exact(s3):
+    server, root = s3
+    results = run_ranks(_two_rank_save, server.options, f"s3://{root}/out", None)
+    assert results == [None, None]
+    assert _objects(server, root) == {"out/big": _data(4 * PART + 999, seed=6),
+                                      "out/small": _data(3000, seed=7),
+                                      "out/config.json": b"{}"}
+    assert _open_uploads(server, root) == []
+
+
+@multirank
+@pytest.mark.parametrize("fail, errors", [
+    ("error", [("FsdpCkptError", "rank 1 failed.*rank 1 broke mid-file"),
+               ("ValueError", "rank 1 broke mid-file")]),
+    ("upload", [("RemoteStorageError", "out/big: injected on part [0-9]+"),
+                ("RemoteStorageError", "out/big: injected on part [0-9]+")]),
+    ("steps", [("FsdpCkptError", "out of step.*rank 0 at finish.*rank 1 at step")] * 2),
+], ids=["error", "upload", "steps"])
+def test_a_failure_on_one_rank_raises_on_both_and_leaves_nothing(s3, fail, errors):
+    import re
+
+    server, root = s3
+    results = run_ranks(_two_rank_save, server.options, f"s3://{root}/out", fail)
+    for (kind, message), (want_kind, pattern) in zip(results, errors):
+        assert kind == want_kind and re.search(pattern, message), (kind, message)
+    if fail != "steps":
+        assert results[0][1] == results[1][1] or fail == "error"
+    assert _objects(server, root) == {}
+    assert _open_uploads(server, root) == []

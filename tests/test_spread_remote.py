@@ -36,8 +36,10 @@ def _data(size: int, seed: int = 0) -> bytes:
 
 
 def _objects(server, root: str) -> dict[str, bytes]:
+    # SeaweedFS keeps a folder whose last object was deleted, listed as a directory: no object.
     fs = server.filesystem()
-    return {p.removeprefix(root + "/"): fs.cat_file(p) for p in sorted(fs.find(root))}
+    return {p.removeprefix(root + "/"): fs.cat_file(p)
+            for p, info in sorted(fs.find(root, detail=True).items()) if info["type"] == "file"}
 
 
 def _open_uploads(server, root: str) -> list[str]:
@@ -167,6 +169,11 @@ def test_bytes_not_written_exactly_once_are_refused_naming_the_file(s3, writes, 
     assert _open_uploads(server, root) == []
 
 
+def test_the_part_size_grows_so_that_a_file_fits_in_ten_thousand_parts():
+    assert multipart.part_size(0) == multipart.part_size(10_000 * PART) == PART
+    assert multipart.part_size(10_000 * PART + 1) == 2 * PART
+
+
 def test_a_store_without_multipart_uploads_is_refused():
     out = location("memory://fsdpckpt-spread/out")
     with pytest.raises(OptionError, match="s3://"), \
@@ -196,6 +203,24 @@ def _runs(size: int, run: int) -> list[tuple[int, int, int]]:
     return [((at // run) % 2, at, min(size, at + run)) for at in range(0, size, run)]
 
 
+def _interrupt_in_the_next_round():
+    # Ctrl-C while the ranks are moving bytes: held until the round is over on this rank, so
+    # the other rank's round completes too, then raised here.
+    import signal
+
+    from fsdpckpt._io import spread_rounds
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    moving = spread_rounds.Ranks._move
+
+    def interrupted(self, heads, send):
+        spread_rounds.Ranks._move = moving
+        signal.raise_signal(signal.SIGINT)
+        return moving(self, heads, send)
+
+    spread_rounds.Ranks._move = interrupted
+
+
 def _two_rank_save(rank, world, options, url, fail):
     import torch.distributed as dist
 
@@ -212,6 +237,8 @@ def _two_rank_save(rank, world, options, url, fail):
                             f.write(max(a, lo), data[max(a, lo):min(b, hi)])
                     if fail == "error" and rank == 1 and window == 1:
                         raise ValueError("rank 1 broke mid-file")
+                    if fail == "interrupt" and rank == 1 and window == 1:
+                        _interrupt_in_the_next_round()
                     if fail == "upload" and rank == 1 and window == 1:
                         def broken(self, number, body):
                             raise RemoteStorageError(f"{self.path}: injected on part {number}")
@@ -222,6 +249,14 @@ def _two_rank_save(rank, world, options, url, fail):
                 f.finish()
             if rank == 0:
                 target.put("config.json", b"{}")
+            if fail == "commit" and rank == 0:  # "big" is completed, "small" is refused
+                complete = multipart.Upload.complete
+
+                def refused(self, etags):
+                    if self.path.name == "small":
+                        raise RemoteStorageError(f"{self.path}: injected on completing it")
+                    complete(self, etags)
+                multipart.Upload.complete = refused
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         return type(exc).__name__, str(exc)
     dist.barrier()
@@ -245,8 +280,11 @@ def test_two_ranks_owning_alternating_runs_write_files_that_read_back_exact(s3):
                ("ValueError", "rank 1 broke mid-file")]),
     ("upload", [("RemoteStorageError", "out/big: injected on part [0-9]+"),
                 ("RemoteStorageError", "out/big: injected on part [0-9]+")]),
+    ("interrupt", [("FsdpCkptError", "out: rank 1 failed.*KeyboardInterrupt"),
+                   ("KeyboardInterrupt", "")]),
     ("steps", [("FsdpCkptError", "out of step.*rank 0 at finish.*rank 1 at step")] * 2),
-], ids=["error", "upload", "steps"])
+    ("commit", [("RemoteStorageError", "out/small: injected on completing it")] * 2),
+], ids=["error", "upload", "interrupt", "steps", "commit"])
 def test_a_failure_on_one_rank_raises_on_both_and_leaves_nothing(s3, fail, errors):
     import re
 
@@ -254,7 +292,7 @@ def test_a_failure_on_one_rank_raises_on_both_and_leaves_nothing(s3, fail, error
     results = run_ranks(_two_rank_save, server.options, f"s3://{root}/out", fail)
     for (kind, message), (want_kind, pattern) in zip(results, errors):
         assert kind == want_kind and re.search(pattern, message), (kind, message)
-    if fail != "steps":
-        assert results[0][1] == results[1][1] or fail == "error"
+    if fail in ("upload", "steps", "commit"):
+        assert results[0] == results[1]
     assert _objects(server, root) == {}
     assert _open_uploads(server, root) == []

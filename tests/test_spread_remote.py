@@ -7,6 +7,8 @@ size to that and write files of a few parts.
 
 from __future__ import annotations
 
+import os
+import pickle
 import random
 
 import pytest
@@ -17,7 +19,7 @@ from fsdpckpt._io.spread import spread_folder
 from fsdpckpt.errors import FsdpCkptError, OptionError, OutputExistsError, RemoteStorageError
 
 from faultproxy import FaultProxy
-from multirank import run_ranks
+from multirank import run_ranks, start_ranks
 
 pytestmark = pytest.mark.s3
 multirank = pytest.mark.multirank
@@ -227,16 +229,21 @@ def _two_rank_save(rank, world, options, url, fail):
     multipart.PART_SIZE = PART
     big, small = _data(4 * PART + 999, seed=6), _data(3000, seed=7)
     out = location(url, storage_options=options)
+    held = 0  # the most parts this rank held after a step
     try:
         with spread_folder(out, overwrite=False, commit="config.json") as target:
             for name, data, run in (("big", big, (3 << 20) + 1), ("small", small, 100)):
                 f = target.open(name, len(data))
-                for window, (lo, hi) in enumerate(_windows(len(data), 8 << 20)):
+                windows = _windows(len(data), 8 << 20)
+                for window, (lo, hi) in enumerate(sorted(windows) if fail == "ordered" else
+                                                  windows):
                     for owner, a, b in _runs(len(data), run):
                         if owner == rank and a < hi and b > lo:
                             f.write(max(a, lo), data[max(a, lo):min(b, hi)])
                     if fail == "error" and rank == 1 and window == 1:
                         raise ValueError("rank 1 broke mid-file")
+                    if fail == "die" and rank == 1 and window == 1:
+                        os._exit(3)  # as SIGKILL: no exit path, no word to the others
                     if fail == "interrupt" and rank == 1 and window == 1:
                         _interrupt_in_the_next_round()
                     if fail == "upload" and rank == 1 and window == 1:
@@ -244,6 +251,7 @@ def _two_rank_save(rank, world, options, url, fail):
                             raise RemoteStorageError(f"{self.path}: injected on part {number}")
                         multipart.Upload.part = broken
                     f.step()
+                    held = max(held, len(f.parts))
                 if fail == "steps" and rank == 1:
                     f.step()
                 f.finish()
@@ -260,14 +268,18 @@ def _two_rank_save(rank, world, options, url, fail):
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         return type(exc).__name__, str(exc)
     dist.barrier()
-    return None
+    return held
 
 
 @multirank
-def test_two_ranks_owning_alternating_runs_write_files_that_read_back_exact(s3):
+@pytest.mark.parametrize("order", [None, "ordered"], ids=["shuffled", "ordered"])
+def test_two_ranks_owning_alternating_runs_write_files_that_read_back_exact(s3, order):
     server, root = s3
-    results = run_ranks(_two_rank_save, server.options, f"s3://{root}/out", None)
-    assert results == [None, None]
+    held = run_ranks(_two_rank_save, server.options, f"s3://{root}/out", order)
+    if order == "ordered":
+        # Windows in file order: a part is uploaded and freed at the step that completes it,
+        # so after a step a rank holds at most the part the window ends in (of 5 parts).
+        assert max(held) == 1
     assert _objects(server, root) == {"out/big": _data(4 * PART + 999, seed=6),
                                       "out/small": _data(3000, seed=7),
                                       "out/config.json": b"{}"}
@@ -294,5 +306,26 @@ def test_a_failure_on_one_rank_raises_on_both_and_leaves_nothing(s3, fail, error
         assert kind == want_kind and re.search(pattern, message), (kind, message)
     if fail in ("upload", "steps", "commit"):
         assert results[0] == results[1]
+    assert _objects(server, root) == {}
+    assert _open_uploads(server, root) == []
+
+
+@multirank
+def test_a_rank_that_dies_mid_file_fails_the_other_and_its_uploads_are_aborted(s3, tmp_path):
+    server, root = s3
+    procs = start_ranks(_two_rank_save, server.options, f"s3://{root}/out", "die",
+                        rendezvous_dir=str(tmp_path))
+    try:
+        rank, ok, value = procs[0].keep_alive.get(timeout=150)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    assert (rank, ok) == (0, True)
+    kind, message = pickle.loads(value)
+    assert kind == "FsdpCkptError" and "the ranks stopped answering each other" in message
+    assert f"{root}/out" in message
     assert _objects(server, root) == {}
     assert _open_uploads(server, root) == []

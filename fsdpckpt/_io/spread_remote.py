@@ -277,7 +277,14 @@ class _Target:
                 self.ranks.round(EXIT, error=exc)
             except BaseException as common:  # noqa: BLE001 - the error every rank raises
                 error = common
-        note = self._undo(error) if self.ranks.rank == 0 else None
+        note = None
+        if self.ranks.rank == 0:
+            note = self._undo(error)
+        elif self.ranks.broken:
+            # Rank 0 may be gone: every rank knows every upload's ID, so it aborts them.
+            for file in self.files:
+                with contextlib.suppress(Exception):
+                    file.upload.abort()
         if not self.ranks.broken:
             # Once more, so that no rank returns before rank 0 undid the output, and every
             # rank says what was left if the store stopped answering.

@@ -171,8 +171,14 @@ class Ranks:
 
     @contextlib.contextmanager
     def _talking(self) -> Iterator[None]:
+        # A collective that fails (a rank died, the group's timeout passed) ends the talk.
         try:
             yield
+        except Exception as exc:
+            self.broken = True
+            raise FsdpCkptError(
+                f"{self.where}: the ranks stopped answering each other ({exc}); a rank died or "
+                "hangs: nothing of this output is kept") from exc
         except BaseException:
             self.broken = True
             raise

@@ -176,6 +176,17 @@ def test_the_part_size_grows_so_that_a_file_fits_in_ten_thousand_parts():
     assert multipart.part_size(10_000 * PART + 1) == 2 * PART
 
 
+def test_a_file_never_finished_is_refused_and_its_upload_aborted(s3):
+    server, root = s3
+    out = location(f"s3://{root}/out", storage_options=server.options)
+    with pytest.raises(FsdpCkptError, match="out/weights: finish.. was never called"), \
+            spread_folder(out, overwrite=False, commit="config.json") as target:
+        target.open("weights", 3).write(0, b"abc")
+        target.put("config.json", b"{}")
+    assert _objects(server, root) == {}
+    assert _open_uploads(server, root) == []
+
+
 def test_a_store_without_multipart_uploads_is_refused():
     out = location("memory://fsdpckpt-spread/out")
     with pytest.raises(OptionError, match="s3://"), \

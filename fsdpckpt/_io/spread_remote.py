@@ -238,7 +238,10 @@ class _Target:
     # -- the end of the block ------------------------------------------------------------------
     def commit(self) -> None:
         """Every rank left the block: agree, rank 0 commits, every rank learns how it went."""
-        self.ranks.round(EXIT, len(self.files))
+        unfinished = [f.name for f in self.files if not f.finished]
+        self.ranks.round(EXIT, len(self.files), error=FsdpCkptError(
+            f"{self.out}/{unfinished[0]}: finish() was never called on it; every rank calls "
+            "it once the file is written") if unfinished else None)
         error = None
         if self.ranks.rank == 0:
             try:
@@ -319,7 +322,29 @@ class _Target:
 def remote_spread_folder(out: Place, *, overwrite: bool, commit: str,
                          group: Any = None) -> Iterator[_Target]:
     """:func:`fsdpckpt._io.spread.spread_folder` on object storage (S3 and stores with its
-    multipart API).
+    multipart API). Collective: every rank enters it with the same arguments.
+
+    Args:
+        out: the output folder, a :class:`~fsdpckpt._io.remote.RemotePath`.
+        overwrite: replace files of the same names in an output that holds files (others
+            are kept); without it such an output is refused before anything is uploaded.
+        commit: the file a reader opens first (``config.json``): uploaded last.
+        group: the process group (None: the default one; a single process without one).
+            A group without gloo (NCCL alone) is twinned by a gloo group of every rank.
+
+    Returns:
+        The target (a :class:`~fsdpckpt._io.spread.SpreadTarget`) of the ``with`` block.
+
+    Example::
+
+        with remote_spread_folder(location("s3://b/out"), overwrite=False,
+                                  commit="config.json") as target:
+            f = target.open("model.safetensors", size)
+            f.write(offset, my_bytes)  # this rank's ranges only
+            f.step()                   # every rank, after each window
+            f.finish()
+            if rank == 0:
+                target.put("config.json", config)
 
     Raises:
         OptionError: ``out`` is on a store without multipart uploads (gs://, az://).

@@ -133,7 +133,9 @@ class _File:
     def _take(self, k: int, at: int, view: memoryview) -> None:
         overlap: tuple[int, int] | None = (at, at + len(view))  # the part is uploaded
         if k + 1 not in self.etags:
-            part = self.parts.get(k) or self.parts.setdefault(k, self._part(k))
+            part = self.parts.get(k)
+            if part is None:  # the first bytes of this part: its buffer, a part's size
+                part = self.parts[k] = self._part(k)
             overlap = part.take(at, view)
         if overlap is not None:
             raise FsdpCkptError(f"{self._url()}: bytes {overlap[0]}..{overlap[1]} written "

@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt._io.remote_errors import remote_error
 from fsdpckpt.errors import OptionError, OutputNotWritableError
 
-__all__ = ["PART_SIZE", "MAX_PARTS", "part_size", "s3_client", "Upload"]
+__all__ = ["PART_SIZE", "MAX_PARTS", "CONCURRENCY", "part_size", "s3_client", "Upload"]
 
 #: The size of every part but the last (tests lower it to S3's minimum, 5 MiB). Bounds what
 #: a rank holds of a part it owns while the ranks fill it.
 PART_SIZE = 16 << 20
 #: S3's limit on the parts of one object.
 MAX_PARTS = 10_000
+#: Parts of one step uploaded at once by a rank (each a request of its own, in parallel).
+CONCURRENCY = 4
 
 
 def part_size(size: int) -> int:
@@ -77,6 +80,16 @@ class Upload:
         reply = _call(self.path, f"uploading part {number} of it", "upload_part",
                       UploadId=self.upload_id, PartNumber=number, Body=body)
         return str(reply["ETag"])
+
+    def parts(self, bodies: dict[int, bytes | bytearray]) -> dict[int, str]:
+        """Upload the parts ``{number: body}``, :data:`CONCURRENCY` at a time; their ETags.
+        Returns only once no request is in flight, also when one fails (then it raises
+        the first error): an abort after it leaves no part behind."""
+        if len(bodies) <= 1:
+            return {n: self.part(n, body) for n, body in bodies.items()}
+        with ThreadPoolExecutor(min(CONCURRENCY, len(bodies))) as pool:
+            futures = {n: pool.submit(self.part, n, body) for n, body in bodies.items()}
+        return {n: future.result() for n, future in futures.items()}
 
     def complete(self, etags: dict[int, str]) -> None:
         """Make the object of parts ``1..len(etags)`` (``{number: ETag}``) appear."""

@@ -154,13 +154,15 @@ class _File:
         self._upload(lambda part: part.filled == part.length)
 
     def _upload(self, ready: Any) -> None:
-        for k in sorted(k for k, part in self.parts.items() if ready(part)):
+        done = sorted(k for k, part in self.parts.items() if ready(part))
+        for k in done:
             part = self.parts[k]
             if part.filled != part.length:
                 lo, hi = part.gap()
                 raise FsdpCkptError(f"{self._url()}: bytes {lo}..{hi} were never written; "
                                     "the ranks' shards do not cover the file")
-            self.etags[k + 1] = self.upload.part(k + 1, part.buffer)
+        self.etags.update(self.upload.parts({k + 1: self.parts[k].buffer for k in done}))
+        for k in done:
             del self.parts[k]  # its bytes are at the store: freed
 
     def finish(self) -> None:

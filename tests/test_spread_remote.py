@@ -241,6 +241,7 @@ def _two_rank_save(rank, world, options, url, fail):
     big, small = _data(4 * PART + 999, seed=6), _data(3000, seed=7)
     out = location(url, storage_options=options)
     held = 0  # the most parts this rank held after a step
+    uploaded = {}  # the part numbers this rank uploaded, per file
     try:
         with spread_folder(out, overwrite=False, commit="config.json") as target:
             for name, data, run in (("big", big, (3 << 20) + 1), ("small", small, 100)):
@@ -266,6 +267,7 @@ def _two_rank_save(rank, world, options, url, fail):
                 if fail == "steps" and rank == 1:
                     f.step()
                 f.finish()
+                uploaded[name] = sorted(f.etags)
             if rank == 0:
                 target.put("config.json", b"{}")
             if fail == "commit" and rank == 0:  # "big" is completed, "small" is refused
@@ -279,18 +281,23 @@ def _two_rank_save(rank, world, options, url, fail):
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         return type(exc).__name__, str(exc)
     dist.barrier()
-    return held
+    return held, uploaded
 
 
 @multirank
 @pytest.mark.parametrize("order", [None, "ordered"], ids=["shuffled", "ordered"])
 def test_two_ranks_owning_alternating_runs_write_files_that_read_back_exact(s3, order):
     server, root = s3
-    held = run_ranks(_two_rank_save, server.options, f"s3://{root}/out", order)
+    (held0, uploaded0), (held1, uploaded1) = run_ranks(_two_rank_save, server.options,
+                                                       f"s3://{root}/out", order)
+    # Part k of the i-th file is uploaded by rank (i + k) % 2: the second file, of one part,
+    # by rank 1.
+    assert uploaded0 == {"big": [1, 3, 5], "small": []}
+    assert uploaded1 == {"big": [2, 4], "small": [1]}
     if order == "ordered":
         # Windows in file order: a part is uploaded and freed at the step that completes it,
         # so after a step a rank holds at most the part the window ends in (of 5 parts).
-        assert max(held) == 1
+        assert max(held0, held1) == 1
     assert _objects(server, root) == {"out/big": _data(4 * PART + 999, seed=6),
                                       "out/small": _data(3000, seed=7),
                                       "out/config.json": b"{}"}

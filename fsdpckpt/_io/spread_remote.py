@@ -2,29 +2,30 @@
 rank uploads its own bytes, as parts of one multipart upload per file.
 
 A file is cut into fixed parts (:func:`~fsdpckpt._io.multipart.part_size`; S3 wants 5 MiB
-or more but for the last); part ``k`` (from 0) is uploaded by rank ``k % world``, as part
-number ``k + 1``. :meth:`_File.write` copies the bytes of this rank's own parts into their
-part's buffer and queues the bytes of the others' parts; at each :meth:`_File.step` (every
-rank, after each window of a tensor) the queued bytes move to the rank that owns their
-part (:class:`~fsdpckpt._io.spread_rounds.Ranks`), and each rank uploads its parts that
-are complete and frees them. So a rank holds about one window's share plus the parts it is
-filling, whatever the file's size, and no byte goes through a rank other than the one
-that uploads it. :meth:`_File.finish` uploads the rest, refuses a part some byte of which
-was never written (a byte written twice is refused when it arrives), and sends the part
-ETags to rank 0.
+or more but for the last); part ``k`` (from 0) of the ``i``-th file opened is uploaded by
+rank ``(i + k) % world``, as part number ``k + 1`` (so files of one part, smaller than a
+part, are spread over the ranks too). :meth:`_File.write` copies the bytes of this rank's
+own parts into their part's buffer and queues the bytes of the others' parts; at each
+:meth:`_File.step` (every rank, after each window of a tensor) the queued bytes move to the
+rank that owns their part (:class:`~fsdpckpt._io.spread_rounds.Ranks`), and each rank
+uploads its parts that are complete (a few at once) and frees them. So a rank holds about
+one window's share plus the parts it is filling, whatever the file's size, and no byte goes
+through a rank other than the one that uploads it. :meth:`_File.finish` uploads the rest,
+refuses a part some byte of which was never written (a byte written twice is refused when
+it arrives), and sends the part ETags to rank 0.
 
-Rank 0 completes the uploads, and only then: rank 0 starts every upload (:meth:`open`,
-its upload ID sent to the others) and at the end of the block knows every ETag (a few dozen
-bytes a part), so one rank does every request that makes an object appear, after every rank
-said it finished every part. The commit, as :mod:`fsdpckpt._io.publish_remote`'s: the
-uploads are completed in the order opened and the small files put (:meth:`put`) after
-them, the ``commit`` file (the one a reader opens first) last; each appears whole or not
-at all.
+Rank 0 starts every upload (:meth:`_Target.open`, its upload ID sent to the others) and
+completes them all: the ETags it gathers are a few dozen bytes a part, and with one rank
+making every object appear, none appears before every rank said it finished every part.
+The commit, as :mod:`fsdpckpt._io.publish_remote`'s: the uploads are completed in the order
+opened and the small files put (:meth:`_Target.put`) after them, the ``commit`` file (the
+one a reader opens first) last; each appears whole or not at all.
 
 A failure on any rank (an error, a failed upload, Ctrl-C) reaches every rank at its next
 exchange; then rank 0 aborts the uploads not completed and deletes the objects already
 written (as :func:`~fsdpckpt._io.publish_remote.undo`), the ranks meet once more so none
-returns before that, and every rank raises the same error.
+returns before that, and every rank raises the same error. A rank that dies is noticed when
+an exchange fails; the others then abort every upload they know of (each knows every ID).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class _File:
         self.part = multipart.part_size(size)
         self.count = max(1, -(-size // self.part))  # an empty file: one empty part
         ranks = target.ranks
-        self.mine = range(ranks.rank, self.count, ranks.world)
+        self.mine = range((ranks.rank - index) % ranks.world, self.count, ranks.world)
         self.parts: dict[int, _Part] = {}
         self.etags: dict[int, str] = {}  # part number: ETag, of this rank's uploaded parts
         self.outbox = Outbox(ranks.world)
@@ -124,10 +125,11 @@ class _File:
             k = at // self.part
             stop = min(end, (k + 1) * self.part)
             piece = view[at - offset:stop - offset]
-            if k % ranks.world == ranks.rank:
+            owner = (self.index + k) % ranks.world
+            if owner == ranks.rank:
                 self._take(k, at, piece)
             else:
-                self.outbox.add(k % ranks.world, at, piece)
+                self.outbox.add(owner, at, piece)
             at = stop
 
     def _take(self, k: int, at: int, view: memoryview) -> None:

@@ -187,6 +187,29 @@ def test_a_file_never_finished_is_refused_and_its_upload_aborted(s3):
     assert _open_uploads(server, root) == []
 
 
+def test_a_caller_that_swallows_a_failed_exchange_cannot_exchange_again(s3, monkeypatch):
+    # The other ranks stopped at that exchange: another one would wait for them forever.
+    from fsdpckpt._io import spread_rounds
+
+    server, root = s3
+    out = location(f"s3://{root}/out", storage_options=server.options)
+
+    def failed(self, heads, send):
+        raise FsdpCkptError("injected: the exchange failed")
+
+    with pytest.raises(FsdpCkptError, match=r"the end of the block after a failed exchange"), \
+            spread_folder(out, overwrite=False, commit="config.json") as target:
+        f = target.open("weights", 3)
+        f.write(0, b"abc")
+        with monkeypatch.context() as patch, pytest.raises(FsdpCkptError, match="injected"):
+            patch.setattr(spread_rounds.Ranks, "_move", failed)
+            f.step()
+        with pytest.raises(FsdpCkptError, match=r"step\(\) after a failed exchange"):
+            f.step()
+    assert _objects(server, root) == {}
+    assert _open_uploads(server, root) == []
+
+
 def test_a_store_without_multipart_uploads_is_refused():
     out = location("memory://fsdpckpt-spread/out")
     with pytest.raises(OptionError, match="s3://"), \

@@ -106,6 +106,9 @@ class Ranks:
             BaseException: a rank failed, or the ranks are at different points: the same
                 error on every rank (``error`` itself on the rank it came from).
         """
+        if self.failed:  # an error of a round was caught and the caller went on
+            raise FsdpCkptError(f"{self.where}: {_POINTS[point]} after a failed exchange; "
+                                "the ranks stopped, leave the block")
         with signals_deferred():
             try:
                 return self._round(point, check, error, send)

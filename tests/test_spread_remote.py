@@ -111,17 +111,21 @@ def test_uploads_complete_in_order_then_the_small_files_then_the_commit_file(s3,
 
     monkeypatch.setattr(multipart.Upload, "complete", completed)
     monkeypatch.setattr(spread_remote, "put_bytes", puts)
-    out = location(f"s3://{root}/out", storage_options=server.options)
-    with spread_folder(out, overwrite=False, commit="config.json") as target:
-        target.put("config.json", b"{}")
-        for name in ("b.safetensors", "a.safetensors"):
-            f = target.open(name, 3)
-            f.write(0, b"abc")
-            f.finish()
-        target.put("model.safetensors.index.json", b"{}")
-        assert order == []
-    assert order == ["b.safetensors", "a.safetensors", "model.safetensors.index.json",
-                     "config.json"]
+    for commit, last in (("config.json", ["b.safetensors", "a.safetensors",
+                                          "model.safetensors.index.json", "config.json"]),
+                         ("b.safetensors", ["a.safetensors", "config.json",
+                                            "model.safetensors.index.json", "b.safetensors"])):
+        order.clear()
+        out = location(f"s3://{root}/{commit}", storage_options=server.options)
+        with spread_folder(out, overwrite=False, commit=commit) as target:
+            target.put("config.json", b"{}")
+            for name in ("b.safetensors", "a.safetensors"):
+                f = target.open(name, 3)
+                f.write(0, b"abc")
+                f.finish()
+            target.put("model.safetensors.index.json", b"{}")
+            assert order == []
+        assert order == last
 
 
 def test_an_output_holding_files_is_refused_unless_overwrite(s3):

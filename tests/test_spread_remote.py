@@ -236,6 +236,22 @@ def test_a_5xx_on_a_part_upload_raises_naming_the_object_and_leaves_nothing(s3):
     assert _open_uploads(server, root) == []
 
 
+def test_a_part_upload_retried_after_a_5xx_sends_the_same_bytes_again(s3):
+    # The part's body is a file over its buffer, read in pieces: a retry seeks back to 0.
+    server, root = s3
+    data = _data(2 * PART + 1, seed=8)
+    with FaultProxy(server.endpoint) as proxy:
+        out = location(f"s3://{root}/out", storage_options=proxy.storage_options())
+        proxy.fault("error", when=lambda r: r.method == "PUT" and "partNumber=" in r.target,
+                    times=2)
+        with spread_folder(out, overwrite=False, commit="config.json") as target:
+            f = target.open("weights", len(data))
+            f.write(0, data)
+            f.finish()
+        assert proxy.faulted == 2
+    assert _objects(server, root) == {"out/weights": data}
+
+
 # -- two ranks ------------------------------------------------------------------------------
 
 def _runs(size: int, run: int) -> list[tuple[int, int, int]]:

@@ -399,12 +399,12 @@ def test_a_peft_model_needs_lora_and_a_plain_one_refuses_it(tmp_path):
 def test_another_ranks_error_is_raised_as_the_same_class_message_and_errno():
     import errno
 
-    from fsdpckpt._io.spread_local import _same_error
+    from fsdpckpt._io.spread_rounds import same_error
 
-    full = _same_error("DiskFullError", "/out: no space left", errno.ENOSPC, 1)
+    full = same_error("DiskFullError", "/out: no space left", 1, errno.ENOSPC)
     assert isinstance(full, fsdpckpt.DiskFullError) and full.errno == errno.ENOSPC
     assert str(full) == "/out: no space left"
-    exists = _same_error("OutputExistsError", "/out: already holds files", None, 0)
+    exists = same_error("OutputExistsError", "/out: already holds files", 0)
     assert isinstance(exists, OutputExistsError) and str(exists) == "/out: already holds files"
-    other = _same_error("RuntimeError", "boom", None, 1)
+    other = same_error("RuntimeError", "boom", 1)
     assert type(other) is fsdpckpt.FsdpCkptError and str(other).startswith("rank 1 failed")

@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from fsdpckpt import errors
 from fsdpckpt._io.durable import fsync_dir, write_bytes
 from fsdpckpt._io.publish import STAGING_PREFIX, stage_in
 from fsdpckpt._io.rawio import pwrite_all
+from fsdpckpt._io.spread_rounds import same_error
 from fsdpckpt._io.staging import output_mode
 from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import (
@@ -43,29 +43,13 @@ __all__ = ["Exchange", "local_spread_folder"]
 _T = TypeVar("_T")
 
 
-def _same_error(kind: str, message: str, code: int | None, rank: int) -> BaseException:
-    # The failing rank's error as the other ranks raise it: the same class and message for
-    # fsdpckpt's own errors (an existing output, a full disk...), else one naming the rank.
-    cls = getattr(errors, kind, None)
-    if isinstance(cls, type) and issubclass(cls, FsdpCkptError) and cls is not FsdpCkptError:
-        # One argument for most; (errno, message) for those that print the message alone.
-        for args in [(message,), (code or errno.EIO, message)]:
-            try:
-                made = cls(*args)
-            except TypeError:
-                continue
-            if str(made) == message:
-                return made
-    return FsdpCkptError(f"rank {rank} failed, so this rank stops too: {message}")
-
-
 class Exchange:
     """The ranks of ``group`` (or a single process) at the fixed points where they agree.
 
     :meth:`agree` runs a step on every rank and returns every rank's small result, or
     raises on every rank the error a rank met (the failing rank its own, the others
-    :func:`_same_error`'s copy). Once a failure was exchanged (:attr:`failed`), no rank
-    exchanges again: every rank knows.
+    :func:`~fsdpckpt._io.spread_rounds.same_error`'s copy). Once a failure was exchanged
+    (:attr:`failed`), no rank exchanges again: every rank knows.
     """
 
     def __init__(self, group: Any = None) -> None:
@@ -88,7 +72,7 @@ class Exchange:
         failed = [(rank, error) for rank, (error, _) in enumerate(reports) if error]
         if failed:
             rank, (kind, message, code) = failed[0]
-            raise self.fail(_same_error(kind, message, code, rank), rank)
+            raise self.fail(same_error(kind, message, rank, code or 0), rank)
         return [value for _, value in reports]
 
     def fail(self, error: BaseException, rank: int | None = None) -> BaseException:

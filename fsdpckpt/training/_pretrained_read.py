@@ -34,6 +34,26 @@ BOX_BYTES = 32 * 2**20
 Piece = tuple[Any, tuple[int, ...]]
 
 
+def dtensor_box(key: str, value: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Where this rank's local tensor of the DTensor ``value`` lies in the full tensor:
+    ``(offsets, sizes)``, or None where this rank holds none of it.
+
+    DCP's own answer (``__create_chunk_list__``, what ``dcp.save`` records), so a box here is
+    where DCP puts it, ``_StridedShard`` (FSDP over tensor parallel) included.
+
+    Raises:
+        OptionError: a local tensor that is not one box of the full tensor.
+    """
+    chunks = value.__create_chunk_list__()
+    if not chunks:
+        return None
+    local = value.to_local()
+    if len(chunks) > 1 or tuple(chunks[0].sizes) != tuple(local.shape):
+        raise OptionError(f"model key '{key}': a DTensor whose local tensor is not one "
+                          f"box of the full tensor (placements {value.placements}).")
+    return tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+
+
 def local_pieces(key: str, value: Any) -> list[Piece]:
     """This rank's pieces of the state-dict value ``value`` (key ``key``) and where each
     starts in the full tensor.
@@ -50,12 +70,8 @@ def local_pieces(key: str, value: Any) -> list[Piece]:
                               "whose local tensors are partial values to be reduced, not "
                               "pieces of the weight; load before wrapping it so.")
         local = value.to_local()
-        # DCP's own answer to where the local tensor lies (_StridedShard included).
-        chunks = value.__create_chunk_list__() if local.numel() else []
-        if len(chunks) > 1 or (chunks and tuple(chunks[0].sizes) != tuple(local.shape)):
-            raise OptionError(f"model key '{key}': a DTensor whose local tensor is not one "
-                              f"box of the full tensor (placements {value.placements}).")
-        pieces = [(local, tuple(chunks[0].offsets))] if chunks else []
+        box = dtensor_box(key, value) if local.numel() else None
+        pieces = [(local, box[0])] if box else []
     elif callable(getattr(value, "local_shards", None)):
         pieces = [(s.tensor, tuple(s.metadata.shard_offsets)) for s in value.local_shards()]
     else:

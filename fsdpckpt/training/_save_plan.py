@@ -26,6 +26,7 @@ from fsdpckpt.errors import MergePlanError
 from fsdpckpt.formats import TensorSpec
 from fsdpckpt.formats._shards import index_bytes
 from fsdpckpt.merging.plan import MergePlan, computed_plan, no_metadata, parse_dtype, parse_size
+from fsdpckpt.training._pretrained_read import dtensor_box
 
 __all__ = ["SavedTensor", "SavedFile", "SavePlan", "owned_boxes", "plan_save",
            "exported_dtype_name", "held_chunks", "dcp_order"]
@@ -118,17 +119,15 @@ def owned_boxes(key: str, value: Any, rank: int) -> tuple[tuple[int, Chunk], ...
     """The boxes of ``value`` (a state-dict value) this rank writes, each with the index of
     the local tensor that holds it.
 
-    A DTensor: this rank's box (torch's ``compute_local_shape_and_global_offset``, as DCP
-    places it), written only by the ranks at coordinate 0 of every mesh dimension it is
-    replicated over. A ShardedTensor (FSDP1): each local shard, unless a lower rank holds
-    the same box. A plain tensor (DDP, a plain module, FSDP2's unsharded buffers): rank 0.
+    A DTensor: this rank's box, as DCP places it (``_pretrained_read.dtensor_box``),
+    written only by the ranks at coordinate 0 of every mesh dimension it is replicated over.
+    A ShardedTensor (FSDP1): each local shard, unless a lower rank holds the same box.
+    A plain tensor (DDP, a plain module, FSDP2's unsharded buffers): rank 0.
 
     Raises:
         MergePlanError: a DTensor with a ``Partial`` placement (not reduced yet).
     """
     if hasattr(value, "device_mesh"):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         mesh, placements = value.device_mesh, value.placements
         if any(p.is_partial() for p in placements):
             raise MergePlanError(f"{key}: a DTensor with a Partial placement ({placements}) "
@@ -138,11 +137,8 @@ def owned_boxes(key: str, value: Any, rank: int) -> tuple[tuple[int, Chunk], ...
         if coordinate is None or any(p.is_replicate() and c != 0
                                      for p, c in zip(placements, coordinate)):
             return ()
-        shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, placements)
-        if tuple(value.to_local().shape) != tuple(shape):
-            raise MergePlanError(f"{key}: the local tensor is {tuple(value.to_local().shape)}, "
-                                 f"its placements say {tuple(shape)}")
-        return ((0, _box(offset, shape)),) if math.prod(shape) else ()
+        box = dtensor_box(key, value)
+        return ((0, _box(*box)),) if box and math.prod(box[1]) else ()
     if hasattr(value, "local_shards"):
         owner: dict[tuple, int] = {}
         for meta in value.metadata().shards_metadata:
@@ -169,13 +165,10 @@ def held_chunks(state: Mapping[str, Any]) -> list[HeldChunk]:
             continue
         size = value.dtype.itemsize
         if hasattr(value, "device_mesh"):
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            if value.device_mesh.get_coordinate() is None:
-                continue
-            shape, offset = compute_local_shape_and_global_offset(
-                value.shape, value.device_mesh, value.placements)
-            held.append((key, tuple(offset), math.prod(shape) * size))
+            box = dtensor_box(key, value) if value.device_mesh.get_coordinate() is not None \
+                else None
+            if box is not None:
+                held.append((key, box[0], math.prod(box[1]) * size))
         elif hasattr(value, "local_shards"):
             held += [(key, tuple(s.metadata.shard_offsets), s.tensor.numel() * size)
                      for s in value.local_shards()]

@@ -51,6 +51,8 @@ if TYPE_CHECKING:  # what mypy and editors see; at run time, ``__getattr__`` bel
     from fsdpckpt.merging.plan import MergePlan, plan_merge
     from fsdpckpt.merging.to_dcp import ConvertResult, convert
     from fsdpckpt.training.manager import CheckpointManager
+    from fsdpckpt.training.pretrained import load_pretrained
+    from fsdpckpt.training.pretrained_save import save_pretrained
     from fsdpckpt.training.state import AsyncSave, LoadResult, load_state, save_state
 
 #: Where each public name lives, imported on first use (PEP 562): ``import fsdpckpt`` loads
@@ -70,7 +72,8 @@ _LAZY = {
     "plan_merge": "merging.plan", "MergePlan": "merging.plan",
     "save_state": "training.state", "load_state": "training.state",
     "LoadResult": "training.state", "AsyncSave": "training.state",
-    "CheckpointManager": "training.manager",
+    "CheckpointManager": "training.manager", "load_pretrained": "training.pretrained",
+    "save_pretrained": "training.pretrained_save",
     "export_hf": "export.hf", "ExportResult": "export.hf",
 }
 
@@ -127,12 +130,14 @@ __all__ = [
     "DiskFullError",
     "OutputNotWritableError",
     "save_state",
+    "load_pretrained",
     "load_state",
     "LoadResult",
     "AsyncSave",
     "StateMismatchError",
     "ResumeWarning",
     "CheckpointManager",
+    "save_pretrained",
     "verify_checkpoint",
     "export_hf",
     "ExportResult",

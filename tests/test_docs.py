@@ -214,10 +214,11 @@ def test_markers_sit_right_before_a_block_that_would_run():
                 "and sit just before a bash, console or python block"
 
 
-def test_the_training_page_shows_the_example_file_verbatim():
-    example = (ROOT / "docs" / "training_example.py").read_text(encoding="utf-8")
+@pytest.mark.parametrize("name", ["training_example.py", "run_example.py"])
+def test_the_training_page_shows_the_example_files_verbatim(name):
+    example = (ROOT / "docs" / name).read_text(encoding="utf-8")
     shown = [b.code for b in blocks(ROOT / "docs" / "training.md") if b.tag in PYTHON_TAGS]
-    assert example in shown, "docs/training.md must show docs/training_example.py as it is"
+    assert example in shown, f"docs/training.md must show docs/{name} as it is"
 
 
 def test_the_block_reader_follows_the_rule(tmp_path):

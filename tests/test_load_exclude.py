@@ -131,7 +131,8 @@ def test_a_glob_does_not_hide_other_mismatches(tmp_path):
 
 
 @pytest.mark.parametrize("exclude, match", [
-    ("optimzer", r"unknown part 'optimzer'.*optimizer, scheduler, scaler, rng, extra"),
+    ("optimzer", r"unknown part 'optimzer'.*optimizer, scheduler, scaler, rng, extra, "
+                 "dataloader"),
     ("lm_head.*", r"exclude='lm_head\.\*' matches no key"),
     (["optimizer", "3.*"], r"exclude='3\.\*' matches no key"),
 ])

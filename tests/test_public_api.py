@@ -30,7 +30,7 @@ PUBLIC = {
     "DiskFullError", "OutputNotWritableError",
     # training
     "save_state", "load_state", "LoadResult", "AsyncSave", "StateMismatchError",
-    "ResumeWarning", "CheckpointManager",
+    "ResumeWarning", "CheckpointManager", "load_pretrained", "save_pretrained",
     # exporting
     "export_hf", "ExportResult", "ExportMismatchError",
 }

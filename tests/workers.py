@@ -270,3 +270,14 @@ def save_like_verl_fsdp1(rank: int, world: int, ckpt: str, use_orig_params: bool
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         torch.save(model.state_dict(), f"{ckpt}/model_world_size_{world}_rank_{rank}.pt")
     torch.save(optimizer.state_dict(), f"{ckpt}/optim_world_size_{world}_rank_{rank}.pt")
+
+
+def run_example(rank: int, world: int, root: str, pretrained: str, run_dir: str,
+                steps: int) -> list[float]:
+    """docs/run_example.py's main on this rank: its losses; the final model in run_dir-final."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_example", f"{root}/docs/run_example.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.main(pretrained, run_dir, f"{run_dir}-final", total_steps=steps)

@@ -70,9 +70,12 @@ def spread_folder(out: Place, *, overwrite: bool, commit: str,
         commit: the file a reader opens first (``config.json``): published last.
         group: the process group (None: the default one, or a single process).
     """
+    opener: Any
     if commits_by_rename(out):
-        from fsdpckpt._io.spread_local import local_spread_folder as opener
+        from fsdpckpt._io.spread_local import local_spread_folder
+        opener = local_spread_folder
     else:
-        from fsdpckpt._io.spread_remote import remote_spread_folder as opener
+        from fsdpckpt._io.spread_remote import remote_spread_folder
+        opener = remote_spread_folder
     with opener(out, overwrite=overwrite, commit=commit, group=group) as target:
         yield target

@@ -1,17 +1,17 @@
 """The files saved beside a checkpoint's DCP folders, decoded by the one reader ``load_state`` uses.
 
-``scheduler.bin`` (``scheduler_{i}.bin``, HF Trainer's ``scheduler.pt``), ``scaler.pt`` and
-``custom_checkpoint_{i}.pkl`` are ``torch.save`` archives of a ``state_dict()``:
-:func:`read_state_file` decodes them through the allowlist of non-tensor entries (plain
-Python values and tensors, :mod:`fsdpckpt.dcp._objects`), never ``torch.load``. RNG files
-are decoded by :mod:`fsdpckpt.dcp._rngfile`. ``fsdpckpt.load_state`` reads every one of
-them this way; :func:`check_side_files` runs the same readers for ``inspect`` and
-``verify``, so a side file that a full disk left empty or cut short is reported before a
-resume trips over it. Files fsdpckpt never loads (Accelerate's ``sampler.bin``, a
-dataloader's state, HF Trainer's ``training_args.bin``, VeRL's extra state) pickle objects
-of their own classes: their archive is checked (its directory, and each entry's CRC-32),
-not unpickled. Stray temporary files (``fsdpckpt.json.tmp``...) are named: a save that
-did not finish left them.
+``scheduler.bin`` (``scheduler_{i}.bin``, HF Trainer's ``scheduler.pt``), ``scaler.pt``,
+``custom_checkpoint_{i}.pkl`` and a dataloader's ``dl_state_dict*.bin`` are ``torch.save``
+archives of a ``state_dict()``: :func:`read_state_file` decodes them through the allowlist
+of non-tensor entries (plain Python values and tensors, :mod:`fsdpckpt.dcp._objects`), never
+``torch.load``. RNG files are decoded by :mod:`fsdpckpt.dcp._rngfile`.
+``fsdpckpt.load_state`` reads every one of them this way; :func:`check_side_files` runs the
+same readers for ``inspect`` and ``verify``, so a side file that a full disk left empty or
+cut short is reported before a resume trips over it. Files fsdpckpt never loads
+(Accelerate's ``sampler.bin``, HF Trainer's ``training_args.bin``, VeRL's extra state)
+pickle objects of their own classes: their archive is checked (its directory, and each
+entry's CRC-32), not unpickled. Stray temporary files (``fsdpckpt.json.tmp``...) are named:
+a save that did not finish left them.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ _STATE_KINDS = {
     "scheduler": "scheduler state",
     "scaler": "scaler state",
     "custom": "custom checkpoint state",
+    "dataloader": "dataloader state",
 }
 #: Side files fsdpckpt never loads: their archive is checked, not unpickled.
-_ARCHIVE_KINDS = ("sampler", "dataloader", "training_args", "extra_state")
+_ARCHIVE_KINDS = ("sampler", "training_args", "extra_state")
 
 
 def _size(path: Place, what: str) -> int:

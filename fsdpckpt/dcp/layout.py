@@ -22,8 +22,14 @@ from fsdpckpt.dcp._perrank import find_rank_sets
 from fsdpckpt.dcp.reader import METADATA_FILE
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError, RemoteStorageError
 
-__all__ = ["INCOMPLETE", "CheckpointLayout", "DcpPart", "SideFile", "find_layout",
-           "refuse_unfinished_save"]
+__all__ = ["DATALOADER_STATE", "INCOMPLETE", "CheckpointLayout", "DcpPart", "SideFile",
+           "find_layout", "refuse_unfinished_save"]
+
+#: A dataloader's state: Accelerate's ``dl_state_dict.bin`` (``dl_state_dict_{i}.bin`` for
+#: loader i), which fsdpckpt's rank 0 writes too, and the other ranks' own states
+#: ``dl_state_dict[_{i}]_rank{r}.bin`` (training/_dataloader.py says why these names).
+DATALOADER_STATE = re.compile(r"^dl_state_dict(?:_(?P<index>\d{1,9}))?(?:_rank(?P<rank>\d{1,9}))?"
+                              r"\.bin$")
 
 # (pattern, kind) for the files saved beside the DCP folders; the first match wins.
 _SIDE_FILES = [
@@ -33,7 +39,7 @@ _SIDE_FILES = [
     (re.compile(r"^rng_state(_(\d{1,9}))?\.pth$"), "rng"),
     (re.compile(r"^scheduler(_\d+)?\.(bin|pt)$"), "scheduler"),
     (re.compile(r"^sampler(_\d+)?\.bin$"), "sampler"),
-    (re.compile(r"^dl_state_dict(_\d+)?\.bin$"), "dataloader"),
+    (DATALOADER_STATE, "dataloader"),
     (re.compile(r"^scaler\.pt$"), "scaler"),
     (re.compile(r"^custom_checkpoint_(\d+)\.pkl$"), "custom"),
     (re.compile(r"^trainer_state\.json$"), "trainer_state"),
@@ -224,6 +230,8 @@ def _side_file(entry: _Entry) -> SideFile | None:
         if match := pattern.match(entry.name):
             digits = [g for g in match.groups() if g and g.isdigit()]
             rank = int(digits[0]) if digits and kind == "rng" else None
+            if kind == "dataloader" and match.group("rank"):  # Accelerate's own name: shared
+                rank = int(match.group("rank"))
             return SideFile(entry.name, kind, rank, entry.size())
     return None
 

@@ -17,7 +17,7 @@ from fsdpckpt.training._statecheck import Comparison
 
 __all__ = ["PARTS", "Exclusion", "exclusion"]
 
-PARTS = ("optimizer", "scheduler", "scaler", "rng", "extra")
+PARTS = ("optimizer", "scheduler", "scaler", "rng", "extra", "dataloader")
 """The parts of a checkpoint ``exclude`` may name; the model is left out by key globs."""
 
 _GLOB_CHARS = set("*?[.")

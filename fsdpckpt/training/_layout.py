@@ -53,7 +53,7 @@ def scheduler_file(root: Place, i: int, *, reading: bool = False) -> Any:
 
 
 _PART_PATTERNS = ("pytorch_model_fsdp_*", "optimizer_*", "random_states_*.pkl", "scheduler*.bin",
-                  "scaler.pt", "custom_checkpoint_*.pkl", "fsdpckpt.json")
+                  "scaler.pt", "custom_checkpoint_*.pkl", "dl_state_dict*.bin", "fsdpckpt.json")
 
 
 def remove_stale_parts(root: Path) -> None:

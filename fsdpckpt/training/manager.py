@@ -119,7 +119,8 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def save(self, step: int, **parts: Any) -> None:
-        """Save ``parts`` (model=, optimizer=, scheduler=... as for save_state) as step ``step``."""
+        """Save ``parts`` (model=, optimizer=, scheduler=, dataloader=... as for save_state) as
+        step ``step``."""
         self.wait()
         rank, _world = rank_world()
         everywhere(lambda: self._commits.start(step) if rank == 0 else None)
@@ -145,13 +146,16 @@ class CheckpointManager:
                 **parts: Any) -> int | None:
         """Load the newest checkpoint into ``parts``; return its step, or None if there is none.
 
-        ``exclude`` leaves parts (``"optimizer"``...) or model keys (globs such as
-        ``"lm_head.*"``) out, as for :func:`load_state`: to fine-tune from a run's
-        checkpoint with a new optimizer or head.
+        ``parts`` are those of :func:`load_state` (model=, optimizer=, scheduler=,
+        dataloader=...). ``exclude`` leaves parts (``"optimizer"``, ``"dataloader"``...) or
+        model keys (globs such as ``"lm_head.*"``) out, as for :func:`load_state`: to
+        fine-tune from a run's checkpoint with a new optimizer or head, or on another world
+        size with fresh dataloaders.
 
         What :func:`load_state` reports is not dropped: each of its warnings (the RNG
         policy applied when the world size changed...) is issued as a
-        :class:`~fsdpckpt.training.state.ResumeWarning` on the rank it concerns, and the whole
+        :class:`~fsdpckpt.training.state.ResumeWarning` on the rank it concerns (the RNG and
+        dataloader policies on another world size), and the whole
         :class:`~fsdpckpt.training.state.LoadResult` is kept in :attr:`last_restore`.
 
         Raises:

@@ -34,6 +34,7 @@ from fsdpckpt.errors import (
 )
 from fsdpckpt.training import _remote
 from fsdpckpt.training._commit import AsyncSave, Finish
+from fsdpckpt.training._dataloader import dataloader_parts, prepare_dataloaders, stateful
 from fsdpckpt.training._dcp_io import check_local_reads, safe_load_planner, safe_storage_reader
 from fsdpckpt.training._diskfull import raising_disk_full, removed_on_failure
 from fsdpckpt.training._dist import async_group, dcp_call, dist_or_none, everywhere, rank_world
@@ -66,23 +67,32 @@ class LoadResult:
     Attributes:
         step: the step saved with the checkpoint, or None.
         restored: the parts restored, e.g. ``("model", "optimizer", "scheduler", "rng")``.
-        warnings: things the caller should know (RNG policy on a new world size...).
+        warnings: things the caller should know (the RNG and dataloader policies on a new
+            world size...).
         excluded: what ``exclude=`` left out: the parts named, then ``"model:<key>"`` for
             each model key a glob matched (empty without ``exclude``).
+        missing, unexpected, mismatched: what a load with ``strict=False`` left alone
+            (``load_pretrained``): the model's keys the source lacks, the source's names
+            the model lacks, and the keys both hold with different shapes (empty otherwise).
     """
 
     step: int | None
     restored: tuple[str, ...]
     warnings: tuple[str, ...]
     excluded: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    mismatched: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        """The result as JSON: ``{"step", "restored", "warnings"}``, and ``"excluded"``
-        when ``exclude=`` left something out (so a plain load's JSON is as it was)."""
+        """The result as JSON: ``{"step", "restored", "warnings"}``, and ``"excluded"``,
+        ``"missing"``, ``"unexpected"``, ``"mismatched"`` when not empty (so a plain load's
+        JSON is as it was)."""
         data: dict[str, Any] = {"step": self.step, "restored": list(self.restored),
                                 "warnings": list(self.warnings)}
-        if self.excluded:
-            data["excluded"] = list(self.excluded)
+        for name in ("excluded", "missing", "unexpected", "mismatched"):
+            if getattr(self, name):
+                data[name] = list(getattr(self, name))
         return data
 
 
@@ -102,7 +112,7 @@ def _pairs(models: list[Any], optimizers: list[Any]) -> list[tuple[Any, Any]]:
 def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any = None,
                optimizer: Any = None,
                scheduler: Any = None, *, step: int | None = None, scaler: Any = None,
-               extra: Mapping[str, Any] | None = None,
+               extra: Mapping[str, Any] | None = None, dataloader: Any = None,
                async_save: bool = False, manifest: bool = True,
                digest: str | None = None,
                storage_options: dict[str, Any] | None = None) -> AsyncSave | None:
@@ -121,6 +131,10 @@ def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
         scaler: a GradScaler (``scaler.pt``).
         extra: objects with ``state_dict()``, saved as ``custom_checkpoint_{i}.pkl`` in
             order (Accelerate's ``register_for_checkpointing`` numbering).
+        dataloader: a loader with ``state_dict()`` / ``load_state_dict()`` (torchdata's
+            ``StatefulDataLoader``, Accelerate's stateful loaders) or a list: each rank saves
+            its own state, rank 0 as Accelerate's ``dl_state_dict.bin``, rank r as
+            ``dl_state_dict_rank{r}.bin`` (:mod:`fsdpckpt.training._dataloader`).
         async_save: write model and optimizer in the background; returns an
             :class:`AsyncSave` whose ``wait()`` every rank must call.
         manifest: write ``fsdpckpt.json`` with every file's CRC-32 (recorded while
@@ -155,7 +169,7 @@ def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     if by_marker and not manifest:
         raise OptionError(f"{root}: on object storage the manifest is the commit marker "
                          "(docs/remote-training.md): saving there needs manifest=True")
-    models, optimizers = _as_list(model), _as_list(optimizer)
+    models, optimizers, loaders = _as_list(model), _as_list(optimizer), stateful(dataloader)
     def prepare() -> None:
         if rank != 0:
             return
@@ -170,12 +184,13 @@ def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     # A save that fails (a full disk...) leaves nothing that could pass for a checkpoint.
     with removed_on_failure(root, remove_stale_parts, rank=rank):
         return _save(root, models, optimizers, scheduler, step=step, scaler=scaler, extra=extra,
-                     async_save=async_save, manifest=manifest, digest=digest, rank=rank)
+                     loaders=loaders, async_save=async_save, manifest=manifest, digest=digest,
+                     rank=rank)
 
 
 def _save(root: Place, models: list[Any], optimizers: list[Any], scheduler: Any, *,
-          step: int | None, scaler: Any, extra: Mapping[str, Any] | None, async_save: bool,
-          manifest: bool, digest: str | None, rank: int) -> AsyncSave | None:
+          step: int | None, scaler: Any, extra: Mapping[str, Any] | None, loaders: list[Any],
+          async_save: bool, manifest: bool, digest: str | None, rank: int) -> AsyncSave | None:
     """Write every part of a save into the prepared folder ``root``, then the manifest."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -216,6 +231,8 @@ def _save(root: Place, models: list[Any], optimizers: list[Any], scheduler: Any,
 
     def write_side_files() -> None:
         write_side(root / f"random_states_{rank}.pkl", rng_state_bytes(step))
+        for path, loader in dataloader_parts(root, loaders, rank):  # every rank its own
+            write_side(path, torch_save_bytes(loader.state_dict()))
         if rank == 0:
             shared = [(scheduler_file(root, i), s) for i, s in enumerate(_as_list(scheduler))]
             shared += [(root / "scaler.pt", scaler)] if scaler is not None else []
@@ -239,12 +256,13 @@ def _save(root: Place, models: list[Any], optimizers: list[Any], scheduler: Any,
 
 
 def _read_everything(root: Place, models: list, optimizers: list, schedulers: list,
-                     scaler: Any, extra: Mapping[str, Any], rank: int, world: int) -> Any:
+                     scaler: Any, extra: Mapping[str, Any], loaders: list, rank: int,
+                     world: int) -> Any:
     """Read and check every part of a checkpoint before any training state changes.
 
     Returns the storage readers of the model and optimizer folders (their metadata
     parsed through the allowlist), the decoded scheduler, scaler and extra states,
-    and the prepared RNG state.
+    and the prepared dataloader and RNG states.
     """
     model_readers = [safe_storage_reader(model_folder(root, i)) for i in range(len(models))]
     optimizer_readers = [safe_storage_reader(optimizer_folder(root, i))
@@ -259,32 +277,36 @@ def _read_everything(root: Place, models: list, optimizers: list, schedulers: li
         else None
     extra_states = [_load_trusted(root / f"custom_checkpoint_{i}.pkl")
                     for i in range(len(extra))]
+    loaded = prepare_dataloaders(root, loaders, rank, world)
     rng = prepare_rng(root, rank, world)
-    return model_readers, optimizer_readers, scheduler_states, scaler_state, extra_states, rng
+    return (model_readers, optimizer_readers, scheduler_states, scaler_state, extra_states,
+            loaded, rng)
 
 
 def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any = None,
                optimizer: Any = None,
                scheduler: Any = None, *, scaler: Any = None,
-               extra: Mapping[str, Any] | None = None, strict: bool = True,
+               extra: Mapping[str, Any] | None = None, dataloader: Any = None,
+               strict: bool = True,
                exclude: str | Iterable[str] | None = None,
                storage_options: dict[str, Any] | None = None) -> LoadResult:
     """Load what :func:`save_state` (or ``accelerator.save_state``) wrote; call it on every rank.
 
     Model and optimizer reshard to the current world size. With ``strict``, a model
     whose keys or shapes differ from the checkpoint raises :class:`StateMismatchError`
-    before any state is changed. RNG state follows the policy in :mod:`fsdpckpt.training._rng`.
+    before any state is changed. RNG and dataloader state (each rank its own) follow the
+    policies of :mod:`fsdpckpt.training._rng` and :mod:`fsdpckpt.training._dataloader`.
 
     ``checkpoint_dir`` may be a URL (``s3://...``, with ``storage_options=`` as for
     :func:`save_state`); a remote folder whose save did not finish is refused.
 
     ``exclude`` (torchtitan's ``exclude_from_loading``), one name or several, leaves parts
     out, e.g. to fine-tune with a new optimizer or head: ``"optimizer"``, ``"scheduler"``,
-    ``"scaler"``, ``"rng"`` (the step is still read from the RNG file) or ``"extra"`` are
-    neither read nor loaded, even when their objects are passed, which keep their state;
-    any other name is an fnmatch glob on the model's state-dict keys (``"lm_head.*"``):
-    those keys are not loaded, and the strict check ignores them, so a new head of
-    another shape loads the rest strictly. A glob matching no key of the model or the
+    ``"scaler"``, ``"rng"`` (the step is still read from the RNG file), ``"dataloader"`` or
+    ``"extra"`` are neither read nor loaded, even when their objects are passed, which keep
+    their state; any other name is an fnmatch glob on the model's state-dict keys
+    (``"lm_head.*"``): those keys are not loaded, and the strict check ignores them, so a
+    new head of another shape loads the rest strictly. A glob matching no key of the model or the
     checkpoint, or an unknown part, raises :class:`OptionError` before anything changes.
 
     Returns:
@@ -313,14 +335,15 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     schedulers = [] if "scheduler" in skip else schedulers
     scaler = None if "scaler" in skip else scaler
     extra = None if "extra" in skip else extra
+    loaders = [] if "dataloader" in skip else stateful(dataloader)
     refresh(root)  # another process saved it: list it anew
     refuse_unfinished_save(root)  # a save cut short, or a copy of one
     check_parts(root, models, optimizers, schedulers)
     # All or nothing: every part is read and checked (on every rank, which agree) before
     # the first one is loaded, so a damaged file changes no training state.
-    model_readers, optimizer_readers, scheduler_states, scaler_state, extra_states, rng = \
-        everywhere(lambda: _read_everything(root, models, optimizers, schedulers, scaler,
-                                            extra or {}, rank, world))
+    model_readers, optimizer_readers, scheduler_states, scaler_state, extra_states, loaded, \
+        rng = everywhere(lambda: _read_everything(root, models, optimizers, schedulers, scaler,
+                                                  extra or {}, loaders, rank, world))
     templates = [get_model_state_dict(m) for m in models]
     comparisons = [compare(model_folder(root, i), s, "model") for i, s in enumerate(templates)]
     skip.check_globs([k for s, c in zip(templates, comparisons) for k in [*s, *c.unexpected]])
@@ -374,9 +397,11 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     for (name, obj), state in zip((extra or {}).items(), extra_states):
         obj.load_state_dict(state)
         restored.append(f"extra:{name}")
+    loaded.apply()
+    restored += ["dataloader"] * bool(loaders)
     excluded = (*sorted(skip.parts), *(f"model:{k}" for k in skipped_keys))
     if "rng" in skip:  # the step only: the policy's warnings are about state not applied
-        return LoadResult(rng.step, tuple(restored), (), excluded)
-    rng.apply()
+        return LoadResult(rng.step, tuple(restored), tuple(loaded.warnings), excluded)
+    rng.apply()  # last: nothing loaded after it may draw from the restored generators
     restored += ["rng"] * (rng.step is not None or not rng.warnings)
-    return LoadResult(rng.step, tuple(restored), tuple(rng.warnings), excluded)
+    return LoadResult(rng.step, tuple(restored), (*rng.warnings, *loaded.warnings), excluded)

@@ -1,0 +1,98 @@
+"""The files ``save_pretrained`` writes beside the weights: the config (from ``base`` as
+export-hf finds it, or the model's own), generation config, tokenizer and chat template."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fsdpckpt.errors import CheckpointNotFoundError
+from fsdpckpt.export._config import (
+    CONFIG,
+    GENERATION_CONFIG,
+    find_side_files,
+    read_config,
+    strip_fsdp_prefix,
+)
+
+__all__ = ["Side", "side_files", "unwrapped", "peft_root"]
+
+#: Wrappers are a few deep (DDP, FSDP1, torch.compile); a longer chain is a cycle.
+_DEPTH = 8
+
+
+def _innermost(model: Any) -> Any:
+    # Under DDP and FSDP1 (``.module``) and torch.compile (``._orig_mod``). FSDP1 forwards
+    # unknown attributes to the module it wraps, so the wrapper itself seems to have a
+    # config: it is looked through first.
+    for _ in range(_DEPTH):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None or not callable(getattr(inner, "state_dict", None)):
+            return model
+        model = inner
+    return model
+
+
+def peft_root(model: Any) -> Any:
+    """The PEFT model under DDP / FSDP1 / ``torch.compile`` wrappers, or None."""
+    model = _innermost(model)
+    return model if hasattr(model, "peft_config") else None
+
+
+def unwrapped(model: Any) -> Any:
+    """The model the user built (its class names the architecture): under DDP / FSDP1
+    and ``torch.compile``, and the base model of a PEFT model."""
+    model = _innermost(model)
+    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model
+
+
+@dataclass(frozen=True)
+class Side:
+    """The files beside the weights.
+
+    Attributes:
+        config: the config as read (``exported_config`` fixes it for the weights).
+        config_from: where it came from. copied: ``(source path, name)`` of each file
+            copied from ``base``. made: ``(name, bytes)`` of each file made from the model.
+    """
+
+    config: dict[str, Any]
+    config_from: Any
+    copied: tuple[tuple[Any, str], ...]
+    made: tuple[tuple[str, bytes], ...]
+
+
+def _model_side(model: Any, output: Any) -> Side:
+    inner = unwrapped(model)
+    config = getattr(inner, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        raise CheckpointNotFoundError(
+            f"{output}: the model has no Hugging Face config (model.config) to write beside "
+            "the weights; pass base= with the model folder the run started from")
+    doc = json.loads(config.to_json_string(use_diff=False))
+    # As transformers' save_pretrained: the config names the class that is saved.
+    doc["architectures"] = [strip_fsdp_prefix(type(inner).__name__)]
+    made: list[tuple[str, bytes]] = []
+    generation = getattr(inner, "generation_config", None)
+    can_generate = getattr(inner, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        made.append((GENERATION_CONFIG, generation.to_json_string(use_diff=True).encode()))
+    return Side(doc, output / CONFIG, (), tuple(made))
+
+
+def side_files(model: Any, base: Any, output: Any) -> Side:
+    """From ``base`` (export-hf's :func:`~fsdpckpt.export._config.find_side_files`), else
+    the model's own ``config`` (``to_json_string(use_diff=False)``, ``architectures`` its
+    class) and generation config, without a tokenizer.
+
+    Raises:
+        CheckpointNotFoundError: no ``base`` and no config on the model; ``base`` lacks a
+            config or a tokenizer.
+    """
+    if base is None:
+        return _model_side(model, output)
+    files = find_side_files(base, base)
+    return Side(read_config(files.config), files.config, files.copied, ())

@@ -1,0 +1,115 @@
+"""The write stage of ``save_pretrained``: a :class:`~fsdpckpt.training._save_plan.SavePlan`
+executed into a spread target (:mod:`fsdpckpt._io.spread`), each rank writing only the
+bytes of its own boxes.
+
+Each tensor is walked in windows of at most :data:`WINDOW` bytes of the output, the same
+windows on every rank (so every rank calls ``step()`` as often as the others, as object
+storage needs). In a window, a rank casts the elements its boxes have there, one slice of
+each local tensor at a time (``Tensor.to``: the cast export-hf's is equal to), and writes
+them as runs of contiguous file bytes (:func:`~fsdpckpt.merging._runs.chunk_runs`), in
+increasing file order. Memory: the rank's own shards plus one window.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from fsdpckpt._io.spread import SpreadFile, SpreadTarget
+from fsdpckpt.merging._runs import chunk_runs
+from fsdpckpt.training._save_plan import SavedTensor, SavePlan, local_tensors
+
+__all__ = ["WINDOW", "Elements", "write_weights", "plain_elements", "elements_of"]
+
+#: The most output bytes of a tensor handled at once: a window's cast buffers are at most
+#: this, and each rank calls ``step()`` once per window.
+WINDOW = 64 * 2**20
+
+#: ``elements(local, start, stop)``: elements ``[start, stop)`` of this rank's local tensor
+#: ``local`` of one output tensor, flat, cast to the output dtype, contiguous on the CPU.
+Elements = Callable[[int, int, int], Any]
+
+
+def elements_of(tensor: Any, start: int, stop: int) -> Any:
+    """Elements ``[start, stop)`` of ``tensor`` in row-major order, as a 1-D tensor; a view
+    of a contiguous tensor, else copied one row block at a time (never the whole tensor)."""
+    tensor = tensor.detach()
+    if tensor.is_contiguous():
+        return tensor.reshape(-1)[start:stop]
+    if tensor.dim() <= 1:
+        return tensor.reshape(-1)[start:stop] if tensor.dim() == 0 else tensor[start:stop]
+    import torch
+
+    inner = math.prod(tensor.shape[1:])
+    first, last = start // inner, (stop - 1) // inner
+    if first == last:
+        return elements_of(tensor[first], start - first * inner, stop - first * inner)
+    # The rows between lie inside [start, stop): their copy is no larger than the window.
+    return torch.cat([elements_of(tensor[first], start - first * inner, inner),
+                      tensor[first + 1:last].reshape(-1),
+                      elements_of(tensor[last], 0, stop - last * inner)])
+
+
+def plain_elements(value: Any, saved: SavedTensor) -> Elements:
+    """The :data:`Elements` of a state-dict value as it is, cast exactly by ``Tensor.to``."""
+    import torch
+
+    locals_ = local_tensors(value)
+    dtype = getattr(torch, saved.dtype.name)
+
+    def elements(local: int, start: int, stop: int) -> Any:
+        return elements_of(locals_[local], start, stop).to(dtype).cpu().contiguous()
+
+    return elements
+
+
+def _pieces(saved: SavedTensor, runs: Sequence[tuple[int, tuple[int, Sequence[int]]]],
+            lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+    # (global element, local tensor, local element, count) of each run piece in [lo, hi).
+    pieces = []
+    for local, (run, starts) in runs:
+        first = max(0, bisect_right(starts, lo) - 1)
+        for i in range(first, bisect_left(starts, hi)):
+            a, b = max(starts[i], lo), min(starts[i] + run, hi)
+            if a < b:
+                pieces.append((a, local, i * run + a - starts[i], b - a))
+    pieces.sort()
+    return pieces
+
+
+def _write_tensor(file: SpreadFile, saved: SavedTensor, start: int,
+                  elements: Elements) -> None:
+    import torch
+
+    size = saved.dtype.itemsize
+    per = max(1, WINDOW // size)
+    runs = [(local, chunk_runs(saved.shape, box)) for local, box in saved.boxes]
+    for lo in range(0, saved.numel, per):
+        pieces = _pieces(saved, runs, lo, min(saved.numel, lo + per))
+        spans: dict[int, tuple[int, int]] = {}  # a local tensor's elements in this window
+        for _, local, first, count in pieces:
+            a, b = spans.get(local, (first, first + count))
+            spans[local] = (min(a, first), max(b, first + count))
+        data = {local: elements(local, a, b).view(torch.uint8).numpy()
+                for local, (a, b) in spans.items()}
+        for at, local, first, count in pieces:
+            skip = (first - spans[local][0]) * size
+            file.write(start + at * size, memoryview(data[local][skip:skip + count * size]))
+        file.step()
+
+
+def write_weights(target: SpreadTarget, plan: SavePlan, rank: int,
+                  elements: Mapping[str, Callable[[SavedTensor], Elements]]) -> None:
+    """Every file of ``plan`` into ``target``, this rank's bytes of each (rank 0 also the
+    headers and the index); ``elements[key](saved)`` gives a tensor's :data:`Elements`."""
+    for planned in plan.files:
+        file = target.open(planned.name, planned.size)
+        if rank == 0:
+            file.write(0, planned.header)
+        for saved, start in planned.tensors:
+            _write_tensor(file, saved, start, elements[saved.key](saved))
+        file.finish()
+    if plan.index is not None and rank == 0:
+        target.put(*plan.index)

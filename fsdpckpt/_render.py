@@ -229,6 +229,13 @@ def render_diff(report: DiffReport) -> str:
     out = [f"A: {_p(report.a)}", f"B: {_p(report.b)}"]
     out += _names_line("missing (in A, not in B)", report.missing)
     out += _names_line("unexpected (in B, not in A)", report.unexpected)
+    for tie in report.tied:  # an export's tied target: compared with what it is tied to
+        side, other = tie.left_out_by.upper(), "B" if tie.left_out_by == "a" else "A"
+        verdict = "equal" if all(t.equal for t in report.tensors if t.name == tie.name) \
+            else "DIFFERENT"
+        out.append(f"tied: {_p(tie.name)} is not in {side}, whose config ties it to "
+                   f"{_p(tie.tied_to)}; {other}'s {_p(tie.name)} against {side}'s "
+                   f"{_p(tie.tied_to)}: {verdict}")
     rows = []
     for t in report.differing:
         dtype = _p(t.dtype_a) if not t.dtype_differs else f"{_p(t.dtype_a)} -> {_p(t.dtype_b)}"

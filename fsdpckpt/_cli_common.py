@@ -54,27 +54,16 @@ def _storage_options_option(func: Any) -> Any:
 
 def _dtype_option(help: str) -> Any:
     """``--dtype``, in any spelling the library reads (``bf16``, ``bfloat16``,
-    ``torch.bfloat16``, ``fp16``, ``half``, ``float32``...): checked while the command line is
-    parsed, so a wrong one is the one error line before anything is read."""
-    def parse(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-        from fsdpckpt.merging.plan import parse_dtype
-
-        parse_dtype(value)  # MergePlanError: the one error line (cli._Group)
-        return value
-
-    return click.option("--dtype", metavar="DTYPE", callback=parse, help=help)
+    ``torch.bfloat16``, ``fp16``, ``half``, ``float32``...: ``merging.plan.parse_dtype``).
+    The library checks it with the other options, so every problem is reported at once."""
+    return click.option("--dtype", metavar="DTYPE", help=help)
 
 
 def _shard_size_option(help: str, default: str | None = None) -> Any:
     """``--max-shard-size``: ``5GB``, ``5G``, ``5GiB``, ``500M``, ``500MB`` or a number of
-    bytes, checked while the command line is parsed."""
-    def parse(_ctx: click.Context, _param: click.Parameter, value: str | None) -> int | None:
-        from fsdpckpt.merging.plan import parse_size
-
-        return None if value is None else parse_size(value)
-
+    bytes (``merging.plan.parse_size``), checked by the library with the other options."""
     return click.option("--max-shard-size", metavar="SIZE", default=default,
-                        show_default=default is not None, callback=parse, help=help)
+                        show_default=default is not None, help=help)
 
 
 #: Names of weight files, which an output folder is not: ``out/model.safetensors`` given as

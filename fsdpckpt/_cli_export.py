@@ -59,7 +59,7 @@ __all__ = ["diff", "export_hf"]
 @_storage_options_option
 @_debug_option
 def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
-              max_shard_size: int, overwrite: bool, lora: str | None, lora_config: str | None,
+              max_shard_size: str, overwrite: bool, lora: str | None, lora_config: str | None,
               untie: bool, trust_remote_code: bool, quiet: bool, as_json: bool,
               storage_options: dict | None) -> None:
     """Export a sharded checkpoint to a Hugging Face model folder.

@@ -169,7 +169,7 @@ def _merge_report(results: list[Any], as_json: bool) -> None:
 @_storage_options_option
 @_debug_option
 def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | None, fmt: str,
-          dtype: str | None, max_shard_size: int | None, keep_keys: bool,
+          dtype: str | None, max_shard_size: str | None, keep_keys: bool,
           include: tuple[str, ...], exclude: tuple[str, ...], overwrite: bool, quiet: bool,
           as_json: bool, storage_options: dict | None) -> None:
     """Merge a sharded checkpoint into one safetensors or .bin file, streaming.
@@ -220,7 +220,7 @@ def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | 
 
 
 def _merge_output(output: str, fmt: str, optimizer: bool,
-                  max_shard_size: int | None) -> tuple[str, str | None]:
+                  max_shard_size: str | None) -> tuple[str, str | None]:
     """``(OUTPUT_DIR, file name)``: ``out/merged.safetensors`` is the single file of the
     library's ``file_name=`` mode, written as such, where one file of that format is what
     the merge writes; otherwise a weight file's name is refused, naming the folder."""

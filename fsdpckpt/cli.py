@@ -92,7 +92,9 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
     in Accelerate's layout (pytorch_model_fsdp_0/, optimizer_0/, random_states_0.pkl,
     scheduler.bin...) or HF Trainer's, local or on object storage (s3://bucket/run/ckpt).
     Only .metadata and file sizes are read: no tensor data, no torch import, no
-    pickle code runs.
+    pickle code runs. PATH may also be what diff reads besides: a .safetensors or
+    .bin file, a shard index, or a folder holding a merged or Hugging Face model
+    (its tensors listed whole, from the safetensors headers).
 
     Exit status: 0 when the structure is whole, 1 when problems were found
     (gaps or overlaps between chunks, missing or truncated rank files) or the path
@@ -103,6 +105,7 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
       fsdpckpt inspect ckpt/
       fsdpckpt inspect ckpt/pytorch_model_fsdp_0 --name 'layers.0.*' --chunks
       fsdpckpt inspect ckpt/ --json | jq '.parts[0].tensors[].name'
+      fsdpckpt inspect exported/model.safetensors
       AWS_ENDPOINT_URL=http://localhost:9000 fsdpckpt inspect s3://runs/llama/checkpoint-100
     """
     from fsdpckpt._render import render_inspect

@@ -260,3 +260,12 @@ def test_inspect_of_a_checkpoint_folder_holding_a_model_file_inspects_the_checkp
     fsdpckpt.merge(ACCELERATE, ckpt)  # model.safetensors beside pytorch_model_fsdp_0/
     doc = json.loads(run_cli("inspect", ckpt, "--json").stdout)
     assert doc["style"] == "accelerate"
+
+
+@pytest.mark.s3
+def test_inspect_of_a_remote_model_folder_reads_its_headers(s3, export):
+    server, root = s3
+    url = upload(server, export, f"s3://{root}/inspect-export")
+    report = fsdpckpt.inspect_checkpoint(url, storage_options=server.options)
+    assert report.style == "model-folder" and report.ok
+    assert [(p.name, p.num_tensors) for p in report.parts] == [("model.safetensors", 20)]

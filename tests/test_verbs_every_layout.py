@@ -269,3 +269,16 @@ def test_inspect_of_a_remote_model_folder_reads_its_headers(s3, export):
     report = fsdpckpt.inspect_checkpoint(url, storage_options=server.options)
     assert report.style == "model-folder" and report.ok
     assert [(p.name, p.num_tensors) for p in report.parts] == [("model.safetensors", 20)]
+
+
+def test_inspect_of_a_safetensors_folder_does_not_import_torch(export):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import sys, fsdpckpt\n"
+            f"report = fsdpckpt.inspect_checkpoint({str(export)!r})\n"
+            "assert report.style == 'model-folder', report.style\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import HfStorageFolder
 from fsdpckpt.dcp._perrank import PerRankFolder
 from fsdpckpt.dcp._sidefiles import check_side_files, stray_temporaries
@@ -121,7 +122,7 @@ def _missing_rng(path: str, world: int, present: set[int]) -> list[Problem]:
     return problems
 
 
-def _model_files(place: Any) -> list[Any]:
+def _model_files(place: Place) -> list[Place]:
     """The model files ``place`` stands for when it is no checkpoint but what ``diff`` also
     reads: a weight file or shard index itself, or a folder holding a merged or Hugging Face
     model (and no checkpoint: a checkpoint folder is inspected as one)."""

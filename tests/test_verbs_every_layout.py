@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 from safetensors import safe_open
@@ -19,7 +21,7 @@ from safetensors.torch import load_file, save_file
 import fsdpckpt
 from fsdpckpt.merging.plan import parse_dtype, parse_size
 
-from conftest import FIXTURES, assert_one_line_error, run_cli, upload
+from conftest import FIXTURES, ROOT, assert_one_line_error, run_cli, upload
 
 TIED = FIXTURES / "tiny_llama" / "tied" / "checkpoint-3"
 ACCELERATE = FIXTURES / "fsdp2_accelerate"
@@ -272,11 +274,6 @@ def test_inspect_of_a_remote_model_folder_reads_its_headers(s3, export):
 
 
 def test_inspect_of_a_safetensors_folder_does_not_import_torch(export):
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
     code = ("import sys, fsdpckpt\n"
             f"report = fsdpckpt.inspect_checkpoint({str(export)!r})\n"
             "assert report.style == 'model-folder', report.style\n"

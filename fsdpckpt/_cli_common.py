@@ -100,8 +100,8 @@ def refuse_file_output(output: str, what: str, hint: str = "") -> None:
     found = output_file_name(output)
     if found is not None:
         folder, name = found
-        raise OptionError(f"{output}: names a file ({name}), but {what} is the folder "
-                                  f"the files are written into; pass {folder} instead{hint}")
+        raise OptionError(f"{output}: names a file ({name}), but {what} is the folder the "
+                          f"files are written into; pass {folder} instead{hint}")
 
 
 #: The library's messages name its parameters; the command line's name the flags. In order:

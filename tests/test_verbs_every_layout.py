@@ -279,3 +279,17 @@ def test_inspect_of_a_safetensors_folder_does_not_import_torch(export):
             "assert report.style == 'model-folder', report.style\n"
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("file", [FIXTURES / "dtensor" / "__0_0.distcp",
+                                  ACCELERATE / "scheduler.bin",
+                                  FIXTURES / "verl" / "model_world_size_2_rank_0.pt"],
+                         ids=["distcp", "scheduler", "verl-rank"])
+def test_inspect_of_a_file_of_a_checkpoint_says_to_pass_its_folder(file):
+    assert_one_line_error(run_cli("inspect", file), str(file), "pass the folder")
+
+
+def test_inspect_of_a_bin_file_lists_its_tensors(tmp_path):
+    fsdpckpt.merge(ACCELERATE, tmp_path, format="bin")
+    doc = json.loads(run_cli("inspect", tmp_path / "pytorch_model.bin", "--json").stdout)
+    assert doc["style"] == "model-file" and doc["parts"][0]["num_tensors"] == 4

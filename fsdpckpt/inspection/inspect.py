@@ -125,20 +125,25 @@ def _missing_rng(path: str, world: int, present: set[int]) -> list[Problem]:
 def _model_files(place: Place) -> list[Place]:
     """The model files ``place`` stands for when it is no checkpoint but what ``diff`` also
     reads: a weight file or shard index itself, or a folder holding a merged or Hugging Face
-    model (and no checkpoint: a checkpoint folder is inspected as one)."""
+    model (and no checkpoint: a checkpoint folder is inspected as one). A file of a
+    checkpoint (a rank file, ``.metadata``, ``scheduler.bin``) is none: ``find_layout``
+    then says to pass its folder."""
     from fsdpckpt.inspection._inspect_files import model_files_in
 
     if place.is_file():
-        return [place]
-    if not place.is_dir():
-        return []
-    found = model_files_in(place)
-    if found:
-        try:
-            find_layout(place)
-        except NotACheckpointError:
-            return found
+        named = place.name.endswith((".safetensors", ".index.json"))
+        return [place] if named or not _is_checkpoint(place.parent) else []
+    if place.is_dir() and model_files_in(place) and not _is_checkpoint(place):
+        return model_files_in(place)
     return []
+
+
+def _is_checkpoint(folder: Place) -> bool:
+    try:
+        find_layout(folder)
+    except NotACheckpointError:
+        return False
+    return True
 
 
 def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,

@@ -12,7 +12,9 @@ from fsdpckpt._printable import cap_line, printable
 from fsdpckpt._progress import ProgressCallback, ProgressFactory
 from fsdpckpt.errors import REPORTED_BY_RANK
 
-__all__ = ["_debug_option", "_fail", "_progress", "_storage_options_option", "as_flags", "FLAGS"]
+__all__ = ["_debug_option", "_dtype_option", "_fail", "_progress", "_shard_size_option",
+           "_storage_options_option", "as_flags", "output_file_name", "refuse_file_output",
+           "FLAGS"]
 
 
 def _debug_option(func: Any) -> Any:
@@ -48,6 +50,58 @@ def _storage_options_option(func: Any) -> Any:
              "variables, AWS_ENDPOINT_URL, ~/.aws, gcloud, Azure). S3 timeouts default to "
              'connect 10 s, read 30 s, two attempts; e.g. \'{"config_kwargs": '
              '{"read_timeout": 120}}\' raises them.')(func)
+
+
+def _dtype_option(help: str) -> Any:
+    """``--dtype``, in any spelling the library reads (``bf16``, ``bfloat16``,
+    ``torch.bfloat16``, ``fp16``, ``half``, ``float32``...: ``merging.plan.parse_dtype``).
+    The library checks it with the other options, so every problem is reported at once."""
+    return click.option("--dtype", metavar="DTYPE", help=help)
+
+
+def _shard_size_option(help: str, default: str | None = None) -> Any:
+    """``--max-shard-size``: ``5GB``, ``5G``, ``5GiB``, ``500M``, ``500MB`` or a number of
+    bytes (``merging.plan.parse_size``), checked by the library with the other options."""
+    return click.option("--max-shard-size", metavar="SIZE", default=default,
+                        show_default=default is not None, help=help)
+
+
+#: Names of weight files, which an output folder is not: ``out/model.safetensors`` given as
+#: the output would become ``out/model.safetensors/model.safetensors``.
+_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def output_file_name(output: str) -> tuple[str, str] | None:
+    """``(folder, file name)`` when ``output``, given where a command wants an output
+    folder, names a weight file (``out/model.safetensors``) rather than a folder; None for
+    a folder, or a folder of that name that exists already (the user's own choice)."""
+    from pathlib import Path
+
+    from fsdpckpt._io.remote import is_url
+
+    head, _, name = output.rstrip("/").rpartition("/")
+    if not name.lower().endswith(_FILE_SUFFIXES):
+        return None
+    if not is_url(output) and Path(output).is_dir():
+        return None
+    return (head or "."), name
+
+
+def refuse_file_output(output: str, what: str, hint: str = "") -> None:
+    """Refuse an ``output`` that names a weight file where a folder is wanted, naming the
+    folder to pass instead (``what``: the argument's name in the usage line; ``hint``: more
+    words at the end of the message).
+
+    Raises:
+        OptionError: ``output`` ends in a weight file's name.
+    """
+    from fsdpckpt.errors import OptionError
+
+    found = output_file_name(output)
+    if found is not None:
+        folder, name = found
+        raise OptionError(f"{output}: names a file ({name}), but {what} is the folder the "
+                          f"files are written into; pass {folder} instead{hint}")
 
 
 #: The library's messages name its parameters; the command line's name the flags. In order:

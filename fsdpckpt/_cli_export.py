@@ -8,7 +8,14 @@ import sys
 
 import click
 
-from fsdpckpt._cli_common import _debug_option, _progress, _storage_options_option
+from fsdpckpt._cli_common import (
+    _debug_option,
+    _dtype_option,
+    _progress,
+    _shard_size_option,
+    _storage_options_option,
+    refuse_file_output,
+)
 from fsdpckpt._printable import printable
 
 __all__ = ["diff", "export_hf"]
@@ -22,12 +29,11 @@ __all__ = ["diff", "export_hf"]
                    "config, tokenizer and chat template come from there. Default: found where "
                    "trainers leave them (the checkpoint folder, its huggingface/, the run's "
                    "output folder above it).")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
-              help="Cast floating-point weights to this dtype; the config says so too. "
-                   "Default: keep the stored dtypes.")
-@click.option("--max-shard-size", metavar="SIZE", default="5GB", show_default=True,
-              help="The largest safetensors file; a model that fits is one model.safetensors, "
-                   "otherwise model-0000i-of-0000N.safetensors plus an index.")
+@_dtype_option("Cast floating-point weights to this dtype: bf16 (bfloat16), fp16 (float16) or "
+               "fp32 (float32); the config says so too. Default: keep the stored dtypes.")
+@_shard_size_option("The largest safetensors file (5GB, 5G, 5GiB, 500M, or bytes); a model that "
+                    "fits is one model.safetensors, otherwise model-0000i-of-0000N.safetensors "
+                    "plus an index.", default="5GB")
 @click.option("--overwrite", is_flag=True,
               help="Replace an earlier export in OUTPUT (its weights, config and tokenizer "
                    "files); other files are never touched.")
@@ -82,6 +88,7 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
     from fsdpckpt.export.hf import export_hf as export
     from fsdpckpt.export.lora import AdapterExport
 
+    refuse_file_output(output, "OUTPUT")
     result = export(checkpoint, output, base=base, dtype=dtype, max_shard_size=max_shard_size,
                     overwrite=overwrite, lora=lora, lora_config=lora_config, untie=untie,
                     progress=_progress(quiet, "exporting"), storage_options=storage_options,

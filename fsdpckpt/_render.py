@@ -67,12 +67,12 @@ def _size_range(sizes: Sequence[int]) -> str:
     return f"{low_value}-{high}" if low_unit == high_unit else f"{low}-{high}"
 
 
-def _files_summary(files: Sequence[DataFile]) -> str:
+def _files_summary(files: Sequence[DataFile], noun: str = "rank file") -> str:
     """One line for a part's data files: ``"8 rank files, 1.2 GiB, 150.0-160.0 MiB each"``."""
     if not files:
         return "  no data files"
     sizes = [f.size for f in files]
-    line = f"  {_plural(len(files), 'rank file')}, {human_bytes(sum(sizes))}"
+    line = f"  {_plural(len(files), noun)}, {human_bytes(sum(sizes))}"
     return line + (f", {_size_range(sizes)} each" if len(files) > 1 else "")
 
 
@@ -102,23 +102,28 @@ def _p(value: object) -> str:
 
 
 def _tensor_rows(tensor: TensorReport, chunks: bool) -> list[list[Any]]:
+    # A model file's tensor is whole in its file: no chunks to count.
+    count = "-" if tensor.sharding == "whole" else len(tensor.chunks)
     rows: list[list[Any]] = [[_p(tensor.name), _p(tensor.dtype.name), _shape(tensor.shape),
-                              len(tensor.chunks), tensor.sharding, human_bytes(tensor.bytes)]]
+                              count, tensor.sharding, human_bytes(tensor.bytes)]]
     if chunks:
         rows += [[f"  @ {_shape(c.offsets)} size {_shape(c.sizes)}", "", "", "",
                   f"{_p(c.file)} +{c.offset}", human_bytes(c.length)] for c in tensor.chunks]
     return rows
 
 
-def _part_lines(part: PartReport, *, chunks: bool, tensors: bool) -> list[str]:
-    """A complete part's section: its dtypes, files, and (unless a summary) its tensors."""
-    out = ["", f"{_part_name(part.name)} ({_p(part.kind)}): {part.num_tensors} tensors, "
+def _part_lines(part: PartReport, *, chunks: bool, tensors: bool,
+                whole: bool = False) -> list[str]:
+    """A complete part's section: its dtypes, files, and (unless a summary) its tensors;
+    ``whole``: a model file's, whose files hold whole tensors, not ranks' shards."""
+    name = _p(part.name) if whole else _part_name(part.name)
+    out = ["", f"{name} ({_p(part.kind)}): {part.num_tensors} tensors, "
                f"{human_bytes(part.tensor_bytes)} of tensor data; dtypes: "
            + (", ".join(f"{_p(k)} x{v}" for k, v in part.dtypes.items()) or "none")]
     if tensors:
         out += table([[_p(f.name), human_bytes(f.size)] for f in part.files], right=(1,))
     else:  # --summary: one line however many ranks
-        out.append(_files_summary(part.files))
+        out.append(_files_summary(part.files, "file" if whole else "rank file"))
     if tensors and part.tensors:
         out.append("")
         rows = [row for t in part.tensors for row in _tensor_rows(t, chunks)]
@@ -150,9 +155,12 @@ def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool
     """
     style = {"dcp": "DCP folder", "accelerate": "Accelerate checkpoint",
              "hf-trainer": "HF Trainer checkpoint", "verl": "VeRL checkpoint",
-             "hf-storage": "HuggingFaceStorageWriter save"}[report.style]
+             "hf-storage": "HuggingFaceStorageWriter save", "model-file": "model file",
+             "model-folder": "model folder (merged or Hugging Face)"}[report.style]
     world = report.world_size if report.world_size_exact else f"at least {report.world_size}"
-    out = [f"{_p(report.path)}: {style}, world size {world}, {human_bytes(report.bytes)}"]
+    whole = report.style in ("model-file", "model-folder")  # no ranks: every tensor whole
+    out = [f"{_p(report.path)}: {style}, "
+           + ("" if whole else f"world size {world}, ") + human_bytes(report.bytes)]
     out += ["", "Parts:"]
     rows = []
     for part in report.parts:
@@ -160,9 +168,10 @@ def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool
             rows.append([_p(part.kind), _part_name(part.name), "INCOMPLETE (no .metadata)", "",
                          ""])
             continue
-        rows.append([_p(part.kind), _part_name(part.name),
+        rows.append([_p(part.kind), _p(part.name) if whole else _part_name(part.name),
                      f"{part.num_tensors} tensors, {part.num_objects} objects",
-                     _plural(len(part.files), "rank file"), human_bytes(part.bytes)])
+                     _plural(len(part.files), "file" if whole else "rank file"),
+                     human_bytes(part.bytes)])
     out += table(rows, right=(4,))
     if report.side_files:
         out += ["", "Other state:"]
@@ -171,13 +180,15 @@ def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool
         out += ["", "Not recognized: " + ", ".join(map(_p, report.other_files))]
     for part in report.parts:
         if part.complete:
-            out += _part_lines(part, chunks=chunks, tensors=tensors)
+            out += _part_lines(part, chunks=chunks, tensors=tensors, whole=whole)
     listed = [p for p in report.parts if p.tensors or p.objects]
     if names and tensors and not listed:
         out += ["", f"No tensor or object name matches {printable(repr(names))}."]
     if report.problems:
         out += ["", f"Problems ({len(report.problems)}):"]
         out += _problem_lines(report.problems)
+    elif whole:
+        out += ["", "Structure: OK (every header read, every file long enough)"]
     else:
         out += ["", "Structure: OK (every chunk present, every tensor fully covered)"]
     return "\n".join(out)
@@ -229,6 +240,13 @@ def render_diff(report: DiffReport) -> str:
     out = [f"A: {_p(report.a)}", f"B: {_p(report.b)}"]
     out += _names_line("missing (in A, not in B)", report.missing)
     out += _names_line("unexpected (in B, not in A)", report.unexpected)
+    for tie in report.tied:  # an export's tied target: compared with what it is tied to
+        side, other = tie.left_out_by.upper(), "B" if tie.left_out_by == "a" else "A"
+        verdict = "equal" if all(t.equal for t in report.tensors if t.name == tie.name) \
+            else "DIFFERENT"
+        out.append(f"tied: {_p(tie.name)} is not in {side}, whose config ties it to "
+                   f"{_p(tie.tied_to)}; {other}'s {_p(tie.name)} against {side}'s "
+                   f"{_p(tie.tied_to)}: {verdict}")
     rows = []
     for t in report.differing:
         dtype = _p(t.dtype_a) if not t.dtype_differs else f"{_p(t.dtype_a)} -> {_p(t.dtype_b)}"

@@ -15,7 +15,16 @@ from typing import Any
 
 import click
 
-from fsdpckpt._cli_common import _debug_option, _fail, _progress, _storage_options_option
+from fsdpckpt._cli_common import (
+    _debug_option,
+    _dtype_option,
+    _fail,
+    _progress,
+    _shard_size_option,
+    _storage_options_option,
+    output_file_name,
+    refuse_file_output,
+)
 from fsdpckpt._cli_export import diff, export_hf
 from fsdpckpt._printable import printable
 from fsdpckpt._version import __version__
@@ -83,7 +92,9 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
     in Accelerate's layout (pytorch_model_fsdp_0/, optimizer_0/, random_states_0.pkl,
     scheduler.bin...) or HF Trainer's, local or on object storage (s3://bucket/run/ckpt).
     Only .metadata and file sizes are read: no tensor data, no torch import, no
-    pickle code runs.
+    pickle code runs. PATH may also be what diff reads besides: a .safetensors or
+    .bin file, a shard index, or a folder holding a merged or Hugging Face model
+    (its tensors listed whole, from the safetensors headers).
 
     Exit status: 0 when the structure is whole, 1 when problems were found
     (gaps or overlaps between chunks, missing or truncated rank files) or the path
@@ -94,6 +105,7 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
       fsdpckpt inspect ckpt/
       fsdpckpt inspect ckpt/pytorch_model_fsdp_0 --name 'layers.0.*' --chunks
       fsdpckpt inspect ckpt/ --json | jq '.parts[0].tensors[].name'
+      fsdpckpt inspect exported/model.safetensors
       AWS_ENDPOINT_URL=http://localhost:9000 fsdpckpt inspect s3://runs/llama/checkpoint-100
     """
     from fsdpckpt._render import render_inspect
@@ -139,12 +151,12 @@ def _merge_report(results: list[Any], as_json: bool) -> None:
               help="Which model to merge when a checkpoint holds several (pytorch_model_fsdp_N/).")
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "bin"]), default="safetensors",
               show_default=True, help="Output format; bin is a torch.save archive.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
-              help="Convert floating-point tensors to this dtype (integer and bool tensors keep "
-                   "theirs). Default: keep every dtype.")
-@click.option("--max-shard-size", metavar="SIZE",
-              help="Split into HF-style shards of at most SIZE (e.g. 5GB) plus an index file; "
-                   "a model that fits in one shard is one file, without an index.")
+@_dtype_option("Convert floating-point tensors to this dtype: bf16 (bfloat16), fp16 (float16) "
+               "or fp32 (float32); integer and bool tensors keep theirs. Default: keep every "
+               "dtype.")
+@_shard_size_option("Split into HF-style shards of at most SIZE (5GB, 5G, 5GiB, 500M, or bytes) "
+                    "plus an index file; a model that fits in one shard is one file, without "
+                    "an index.")
 @click.option("--keep-keys", is_flag=True,
               help="Keep wrapper segments (_fsdp_wrapped_module., _checkpoint_wrapped_module., "
                    "_orig_mod.) in names; by default they are removed.")
@@ -195,6 +207,7 @@ def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | 
     from fsdpckpt.merging._distributed import torchrun_group
     from fsdpckpt.merging.merger import merge as merge_checkpoint
 
+    output_dir, file_name = _merge_output(output_dir, fmt, optimizer, max_shard_size)
     with torchrun_group() as group:
         rank = 0 if group is None else group.rank()
         desc = "merging" if group is None else f"merging (rank 0's share of {group.size()})"
@@ -202,10 +215,27 @@ def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | 
                                    model_index=model_index, format=fmt, dtype=dtype,
                                    max_shard_size=max_shard_size, keep_keys=keep_keys,
                                    include=include, exclude=exclude, overwrite=overwrite,
+                                   file_name=file_name,
                                    progress=_progress(quiet or rank != 0, desc),
                                    process_group=group, storage_options=storage_options)
     if rank == 0:
         _merge_report(results, as_json)
+
+
+def _merge_output(output: str, fmt: str, optimizer: bool,
+                  max_shard_size: str | None) -> tuple[str, str | None]:
+    """``(OUTPUT_DIR, file name)``: ``out/merged.safetensors`` is the single file of the
+    library's ``file_name=`` mode, written as such, where one file of that format is what
+    the merge writes; otherwise a weight file's name is refused, naming the folder."""
+    found = output_file_name(output)
+    if found is None:
+        return output, None
+    folder, name = found
+    if name.endswith(f".{fmt}") and not optimizer and max_shard_size is None:
+        return folder, name
+    refuse_file_output(output, "OUTPUT_DIR", " (a file name is kept only for one file in "
+                       "the --format it names: without --optimizer and --max-shard-size)")
+    return output, None  # not reached: refuse_file_output raised
 
 
 @main.command("merge-weights")
@@ -241,6 +271,7 @@ def merge_weights(checkpoint_directory: str, output_path: str, unsafe: bool, rem
 
     from fsdpckpt.merging.merger import merge_fsdp_weights
 
+    refuse_file_output(output_path, "OUTPUT_PATH")
     start = time.perf_counter()
     del overwrite  # always on, as in Accelerate
     path = merge_fsdp_weights(checkpoint_directory, output_path, not unsafe, remove,
@@ -283,6 +314,7 @@ def convert(full_file: str, out_dcp_dir: str, key: str, overwrite: bool, as_json
     from fsdpckpt._render import human_bytes
     from fsdpckpt.merging.to_dcp import convert as convert_file
 
+    refuse_file_output(out_dcp_dir, "OUT_DCP_DIR")
     result = convert_file(full_file, out_dcp_dir, key=key or None, overwrite=overwrite,
                           progress=_progress(quiet, "converting"),
                           storage_options=storage_options)

@@ -70,8 +70,9 @@ _LAYERS = {
     # index and header rules (formats), the shard split (merging), configs, ties and
     # LoRA naming (export) are the ones export-hf uses, never a second copy.
     "training": {"_io", "dcp", "formats", "merging", "export"},
-    # verify reads the manifest (training.manifest); diff reads chunks with the merge's engine.
-    "inspection": {"_io", "dcp", "formats", "merging", "training"},
+    # verify reads the manifest (training.manifest); diff reads chunks with the merge's engine,
+    # and knows an export's tied keys by export-hf's own rule (export._model), never a copy.
+    "inspection": {"_io", "dcp", "formats", "merging", "training", "export"},
     # export builds on the merge pipeline, never on the read-side verbs.
     "export": {"_io", "dcp", "formats", "merging"},
 }

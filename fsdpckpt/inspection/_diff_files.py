@@ -289,7 +289,7 @@ def _file_source(path: Place, *, keep_keys: bool,
     return TorchSource(kinds, path=shown, keep_keys=keep_keys)
 
 
-def open_source(path: str | os.PathLike[str], *, optimizer: bool = False,
+def open_source(path: str | os.PathLike[str] | Place, *, optimizer: bool = False,
                 model_index: int | None = None, keep_keys: bool = False,
                 storage_options: dict[str, Any] | None = None) -> Source:
     """Open ``path`` as one side of a diff.

@@ -39,7 +39,7 @@ from fsdpckpt.merging._copy import MemorySink, locate_stored_chunk, place_chunk
 from fsdpckpt.merging._keys import output_name, shares_top_key
 from fsdpckpt.merging._runs import chunk_runs
 
-__all__ = ["MERGED_FILES", "DcpSource", "Source", "TensorInfo"]
+__all__ = ["MERGED_FILES", "DcpSource", "Source", "TensorInfo", "bits", "same_value"]
 
 #: What a folder that is no checkpoint is read as, first found first (model, then optimizer).
 MERGED_FILES = {
@@ -195,3 +195,30 @@ class DcpSource(Source):
 
     def close(self) -> None:
         self._files.close()
+
+
+def bits(t: Any) -> Any:
+    """A 1-D contiguous tensor's bytes, to compare bit for bit (NaN payloads, -0.0)."""
+    import torch
+
+    return t.view(torch.uint8)
+
+
+def same_value(x: Any, y: Any) -> bool:
+    """Whether two non-tensor entries hold the same value: containers of the same types,
+    floats equal or both NaN, tensors of the same dtype and shape with the same bytes."""
+    import torch
+
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and \
+            x.dtype == y.dtype and x.shape == y.shape and \
+            torch.equal(bits(x.reshape(-1).contiguous()), bits(y.reshape(-1).contiguous()))
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(same_value(v, y[k]) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(same_value(u, v) for u, v in zip(x, y))
+    if isinstance(x, (float, complex)):
+        return x == y or (x != x and y != y)  # NaN is the only x != x
+    return bool(x == y)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fsdpckpt._io.rawio import reusing_scratch, scratch
@@ -33,7 +33,8 @@ from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._zstd import ZstdEntry
 from fsdpckpt.errors import DiffOptionError
 from fsdpckpt.inspection._diff_files import open_source
-from fsdpckpt.inspection._diff_sources import Source, TensorInfo
+from fsdpckpt.inspection._diff_sources import Source, TensorInfo, bits, same_value
+from fsdpckpt.inspection._diff_tied import Tie, ties_left_out
 from fsdpckpt.inspection._diff_tiles import (
     Piece,
     overlaps,
@@ -45,7 +46,8 @@ from fsdpckpt.inspection._diff_tiles import (
 from fsdpckpt.inspection.inspect import name_matcher
 from fsdpckpt.merging._runs import boxes
 
-__all__ = ["diff", "DiffReport", "TensorDiff", "ObjectDiff", "DiffOptionError", "BOX_ELEMENTS"]
+__all__ = ["diff", "DiffReport", "TensorDiff", "ObjectDiff", "Tie", "DiffOptionError",
+           "BOX_ELEMENTS"]
 
 #: Elements of one tensor compared at a time. The comparison holds a few float64 copies of a
 #: box per side: about 40 bytes an element, 20 MiB at this size.
@@ -119,6 +121,9 @@ class DiffReport:
         missing: names in A and not in B. unexpected: names in B and not in A.
         tensors: every tensor on both sides, in A's order. objects: every non-tensor entry
             on both sides.
+        tied: the tensors one side leaves out because its config ties them (an export's
+            ``lm_head.weight``): not missing, but compared in ``tensors`` under their name
+            with the tensor they are tied to, as a loader would see them.
     """
 
     a: str
@@ -129,6 +134,7 @@ class DiffReport:
     unexpected: tuple[str, ...]
     tensors: tuple[TensorDiff, ...]
     objects: tuple[ObjectDiff, ...] = field(default=())
+    tied: tuple[Tie, ...] = field(default=())
 
     @property
     def equal(self) -> bool:
@@ -149,6 +155,7 @@ class DiffReport:
             "unexpected": list(self.unexpected),
             "tensors": [t.to_json() for t in self.tensors],
             "objects": [o.to_json() for o in self.objects],
+            "tied": [t.to_json() for t in self.tied],
             "summary": {
                 "tensors": len(self.tensors),
                 "identical": sum(t.identical for t in self.tensors),
@@ -158,6 +165,7 @@ class DiffReport:
                 "dtype_mismatches": sum(t.dtype_differs for t in self.tensors),
                 "objects": len(self.objects),
                 "objects_differing": sum(not o.equal for o in self.objects),
+                "tied": len(self.tied),
             },
         }
 
@@ -193,7 +201,7 @@ class _Accumulator:
         """Compare one box: ``a`` and ``b`` are 1-D tensors of equal length."""
         import torch
 
-        if same_dtype and torch.equal(_bits(a), _bits(b)):
+        if same_dtype and torch.equal(bits(a), bits(b)):
             return
         self.identical = False
         wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
@@ -201,7 +209,7 @@ class _Accumulator:
             x, y = a.to(wide), b.to(wide)
         except (RuntimeError, TypeError):  # float4 and others torch cannot convert
             self.comparable = False
-            self.mismatched += int((_bits(a) != _bits(b)).sum()) if same_dtype else a.numel()
+            self.mismatched += int((bits(a) != bits(b)).sum()) if same_dtype else a.numel()
             return
         same = (x == y) | (torch.isnan(x) & torch.isnan(y))
         one_nan = torch.isnan(x) ^ torch.isnan(y)
@@ -215,13 +223,6 @@ class _Accumulator:
         if size.numel():
             self.max_abs = max(self.max_abs, float(size.max()))
             self.max_rel = max(self.max_rel, float(rel.max()))
-
-
-def _bits(t: Any) -> Any:
-    """A 1-D contiguous tensor's bytes, to compare bit for bit (NaN payloads, -0.0)."""
-    import torch
-
-    return t.view(torch.uint8)
 
 
 def _compare_tensor(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, atol: float,
@@ -301,26 +302,6 @@ def _compare_boxes(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, acc: _A
             advance(len(view_a) + len(view_b))
 
 
-def same_value(x: Any, y: Any) -> bool:
-    """Whether two non-tensor entries hold the same value: containers of the same types,
-    floats equal or both NaN, tensors of the same dtype and shape with the same bytes."""
-    import torch
-
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and \
-            x.dtype == y.dtype and x.shape == y.shape and \
-            torch.equal(_bits(x.reshape(-1).contiguous()), _bits(y.reshape(-1).contiguous()))
-    if type(x) is not type(y):
-        return False
-    if isinstance(x, dict):
-        return x.keys() == y.keys() and all(same_value(v, y[k]) for k, v in x.items())
-    if isinstance(x, (list, tuple)):
-        return len(x) == len(y) and all(same_value(u, v) for u, v in zip(x, y))
-    if isinstance(x, (float, complex)):
-        return x == y or (x != x and y != y)  # NaN is the only x != x
-    return bool(x == y)
-
-
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 0.0,
          rtol: float = 0.0, names: Sequence[str] | str = (), optimizer: bool = False,
          model_index: int | None = None, keep_keys: bool = False,
@@ -382,6 +363,13 @@ def _diff(left: Source, right: Source, atol: float, rtol: float, keep: Any,
     common = [n for n in names_a if n in set_b]
     pairs = [(left.tensors[n], right.tensors[n]) for n in common
              if n in left.tensors and n in right.tensors]
+    # A target one side leaves out by its config's tie meets the tensor it is tied to there.
+    tied = ties_left_out(left, [n for n in names_b if n in right.tensors], "a") + \
+        ties_left_out(right, [n for n in names_a if n in left.tensors], "b")
+    pairs += [(left.tensors[t.name], right.tensors[t.tied_to]) if t.left_out_by == "b" else
+              (left.tensors[t.tied_to], right.tensors[t.name]) for t in tied]
+    set_a |= {t.name for t in tied}
+    set_b |= {t.name for t in tied}
     total = sum(x.numel * x.dtype.itemsize + y.numel * y.dtype.itemsize for x, y in pairs
                 if x.shape == y.shape)
     advance = start_progress(progress, total, 2)
@@ -392,6 +380,8 @@ def _diff(left: Source, right: Source, atol: float, rtol: float, keep: Any,
             kinds.append(name)
     for ta, tb in pairs:
         tensors.append(_compare_tensor(left, right, ta, tb, atol, rtol, advance))
+    for i, t in enumerate(tied, len(tensors) - len(tied)):  # named as the target
+        tensors[i] = replace(tensors[i], name=t.name)
     values_a = left.objects() if objects_a else {}
     values_b = right.objects() if objects_b else {}
     objects = [ObjectDiff(n, same_value(values_a[n], values_b[n])) for n in objects_a
@@ -400,4 +390,4 @@ def _diff(left: Source, right: Source, atol: float, rtol: float, keep: Any,
     return DiffReport(str(left.path), str(right.path), atol, rtol,
                       tuple(n for n in names_a if n not in set_b),
                       tuple(n for n in names_b if n not in set_a), tuple(tensors),
-                      tuple(objects))
+                      tuple(objects), tuple(tied))

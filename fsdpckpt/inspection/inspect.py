@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdpckpt._io.remote import RemotePath, location
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import HfStorageFolder
 from fsdpckpt.dcp._perrank import PerRankFolder
 from fsdpckpt.dcp._sidefiles import check_side_files, stray_temporaries
@@ -24,6 +25,7 @@ from fsdpckpt.dcp.layout import DcpPart, find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
 from fsdpckpt.dcp.parts import open_part
 from fsdpckpt.dcp.reader import DcpFolder
+from fsdpckpt.errors import NotACheckpointError
 from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport
 
 __all__ = ["inspect_checkpoint", "sharding_of", "name_matcher"]
@@ -120,13 +122,40 @@ def _missing_rng(path: str, world: int, present: set[int]) -> list[Problem]:
     return problems
 
 
+def _model_files(place: Place) -> list[Place]:
+    """The model files ``place`` stands for when it is no checkpoint but what ``diff`` also
+    reads: a weight file or shard index itself, or a folder holding a merged or Hugging Face
+    model (and no checkpoint: a checkpoint folder is inspected as one). A file of a
+    checkpoint (a rank file, ``.metadata``, ``scheduler.bin``) is none: ``find_layout``
+    then says to pass its folder."""
+    from fsdpckpt.inspection._inspect_files import model_files_in
+
+    if place.is_file():
+        named = place.name.endswith((".safetensors", ".index.json"))
+        return [place] if named or not _is_checkpoint(place.parent) else []
+    if place.is_dir() and model_files_in(place) and not _is_checkpoint(place):
+        return model_files_in(place)
+    return []
+
+
+def _is_checkpoint(folder: Place) -> bool:
+    try:
+        find_layout(folder)
+    except NotACheckpointError:
+        return False
+    return True
+
+
 def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
                        names: str | None = None,
                        storage_options: dict[str, Any] | None = None) -> InspectReport:
     """Describe the checkpoint at ``path`` and check its structure.
 
     Args:
-        path: a DCP folder, or a checkpoint folder in Accelerate's or HF Trainer's layout.
+        path: a DCP folder, or a checkpoint folder in Accelerate's or HF Trainer's layout;
+            or what ``diff`` reads besides: a ``.safetensors`` or ``.bin`` file, a shard
+            index, a folder holding a merged or Hugging Face model (each tensor is whole in
+            its file: no chunks, style ``"model-file"`` or ``"model-folder"``).
         names: keep only tensors and objects whose name matches (glob, or substring).
         storage_options: for URLs (``s3://``...): the fsspec filesystem's options
             (``{"endpoint_url": ..., "profile": ...}``); None: the backend's defaults
@@ -147,8 +176,14 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
         >>> report.ok, [p.name for p in report.parts]
         (True, ['pytorch_model_fsdp_0', 'optimizer_0'])
     """
-    layout = find_layout(location(path, storage_options=storage_options))
+    place = location(path, storage_options=storage_options)
     keep = name_matcher(names)
+    model_files = _model_files(place)
+    if model_files:
+        from fsdpckpt.inspection._inspect_files import inspect_model_files
+
+        return inspect_model_files(place, model_files, keep)
+    layout = find_layout(place)
     problems: list[Problem] = []
     parts = []
     for part in layout.parts:

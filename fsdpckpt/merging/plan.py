@@ -116,32 +116,47 @@ class MergePlan:
         return index_document((f.name, (t.spec for t in f.tensors)) for f in self.files)
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+#: Decimal with or without the B (``5G`` is ``5GB``, as transformers reads ``5GB``); binary
+#: with the i, with or without the B (``5GiB``, ``5Gi``).
+_UNITS = {"": 1, "B": 1,
+          **{f"{p}{b}": 10**(3 * i) for i, p in enumerate("KMGT", 1) for b in ("", "B")},
+          **{f"{p}I{b}": 2**(10 * i) for i, p in enumerate("KMGT", 1) for b in ("", "B")}}
+_SIZE_HINT = "write it like 5GB, 5G, 500MB, 2GiB or a number of bytes"
 
 _DTYPE_WORDS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 
 
 def parse_size(text: str | int) -> int:
-    """``"5GB"`` -> 5_000_000_000 (decimal units, as transformers reads them; ``GiB`` binary).
+    """``"5GB"`` -> 5_000_000_000 (decimal units, as transformers reads them; ``5G`` the same;
+    ``GiB`` and ``Gi`` binary; a plain number is bytes).
+
+    Args:
+        text: the size as a user writes it (``"5GB"``, ``"5G"``, ``"500MiB"``, ``"1000"``),
+            or a number of bytes.
+
+    Returns:
+        The size in bytes.
 
     Raises:
         MergePlanError: the size is unreadable, or not positive.
+
+    Example:
+        >>> parse_size("5G"), parse_size("2GiB")
+        (5000000000, 2147483648)
     """
     if isinstance(text, int) and not isinstance(text, bool):
         if text <= 0:
             raise MergePlanError(f"the size {text!r} must be positive")
         return text
     if not isinstance(text, str):
-        raise MergePlanError(f"cannot read the size {text!r}; write it like 5GB, 500MB or 2GiB")
+        raise MergePlanError(f"cannot read the size {text!r}; {_SIZE_HINT}")
     value = text.strip().upper().replace(" ", "")
     number = value.rstrip("KMGTIB")
     unit = value[len(number):]
     try:
         size = int(float(number) * _UNITS[unit])
     except (ValueError, KeyError, OverflowError):  # OverflowError: "inf", "1e400"
-        raise MergePlanError(f"cannot read the size {text!r}; write it like 5GB, 500MB or 2GiB") \
-            from None
+        raise MergePlanError(f"cannot read the size {text!r}; {_SIZE_HINT}") from None
     if size <= 0:
         raise MergePlanError(f"the size {text!r} must be positive")
     return size
@@ -164,7 +179,8 @@ def parse_dtype(value: DType | str | Any | None) -> DType | None:
         text = str(value).lower()  # str(torch.bfloat16) is "torch.bfloat16"
         dtype = dtype_from_name(_DTYPE_WORDS.get(text, text))
     if dtype is None or not dtype.is_floating:
-        raise MergePlanError(f"unknown export dtype {value!r}; choose bf16, fp16 or fp32")
+        raise MergePlanError(f"unknown export dtype {value!r}; choose bf16 (bfloat16), "
+                             "fp16 (float16) or fp32 (float32)")
     return dtype
 
 

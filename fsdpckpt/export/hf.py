@@ -46,12 +46,7 @@ from fsdpckpt.export._config import (
     side_file_bytes,
 )
 from fsdpckpt.export._fuse_hf import plan_fused
-from fsdpckpt.export._keycheck import (
-    check_against_base,
-    check_declared_sizes,
-    custom_code,
-    key_problems,
-)
+from fsdpckpt.export._keycheck import check_against_base, check_declared_sizes, custom_code
 from fsdpckpt.export._lora_read import folder_source
 from fsdpckpt.export._model import (
     ModelExpectation,
@@ -59,6 +54,7 @@ from fsdpckpt.export._model import (
     start_import,
     tied_without_transformers,
 )
+from fsdpckpt.export._moe import fused_names, hub_names, hub_plan
 from fsdpckpt.export._tied import same_bytes
 from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
@@ -87,6 +83,11 @@ class ExportResult:
             line: custom code that runs only with ``trust_remote_code``, transformers not
             installed...), and what the keys were checked against instead (the base's
             weights); None when they were checked against the model class.
+        names_as_stored: why the tensors were written under the checkpoint's own names
+            rather than those ``save_pretrained`` writes (the hub's: per-expert MoE
+            tensors, LLaVA's ``language_model.model.*``), which come from transformers'
+            conversion mapping; None when they were written as ``save_pretrained`` writes
+            them.
     """
 
     source: Path | RemotePath
@@ -101,6 +102,7 @@ class ExportResult:
     model_class: str | None
     seconds: float
     not_checked: str | None = None
+    names_as_stored: str | None = None
 
     def to_json(self) -> dict:
         """What ``fsdpckpt export-hf --json`` prints."""
@@ -109,7 +111,8 @@ class ExportResult:
                 "tensors": self.tensors, "bytes": self.bytes, "dtype": self.dtype,
                 "tied": {target: source for target, source in self.tied},
                 "config_from": str(self.config_from), "checked_against": self.model_class,
-                "not_checked": self.not_checked, "seconds": round(self.seconds, 3)}
+                "not_checked": self.not_checked, "names_as_stored": self.names_as_stored,
+                "seconds": round(self.seconds, 3)}
 
 
 def _search_root(layout: CheckpointLayout) -> Path | RemotePath:
@@ -296,17 +299,25 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
             (copies if target.parent == stage else nested).append(target)
         importing.join()
         expect = expect_model(stage, fixed, trust_remote_code=trust_remote_code)
-        not_checked = None
+        not_checked = names = None
         if isinstance(expect, ModelExpectation):
-            tied = {k: v for k, v in expect.tied.items() if k in shapes}
-            problems = key_problems({k: v for k, v in shapes.items() if k not in tied},
-                                    expect.shapes, expect.tied)
-            if problems:
+            # In-memory names (transformers 5) or the hub's (transformers 4's per-expert
+            # MoE names): either is matched, and the hub's are written (export._moe).
+            saved = expect.saved if isinstance(expect.saved, dict) else None
+            names = hub_names(shapes, expect.shapes, expect.tied,
+                              saved if fused is None else None)
+            tied = names.tied
+            if names.problems:
                 raise ExportMismatchError(
                     f"{request.sources[0].folder.path}: does not match {expect.model_class} "
-                    f"as {side.config} describes it: " + "; ".join(problems) + "; pass base=... "
-                    "with the config of the model this run trained")
+                    f"as {side.config} describes it: " + "; ".join(names.problems) + "; pass "
+                    "base=... with the config of the model this run trained")
+            if saved is None:  # transformers' conversion is no cut: why, if it says
+                as_stored = str(expect.saved) or None
+            else:
+                as_stored = fused_names(saved) if fused is not None else None
         else:  # not built: the reason says why; the base's own weight names, if any
+            as_stored = f"the model class was not built: {expect}"
             tied = tied_without_transformers(fixed, shapes)
             not_checked = check_against_base(
                 {k: v for k, v in shapes.items() if k not in tied}, tied, base_at, expect,
@@ -316,6 +327,9 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
                                                 if (k, v) not in compared}))
             _refuse_differing(request, tied, compared, side.config)
             job = plan_job(_excluding(request, sorted(tied)))
+        if fused is None and names is not None and \
+                any(not p.whole or p.name != p.source for p in names.pieces):
+            job = hub_plan(job, names.pieces, max_shard_size=request.options.max_shard_size)
         if fused is not None:  # the plan whose tensors the fuser computes, tied targets out
             job = fused.job(request.output_dir, exclude=tied, overwrite=overwrite,
                             max_shard_size=request.options.max_shard_size)
@@ -328,7 +342,8 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
     return ExportResult(result.source, request.output_dir, result.files, tuple(files),
                         result.tensors, result.bytes, export_dtype, tuple(sorted(tied.items())),
                         side.config, expect.model_class if isinstance(expect, ModelExpectation)
-                        else None, time.perf_counter() - start, not_checked)
+                        else None, time.perf_counter() - start, not_checked, as_stored)
+
 
 
 def _excluding(request: MergeRequest, names: list[str]) -> MergeRequest:

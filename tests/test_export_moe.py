@@ -144,6 +144,10 @@ def test_a_sharded_export_indexes_the_hub_names(moe, caplog):
     assert sorted(index["weight_map"]) == sorted(reference)
     _same(_exported(tmp / "out"), reference)
     _loads_clean(tmp / "out", model, caplog)
+    # Exported again as one file over it: the shards it replaces are gone.
+    fsdpckpt.export_hf(ckpt, tmp / "out", base=tmp / "reference", overwrite=True)
+    assert sorted(p.name for p in (tmp / "out").glob("model*")) == ["model.safetensors"]
+    _same(_exported(tmp / "out"), reference)
 
 
 def test_a_missing_expert_is_named_in_either_naming(tmp_path):
@@ -231,3 +235,55 @@ def test_a_view_that_is_no_box_is_refused_and_boxes_are_found():
     assert _box("x", "k", (3, 8, 4), 0, (4, 8), (1, 4)) is None
     whole = _box("x", "k", (3, 8, 4), 0, (3, 8, 4), (32, 4, 1))
     assert whole is not None and whole.whole
+
+
+def test_memory_holds_one_expert_never_a_layer(tmp_path, monkeypatch):
+    from fsdpckpt.export import _moe
+
+    model = _model(_config("mixtral"))
+    _reference(model, tmp_path / "reference")
+    ckpt = _checkpoint(model.state_dict(), tmp_path / "ckpt")
+    read: list[tuple[str, int]] = []
+    real = _moe.read_box
+
+    def recording(files, tensor, offsets, sizes, out):
+        read.append((tensor.name, len(out)))
+        return real(files, tensor, offsets, sizes, out)
+
+    monkeypatch.setattr(_moe, "read_box", recording)
+    fsdpckpt.export_hf(ckpt, tmp_path / "out", base=tmp_path / "reference")
+    expert = 24 * 16 * 4  # one expert's w1: intermediate x hidden, fp32
+    fused = [n for n, _ in read if n.endswith("gate_up_proj")]
+    assert len(fused) == 2 * 3 * 2  # w1 and w3 of 3 experts, 2 layers: one box each
+    assert max(size for n, size in read if "experts" in n) == expert
+
+
+def test_lora_fuse_of_an_moe_model_writes_the_hub_names(tmp_path, caplog):
+    peft = pytest.importorskip("peft")
+    import torch.distributed.checkpoint as dcp
+
+    model = peft.get_peft_model(_model(_config("qwen2_moe")), peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"))
+    model.peft_config["default"].save_pretrained(str(ckpt))
+    merged = model.merge_and_unload().eval()
+    reference = _reference(merged, tmp_path / "reference")
+    result = fsdpckpt.export_hf(ckpt, tmp_path / "out", base=tmp_path / "reference",
+                                lora="fuse")
+    assert result.names_as_stored is None
+    got = _exported(tmp_path / "out")
+    assert sorted(got) == sorted(reference)
+    for name, tensor in reference.items():  # the experts as stored; q, v fused in fp32
+        torch.testing.assert_close(got[name], tensor, atol=1e-6, rtol=1e-6)
+        if "experts" in name:
+            assert torch.equal(got[name], tensor), name
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(_IDS).logits, merged(_IDS).logits,
+                                   atol=1e-5, rtol=1e-5)

@@ -37,9 +37,10 @@ from fsdpckpt.export._keycheck import key_problems
 from fsdpckpt.export._tied import read_box
 from fsdpckpt.formats import TensorSpec
 from fsdpckpt.merging._jobs import MergeJob
+from fsdpckpt.merging._outputs import claim_outputs
 from fsdpckpt.merging.plan import MergePlan, PlannedFile, PlannedTensor, computed_plan
 
-__all__ = ["Piece", "HubNames", "saved_layout", "hub_names", "hub_plan", "fused_names"]
+__all__ = ["Piece", "HubNames", "saved_layout", "hub_names", "hub_plan"]
 
 Shape = tuple[int, ...]
 
@@ -212,12 +213,14 @@ def hub_names(stored: Mapping[str, Shape], shapes: Mapping[str, Shape],
     return HubNames(tuple(pieces), ties_found, problems)
 
 
-def hub_plan(job: MergeJob, pieces: Iterable[Piece], *,
+def hub_plan(job: MergeJob, pieces: Iterable[Piece], *, overwrite: bool,
              max_shard_size: int | None = None) -> MergeJob:
-    """``job`` (the export's copying plan, tied targets already left out) writing ``pieces``
-    instead of its tensors as stored: the same plan renamed when every piece is a whole
-    stored tensor; else a computed plan reading each piece's box, split into shards of at
-    most ``max_shard_size`` bytes as a merge splits them.
+    """``job`` (the export's plan, tied targets already left out) writing ``pieces`` instead
+    of its tensors as named: a copying plan renamed when every piece is a whole stored
+    tensor, else a computed plan reading each piece's box; a computed plan (LoRA fusion)
+    cutting each piece from the tensor its fuser yields. Split into shards of at most
+    ``max_shard_size`` bytes as a merge splits them; the earlier outputs it replaces
+    claimed again for its own files.
 
     Raises:
         CorruptCheckpointError, NotACheckpointError, ChecksumError: when written, a chunk's
@@ -226,25 +229,19 @@ def hub_plan(job: MergeJob, pieces: Iterable[Piece], *,
     (plan,) = job.plans
     planned = {t.spec.name: t for f in plan.files for t in f.tensors}
     chosen = [p for p in pieces if p.source in planned]
-    if all(p.whole for p in chosen):
+    if plan.fuser is None and all(p.whole for p in chosen):  # the same files, renamed
         renamed = {p.source: p.name for p in chosen}
         files = tuple(PlannedFile(f.name, tuple(_renamed(t, renamed[t.spec.name])
                                                 for t in f.tensors)) for f in plan.files)
         return dataclasses.replace(job, plans=(dataclasses.replace(plan, files=files),))
     specs = [TensorSpec(p.name, (p.name,), planned[p.source].spec.dtype, p.shape)
              for p in chosen]
-    computed = computed_plan(plan.folder, specs, lambda: _cut(plan, planned, chosen),
-                             max_shard_size=max_shard_size)
-    return dataclasses.replace(job, plans=(computed,))
-
-
-def fused_names(layout: Mapping[str, tuple[Piece, ...]]) -> str | None:
-    """Why ``lora="fuse"`` writes other names than ``save_pretrained`` of the merged model
-    would (its fuser yields whole tensors by in-memory name); None where they agree."""
-    if all(len(p) == 1 and p[0].whole and p[0].name == k for k, p in layout.items()):
-        return None
-    return "lora='fuse' writes the in-memory names; save_pretrained of the merged model " \
-        "writes the hub's"
+    fuser = plan.fuser
+    stream = (lambda: _cut(plan, planned, chosen)) if fuser is None else \
+        (lambda: _cut_computed(fuser(), chosen))
+    computed = computed_plan(plan.folder, specs, stream, max_shard_size=max_shard_size)
+    return MergeJob((computed,), job.output_dir,
+                    claim_outputs((computed,), job.output_dir, overwrite=overwrite))
 
 
 def _renamed(tensor: PlannedTensor, name: str) -> PlannedTensor:
@@ -271,3 +268,16 @@ def _cut(plan: MergePlan, planned: Mapping[str, PlannedTensor],
             yield piece.name, value.view(piece.shape).to(getattr(torch, out.name))
     finally:
         files.close()
+
+
+def _cut_computed(tensors: Iterable[tuple[str, Any]],
+                  pieces: list[Piece]) -> Iterator[tuple[str, Any]]:
+    # Each computed tensor (whole, by in-memory name) cut into its pieces as views: the
+    # tensor is held once, while its pieces are written.
+    by_source: dict[str, list[Piece]] = {}
+    for piece in pieces:
+        by_source.setdefault(piece.source, []).append(piece)
+    for name, tensor in tensors:
+        for piece in by_source.get(name, ()):
+            box = tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.sizes))
+            yield piece.name, tensor[box].reshape(piece.shape)

@@ -10,6 +10,11 @@ set to the exported dtype), the generation config, the tokenizer and its chat te
 ``base`` or from where trainers leave them. Tied targets (``lm_head.weight`` with
 ``tie_word_embeddings``) are decided by the config and not written, after checking that the
 checkpoint holds the same bytes under both names (``untie`` writes both when they differ).
+Names are what transformers' ``save_pretrained`` writes (the hub's): its own conversion
+mapping, run on the model class on the meta device, cuts fused MoE experts per expert and
+renames LLaVA's modules, each written tensor read as a box of a stored one; a checkpoint
+already under those names (a transformers 4 run) is written as it is
+(:mod:`fsdpckpt.export._moe`).
 Before a byte is written, the exported keys and shapes are checked against the config's
 model class (built on the meta device when transformers is installed, after its declared
 layer and expert counts are bounded by the checkpoint's keys); a model whose class needs
@@ -54,7 +59,7 @@ from fsdpckpt.export._model import (
     start_import,
     tied_without_transformers,
 )
-from fsdpckpt.export._moe import fused_names, hub_names, hub_plan
+from fsdpckpt.export._moe import hub_names, hub_plan
 from fsdpckpt.export._tied import same_bytes
 from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
@@ -304,18 +309,15 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
             # In-memory names (transformers 5) or the hub's (transformers 4's per-expert
             # MoE names): either is matched, and the hub's are written (export._moe).
             saved = expect.saved if isinstance(expect.saved, dict) else None
-            names = hub_names(shapes, expect.shapes, expect.tied,
-                              saved if fused is None else None)
+            names = hub_names(shapes, expect.shapes, expect.tied, saved)
             tied = names.tied
             if names.problems:
                 raise ExportMismatchError(
                     f"{request.sources[0].folder.path}: does not match {expect.model_class} "
                     f"as {side.config} describes it: " + "; ".join(names.problems) + "; pass "
                     "base=... with the config of the model this run trained")
-            if saved is None:  # transformers' conversion is no cut: why, if it says
-                as_stored = str(expect.saved) or None
-            else:
-                as_stored = fused_names(saved) if fused is not None else None
+            # None: transformers' conversion is no cut (why, where it says).
+            as_stored = str(expect.saved) or None if saved is None else None
         else:  # not built: the reason says why; the base's own weight names, if any
             as_stored = f"the model class was not built: {expect}"
             tied = tied_without_transformers(fixed, shapes)
@@ -327,12 +329,12 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
                                                 if (k, v) not in compared}))
             _refuse_differing(request, tied, compared, side.config)
             job = plan_job(_excluding(request, sorted(tied)))
-        if fused is None and names is not None and \
-                any(not p.whole or p.name != p.source for p in names.pieces):
-            job = hub_plan(job, names.pieces, max_shard_size=request.options.max_shard_size)
         if fused is not None:  # the plan whose tensors the fuser computes, tied targets out
             job = fused.job(request.output_dir, exclude=tied, overwrite=overwrite,
                             max_shard_size=request.options.max_shard_size)
+        if names is not None and any(not p.whole or p.name != p.source for p in names.pieces):
+            job = hub_plan(job, names.pieces, overwrite=overwrite,
+                           max_shard_size=request.options.max_shard_size)
         (result,) = commit_job(job, write_job(job, stage, progress))
         for target in nested:
             (request.output_dir / target.parent.name).mkdir(exist_ok=True)

@@ -287,3 +287,21 @@ def test_lora_fuse_of_an_moe_model_writes_the_hub_names(tmp_path, caplog):
     with torch.no_grad():
         torch.testing.assert_close(loaded(_IDS).logits, merged(_IDS).logits,
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("naming", ["memory", "hub"])
+def test_a_tied_moe_model_leaves_the_tied_head_out_as_save_pretrained_does(
+        tmp_path, naming, caplog):
+    config = _config("qwen3_moe")
+    config.tie_word_embeddings = True
+    model = _model(config)
+    reference = _reference(model, tmp_path / "reference")
+    assert "lm_head.weight" not in reference
+    stored = dict(model.state_dict())
+    if naming == "hub":
+        stored = {**reference, "lm_head.weight": stored["lm_head.weight"]}
+    ckpt = _checkpoint(stored, tmp_path / "ckpt")
+    result = fsdpckpt.export_hf(ckpt, tmp_path / "out", base=tmp_path / "reference")
+    assert result.tied == (("lm_head.weight", "model.embed_tokens.weight"),)
+    _same(_exported(tmp_path / "out"), reference)
+    _loads_clean(tmp_path / "out", model, caplog)

@@ -305,3 +305,29 @@ def test_a_tied_moe_model_leaves_the_tied_head_out_as_save_pretrained_does(
     assert result.tied == (("lm_head.weight", "model.embed_tokens.weight"),)
     _same(_exported(tmp_path / "out"), reference)
     _loads_clean(tmp_path / "out", model, caplog)
+
+
+def _fsdp2_moe(rank: int, world_size: int, ckpt: str) -> None:
+    # A real 2-rank FSDP2 run's checkpoint: each 3-expert tensor sharded 2 + 1 on dim 0.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(_config("mixtral"))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    dcp.save({"model": get_model_state_dict(model)},
+             checkpoint_id=str(Path(ckpt) / "pytorch_model_fsdp_0"))
+
+
+@pytest.mark.multirank
+def test_a_two_rank_fsdp2_run_exports_as_save_pretrained_writes(tmp_path, caplog):
+    from multirank import run_ranks
+
+    model = _model(_config("mixtral"))
+    reference = _reference(model, tmp_path / "reference")
+    run_ranks(_fsdp2_moe, str(tmp_path / "ckpt"))
+    fsdpckpt.export_hf(tmp_path / "ckpt", tmp_path / "out", base=tmp_path / "reference")
+    _same(_exported(tmp_path / "out"), reference)
+    _loads_clean(tmp_path / "out", model, caplog)

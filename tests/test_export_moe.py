@@ -331,3 +331,16 @@ def test_a_two_rank_fsdp2_run_exports_as_save_pretrained_writes(tmp_path, caplog
     fsdpckpt.export_hf(tmp_path / "ckpt", tmp_path / "out", base=tmp_path / "reference")
     _same(_exported(tmp_path / "out"), reference)
     _loads_clean(tmp_path / "out", model, caplog)
+
+
+@pytest.mark.s3
+def test_a_remote_moe_checkpoint_exports_as_the_local_one(s3, tmp_path):
+    from conftest import upload
+
+    server, root = s3
+    model = _model(_config("qwen2_moe"))
+    reference = _reference(model, tmp_path / "run")
+    _checkpoint(model.state_dict(), tmp_path / "run" / "ckpt")
+    url = upload(server, tmp_path / "run", f"s3://{root}/run")
+    fsdpckpt.export_hf(f"{url}/ckpt", tmp_path / "out", storage_options=server.options)
+    _same(_exported(tmp_path / "out"), reference)

@@ -158,10 +158,6 @@ class HubNames:
     tied: dict[str, str]
     problems: list[str]
 
-    @property
-    def renamed_only(self) -> bool:
-        return all(p.whole for p in self.pieces)
-
 
 def hub_names(stored: Mapping[str, Shape], shapes: Mapping[str, Shape],
               tied: Mapping[str, str],

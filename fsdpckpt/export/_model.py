@@ -23,6 +23,7 @@ from typing import Any
 
 from fsdpckpt.export._config import strip_fsdp_prefix
 from fsdpckpt.export._keycheck import custom_code, custom_code_reason
+from fsdpckpt.export._moe import Piece, saved_layout
 
 __all__ = ["ModelExpectation", "expect_model", "tied_without_transformers", "start_import"]
 
@@ -39,11 +40,15 @@ class ModelExpectation:
         shapes: every key of its state dict (tied targets included) and its shape.
         tied: tied target -> the key it is tied to (``{"lm_head.weight":
             "model.embed_tokens.weight"}``); targets are not written.
+        saved: what ``save_pretrained`` writes for each key (the hub's names, fused MoE
+            experts cut per expert: :func:`~fsdpckpt.export._moe.saved_layout`); or why
+            that is not known, and the keys are written as they are named in memory.
     """
 
     model_class: str
     shapes: dict[str, tuple[int, ...]]
     tied: dict[str, str]
+    saved: dict[str, tuple[Piece, ...]] | str = ""
 
 
 def start_import(config: dict[str, Any]) -> threading.Thread:
@@ -135,7 +140,10 @@ def expect_model(config_dir: Path, config: dict[str, Any], *,
         source = first.setdefault(id(param), name)
         if source != name:  # the same parameter under a second name: the model ties it
             tied[name] = source
-    return ModelExpectation(type(model).__name__, shapes, tied)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved = saved_layout(torch, model)
+    return ModelExpectation(type(model).__name__, shapes, tied, saved)
 
 
 def _build(transformers: Any, torch: Any, config: Any, trust_remote_code: bool) -> Any:

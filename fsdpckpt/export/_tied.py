@@ -16,7 +16,7 @@ from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.merging._copy import MemorySink, locate_stored_chunk, place_chunk
 from fsdpckpt.merging._runs import boxes, chunk_runs
 
-__all__ = ["BOX_BYTES", "same_bytes"]
+__all__ = ["BOX_BYTES", "same_bytes", "read_box"]
 
 #: The most bytes of each tensor held at once.
 BOX_BYTES = 8 * 2**20
@@ -40,15 +40,22 @@ def same_bytes(files: DataFiles, a: TensorEntry, b: TensorEntry, *,
         for s in sizes:
             count *= s
         left, right = bytearray(count * itemsize), bytearray(count * itemsize)
-        _read_box(files, a, offsets, sizes, memoryview(left))
-        _read_box(files, b, offsets, sizes, memoryview(right))
+        read_box(files, a, offsets, sizes, memoryview(left))
+        read_box(files, b, offsets, sizes, memoryview(right))
         if left != right:
             return False
     return True
 
 
-def _read_box(files: DataFiles, tensor: TensorEntry, offsets: tuple[int, ...],
-              sizes: tuple[int, ...], out: memoryview) -> None:
+def read_box(files: DataFiles, tensor: TensorEntry, offsets: tuple[int, ...],
+             sizes: tuple[int, ...], out: memoryview) -> None:
+    """Read the box ``offsets``/``sizes`` of the stored ``tensor`` into ``out`` (row-major,
+    in the stored dtype), reading only the parts of its chunks inside the box.
+
+    Raises:
+        CorruptCheckpointError, NotACheckpointError, ChecksumError: a chunk's data is
+            damaged or missing.
+    """
     # Each stored chunk's part inside the box is itself a strided view of the chunk's
     # storage: placed as a chunk of the box, so only that part is read.
     sink = MemorySink(out)

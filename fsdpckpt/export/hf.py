@@ -10,6 +10,11 @@ set to the exported dtype), the generation config, the tokenizer and its chat te
 ``base`` or from where trainers leave them. Tied targets (``lm_head.weight`` with
 ``tie_word_embeddings``) are decided by the config and not written, after checking that the
 checkpoint holds the same bytes under both names (``untie`` writes both when they differ).
+Names are what transformers' ``save_pretrained`` writes (the hub's): its own conversion
+mapping, run on the model class on the meta device, cuts fused MoE experts per expert and
+renames LLaVA's modules, each written tensor read as a box of a stored one; a checkpoint
+already under those names (a transformers 4 run) is written as it is
+(:mod:`fsdpckpt.export._moe`).
 Before a byte is written, the exported keys and shapes are checked against the config's
 model class (built on the meta device when transformers is installed, after its declared
 layer and expert counts are bounded by the checkpoint's keys); a model whose class needs
@@ -46,12 +51,7 @@ from fsdpckpt.export._config import (
     side_file_bytes,
 )
 from fsdpckpt.export._fuse_hf import plan_fused
-from fsdpckpt.export._keycheck import (
-    check_against_base,
-    check_declared_sizes,
-    custom_code,
-    key_problems,
-)
+from fsdpckpt.export._keycheck import check_against_base, check_declared_sizes, custom_code
 from fsdpckpt.export._lora_read import folder_source
 from fsdpckpt.export._model import (
     ModelExpectation,
@@ -59,6 +59,7 @@ from fsdpckpt.export._model import (
     start_import,
     tied_without_transformers,
 )
+from fsdpckpt.export._moe import hub_names, hub_plan
 from fsdpckpt.export._tied import same_bytes
 from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
@@ -87,6 +88,11 @@ class ExportResult:
             line: custom code that runs only with ``trust_remote_code``, transformers not
             installed...), and what the keys were checked against instead (the base's
             weights); None when they were checked against the model class.
+        names_as_stored: why the tensors were written under the checkpoint's own names
+            rather than those ``save_pretrained`` writes (the hub's: per-expert MoE
+            tensors, LLaVA's ``language_model.model.*``), which come from transformers'
+            conversion mapping; None when they were written as ``save_pretrained`` writes
+            them.
     """
 
     source: Path | RemotePath
@@ -101,6 +107,7 @@ class ExportResult:
     model_class: str | None
     seconds: float
     not_checked: str | None = None
+    names_as_stored: str | None = None
 
     def to_json(self) -> dict:
         """What ``fsdpckpt export-hf --json`` prints."""
@@ -109,7 +116,8 @@ class ExportResult:
                 "tensors": self.tensors, "bytes": self.bytes, "dtype": self.dtype,
                 "tied": {target: source for target, source in self.tied},
                 "config_from": str(self.config_from), "checked_against": self.model_class,
-                "not_checked": self.not_checked, "seconds": round(self.seconds, 3)}
+                "not_checked": self.not_checked, "names_as_stored": self.names_as_stored,
+                "seconds": round(self.seconds, 3)}
 
 
 def _search_root(layout: CheckpointLayout) -> Path | RemotePath:
@@ -296,17 +304,22 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
             (copies if target.parent == stage else nested).append(target)
         importing.join()
         expect = expect_model(stage, fixed, trust_remote_code=trust_remote_code)
-        not_checked = None
+        not_checked = names = None
         if isinstance(expect, ModelExpectation):
-            tied = {k: v for k, v in expect.tied.items() if k in shapes}
-            problems = key_problems({k: v for k, v in shapes.items() if k not in tied},
-                                    expect.shapes, expect.tied)
-            if problems:
+            # In-memory names (transformers 5) or the hub's (transformers 4's per-expert
+            # MoE names): either is matched, and the hub's are written (export._moe).
+            saved = expect.saved if isinstance(expect.saved, dict) else None
+            names = hub_names(shapes, expect.shapes, expect.tied, saved)
+            tied = names.tied
+            if names.problems:
                 raise ExportMismatchError(
                     f"{request.sources[0].folder.path}: does not match {expect.model_class} "
-                    f"as {side.config} describes it: " + "; ".join(problems) + "; pass base=... "
-                    "with the config of the model this run trained")
+                    f"as {side.config} describes it: " + "; ".join(names.problems) + "; pass "
+                    "base=... with the config of the model this run trained")
+            # None: transformers' conversion is no cut (why, where it says).
+            as_stored = str(expect.saved) or None if saved is None else None
         else:  # not built: the reason says why; the base's own weight names, if any
+            as_stored = f"the model class was not built: {expect}"
             tied = tied_without_transformers(fixed, shapes)
             not_checked = check_against_base(
                 {k: v for k, v in shapes.items() if k not in tied}, tied, base_at, expect,
@@ -319,6 +332,9 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
         if fused is not None:  # the plan whose tensors the fuser computes, tied targets out
             job = fused.job(request.output_dir, exclude=tied, overwrite=overwrite,
                             max_shard_size=request.options.max_shard_size)
+        if names is not None and any(not p.whole or p.name != p.source for p in names.pieces):
+            job = hub_plan(job, names.pieces, overwrite=overwrite,
+                           max_shard_size=request.options.max_shard_size)
         (result,) = commit_job(job, write_job(job, stage, progress))
         for target in nested:
             (request.output_dir / target.parent.name).mkdir(exist_ok=True)
@@ -328,7 +344,8 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
     return ExportResult(result.source, request.output_dir, result.files, tuple(files),
                         result.tensors, result.bytes, export_dtype, tuple(sorted(tied.items())),
                         side.config, expect.model_class if isinstance(expect, ModelExpectation)
-                        else None, time.perf_counter() - start, not_checked)
+                        else None, time.perf_counter() - start, not_checked, as_stored)
+
 
 
 def _excluding(request: MergeRequest, names: list[str]) -> MergeRequest:

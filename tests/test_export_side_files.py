@@ -114,6 +114,21 @@ def test_auto_processor_loads_a_transformers_4_processor_layout(tmp_path):
     assert loaded.chat_template == TEMPLATE
 
 
+def test_a_processors_other_tokenizer_is_copied_into_its_folder(tmp_path):
+    # InstructBLIP's processor saves its second tokenizer in qformer_tokenizer/.
+    run = _run(tmp_path)
+    (run / "qformer_tokenizer").mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(run / name, run / "qformer_tokenizer" / name)
+    out = _export(run, tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / "qformer_tokenizer" / name).read_bytes() == (run / name).read_bytes()
+    transformers = pytest.importorskip("transformers")
+    loaded = transformers.AutoTokenizer.from_pretrained(out, subfolder="qformer_tokenizer")
+    assert loaded("hello world")["input_ids"] == \
+        transformers.AutoTokenizer.from_pretrained(run)("hello world")["input_ids"]
+
+
 def test_a_processor_file_linking_out_of_its_folder_is_refused(tmp_path):
     run = _run(tmp_path)
     outside = tmp_path / "elsewhere.json"

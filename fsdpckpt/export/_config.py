@@ -3,9 +3,8 @@
 Pure file work, no torch, no transformers: :func:`find_side_files` looks where trainers leave
 ``config.json``, the tokenizer and the processor, :func:`exported_config` rewrites the config
 for the exported weights (``architectures`` without FSDP2's ``FSDP`` prefix, the dtype field),
-:func:`generation_config` makes the generation config transformers makes from a config.
-The file names are kept here, not imported: export-hf runs without transformers
-(tests/test_export_side_files.py checks them against the installed transformers).
+:func:`generation_config` makes the one transformers makes from a config. The file names are
+kept here: export-hf runs without transformers (tests/test_export_side_files.py checks them).
 """
 
 from __future__ import annotations
@@ -47,8 +46,8 @@ _TEMPLATES_DIR = "additional_chat_templates"
 
 #: A config.json is a few KB; one larger than this is not one.
 _MAX_CONFIG_BYTES = 16 * 2**20
-#: The largest side file copied (a tokenizer.json of a large vocabulary is tens of MB):
-#: each is read whole, so this bounds the memory a copy takes.
+#: The largest side file copied (a large vocabulary's tokenizer.json is tens of MB): each is
+#: read whole, so this bounds the memory a copy takes.
 MAX_SIDE_BYTES = 128 * 2**20
 
 #: FSDP2's ``fully_shard`` renames the class to ``FSDP<Class>``.
@@ -99,12 +98,13 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
     (the checkpoint folder, its ``huggingface/``, the run's output folder above it and its
     ``huggingface/``); the tokenizer likewise, and the generation config from the config's
     folder, else the first that holds one (none: made as transformers' ``save_pretrained``
-    makes it, :func:`generation_config`). The processor's files and
-    ``additional_chat_templates/`` come with the tokenizer; the custom code ``auto_map``
-    names (trust_remote_code models), and the modules it imports relatively, with the
-    config (and the tokenizer's, with it). No symlink is followed out of the folder a file
-    comes from. Either may be on object storage (:class:`~fsdpckpt._io.remote.RemotePath`):
-    the files are then found in its listings, and read by :func:`side_file_bytes`.
+    makes it, :func:`generation_config`). The processor's files (its other tokenizers in
+    their ``*_tokenizer/``) and ``additional_chat_templates/`` come with the tokenizer; the
+    custom code ``auto_map`` names (trust_remote_code models), and the modules it imports
+    relatively, with the config (and the tokenizer's, with it). No symlink is followed out
+    of the folder a file comes from. Either may be on object storage
+    (:class:`~fsdpckpt._io.remote.RemotePath`): the files are then found in its listings,
+    and read by :func:`side_file_bytes`.
 
     Raises:
         CheckpointNotFoundError: ``base`` is not a folder; no ``config.json`` or no
@@ -136,6 +136,14 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
                                       f"{where}; {hint}")
     copied = [(tokenizer / name, name) for name in TOKENIZER_FILES + PROCESSOR_FILES
               if (tokenizer / name).is_file()]
+    # A processor's other tokenizers, each in the folder its attribute names
+    # (InstructBLIP's qformer_tokenizer/): from_pretrained reads them from there.
+    others: list[Place] = list(tokenizer.glob("*_tokenizer"))
+    for sub in sorted(others, key=str):
+        if sub.is_dir() and _has_tokenizer(sub):
+            _check_inside(sub, tokenizer)
+            copied += [(sub / n, f"{sub.name}/{n}") for n in TOKENIZER_FILES
+                       if (sub / n).is_file()]
     templates = tokenizer / _TEMPLATES_DIR
     if templates.is_dir():
         _check_inside(templates, tokenizer)
@@ -291,8 +299,7 @@ def read_config(path: Place) -> dict[str, Any]:
 
 
 def _legacy_dtype(section: dict[str, Any]) -> dict[str, Any]:
-    # transformers 5 reads and writes ``dtype``; ``torch_dtype`` is the legacy spelling it
-    # still accepts but never writes. A sub-config keeps its own value under the new name.
+    # transformers 5 writes ``dtype``, never the legacy ``torch_dtype``: a sub-config's moves.
     out = {k: _legacy_dtype(v) if isinstance(v, dict) else v for k, v in section.items()}
     legacy = out.pop("torch_dtype", None)
     if legacy is not None and out.get("dtype") is None:
@@ -327,42 +334,43 @@ def exported_config(config: dict[str, Any], dtype_name: str, *,
 
 #: Every setting of transformers' ``GenerationConfig`` (5.x), each ``None`` by default.
 GENERATION_FIELDS = (
-    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "early_stopping",
-    "max_time", "stop_strings", "do_sample", "num_beams", "use_mtp", "use_cache",
-    "cache_implementation", "cache_config", "max_cache_len", "temperature", "top_k", "top_p",
-    "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff", "repetition_penalty",
+    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "early_stopping", "max_time",
+    "stop_strings", "do_sample", "num_beams", "use_mtp", "use_cache", "cache_implementation",
+    "cache_config", "max_cache_len", "temperature", "top_k", "top_p", "min_p", "top_h",
+    "typical_p", "epsilon_cutoff", "eta_cutoff", "repetition_penalty",
     "encoder_repetition_penalty", "length_penalty", "no_repeat_ngram_size", "bad_words_ids",
-    "renormalize_logits", "forced_bos_token_id", "forced_eos_token_id",
-    "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
-    "begin_suppress_tokens", "sequence_bias", "token_healing", "guidance_scale",
-    "watermarking_config", "num_return_sequences", "output_attentions",
-    "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate",
-    "pad_token_id", "bos_token_id", "eos_token_id", "encoder_no_repeat_ngram_size",
-    "decoder_start_token_id", "is_assistant", "num_assistant_tokens",
-    "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+    "renormalize_logits", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "sequence_bias", "token_healing", "guidance_scale", "watermarking_config",
+    "num_return_sequences", "output_attentions", "output_hidden_states", "output_scores",
+    "output_logits", "return_dict_in_generate", "pad_token_id", "bos_token_id", "eos_token_id",
+    "encoder_no_repeat_ngram_size", "decoder_start_token_id", "is_assistant",
+    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
     "prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit",
-    "assistant_lookbehind", "target_lookbehind", "assistant_ensemble_weight",
-    "speculation_type", "compile_config", "disable_compile", "continuous_batching_config",
-    "low_memory", "penalty_alpha", "dola_layers", "diversity_penalty", "num_beam_groups",
-    "constraints", "force_words_ids", "prefill_chunk_size")
+    "assistant_lookbehind", "target_lookbehind", "assistant_ensemble_weight", "speculation_type",
+    "compile_config", "disable_compile", "continuous_batching_config", "low_memory",
+    "penalty_alpha", "dola_layers", "diversity_penalty", "num_beam_groups", "constraints",
+    "force_words_ids", "prefill_chunk_size")
 #: The flags that make ``generate`` return a dict (GenerationConfig.extra_output_flags).
 _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
 #: Where a composite config keeps its decoder's (get_text_config(decoder=True)).
 _DECODER_CONFIGS = ("decoder", "generator", "text_config")
-#: The classes that generate (the AutoModelForCausalLM / ForConditionalGeneration families
-#: VeRL's merger builds, GPT-2's LMHeadModel); ForTokenClassification and the like do not.
+#: The classes that generate: those VeRL's merger builds as such, and GPT-2's LMHeadModel.
 _GENERATES = re.compile(r"(ForCausalLM|ForConditionalGeneration|LMHeadModel)$")
 
 
 def generation_config(config: dict[str, Any]) -> dict[str, Any] | None:
     """The generation config transformers' ``save_pretrained`` writes for a model built from
-    ``config`` (``GenerationConfig.from_model_config``, as VeRL's merger does), or None when
-    ``architectures`` names no class that generates.
+    ``config`` (``GenerationConfig.from_model_config``, as VeRL's merger does), made without
+    transformers: a default of the config class that ``config.json`` omits is not known.
 
-    Made without transformers: the generation settings the config (then its decoder's
-    config) holds, ``output_attentions``/``output_hidden_states`` false as a config object
-    carries them, ``_from_model_config``; ``transformers_version`` is the config's. A
-    default of the config class that ``config.json`` leaves out is not known here.
+    Args:
+        config: ``config.json`` as read.
+
+    Returns:
+        The generation settings the config (then its decoder's) holds, ``output_attentions``
+        and ``output_hidden_states`` false, ``_from_model_config``, the config's
+        ``transformers_version``; None when ``architectures`` names no class that generates.
 
     Example:
         >>> made = generation_config({"architectures": ["LlamaForCausalLM"], "eos_token_id": 2})
@@ -375,11 +383,13 @@ def generation_config(config: dict[str, Any]) -> dict[str, Any] | None:
         return None
     # PreTrainedConfig's own defaults: to_dict() carries them though config.json omits them.
     merged = {"output_attentions": False, "output_hidden_states": False, **config}
-    out = {k: merged[k] for k in GENERATION_FIELDS if merged.get(k) is not None}
-    decoder: dict[str, Any] = next((config[n] for n in _DECODER_CONFIGS
-                                    if isinstance(config.get(n), dict)), {})
-    out.update({k: decoder[k] for k in GENERATION_FIELDS
-                if k not in out and decoder.get(k) is not None})
+    decoder: dict[str, Any] = next((c for n in _DECODER_CONFIGS
+                                    if isinstance(c := config.get(n), dict)), {})
+    out: dict[str, Any] = {}
+    for key in GENERATION_FIELDS:  # the config's, else its decoder's
+        value = merged.get(key) if merged.get(key) is not None else decoder.get(key)
+        if value is not None:
+            out[key] = value
     if any(out.get(flag) for flag in _OUTPUT_FLAGS) and not out.get("return_dict_in_generate"):
         out["return_dict_in_generate"] = True
     out["_from_model_config"] = True

@@ -27,6 +27,7 @@ from fsdpckpt.export._config import (
 )
 
 from conftest import FIXTURES
+from multirank import run_ranks
 
 TINY = FIXTURES / "tiny_llama"
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -200,7 +201,7 @@ def test_generation_fields_are_every_generation_config_setting():
 # --- the generation config and dtype of a VeRL export -----------------------------------
 
 
-def test_a_verl_export_gets_the_generation_config_its_merger_writes(tmp_path):
+def test_a_generation_config_is_made_where_the_run_left_none(tmp_path):
     transformers = pytest.importorskip("transformers")
     run = _verl_run(tmp_path)
     out = _export(run, tmp_path)
@@ -213,6 +214,52 @@ def test_a_verl_export_gets_the_generation_config_its_merger_writes(tmp_path):
     want.pop("transformers_version")
     assert got == want
     assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == 2
+
+
+def _verl_fsdp1(rank: int, world: int, root: str) -> None:
+    """What VeRL's FSDPCheckpointManager.save_checkpoint writes for an FSDP1 model built from
+    its config (so no generation config: its name_or_path is empty), under transformers 4
+    (``torch_dtype``)."""
+    import torch
+    import transformers
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedStateDictConfig, StateDictType
+
+    config = transformers.AutoConfig.from_pretrained(TINY / "tied")
+    torch.manual_seed(0)
+    model = FSDP(transformers.AutoModelForCausalLM.from_config(config),
+                 device_id=torch.device("cpu"))
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT,
+                              ShardedStateDictConfig()):
+        torch.save(model.state_dict(), Path(root) / f"model_world_size_{world}_rank_{rank}.pt")
+    if rank == 0:
+        hf = Path(root) / "huggingface"
+        model.module.config.save_pretrained(hf)
+        transformers.AutoTokenizer.from_pretrained(TINY / "tied").save_pretrained(hf)
+        legacy = json.loads((hf / "config.json").read_text())
+        legacy["torch_dtype"] = legacy.pop("dtype")
+        (hf / "config.json").write_text(json.dumps(legacy, indent=2))
+        (Path(root) / "fsdp_config.json").write_text(json.dumps(
+            {"FSDP_version": 1, "world_size": world}))
+
+
+@pytest.mark.multirank
+def test_a_verl_fsdp1_export_has_its_mergers_generation_config_and_dtype(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "ckpt").mkdir()
+    run_ranks(_verl_fsdp1, str(tmp_path / "ckpt"))
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    hf = tmp_path / "ckpt" / "huggingface"
+    assert not (hf / "generation_config.json").exists()
+    want = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(hf)).generation_config.to_diff_dict()
+    got = json.loads((tmp_path / "out" / "generation_config.json").read_bytes())
+    assert {k: v for k, v in got.items() if k != "transformers_version"} == \
+        {k: v for k, v in want.items() if k != "transformers_version"}
+    config = json.loads((tmp_path / "out" / "config.json").read_bytes())
+    assert config["dtype"] == "float32" and "torch_dtype" not in config
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.generation_config.eos_token_id == 2
 
 
 def test_a_composite_models_generation_config_takes_its_decoders_settings(tmp_path):

@@ -301,8 +301,9 @@ def test_a_sub_configs_torch_dtype_becomes_its_dtype():
 # --- fsdpckpt.save_pretrained: the same finder ------------------------------------------
 
 
-def test_save_pretrained_copies_the_processor_and_writes_the_models_generation_config(
-        tmp_path):
+def _save_pretrained(tmp_path: Path):
+    """fsdpckpt.save_pretrained of a Llama whose base holds a processor and no generation
+    config; the model's own generation config differs from the one its config makes."""
     transformers = pytest.importorskip("transformers")
     import fsdpckpt
 
@@ -312,12 +313,21 @@ def test_save_pretrained_copies_the_processor_and_writes_the_models_generation_c
         shutil.copy(TINY / "tied" / name, base / name)
     _audio_processor(base).save_pretrained(base)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(base))
-    model.generation_config.max_new_tokens = 5  # the model's own, not one from the config
+    model.generation_config.max_new_tokens = 5
     fsdpckpt.save_pretrained(model, tmp_path / "out", base=base)
-    out = tmp_path / "out"
+    return base, model, tmp_path / "out"
+
+
+def test_save_pretrained_copies_the_processor_from_base(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    base, _, out = _save_pretrained(tmp_path)
     assert (out / "processor_config.json").read_bytes() == \
         (base / "processor_config.json").read_bytes()
-    assert (out / "generation_config.json").read_bytes() == \
-        model.generation_config.to_json_string(use_diff=True).encode()
     assert type(transformers.AutoProcessor.from_pretrained(out)).__name__ == \
         "Qwen2AudioProcessor"
+
+
+def test_save_pretrained_writes_the_models_generation_config_where_base_has_none(tmp_path):
+    _, model, out = _save_pretrained(tmp_path)
+    assert (out / "generation_config.json").read_bytes() == \
+        model.generation_config.to_json_string(use_diff=True).encode()

@@ -1,8 +1,10 @@
 """The Hugging Face files beside the weights: where to find them, and the config fixed for export.
 
 Pure file work, no torch, no transformers: :func:`find_side_files` looks where trainers leave
-``config.json`` and the tokenizer, :func:`exported_config` rewrites the config for the
-exported weights (``architectures`` without FSDP2's ``FSDP`` prefix, the dtype field).
+``config.json``, the tokenizer and the processor, :func:`exported_config` rewrites the config
+for the exported weights (``architectures`` without FSDP2's ``FSDP`` prefix, the dtype field),
+:func:`generation_config` makes the one transformers makes from a config. The file names are
+kept here: export-hf runs without transformers (tests/test_export_side_files.py checks them).
 """
 
 from __future__ import annotations
@@ -18,23 +20,34 @@ from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
 __all__ = ["SideFiles", "CONFIG", "MAX_SIDE_BYTES", "GENERATION_CONFIG", "TOKENIZER_FILES",
-           "find_side_files", "side_file_bytes", "exported_config", "strip_fsdp_prefix",
-           "read_config", "config_bytes"]
+           "PROCESSOR_FILES", "GENERATION_FIELDS", "find_side_files", "side_file_bytes",
+           "exported_config", "strip_fsdp_prefix", "read_config", "config_bytes",
+           "generation_config"]
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
-#: Every file a tokenizer (fast or slow) and its chat template may be saved as.
+#: Every file a tokenizer (fast or slow, of any class's ``vocab_files_names``) and its chat
+#: template (``chat_template.json``: the legacy processor one) may be saved as.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
-                   "vocab.txt", "spiece.model", "chat_template.jinja", "chat_template.json")
+                   "vocab.txt", "spiece.model", "chat_template.jinja", "chat_template.json",
+                   "sentencepiece.bpe.model", "sentencepiece.model", "spm.model", "bpe.codes",
+                   "prophetnet.tokenizer", "normalizer.json", "entity_vocab.json",
+                   "vocab-src.json", "vocab-tgt.json", "emoji.json", "byte_maps.json",
+                   "word_shape.json", "word_pronunciation.json", "dict.txt", "spm_char.model",
+                   "source.spm", "target.spm", "target_vocab.json")
+#: What a processor's ``save_pretrained`` writes besides its tokenizer: the unified processor
+#: config, and (transformers 4, still read) the image/feature and video processor configs.
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json",
+                   "video_preprocessor_config.json")
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 #: A folder of .jinja templates (transformers 5 saves extra named chat templates there).
 _TEMPLATES_DIR = "additional_chat_templates"
 
 #: A config.json is a few KB; one larger than this is not one.
 _MAX_CONFIG_BYTES = 16 * 2**20
-#: The largest side file copied (a tokenizer.json of a large vocabulary is tens of MB):
-#: each is read whole, so this bounds the memory a copy takes.
+#: The largest side file copied (a large vocabulary's tokenizer.json is tens of MB): each is
+#: read whole, so this bounds the memory a copy takes.
 MAX_SIDE_BYTES = 128 * 2**20
 
 #: FSDP2's ``fully_shard`` renames the class to ``FSDP<Class>``.
@@ -47,14 +60,17 @@ class SideFiles:
 
     Attributes:
         config: the ``config.json`` to export (read, then rewritten).
-        copied: the other files copied as they are (generation config, tokenizer, chat
-            template), as (source path, name in the output).
+        copied: the other files copied as they are (generation config, tokenizer, processor,
+            chat template), as (source path, name in the output).
         looked: the folders searched, in order.
+        made: files written that no folder holds, as (name, bytes): the generation config
+            transformers makes from the config, where none was found and the model generates.
     """
 
     config: Place
     copied: tuple[tuple[Place, str], ...]
     looked: tuple[Place, ...]
+    made: tuple[tuple[str, bytes], ...] = ()
 
 
 def _candidates(checkpoint_root: Place) -> list[Place]:
@@ -74,25 +90,29 @@ def _has_tokenizer(folder: Place) -> bool:
 
 
 def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
-    """The config, generation config, tokenizer files, chat templates and custom code to export.
+    """The config, generation config, tokenizer and processor files, chat templates and custom
+    code to export.
 
     With ``base`` (a Hugging Face model folder), they come from there alone. Without it,
     the config comes from the first of the folders trainers leave it in that holds one
     (the checkpoint folder, its ``huggingface/``, the run's output folder above it and its
     ``huggingface/``); the tokenizer likewise, and the generation config from the config's
-    folder, else the first that holds one. ``additional_chat_templates/`` comes with the
-    tokenizer; the custom code ``auto_map`` names (trust_remote_code models), and the
-    modules it imports relatively, with the config (and the tokenizer's, with it). No
-    symlink is followed out of the folder a file comes from. Either may be on object
-    storage (:class:`~fsdpckpt._io.remote.RemotePath`): the files are then found in its
-    listings, and read by :func:`side_file_bytes`.
+    folder, else the first that holds one (none: made as transformers' ``save_pretrained``
+    makes it, :func:`generation_config`). The processor's files (its other tokenizers in
+    their ``*_tokenizer/``) and ``additional_chat_templates/`` come with the tokenizer; the
+    custom code ``auto_map`` names (trust_remote_code models), and the modules it imports
+    relatively, with the config (and the tokenizer's, with it). No symlink is followed out
+    of the folder a file comes from. Either may be on object storage
+    (:class:`~fsdpckpt._io.remote.RemotePath`): the files are then found in its listings,
+    and read by :func:`side_file_bytes`.
 
     Raises:
         CheckpointNotFoundError: ``base`` is not a folder; no ``config.json`` or no
             tokenizer was found (the message lists where it looked and says to pass ``base``);
             a custom code file ``auto_map`` needs is missing.
         NotACheckpointError: a side file is a symlink out of its folder; ``auto_map``
-            names something that is not a module name.
+            names something that is not a module name; the config is not a JSON object
+            with a ``model_type`` (where a generation config is to be made from it).
     """
     if base is not None:
         if not base.is_dir():
@@ -114,8 +134,16 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
         raise CheckpointNotFoundError(f"no tokenizer (tokenizer.json, tokenizer_config.json or "
                                       f"tokenizer.model) found for {checkpoint_root}; looked in "
                                       f"{where}; {hint}")
-    copied = [(tokenizer / name, name) for name in TOKENIZER_FILES
+    copied = [(tokenizer / name, name) for name in TOKENIZER_FILES + PROCESSOR_FILES
               if (tokenizer / name).is_file()]
+    # A processor's other tokenizers, each in the folder its attribute names
+    # (InstructBLIP's qformer_tokenizer/): from_pretrained reads them from there.
+    others: list[Place] = list(tokenizer.glob("*_tokenizer"))
+    for sub in sorted(others, key=str):
+        if sub.is_dir() and _has_tokenizer(sub):
+            _check_inside(sub, tokenizer)
+            copied += [(sub / n, f"{sub.name}/{n}") for n in TOKENIZER_FILES
+                       if (sub / n).is_file()]
     templates = tokenizer / _TEMPLATES_DIR
     if templates.is_dir():
         _check_inside(templates, tokenizer)
@@ -124,8 +152,13 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
                    if p.is_file()]
     generation = next((f / GENERATION_CONFIG for f in [config.parent, *folders]
                        if (f / GENERATION_CONFIG).is_file()), None)
+    made: list[tuple[str, bytes]] = []
     if generation is not None:
         copied.insert(0, (generation, GENERATION_CONFIG))
+    else:  # as VeRL's merger and transformers' save_pretrained: made from the config
+        doc = generation_config(read_config(config))
+        if doc is not None:
+            made.append((GENERATION_CONFIG, config_bytes(doc)))
     # Custom code (trust_remote_code): the modules the config's and the tokenizer's
     # auto_map name, with the modules they import relatively, from the folder beside each.
     code = _code_files(config, config.parent)
@@ -135,7 +168,7 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
     copied += code
     for source, _name in copied:
         _check_inside(source, source.parent)
-    return SideFiles(config, tuple(copied), tuple(folders))
+    return SideFiles(config, tuple(copied), tuple(folders), tuple(made))
 
 
 #: A module ``auto_map`` may name: one Python identifier (``modeling_custom``), so a name
@@ -265,26 +298,103 @@ def read_config(path: Place) -> dict[str, Any]:
     return config
 
 
+def _legacy_dtype(section: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 writes ``dtype``, never the legacy ``torch_dtype``: a sub-config's moves.
+    out = {k: _legacy_dtype(v) if isinstance(v, dict) else v for k, v in section.items()}
+    legacy = out.pop("torch_dtype", None)
+    if legacy is not None and out.get("dtype") is None:
+        out["dtype"] = legacy
+    return out
+
+
 def exported_config(config: dict[str, Any], dtype_name: str, *,
                     untie: bool = False) -> dict[str, Any]:
     """The config written beside the exported weights.
 
-    ``architectures`` loses FSDP2's ``FSDP`` class prefix; the dtype field is set to
-    ``dtype_name`` (``"bfloat16"``...): ``torch_dtype`` and/or ``dtype``, whichever the
-    config has (``torch_dtype``, which every transformers release reads, when it has none).
-    With ``untie``, ``tie_word_embeddings`` is set to false (the output embeddings are
-    written as their own tensor).
+    ``architectures`` loses FSDP2's ``FSDP`` class prefix; ``dtype`` is set to ``dtype_name``
+    (``"bfloat16"``...), as transformers 5's ``save_pretrained`` writes it: the legacy
+    ``torch_dtype`` key is dropped (a sub-config's becomes its ``dtype``). With ``untie``,
+    ``tie_word_embeddings`` is set to false (the output embeddings are written as their own
+    tensor).
+
+    Example:
+        >>> exported_config({"model_type": "llama", "torch_dtype": "float32"}, "bfloat16")
+        {'model_type': 'llama', 'dtype': 'bfloat16'}
     """
-    out = dict(config)
+    out = _legacy_dtype(config)
     if untie:
         out["tie_word_embeddings"] = False
     archs = out.get("architectures")
     if isinstance(archs, list):
         out["architectures"] = [strip_fsdp_prefix(a) if isinstance(a, str) else a
                                 for a in archs]
-    fields = [f for f in ("torch_dtype", "dtype") if f in out] or ["torch_dtype"]
-    for field in fields:
-        out[field] = dtype_name
+    out["dtype"] = dtype_name
+    return out
+
+
+#: Every setting of transformers' ``GenerationConfig`` (5.x), each ``None`` by default.
+GENERATION_FIELDS = (
+    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "early_stopping", "max_time",
+    "stop_strings", "do_sample", "num_beams", "use_mtp", "use_cache", "cache_implementation",
+    "cache_config", "max_cache_len", "temperature", "top_k", "top_p", "min_p", "top_h",
+    "typical_p", "epsilon_cutoff", "eta_cutoff", "repetition_penalty",
+    "encoder_repetition_penalty", "length_penalty", "no_repeat_ngram_size", "bad_words_ids",
+    "renormalize_logits", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "sequence_bias", "token_healing", "guidance_scale", "watermarking_config",
+    "num_return_sequences", "output_attentions", "output_hidden_states", "output_scores",
+    "output_logits", "return_dict_in_generate", "pad_token_id", "bos_token_id", "eos_token_id",
+    "encoder_no_repeat_ngram_size", "decoder_start_token_id", "is_assistant",
+    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+    "prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit",
+    "assistant_lookbehind", "target_lookbehind", "assistant_ensemble_weight", "speculation_type",
+    "compile_config", "disable_compile", "continuous_batching_config", "low_memory",
+    "penalty_alpha", "dola_layers", "diversity_penalty", "num_beam_groups", "constraints",
+    "force_words_ids", "prefill_chunk_size")
+#: The flags that make ``generate`` return a dict (GenerationConfig.extra_output_flags).
+_OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+#: Where a composite config keeps its decoder's (get_text_config(decoder=True)).
+_DECODER_CONFIGS = ("decoder", "generator", "text_config")
+#: The classes that generate: those VeRL's merger builds as such, and GPT-2's LMHeadModel.
+_GENERATES = re.compile(r"(ForCausalLM|ForConditionalGeneration|LMHeadModel)$")
+
+
+def generation_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The generation config transformers' ``save_pretrained`` writes for a model built from
+    ``config`` (``GenerationConfig.from_model_config``, as VeRL's merger does), made without
+    transformers: a default of the config class that ``config.json`` omits is not known.
+
+    Args:
+        config: ``config.json`` as read.
+
+    Returns:
+        The generation settings the config (then its decoder's) holds, ``output_attentions``
+        and ``output_hidden_states`` false, ``_from_model_config``, the config's
+        ``transformers_version``; None when ``architectures`` names no class that generates.
+
+    Example:
+        >>> made = generation_config({"architectures": ["LlamaForCausalLM"], "eos_token_id": 2})
+        >>> made["eos_token_id"], made["output_attentions"], made["_from_model_config"]
+        (2, False, True)
+    """
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or not any(
+            isinstance(a, str) and _GENERATES.search(strip_fsdp_prefix(a)) for a in archs):
+        return None
+    # PreTrainedConfig's own defaults: to_dict() carries them though config.json omits them.
+    merged = {"output_attentions": False, "output_hidden_states": False, **config}
+    decoder: dict[str, Any] = next((c for n in _DECODER_CONFIGS
+                                    if isinstance(c := config.get(n), dict)), {})
+    out: dict[str, Any] = {}
+    for key in GENERATION_FIELDS:  # the config's, else its decoder's
+        value = merged.get(key) if merged.get(key) is not None else decoder.get(key)
+        if value is not None:
+            out[key] = value
+    if any(out.get(flag) for flag in _OUTPUT_FLAGS) and not out.get("return_dict_in_generate"):
+        out["return_dict_in_generate"] = True
+    out["_from_model_config"] = True
+    if isinstance(config.get("transformers_version"), str):
+        out["transformers_version"] = config["transformers_version"]
     return out
 
 

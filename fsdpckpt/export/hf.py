@@ -153,7 +153,7 @@ def _placed(result: ExportResult | AdapterExport,
 
 
 def _check_outputs(side: SideFiles, out: Path, overwrite: bool) -> None:
-    names = [name for _, name in side.copied] + [CONFIG]
+    names = [name for _, name in side.copied] + [name for name, _ in side.made] + [CONFIG]
     existing = [out / n for n in names if (out / n).exists()]
     if existing and not overwrite:
         # The parameter, and the flag beside it (tests/test_export_hf.py pins "--overwrite"
@@ -302,6 +302,9 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
             target.parent.mkdir(exist_ok=True)
             write_bytes(target, side_file_bytes(source))  # small, size checked; durably
             (copies if target.parent == stage else nested).append(target)
+        for name, data in side.made:  # the generation config no folder held
+            write_bytes(stage / name, data)
+            copies.append(stage / name)
         importing.join()
         expect = expect_model(stage, fixed, trust_remote_code=trust_remote_code)
         not_checked = names = None

@@ -1,5 +1,6 @@
 """The files ``save_pretrained`` writes beside the weights: the config (from ``base`` as
-export-hf finds it, or the model's own), generation config, tokenizer and chat template."""
+export-hf finds it, or the model's own), generation config, tokenizer, processor and chat
+template."""
 
 from __future__ import annotations
 
@@ -65,6 +66,16 @@ class Side:
     made: tuple[tuple[str, bytes], ...]
 
 
+def _own_generation(inner: Any) -> list[tuple[str, bytes]]:
+    # The model's generation config, as transformers' save_pretrained writes it: where the
+    # model generates (can_generate()).
+    generation = getattr(inner, "generation_config", None)
+    can_generate = getattr(inner, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        return [(GENERATION_CONFIG, generation.to_json_string(use_diff=True).encode())]
+    return []
+
+
 def _model_side(model: Any, output: Any) -> Side:
     inner = unwrapped(model)
     config = getattr(inner, "config", None)
@@ -75,18 +86,16 @@ def _model_side(model: Any, output: Any) -> Side:
     doc = json.loads(config.to_json_string(use_diff=False))
     # As transformers' save_pretrained: the config names the class that is saved.
     doc["architectures"] = [strip_fsdp_prefix(type(inner).__name__)]
-    made: list[tuple[str, bytes]] = []
-    generation = getattr(inner, "generation_config", None)
-    can_generate = getattr(inner, "can_generate", None)
-    if generation is not None and callable(can_generate) and can_generate():
-        made.append((GENERATION_CONFIG, generation.to_json_string(use_diff=True).encode()))
-    return Side(doc, output / CONFIG, (), tuple(made))
+    return Side(doc, output / CONFIG, (), tuple(_own_generation(inner)))
 
 
 def side_files(model: Any, base: Any, output: Any) -> Side:
-    """From ``base`` (export-hf's :func:`~fsdpckpt.export._config.find_side_files`), else
-    the model's own ``config`` (``to_json_string(use_diff=False)``, ``architectures`` its
-    class) and generation config, without a tokenizer.
+    """From ``base`` (export-hf's :func:`~fsdpckpt.export._config.find_side_files`: config,
+    generation config, tokenizer, processor, chat templates), else the model's own
+    ``config`` (``to_json_string(use_diff=False)``, ``architectures`` its class) and
+    generation config, without a tokenizer. Where ``base`` holds no generation config, the
+    model's own is written (as transformers' ``save_pretrained``), else the one made from
+    the config.
 
     Raises:
         CheckpointNotFoundError: no ``base`` and no config on the model; ``base`` lacks a
@@ -95,4 +104,7 @@ def side_files(model: Any, base: Any, output: Any) -> Side:
     if base is None:
         return _model_side(model, output)
     files = find_side_files(base, base)
-    return Side(read_config(files.config), files.config, files.copied, ())
+    made = files.made
+    if all(name != GENERATION_CONFIG for _, name in files.copied):  # the model's own first
+        made = tuple(_own_generation(unwrapped(model))) or made
+    return Side(read_config(files.config), files.config, files.copied, made)

@@ -161,3 +161,13 @@ def test_qlora_fuse_uses_the_full_precision_base_and_only_the_trained_tensors(tm
     adapter = {k.replace(".default", ""): v for k, v in state.items() if "lora_" in k}
     want = _merged(tmp_path / "ckpt", adapter)
     _assert_bit_exact(load_file(tmp_path / "fused" / "model.safetensors"), want)
+
+
+def test_names_that_only_look_like_adapters_are_left_to_the_plain_export():
+    from fsdpckpt.export._lora_keys import refuse_unasked
+
+    # A model of its own with lora_A/lora_B parameters, not wrapped by PEFT: exported as is.
+    refuse_unasked(["model.q.lora_A.weight", "model.q.lora_B.weight", "model.q.weight"], "x")
+    with pytest.raises(fsdpckpt.NotACheckpointError, match="holds LoRA adapters"):
+        refuse_unasked(["base_model.model.q.lora_A.weight", "base_model.model.q.lora_B.weight"],
+                       "x")

@@ -219,16 +219,22 @@ def find_lora(names: Iterable[str]) -> LoraLayout:
 
 
 def refuse_unasked(names: Iterable[str], where: object) -> None:
-    """Raise when ``names`` hold LoRA adapters: a plain export of them would not be the
-    model (adapter tensors and ``base_layer`` names match no model class).
+    """Raise when ``names`` are a PEFT model's with LoRA adapters: a plain export of them
+    would not be the model (adapter tensors and ``base_layer`` names match no model class).
+    Names that only look like adapters (no ``base_model.model.`` wrapper, half an adapter)
+    are left to the plain export.
 
     Raises:
         NotACheckpointError: naming the adapters and the two ways to export them.
     """
-    layout = find_lora(names)
-    if layout.modules:
-        held = ", ".join(f"'{a}'" for a in layout.adapters)
+    try:
+        layout = find_lora(names)
+    except NotACheckpointError:
+        return
+    modules = [m for m in layout.modules if m.stored.startswith(PEFT_PREFIX)]
+    if modules:
+        held = ", ".join(f"'{a}'" for a in dict.fromkeys(m.adapter for m in modules))
         raise NotACheckpointError(
-            f"{where}: holds LoRA adapters ({len(layout.modules)} adapted modules, adapter "
+            f"{where}: holds LoRA adapters ({len(modules)} adapted modules, adapter "
             f"{held}) and is not a plain model; pass lora='adapter' to export the adapter or "
             "lora='fuse' to fuse it into the base weights")

@@ -114,6 +114,7 @@ FLAGS = (
     ("lora_config=...", "--lora-config"),
     ("base=...", "--base"),
     ("lora='fuse'", "--lora fuse"),
+    ("lora='adapter'", "--lora adapter"),
     ("with lora=None", "without --lora"),
     ("keep_keys=True", "--keep-keys"),
     ("optimizer=True", "--optimizer"),

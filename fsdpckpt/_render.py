@@ -12,7 +12,13 @@ from fsdpckpt._printable import printable
 from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.dcp.layout import SideFile
 from fsdpckpt.dcp.metadata import DataFile
-from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport, VerifyReport
+from fsdpckpt.inspection.report import (
+    AdapterReport,
+    InspectReport,
+    PartReport,
+    TensorReport,
+    VerifyReport,
+)
 
 if TYPE_CHECKING:  # the diff module pulls in the merge side; inspect need not load it
     from fsdpckpt.inspection.diff import DiffReport
@@ -138,6 +144,17 @@ def _problem_lines(problems: Sequence[Problem]) -> list[str]:
     return [f"  {_p(p.path)}: {_p(p.message)}" for p in problems]
 
 
+def _adapter_line(adapter: AdapterReport) -> str:
+    # One line: what the fused weights depend on (rank, alpha, targets, the variants).
+    targets = adapter.target_modules
+    shown = ", ".join(targets) if isinstance(targets, tuple) else (targets or "none given")
+    variants = [v for v, on in (("rsLoRA", adapter.use_rslora), ("DoRA", adapter.use_dora)) if on]
+    return (f"LoRA adapter ({_p(adapter.file)}): r={adapter.r}, lora_alpha="
+            f"{adapter.lora_alpha:g}, targets {_p(shown)}"
+            + (f", {' + '.join(variants)}" if variants else "")
+            + "; export it with export-hf --lora adapter or --lora fuse")
+
+
 def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool = True,
                    names: str | None = None) -> str:
     """The human form of what :func:`fsdpckpt.inspection.inspect.inspect_checkpoint` found.
@@ -176,6 +193,8 @@ def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool
     if report.side_files:
         out += ["", "Other state:"]
         out += table(_side_rows(report.side_files, summary=not tensors), right=(3,))
+    if report.adapter is not None:
+        out += ["", _adapter_line(report.adapter)]
     if report.other_files:
         out += ["", "Not recognized: " + ", ".join(map(_p, report.other_files))]
     for part in report.parts:

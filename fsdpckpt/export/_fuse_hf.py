@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt._io.remote import location
 from fsdpckpt.dcp.dtypes import dtype_from_name
 from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.errors import CorruptCheckpointError
+from fsdpckpt.export._lora_base import with_base
 from fsdpckpt.export._lora_fuse import (
     find_adapter_config,
     fused_from,
@@ -104,6 +106,10 @@ def plan_fused(checkpoint: Any, source: ModelSource, *, dtype: str | None,
     torch_dtype(dtype)  # a wrong name fails before anything is read or written
     layout = find_lora(source.names)
     name = pick_adapter(layout, adapter, source.path)
+    joined = with_base(source, layout, None if base is None else
+                       location(base, storage_options=storage_options))
+    if joined is not source:  # base weights from the base model's folder
+        source, layout = joined, find_lora(joined.names)
     specs = _fused_specs(source, layout, name, dtype)
     sizes: Counter[str] = Counter()
     for spec in specs:

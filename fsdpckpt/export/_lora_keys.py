@@ -9,6 +9,10 @@ A PEFT LoRA model trained with FSDP saves names such as::
     base_model.model.lm_head.modules_to_save.default.weight   (modules_to_save)
     base_model.model.lm_head.original_module.weight
 
+HF Trainer and Accelerate (``adapter_only=True``) save ``get_peft_model_state_dict`` instead:
+the adapter tensors alone, adapter name dropped (``...q_proj.lora_A.weight``), as PEFT's
+adapter file names them; these are read as adapter ``default`` with no base weights.
+
 :func:`find_lora` reads the names alone (no tensor data) and says which modules carry
 adapters; a :class:`LoraLayout` renames keys for the two outputs: PEFT's adapter file
 (adapter name dropped, ``base_model.model.`` kept) and the plain model (both dropped,
@@ -23,7 +27,8 @@ from dataclasses import dataclass
 
 from fsdpckpt.errors import NotACheckpointError
 
-__all__ = ["PEFT_PREFIX", "LoraLayout", "LoraModule", "find_lora"]
+__all__ = ["DEFAULT_ADAPTER", "PEFT_PREFIX", "LoraLayout", "LoraModule", "find_lora",
+           "refuse_unasked"]
 
 #: What PEFT's wrapper puts before every name of the wrapped model.
 PEFT_PREFIX = "base_model.model."
@@ -32,6 +37,26 @@ _ADAPTER = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A
                       r"|lora_magnitude_vector|modules_to_save)\.(?P<adapter>[^.]+)"
                       r"(?P<rest>(\..+)?)$")
 _ORIGINAL = re.compile(r"^(?P<module>.+)\.original_module\.(?P<rest>.+)$")
+# The adapter name dropped, as get_peft_model_state_dict names them (what HF Trainer and
+# Accelerate save under FSDP with adapter_only=True, and PEFT's adapter file holds).
+_DROPPED = re.compile(r"^(?P<module>.+)\.(?:(?P<kind>lora_A|lora_B)\.(?P<rest>weight|bias)"
+                      r"|(?P<bare>lora_embedding_A|lora_embedding_B|lora_magnitude_vector))$")
+#: The adapter name PEFT loads an adapter file without names into.
+DEFAULT_ADAPTER = "default"
+
+
+def _adapter_match(name: str) -> tuple[str, str, str, str, bool] | None:
+    """``(module, kind, adapter, rest, dropped)`` of an adapter tensor's name, or None."""
+    dropped = _DROPPED.match(name)
+    if dropped is not None:
+        if dropped["bare"]:
+            rest = ".weight" if dropped["bare"] == "lora_magnitude_vector" else ""
+            return dropped["module"], dropped["bare"], DEFAULT_ADAPTER, rest, True
+        return dropped["module"], dropped["kind"], DEFAULT_ADAPTER, "." + dropped["rest"], True
+    match = _ADAPTER.match(name)
+    if match is None:
+        return None
+    return match["module"], match["kind"], match["adapter"], match["rest"], False
 
 
 @dataclass(frozen=True)
@@ -79,12 +104,15 @@ class LoraLayout:
         adapter_keys: every stored name that belongs to an adapter (A, B, magnitudes,
             ``modules_to_save`` copies), in stored order.
         base_keys: every other stored name (the base model, ``original_module`` copies included).
+        without_base: the stored names of adapted modules whose base weight the names do
+            not hold (HF Trainer's adapter-only FSDP saves hold none).
     """
 
     modules: tuple[LoraModule, ...]
     adapters: tuple[str, ...]
     adapter_keys: tuple[str, ...]
     base_keys: tuple[str, ...]
+    without_base: tuple[str, ...] = ()
 
     def module_of(self, stored: str) -> LoraModule | None:
         """The adapted module whose base weight is ``stored``, or None."""
@@ -102,25 +130,28 @@ class LoraLayout:
         """The name PEFT's ``save_pretrained`` gives ``stored`` in ``adapter_model.safetensors``
         (adapter name dropped; DoRA's magnitude without ``.weight``), or None when it is
         not part of ``adapter``."""
-        match = _ADAPTER.match(stored)
-        if match is None or match["adapter"] != adapter:
+        match = _adapter_match(stored)
+        if match is None or match[2] != adapter:
             return None
-        if match["kind"] == "modules_to_save":  # the copy is saved under the module's name
-            return f"{match['module']}{match['rest']}"
-        rest = match["rest"]
-        if match["kind"] == "lora_magnitude_vector" and rest == ".weight":
+        module, kind, _, rest, dropped = match
+        if dropped:  # already named as PEFT's adapter file names it
+            return stored
+        if kind == "modules_to_save":  # the copy is saved under the module's name
+            return f"{module}{rest}"
+        if kind == "lora_magnitude_vector" and rest == ".weight":
             rest = ""
-        return f"{match['module']}.{match['kind']}{rest}"
+        return f"{module}.{kind}{rest}"
 
     def plain_name(self, stored: str, adapter: str) -> str | None:
         """The name of ``stored`` in the plain model once ``adapter`` is fused in, or None
         when the fused model does not hold it (adapter tensors, ``original_module`` copies
         of a ``modules_to_save`` module)."""
-        match = _ADAPTER.match(stored)
+        match = _adapter_match(stored)
         if match is not None:
-            if match["kind"] != "modules_to_save" or match["adapter"] != adapter:
+            module, kind, found, rest, _ = match
+            if kind != "modules_to_save" or found != adapter:
                 return None
-            stored = f"{match['module']}{match['rest']}"
+            stored = f"{module}{rest}"
         else:
             original = _ORIGINAL.match(stored)
             if original is not None and self._saves(original["module"], adapter):
@@ -145,7 +176,7 @@ def find_lora(names: Iterable[str]) -> LoraLayout:
 
     Raises:
         NotACheckpointError: an adapter lacks its other half (``lora_A`` without
-            ``lora_B``) or its base weight.
+            ``lora_B``). A missing base weight is not an error here (``without_base``).
     """
     names = list(names)
     present = set(names)
@@ -153,18 +184,18 @@ def find_lora(names: Iterable[str]) -> LoraLayout:
     adapters: dict[str, None] = {}
     adapter_keys: list[str] = []
     for name in names:
-        match = _ADAPTER.match(name)
+        match = _adapter_match(name)
         if match is None:
             continue
+        module, kind, adapter, rest, _ = match
         adapter_keys.append(name)
-        adapters[match["adapter"]] = None
-        if match["kind"] == "modules_to_save":
+        adapters[adapter] = None
+        if kind == "modules_to_save":
             continue
-        kind, rest = match["kind"], match["rest"]
         slot = kind.replace("lora_embedding_", "lora_") + ("_bias" if rest == ".bias" else "")
-        parts.setdefault((match["module"], match["adapter"]), {})[slot] = name
+        parts.setdefault((module, adapter), {})[slot] = name
         if kind.startswith("lora_embedding"):
-            parts[(match["module"], match["adapter"])]["embedding"] = "1"
+            parts[(module, adapter)]["embedding"] = "1"
     modules = []
     for (stored, adapter), found in parts.items():
         where = f"{stored} (adapter '{adapter}')"
@@ -172,10 +203,9 @@ def find_lora(names: Iterable[str]) -> LoraLayout:
             missing = "lora_A" if "lora_A" not in found else "lora_B"
             raise NotACheckpointError(f"{where}: has no {missing}; the checkpoint holds half a "
                                       "LoRA adapter")
+        # A missing base weight (an adapter-only save) is the fuser's to refuse: the
+        # adapter export needs none, and fusion may take it from the base model.
         weight = f"{stored}.base_layer.weight"
-        if weight not in present:
-            raise NotACheckpointError(f"{where}: its base weight {weight} is not in the "
-                                      "checkpoint, so the adapter cannot be fused")
         bias = f"{stored}.base_layer.bias"
         modules.append(LoraModule(
             name=stored.removeprefix(PEFT_PREFIX), stored=stored, adapter=adapter,
@@ -184,4 +214,27 @@ def find_lora(names: Iterable[str]) -> LoraLayout:
             lora_b_bias=found.get("lora_B_bias"), bias=bias if bias in present else None))
     taken = set(adapter_keys)
     return LoraLayout(tuple(modules), tuple(adapters), tuple(adapter_keys),
-                      tuple(n for n in names if n not in taken))
+                      tuple(n for n in names if n not in taken),
+                      tuple(m.stored for m in modules if m.weight not in present))
+
+
+def refuse_unasked(names: Iterable[str], where: object) -> None:
+    """Raise when ``names`` are a PEFT model's with LoRA adapters: a plain export of them
+    would not be the model (adapter tensors and ``base_layer`` names match no model class).
+    Names that only look like adapters (no ``base_model.model.`` wrapper, half an adapter)
+    are left to the plain export.
+
+    Raises:
+        NotACheckpointError: naming the adapters and the two ways to export them.
+    """
+    try:
+        layout = find_lora(names)
+    except NotACheckpointError:
+        return
+    modules = [m for m in layout.modules if m.stored.startswith(PEFT_PREFIX)]
+    if modules:
+        held = ", ".join(f"'{a}'" for a in dict.fromkeys(m.adapter for m in modules))
+        raise NotACheckpointError(
+            f"{where}: holds LoRA adapters ({len(modules)} adapted modules, adapter "
+            f"{held}) and is not a plain model; pass lora='adapter' to export the adapter or "
+            "lora='fuse' to fuse it into the base weights")

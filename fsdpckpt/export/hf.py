@@ -52,6 +52,7 @@ from fsdpckpt.export._config import (
 )
 from fsdpckpt.export._fuse_hf import plan_fused
 from fsdpckpt.export._keycheck import check_against_base, check_declared_sizes, custom_code
+from fsdpckpt.export._lora_keys import refuse_unasked
 from fsdpckpt.export._lora_read import folder_source
 from fsdpckpt.export._model import (
     ModelExpectation,
@@ -275,6 +276,8 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
                              overwrite=overwrite)
     job = plan_job(request)  # also: is the output free, and which earlier outputs go
     folder = request.sources[0].folder  # the part merge merges, its metadata read once
+    if lora is None:  # adapter tensors would fail the key check with a puzzling list
+        refuse_unasked(folder_source(folder).names, folder.path)
     fused = plan_fused(where, folder_source(folder), folder=folder, dtype=dtype,
                        lora_config=lora_at, base=base_at) if lora == "fuse" else None
     if fused is not None:  # the base model with the adapter fused in, by plain names

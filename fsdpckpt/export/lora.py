@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from fsdpckpt._io.remote import RemotePath, is_url
+from fsdpckpt._io.remote import RemotePath, is_url, location
 from fsdpckpt.errors import NotACheckpointError, OutputExistsError
 from fsdpckpt.export._fuse_hf import plan_fused
+from fsdpckpt.export._lora_base import with_base
 from fsdpckpt.export._lora_config import (
     ADAPTER_CONFIG,
     LoraConfig,
@@ -71,6 +72,10 @@ def fused_tensors(checkpoint: _Where, *,
     """
     source = open_model_source(checkpoint, storage_options=storage_options)
     layout = find_lora(source.names)
+    joined = with_base(source, layout, None if base is None else
+                       location(base, storage_options=storage_options))
+    if joined is not source:  # base weights from the base model's folder
+        source, layout = joined, find_lora(joined.names)
     config = find_adapter_config(checkpoint, lora_config=lora_config, base=base,
                                  storage_options=storage_options)
     yield from fused_from(source, layout, config, adapter=adapter, dtype=dtype)

@@ -25,8 +25,8 @@ from fsdpckpt.dcp.layout import DcpPart, find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
 from fsdpckpt.dcp.parts import open_part
 from fsdpckpt.dcp.reader import DcpFolder
-from fsdpckpt.errors import NotACheckpointError
-from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport
+from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
+from fsdpckpt.inspection.report import AdapterReport, InspectReport, PartReport, TensorReport
 
 __all__ = ["inspect_checkpoint", "sharding_of", "name_matcher"]
 
@@ -146,6 +146,24 @@ def _is_checkpoint(folder: Place) -> bool:
     return True
 
 
+def _adapter(folder: Place, others: tuple[str, ...], problems: list[Problem]
+             ) -> tuple[AdapterReport | None, tuple[str, ...]]:
+    # A PEFT adapter config beside the parts (where save_state's callers write it): read as
+    # the LoRA export reads it, so that a wrong field shows here as a problem.
+    from fsdpckpt.export._lora_config import ADAPTER_CONFIG, read_lora_config
+
+    if ADAPTER_CONFIG not in others:
+        return None, others
+    rest = tuple(n for n in others if n != ADAPTER_CONFIG)
+    try:
+        config = read_lora_config(folder / ADAPTER_CONFIG)
+    except FsdpCkptError as exc:
+        problems.append(Problem(str(folder / ADAPTER_CONFIG), str(exc)))
+        return None, rest
+    return AdapterReport(ADAPTER_CONFIG, config.r, config.lora_alpha, config.target_modules,
+                         config.use_rslora, config.use_dora), rest
+
+
 def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
                        names: str | None = None,
                        storage_options: dict[str, Any] | None = None) -> InspectReport:
@@ -203,6 +221,7 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
     # Each side file decoded by the reader load_state uses: an empty or cut-short one fails here.
     problems.extend(check_side_files(layout.path, layout.side_files))
     problems.extend(stray_temporaries(layout.path, layout.other_files))
+    adapter, others = _adapter(layout.path, layout.other_files, problems)
     return InspectReport(
         path=layout.path,
         style=layout.style,
@@ -211,6 +230,7 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
         bytes=sum(p.bytes for p in parts) + sum(f.size for f in layout.side_files),
         parts=tuple(parts),
         side_files=layout.side_files,
-        other_files=layout.other_files,
+        other_files=others,
         problems=tuple(problems),
+        adapter=adapter,
     )

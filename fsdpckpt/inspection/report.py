@@ -25,7 +25,7 @@ from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.layout import SideFile
 from fsdpckpt.dcp.metadata import Chunk, DataFile, ObjectEntry
 
-__all__ = ["InspectReport", "PartReport", "TensorReport", "VerifyReport"]
+__all__ = ["AdapterReport", "InspectReport", "PartReport", "TensorReport", "VerifyReport"]
 
 
 class _JsonDocument:
@@ -142,6 +142,29 @@ class PartReport(_JsonDocument):
 
 
 @dataclass(frozen=True)
+class AdapterReport(_JsonDocument):
+    """A PEFT LoRA ``adapter_config.json`` in the checkpoint folder, as the export reads it.
+
+    Attributes:
+        file: its name. r: the rank. lora_alpha: alpha. target_modules: the module names
+        (or regex) adapted. use_rslora, use_dora: the variants that change the fused weights.
+    """
+
+    file: str
+    r: int
+    lora_alpha: float
+    target_modules: tuple[str, ...] | str | None
+    use_rslora: bool
+    use_dora: bool
+
+    def to_json(self) -> dict[str, Any]:
+        targets = self.target_modules
+        return {"file": self.file, "r": self.r, "lora_alpha": self.lora_alpha,
+                "target_modules": list(targets) if isinstance(targets, tuple) else targets,
+                "use_rslora": self.use_rslora, "use_dora": self.use_dora}
+
+
+@dataclass(frozen=True)
 class InspectReport(_JsonDocument):
     """What :func:`fsdpckpt.inspect_checkpoint` found: the checkpoint's parts and whether its
     structure is whole.
@@ -158,6 +181,8 @@ class InspectReport(_JsonDocument):
         side_files: the other state it holds (RNG, scheduler, custom checkpoints...).
         other_files: names of files that are neither.
         problems: everything found wrong with its structure, in a stable order.
+        adapter: the LoRA adapter config in the folder (``adapter_config.json``), or None;
+            in the JSON document only when there is one.
     """
 
     path: Path | RemotePath
@@ -169,6 +194,7 @@ class InspectReport(_JsonDocument):
     side_files: tuple[SideFile, ...]
     other_files: tuple[str, ...]
     problems: tuple[Problem, ...]
+    adapter: AdapterReport | None = None
 
     @property
     def ok(self) -> bool:
@@ -176,7 +202,7 @@ class InspectReport(_JsonDocument):
 
     def to_json(self) -> dict[str, Any]:
         """The document ``fsdpckpt inspect --json`` prints (schema in ``docs/cli.md``)."""
-        return {
+        doc = {
             "path": str(self.path),
             "style": self.style,
             "ok": self.ok,
@@ -189,6 +215,9 @@ class InspectReport(_JsonDocument):
             "other_files": list(self.other_files),
             "problems": [p.to_json() for p in self.problems],
         }
+        if self.adapter is not None:
+            doc["adapter"] = self.adapter.to_json()
+        return doc
 
 
 @dataclass(frozen=True)

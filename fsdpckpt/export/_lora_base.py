@@ -1,0 +1,129 @@
+"""Base weights for a LoRA fusion from the base model's folder, when the checkpoint has none.
+
+HF Trainer (and Accelerate with ``adapter_only=True``) saves only the adapter tensors under
+FSDP; a QLoRA run saves its base weights packed to 4 bits (a bf16 ``[N, 1]`` tensor without
+the quantization state). Either way the weights to fuse into are the base model's own
+(``--base``: its ``model.safetensors`` or shard index, read through the project's checked
+safetensors reader). :func:`with_base` joins them, under the names PEFT's wrapper gives them
+(``base_model.model.`` + ``.base_layer.`` for adapted modules), to what the checkpoint holds
+that was trained (an adapter-only save: everything it holds, ``modules_to_save`` copies
+saved under the module's name included; a QLoRA save: its adapter tensors); the fuser then
+works as on a checkpoint that held everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fsdpckpt._io.storage import Place
+from fsdpckpt.dcp.dtypes import dtype_from_name
+from fsdpckpt.errors import ExportMismatchError, NotACheckpointError
+from fsdpckpt.export._lora_keys import PEFT_PREFIX, LoraLayout, find_lora
+from fsdpckpt.export._lora_read import ModelSource, open_model_source
+
+__all__ = ["JoinedSource", "packed_weights", "with_base"]
+
+_WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors")
+
+
+@dataclass(frozen=True)
+class JoinedSource(ModelSource):
+    """The base model's tensors, renamed, then the checkpoint's: read in that order.
+
+    Attributes:
+        _parts: each source with the map of its names to the joined names.
+    """
+
+    _parts: tuple[tuple[ModelSource, dict[str, str]], ...] = ()
+
+    def read(self, want: Callable[[str], bool] | None = None) -> Iterator[tuple[str, Any]]:
+        for source, renamed in self._parts:
+            for name, tensor in source.read(_wanted(renamed, want)):
+                yield renamed[name], tensor
+
+
+def _wanted(renamed: dict[str, str], want: Callable[[str], bool] | None
+            ) -> Callable[[str], bool]:
+    # A part's names that the joined source holds and the caller wants (by joined name).
+    return lambda name: name in renamed and (want is None or want(renamed[name]))
+
+
+def packed_weights(source: ModelSource, layout: LoraLayout) -> tuple[str, ...]:
+    """The adapted modules' stored base weights that are packed 4-bit data (QLoRA's
+    bitsandbytes ``Params4bit``: ``[N, 1]`` holding half a byte per weight), not weights."""
+    packed = []
+    for module in layout.modules:
+        shape = source.shapes.get(module.weight)
+        if shape is None or len(shape) != 2 or shape[1] != 1 or module.embedding:
+            continue
+        a, b = source.shapes[module.lora_a], source.shapes[module.lora_b]
+        dtype = dtype_from_name(source.dtypes[module.weight])
+        weights = a[-1] * b[0]  # in_features x out_features
+        if dtype is not None and weights > 1 and shape[0] * dtype.itemsize * 2 == weights:
+            packed.append(module.weight)
+    return tuple(packed)
+
+
+def _weights_file(base: Place) -> Place:
+    if base.is_file():
+        return base
+    for name in _WEIGHT_FILES:
+        if (base / name).is_file():
+            return base / name
+    raise NotACheckpointError(f"{base}: holds no model.safetensors (nor its index); pass "
+                              "base=... the Hugging Face folder the run started from")
+
+
+def with_base(source: ModelSource, layout: LoraLayout, base: Place | None) -> ModelSource:
+    """``source`` itself when it holds every adapted module's base weight as weights; else
+    the base model's tensors (from ``base``) joined to what ``source`` holds that was trained.
+
+    Raises:
+        NotACheckpointError: base weights are needed and ``base`` is None, or holds no
+            safetensors weights.
+        ExportMismatchError: the base model lacks an adapted module's weight, or a tensor
+            the checkpoint holds has another shape in the base model.
+    """
+    packed = packed_weights(source, layout)
+    if not layout.without_base and not packed:
+        return source
+    what = (f"holds LoRA adapters without base weights ({layout.without_base[0]}...)"
+            if layout.without_base else f"holds its base weights packed to 4 bits "
+            f"({packed[0]} is {list(source.shapes[packed[0]])})")
+    if base is None:
+        raise NotACheckpointError(f"{source.path}: {what}; pass base=... the full-precision "
+                                  "Hugging Face folder the run started from to fuse into, or "
+                                  "export the adapter with lora='adapter'")
+    model = open_model_source(_weights_file(base))
+    adapted = {f"{m.name}.{kind}": f"{m.stored}.base_layer.{kind}" for m in layout.modules
+               for kind in ("weight", "bias")}
+    from_base = {n: adapted.get(n, PEFT_PREFIX + n) for n in model.names}
+    stored_base = set(from_base.values())
+    missing = [m.weight for m in layout.modules if m.weight not in stored_base]
+    if missing:
+        raise ExportMismatchError(f"{base}: has no {missing[0].removeprefix(PEFT_PREFIX)} "
+                                  f"(the base weight of {layout.modules[0].name}...); pass "
+                                  "base=... the model this adapter was trained on")
+    shapes = {from_base[n]: model.shapes[n] for n in model.names}
+    dtypes = {from_base[n]: model.dtypes[n] for n in model.names}
+    # From the checkpoint only what was trained: an adapter-only save holds nothing else
+    # (a modules_to_save copy is saved under the module's name); of a QLoRA save, whose
+    # frozen base is packed, the adapter tensors.
+    trained = set(layout.adapter_keys)
+    kept = [n for n in source.names if layout.without_base or n in trained]
+    for name in kept:
+        if name not in trained and name in shapes and source.shapes[name] != shapes[name]:
+            raise ExportMismatchError(f"{source.path}: {name} is {list(source.shapes[name])} "
+                                      f"but {list(shapes[name])} in {base}; pass base=... the "
+                                      "model this run trained")
+    taken = set(kept)
+    from_base = {n: s for n, s in from_base.items() if s not in taken}
+    shapes.update({n: source.shapes[n] for n in kept})
+    dtypes.update({n: source.dtypes[n] for n in kept})
+    names = (*from_base.values(), *kept)
+    joined = JoinedSource(source.path, names, shapes, dtypes, {},
+                          _parts=((model, from_base), (source, {n: n for n in kept})))
+    find_lora(joined.names)  # the joined names are one PEFT model's
+    return joined

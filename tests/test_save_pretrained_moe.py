@@ -10,6 +10,7 @@ tensor), and ``from_pretrained`` of the output (loads clean, the same logits).
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -46,27 +47,25 @@ def _report(result) -> dict:
     return {k: v for k, v in result.to_json().items() if k != "seconds"}
 
 
-def _fsdp2_save(rank: int, world: int, arch: str, root: str, options: dict,
-                window: int | None) -> dict:
-    """FSDP2 over every layer: the 3 experts of each layer sharded 2 + 1 on dim 0."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import fully_shard
+def _sharded_save(rank: int, world: int, arch: str, kind: str, root: str, options: dict,
+                  window: int | None) -> dict:
+    """FSDP2 (or FSDP1) over every layer: the 3 experts of each layer sharded 2 + 1 on dim 0."""
+    from test_save_pretrained import _full_state, _wrap
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from fsdpckpt.training._save_plan import local_tensors
 
     if window is not None:  # windows smaller than one expert: a piece written in parts
         _save_write.WINDOW = window
-    model = _model(_config(arch))  # seeded: the same weights on every rank
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = _wrap(_model(_config(arch)), kind)  # seeded: the same weights on every rank
     _train(model)
-    experts = next(v for k, v in model.state_dict().items() if k.endswith("gate_up_proj"))
-    held = experts.to_local().shape[0]
+    experts = next(v for k, v in get_model_state_dict(model).items()
+                   if k.endswith("gate_up_proj"))
+    held = [t.shape[0] for t in local_tensors(experts)]
     fsdpckpt.save_state(Path(root) / "ckpt", model)
     result = fsdpckpt.save_pretrained(model, Path(root) / "saved", **options)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                 cpu_offload=True))
-    return {"result": _report(result), "held": held,
-            "full": {k: v.clone() for k, v in full.items()} if rank == 0 else None}
+    full = _full_state(model)  # collective: on every rank
+    return {"result": _report(result), "held": held, "full": full if rank == 0 else None}
 
 
 def _loads_clean(folder: Path, model, caplog: pytest.LogCaptureFixture) -> None:
@@ -81,14 +80,16 @@ def _loads_clean(folder: Path, model, caplog: pytest.LogCaptureFixture) -> None:
 
 
 @multirank
-@pytest.mark.parametrize("arch, options, window", [
-    ("mixtral", {"max_shard_size": "20KB"}, 100),
-    ("qwen2_moe", {}, None),
+@pytest.mark.parametrize("arch, kind, options, window", [
+    ("mixtral", "fsdp2", {"max_shard_size": "20KB"}, 100),
+    ("qwen2_moe", "fsdp2", {}, None),
+    ("qwen3_moe", "fsdp1", {"max_shard_size": "10KB"}, None),
+    ("mixtral", "fsdp2", {"dtype": "bf16"}, 64),
 ])
-def test_two_rank_fsdp2_moe_saves_what_export_hf_writes(tmp_path, caplog, arch, options,
-                                                         window):
-    ranks = run_ranks(_fsdp2_save, arch, str(tmp_path), options, window)
-    assert [r["held"] for r in ranks] == [2, 1]  # experts sharded unevenly
+def test_two_rank_moe_saves_what_export_hf_writes(tmp_path, caplog, arch, kind, options,
+                                                   window):
+    ranks = run_ranks(_sharded_save, arch, kind, str(tmp_path), options, window)
+    assert [r["held"] for r in ranks] == [[2], [1]]  # experts sharded unevenly
     assert ranks[0]["result"] == ranks[1]["result"]
     assert ranks[0]["result"]["names_as_stored"] is None
     model = _model(_config(arch))
@@ -99,8 +100,11 @@ def test_two_rank_fsdp2_moe_saves_what_export_hf_writes(tmp_path, caplog, arch, 
     assert result.names_as_stored is None
     saved = tmp_path / "saved"
     assert _files(saved) == _files(tmp_path / "exported")  # byte for byte, index too
-    if options:
+    if "max_shard_size" in options:
         assert "model.safetensors.index.json" in _files(saved)
+    if "dtype" in options:  # the exact cast of transformers' own names and tensors
+        reference = {k: v.to(torch.bfloat16) for k, v in reference.items()}
+        model = model.to(torch.bfloat16)
     _same(_exported(saved), reference)
     expert = "block_sparse_moe.experts.2.w3.weight" if arch == "mixtral" else \
         "mlp.experts.2.up_proj.weight"
@@ -113,11 +117,12 @@ def test_a_plain_moe_model_in_one_process(tmp_path, caplog, monkeypatch):
     model = _model(_config("qwen3_moe"))
     reference = _reference(model, tmp_path / "reference")
     fsdpckpt.save_state(tmp_path / "ckpt", model)
-    result = fsdpckpt.save_pretrained(model, tmp_path / "saved", max_shard_size="30KB")
+    result = fsdpckpt.save_pretrained(model, tmp_path / "saved", max_shard_size="10KB")
     assert result.names_as_stored is None
     fsdpckpt.export_hf(tmp_path / "ckpt", tmp_path / "exported", base=tmp_path / "reference",
-                       max_shard_size="30KB")
+                       max_shard_size="10KB")
     assert _files(tmp_path / "saved") == _files(tmp_path / "exported")
+    assert "model.safetensors.index.json" in _files(tmp_path / "saved")
     _same(_exported(tmp_path / "saved"), reference)
     _loads_clean(tmp_path / "saved", model, caplog)
 
@@ -153,3 +158,42 @@ def test_llava_is_saved_under_the_hub_names(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded.eval()(_IDS).logits, model(_IDS).logits,
                                    atol=0, rtol=0)
+
+
+def test_a_piece_is_cut_from_boxes_that_split_it_on_every_dim():
+    # A [3, 8, 4] tensor held as four boxes that cut dims 1 and 2 (as tensor parallel
+    # would), cut into Mixtral-like pieces (one expert's up half, a whole expert's slice):
+    # each piece's elements are the part of each box inside it, in the piece's order.
+    from fsdpckpt.dcp.dtypes import dtype_from_name
+    from fsdpckpt.export._moe import Piece
+    from fsdpckpt.merging._runs import chunk_runs
+    from fsdpckpt.training._save_plan import SavedTensor, _box, cut
+    from fsdpckpt.training._save_write import cut_elements
+
+    tensor = torch.arange(96, dtype=torch.float32).reshape(3, 8, 4)
+    boxes = [((0, 0, 0), (3, 5, 3)), ((0, 5, 0), (3, 3, 3)), ((0, 0, 3), (3, 5, 1)),
+             ((0, 5, 3), (3, 3, 1))]
+    held = [tensor[tuple(slice(o, o + n) for o, n in zip(*b))].contiguous() for b in boxes]
+    whole = SavedTensor("k", "k", (3, 8, 4), dtype_from_name("torch.float32"),
+                        tuple((i, _box(*b)) for i, b in enumerate(boxes)))
+
+    def source(local, start, stop):
+        return held[local].reshape(-1)[start:stop]
+
+    for offsets, sizes, shape in [((1, 4, 0), (1, 4, 4), (4, 4)), ((0, 2, 1), (3, 5, 2),
+                                                                     (3, 5, 2))]:
+        piece = cut(whole, Piece("p", "k", offsets, sizes, shape, False))
+        elements = cut_elements(source, piece)
+        got = torch.full((math.prod(sizes),), -1.0)
+        for local, box in piece.boxes:
+            run, starts = chunk_runs(sizes, box)
+            values = elements(local, 0, math.prod(box.sizes))
+            for i, at in enumerate(starts):
+                got[at:at + run] = values[i * run:(i + 1) * run]
+        want = tensor[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].reshape(-1)
+        assert torch.equal(got, want)
+        for local, box in piece.boxes:  # any window of a part
+            n = math.prod(box.sizes)
+            full = elements(local, 0, n)
+            for start, stop in {(0, 1), (1, n), (n // 2, n), (n - 1, n)} - {(1, 1)}:
+                assert torch.equal(elements(local, start, stop), full[start:stop])

@@ -14,6 +14,7 @@ in the order a ``save_state`` of the model lists them in (:func:`dcp_order`), ex
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -166,7 +167,10 @@ def owned_boxes(key: str, value: Any, rank: int) -> tuple[tuple[int, Chunk], ...
 
 def cut(whole: SavedTensor, piece: Piece) -> SavedTensor:
     """The output tensor ``piece`` of ``whole``: this rank writes, of each of its boxes, the
-    part inside the piece's box, placed in the piece's own row-major order."""
+    part inside the piece's box, placed in the piece's own row-major order. A whole piece
+    is the tensor renamed."""
+    if piece.whole and tuple(piece.shape) == whole.shape:
+        return dataclasses.replace(whole, name=piece.name)
     boxes = []
     for local, box in whole.boxes:
         lo = [max(a, b) for a, b in zip(box.offsets, piece.offsets)]

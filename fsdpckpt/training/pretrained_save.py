@@ -3,7 +3,8 @@ loads as it is, every rank writing only its own shards' bytes.
 
 What is written is what ``fsdpckpt export-hf`` writes for a ``save_state`` of the same model,
 byte for byte: the same files (one ``model.safetensors``, or shards and their index, split
-by ``max_shard_size``), the same headers and offsets, the same cast, Hugging Face names,
+by ``max_shard_size``), the same headers and offsets, the same cast, the names transformers'
+own ``save_pretrained`` writes (MoE experts per expert, :mod:`fsdpckpt.training._save_moe`),
 tied targets left out as the config says, and the config (``architectures`` without
 FSDP2's prefix, the dtype field), generation config, tokenizer and chat template beside
 them (export-hf's own functions plan all of it: :mod:`fsdpckpt.training._save_plan`).
@@ -126,7 +127,8 @@ def save_pretrained(model: Any, output: str | os.PathLike[str] | RemotePath, *,
 
     Returns:
         The :class:`~fsdpckpt.export.hf.ExportResult`, the same on every rank (``source`` is
-        the output folder: no checkpoint was read; ``model_class`` the model's class).
+        the output folder: no checkpoint was read; ``model_class`` the model's class;
+        ``names_as_stored`` why the names are not the hub's, as export-hf's).
 
     Raises:
         OutputExistsError: ``output`` holds files and ``overwrite`` is False.

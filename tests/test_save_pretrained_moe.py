@@ -197,3 +197,30 @@ def test_a_piece_is_cut_from_boxes_that_split_it_on_every_dim():
             full = elements(local, 0, n)
             for start, stop in {(0, 1), (1, n), (n // 2, n), (n - 1, n)} - {(1, 1)}:
                 assert torch.equal(elements(local, start, stop), full[start:stop])
+
+
+def _remote_save(rank: int, world: int, root: str, url: str, options: dict) -> None:
+    from test_save_pretrained import _wrap
+
+    _save_write.WINDOW = 100  # several windows, so several steps, per expert piece
+    model = _wrap(_model(_config("mixtral")), "fsdp2")
+    _train(model)
+    for output, storage in ((url, options), (str(Path(root) / "local"), None)):
+        fsdpckpt.save_pretrained(model, output, max_shard_size="20KB",
+                                 storage_options=storage)
+
+
+@pytest.mark.s3
+@multirank
+def test_two_ranks_save_moe_pieces_to_s3_as_they_save_them_locally(s3, tmp_path):
+    # Object storage needs every rank to step through a file alike: the pieces' windows.
+    server, root = s3
+    run_ranks(_remote_save, str(tmp_path), f"s3://{root}/out", server.options)
+    fs = server.filesystem()
+    remote = {p.rsplit("/", 1)[-1]: fs.cat_file(p) for p, info in
+              fs.find(root, detail=True).items() if info["type"] == "file"}
+    local = {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()}
+    assert "model.safetensors.index.json" in local
+    assert remote == local
+    assert any("block_sparse_moe.experts.2.w1.weight" in k
+               for k in _exported(tmp_path / "local"))

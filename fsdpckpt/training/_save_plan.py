@@ -14,6 +14,7 @@ in the order a ``save_state`` of the model lists them in (:func:`dcp_order`), ex
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,12 +24,13 @@ from typing import Any
 from fsdpckpt.dcp.dtypes import DType, dtype_from_name
 from fsdpckpt.dcp.metadata import Chunk
 from fsdpckpt.errors import MergePlanError
+from fsdpckpt.export._moe import Piece
 from fsdpckpt.formats import TensorSpec
 from fsdpckpt.formats._shards import index_bytes
 from fsdpckpt.merging.plan import MergePlan, computed_plan, no_metadata, parse_dtype, parse_size
 from fsdpckpt.training._pretrained_read import dtensor_box
 
-__all__ = ["SavedTensor", "SavedFile", "SavePlan", "owned_boxes", "plan_save",
+__all__ = ["SavedTensor", "SavedFile", "SavePlan", "owned_boxes", "plan_save", "cut",
            "exported_dtype_name", "held_chunks", "dcp_order"]
 
 #: A chunk a rank holds: ``(key, offsets, bytes)``.
@@ -45,6 +47,10 @@ class SavedTensor:
         boxes: the parts of it this rank writes, each ``(local, box)``: the index of the
             local tensor (:func:`local_tensors`) and the box of the global tensor it holds;
             empty where other ranks write all of it.
+        whole, at, grid: for a piece of a model tensor (a hub tensor cut from it,
+            :mod:`fsdpckpt.training._save_moe`): that tensor's own plan, where the piece's
+            box starts in it and its sizes there; ``boxes`` are then boxes of ``grid``,
+            each the part of the local tensor's box inside the piece.
     """
 
     key: str
@@ -52,6 +58,9 @@ class SavedTensor:
     shape: tuple[int, ...]
     dtype: DType
     boxes: tuple[tuple[int, Chunk], ...]
+    whole: SavedTensor | None = None
+    at: tuple[int, ...] = ()
+    grid: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -156,6 +165,24 @@ def owned_boxes(key: str, value: Any, rank: int) -> tuple[tuple[int, Chunk], ...
     return ((0, _box((0,) * value.dim(), tuple(value.shape))),)
 
 
+def cut(whole: SavedTensor, piece: Piece) -> SavedTensor:
+    """The output tensor ``piece`` of ``whole``: this rank writes, of each of its boxes, the
+    part inside the piece's box, placed in the piece's own row-major order. A whole piece
+    is the tensor renamed."""
+    if piece.whole and tuple(piece.shape) == whole.shape:
+        return dataclasses.replace(whole, name=piece.name)
+    boxes = []
+    for local, box in whole.boxes:
+        lo = [max(a, b) for a, b in zip(box.offsets, piece.offsets)]
+        hi = [min(a + n, b + m) for a, n, b, m in
+              zip(box.offsets, box.sizes, piece.offsets, piece.sizes)]
+        if all(a < b for a, b in zip(lo, hi)):
+            boxes.append((local, _box([a - o for a, o in zip(lo, piece.offsets)],
+                                      [b - a for a, b in zip(lo, hi)])))
+    return SavedTensor(whole.key, piece.name, piece.shape, whole.dtype, tuple(boxes), whole,
+                       piece.offsets, piece.sizes)
+
+
 def held_chunks(state: Mapping[str, Any]) -> list[HeldChunk]:
     """The chunks of ``state`` this rank holds, as DCP's save plan lists them (each
     rank's DTensor box, replicas included; each local shard; a plain tensor whole)."""
@@ -218,7 +245,8 @@ def exported_dtype_name(tensors: Sequence[SavedTensor]) -> str:
 def plan_save(state: Sequence[tuple[str, str, Any]], *, rank: int, dtype: Any,
               max_shard_size: str | int | None, out: Path | Any,
               skip: Callable[[str], bool] = lambda name: False,
-              stem: str = "model") -> SavePlan:
+              stem: str = "model",
+              pieces: Mapping[str, tuple[Piece, ...]] | None = None) -> SavePlan:
     """Plan the weights of ``save_pretrained``.
 
     Args:
@@ -229,6 +257,8 @@ def plan_save(state: Sequence[tuple[str, str, Any]], *, rank: int, dtype: Any,
         out: the output folder (named in the plan, never touched).
         skip: names left out (tied targets).
         stem: the file names' (``model``; ``adapter_model`` for a PEFT adapter).
+        pieces: each name -> the tensors it is written as (the hub's,
+            :func:`~fsdpckpt.training._save_moe.hub_layout`); a name not there as it is.
 
     Raises:
         MergePlanError: an unreadable size or dtype, a type safetensors cannot hold, two
@@ -237,16 +267,21 @@ def plan_save(state: Sequence[tuple[str, str, Any]], *, rank: int, dtype: Any,
     cast = parse_dtype(dtype)
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     every: list[SavedTensor] = []
+    tensors: list[SavedTensor] = []
     seen: dict[str, str] = {}
     for key, name, value in state:
-        if name in seen:
-            raise MergePlanError(f"{seen[name]} and {key} would both be saved as {name}")
-        seen[name] = key
         held = _dtype_of(value, key)
         out_dtype = cast if cast is not None and held.is_floating else held
-        every.append(SavedTensor(key, name, tuple(value.shape), out_dtype,
-                                 owned_boxes(key, value, rank) if not skip(name) else ()))
-    tensors = [t for t in every if not skip(t.name)]
+        whole = SavedTensor(key, name, tuple(value.shape), out_dtype,
+                            owned_boxes(key, value, rank) if not skip(name) else ())
+        every.append(whole)
+        written = [cut(whole, p) for p in (pieces or {}).get(name, ())] or [whole]
+        for saved in written:
+            if saved.name in seen:
+                raise MergePlanError(f"{seen[saved.name]} and {key} would both be saved as "
+                                     f"{saved.name}")
+            seen[saved.name] = key
+        tensors += written if not skip(name) else []
     if not tensors:
         raise MergePlanError("the model has no tensor to save")
     specs = [TensorSpec(t.name, (t.name,), t.dtype, t.shape) for t in tensors]

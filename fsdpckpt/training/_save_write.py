@@ -18,10 +18,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fsdpckpt._io.spread import SpreadFile, SpreadTarget
+from fsdpckpt.dcp.metadata import Chunk
 from fsdpckpt.merging._runs import chunk_runs
 from fsdpckpt.training._save_plan import SavedTensor, SavePlan, local_tensors
 
-__all__ = ["WINDOW", "Elements", "write_weights", "plain_elements", "elements_of"]
+__all__ = ["WINDOW", "Elements", "write_weights", "plain_elements", "elements_of",
+           "cut_elements"]
 
 #: The most output bytes of a tensor handled at once: a window's cast buffers are at most
 #: this, and each rank calls ``step()`` once per window.
@@ -65,6 +67,31 @@ def plain_elements(value: Any, saved: SavedTensor) -> Elements:
     return elements
 
 
+def cut_elements(source: Elements, saved: SavedTensor) -> Elements:
+    """The :data:`Elements` of a piece of a tensor (:func:`~fsdpckpt.training._save_plan.cut`)
+    from those of the whole (``source``): the part of a local tensor inside the piece, in
+    the piece's row-major order, taken run by run from the local tensor's elements, so a
+    window's elements are made, and cast, once (a fused LoRA weight too)."""
+    import torch
+
+    held, mine = dict(saved.whole.boxes if saved.whole else ()), dict(saved.boxes)
+
+    def elements(local: int, start: int, stop: int) -> Any:
+        box, part = held[local], mine[local]
+        # The part as a box of the local tensor, which is ``box`` of the whole.
+        inside = Chunk(tuple(p + a - b for p, a, b in zip(part.offsets, saved.at, box.offsets)),
+                       part.sizes, None, 0, 0)
+        run, starts = chunk_runs(box.sizes, inside)
+        parts = []
+        for i in range(start // run, (stop - 1) // run + 1):
+            a, b = max(start, i * run), min(stop, (i + 1) * run)
+            first = starts[i] + a - i * run
+            parts.append(source(local, first, first + b - a))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    return elements
+
+
 def _pieces(saved: SavedTensor, runs: Sequence[tuple[int, tuple[int, Sequence[int]]]],
             lo: int, hi: int) -> list[tuple[int, int, int, int]]:
     # (global element, local tensor, local element, count) of each run piece in [lo, hi).
@@ -85,7 +112,7 @@ def _write_tensor(file: SpreadFile, saved: SavedTensor, start: int,
 
     size = saved.dtype.itemsize
     per = max(1, WINDOW // size)
-    runs = [(local, chunk_runs(saved.shape, box)) for local, box in saved.boxes]
+    runs = [(local, chunk_runs(saved.grid or saved.shape, box)) for local, box in saved.boxes]
     for lo in range(0, saved.numel, per):
         pieces = _pieces(saved, runs, lo, min(saved.numel, lo + per))
         spans: dict[int, tuple[int, int]] = {}  # a local tensor's elements in this window
@@ -109,7 +136,9 @@ def write_weights(target: SpreadTarget, plan: SavePlan, rank: int,
         if rank == 0:
             file.write(0, planned.header)
         for saved, start in planned.tensors:
-            _write_tensor(file, saved, start, elements[saved.key](saved))
+            made = elements[saved.key]
+            _write_tensor(file, saved, start, made(saved) if saved.whole is None else
+                          cut_elements(made(saved.whole), saved))
         file.finish()
     if plan.index is not None and rank == 0:
         target.put(*plan.index)

@@ -3,7 +3,8 @@ loads as it is, every rank writing only its own shards' bytes.
 
 What is written is what ``fsdpckpt export-hf`` writes for a ``save_state`` of the same model,
 byte for byte: the same files (one ``model.safetensors``, or shards and their index, split
-by ``max_shard_size``), the same headers and offsets, the same cast, Hugging Face names,
+by ``max_shard_size``), the same headers and offsets, the same cast, the names transformers'
+own ``save_pretrained`` writes (MoE experts per expert, :mod:`fsdpckpt.training._save_moe`),
 tied targets left out as the config says, and the config (``architectures`` without
 FSDP2's prefix, the dtype field), generation config, tokenizer and chat template beside
 them (export-hf's own functions plan all of it: :mod:`fsdpckpt.training._save_plan`).
@@ -52,6 +53,7 @@ from fsdpckpt.training._save_lora import (
     fused_state,
     gather_full,
 )
+from fsdpckpt.training._save_moe import hub_layout
 from fsdpckpt.training._save_plan import (
     SavedTensor,
     SavePlan,
@@ -125,7 +127,8 @@ def save_pretrained(model: Any, output: str | os.PathLike[str] | RemotePath, *,
 
     Returns:
         The :class:`~fsdpckpt.export.hf.ExportResult`, the same on every rank (``source`` is
-        the output folder: no checkpoint was read; ``model_class`` the model's class).
+        the output folder: no checkpoint was read; ``model_class`` the model's class;
+        ``names_as_stored`` why the names are not the hub's, as export-hf's).
 
     Raises:
         OutputExistsError: ``output`` holds files and ``overwrite`` is False.
@@ -207,7 +210,8 @@ def _check_lora(model: Any, state: dict[str, Any], lora: str | None, out: Any) -
 class _Prepared:
     """One rank's plan: the weights, the side files (None for an adapter), the files made
     (the commit file last), tied pairs and those whose values differ here, each tensor's
-    elements, and (rank 0, with ``overwrite``) the earlier outputs to remove."""
+    elements, (rank 0, with ``overwrite``) the earlier outputs to remove, and why the
+    names are not the hub's (export-hf's ``names_as_stored``)."""
 
     plan: SavePlan
     side: Side | None
@@ -217,6 +221,7 @@ class _Prepared:
     elements: dict[str, Callable[[SavedTensor], Elements]]
     stale: list[Any]
     peft: Lora | None
+    as_stored: str | None
 
 
 def _prepare(model: Any, state: dict[str, Any], out: Any, base: Any, peft: Lora | None,
@@ -226,7 +231,7 @@ def _prepare(model: Any, state: dict[str, Any], out: Any, base: Any, peft: Lora 
         plan = plan_save(adapter_state(peft, state), rank=rank, dtype=dtype,
                          max_shard_size=None, out=out, stem=ADAPTER_WEIGHTS.split(".")[0])
         return _Prepared(plan, None, [(ADAPTER_CONFIG, peft.config_bytes())], {}, [],
-                         _as_held(state), [], peft)
+                         _as_held(state), [], peft, None)
     if peft is not None:
         named, elements = fused_state(peft, state, factors)
     else:
@@ -234,17 +239,25 @@ def _prepare(model: Any, state: dict[str, Any], out: Any, base: Any, peft: Lora 
         named = [(key, clean_key(key), value) for key, value in state.items()]
         elements = _as_held(state)
     side = side_files(model, base, out)
-    # Tied targets follow the config alone, as export-hf decides them without transformers.
-    tied = tied_without_transformers(side.config, {name for _, name, _ in named})
+    # The config's dtype is the plan's (the first plan costs metadata only); with it, the
+    # names and tied keys export-hf finds for the config's model class (transformers'
+    # hub names: MoE experts per expert, _save_moe); without the class, tied targets
+    # follow the config alone, as export-hf decides them then.
+    dtype_name = plan_save(named, rank=rank, dtype=dtype, max_shard_size=max_shard_size,
+                           out=out).dtype_name
+    hub = hub_layout(exported_config(side.config, dtype_name),
+                     {name: tuple(value.shape) for _, name, value in named})
+    tied = hub.tied if hub.tied is not None else \
+        tied_without_transformers(side.config, {name for _, name, _ in named})
     plan = plan_save(named, rank=rank, dtype=dtype, max_shard_size=max_shard_size, out=out,
-                     skip=tied.__contains__)
+                     skip=tied.__contains__, pieces=hub.pieces)
     stale: list[Any] = []
     if rank == 0 and overwrite:  # an earlier output of ours in another layout
         new = {str(p) for p in output_paths(plan.merge, out)}
         stale = [p for p in earlier_outputs(plan.merge, out) if str(p) not in new]
     made = [*side.made, (CONFIG, config_bytes(exported_config(side.config, plan.dtype_name)))]
     differ = _tied_differ(tied, {n: v for _, n, v in named}) if peft is None else []
-    return _Prepared(plan, side, made, tied, differ, elements, stale, peft)
+    return _Prepared(plan, side, made, tied, differ, elements, stale, peft, hub.as_stored)
 
 
 def _as_held(state: dict[str, Any]) -> dict[str, Callable[[SavedTensor], Elements]]:
@@ -284,4 +297,5 @@ def _result(ready: _Prepared, out: Any, model: Any, seconds: float
                         plan.num_tensors, plan.tensor_bytes, plan.dtype_name,
                         tuple(sorted(ready.tied.items())),
                         ready.side.config_from if ready.side else out / CONFIG,
-                        strip_fsdp_prefix(type(unwrapped(model)).__name__), seconds, None)
+                        strip_fsdp_prefix(type(unwrapped(model)).__name__), seconds, None,
+                        ready.as_stored)

@@ -1,4 +1,5 @@
-"""Trainers' single-folder checkpoints (Lightning's ``*.ckpt/``, torchtune's ``dist_epoch_N/``):
+"""Trainers' single-folder checkpoints (Lightning's ``*.ckpt/``, torchtune's ``dist_epoch_N/``,
+torchtitan's ``step-N/``):
 model, optimizer and training state read apart, each checked against the framework's own
 consolidation committed beside the fixture (the tests run without the frameworks)."""
 
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 
 import fsdpckpt
 from fsdpckpt.dcp.layout import find_layout
+from fsdpckpt.errors import NotACheckpointError
 from fsdpckpt.inspection.inspect import inspect_checkpoint
 
 from conftest import FIXTURES
@@ -21,13 +23,21 @@ from conftest import FIXTURES
 TRAINERS = {
     "lightning": (FIXTURES / "lightning" / "epoch=0-step=3.ckpt", "optimizer_0"),
     "torchtune": (FIXTURES / "torchtune" / "dist_epoch_0", "optimizer"),
+    "torchtitan": (FIXTURES / "torchtitan" / "checkpoint" / "step-2", "optimizer"),
 }
+#: The model's entries sit under "model" in these (torchtitan's sit at the top level).
+NESTED = ("lightning", "torchtune")
 trainers = pytest.mark.parametrize("trainer", sorted(TRAINERS))
 
 
+def _reference_file(trainer: str):
+    return FIXTURES / trainer / "reference_model.safetensors"
+
+
 def _reference(trainer: str) -> dict[str, torch.Tensor]:
-    """The model as the framework's own consolidation (Lightning) or load (torchtune) gave it."""
-    return load_file(TRAINERS[trainer][0].parent / "reference_model.safetensors")
+    """The model as the framework's own consolidation (Lightning) or load (torchtune,
+    torchtitan) gave it."""
+    return load_file(_reference_file(trainer))
 
 
 def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -51,10 +61,11 @@ def test_inspect_shows_the_parts_apart(trainer):
     assert report.ok, report.problems
     kinds = {p.kind: p for p in report.parts}
     # inspect shows the names as stored; merge drops the shared "model." (below)
+    prefix = "model." if trainer in NESTED else ""
     assert sorted(t.name for t in kinds["model"].tensors) == sorted(
-        f"model.{name}" for name in _reference(trainer))
+        prefix + name for name in _reference(trainer))
     assert all(t.name.startswith(TRAINERS[trainer][1] + ".") for t in kinds["optimizer"].tensors)
-    assert not kinds["state"].tensors or trainer == "torchtune"
+    assert not kinds["state"].tensors
 
 
 @trainers
@@ -90,14 +101,16 @@ def test_merge_optimizer_writes_the_optimizer(trainer, tmp_path):
 @trainers
 def test_load_full_state_dict_matches_the_frameworks_own(trainer):
     state = fsdpckpt.load_full_state_dict(TRAINERS[trainer][0])
-    assert list(state) == ["model"]
-    _same(state["model"], _reference(trainer))
+    if trainer in NESTED:  # as torch's dcp_to_torch_save nests it
+        assert list(state) == ["model"]
+        state = state["model"]
+    _same(state, _reference(trainer))
 
 
 @trainers
 def test_diff_against_the_frameworks_own_is_equal(trainer):
     folder = TRAINERS[trainer][0]
-    result = fsdpckpt.diff(folder, folder.parent / "reference_model.safetensors")
+    result = fsdpckpt.diff(folder, _reference_file(trainer))
     assert result.equal and len(result.tensors) == len(_reference(trainer))
 
 
@@ -117,6 +130,13 @@ def test_lightning_meta_naming_a_callable_is_refused_and_nothing_runs(tmp_path):
     (ckpt / "meta.pt").write_bytes(pickle.dumps(print))
     report = inspect_checkpoint(ckpt)
     assert [p.path for p in report.problems] == [str(ckpt / "meta.pt")]
+
+
+@trainers
+def test_the_folder_above_names_the_checkpoint_to_pass(trainer):
+    folder = TRAINERS[trainer][0]
+    with pytest.raises(NotACheckpointError, match=f"holds one checkpoint .*{folder.name}"):
+        find_layout(folder.parent)
 
 
 def test_a_plain_dcp_folder_is_still_one_part():

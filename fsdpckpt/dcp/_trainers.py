@@ -66,7 +66,9 @@ def trainer_of(root: Place) -> str | None:
 
 def _role(style: str, key_path: tuple, name: str) -> str:
     """The role of an entry (its key path, its name) in a ``style`` folder."""
-    top = str(key_path[0]) if key_path else name.split(".", 1)[0]
+    # The first dotted segment: a key saved flat ("dataloader.dp_rank_0") has the role of
+    # the same key saved nested.
+    top = (str(key_path[0]) if key_path else name).split(".", 1)[0]
     if _OPTIMIZER_KEY.match(top):
         return "optimizer"
     if style == "torchtitan":

@@ -277,7 +277,9 @@ def find_layout(path: str | os.PathLike[str] | Place) -> CheckpointLayout:
     for entry in entries:
         if entry.is_dir():
             part = _classify_dir(entry.path)
-            if part:
+            if part and part.kind == "dcp" and part.complete and trainer_of(entry.path):
+                nested.append(entry.name)  # a trainer's save is a whole checkpoint
+            elif part:
                 parts.append(part)
             elif _CHECKPOINT_DIR.match(entry.name) or (entry.path / METADATA_FILE).exists():
                 nested.append(entry.name)

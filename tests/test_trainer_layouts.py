@@ -5,7 +5,6 @@ consolidation committed beside the fixture (the tests run without the frameworks
 
 from __future__ import annotations
 
-import pickle
 import shutil
 
 import pytest
@@ -24,6 +23,13 @@ TRAINERS = {
     "lightning": (FIXTURES / "lightning" / "epoch=0-step=3.ckpt", "optimizer_0"),
     "torchtune": (FIXTURES / "torchtune" / "dist_epoch_0", "optimizer"),
     "torchtitan": (FIXTURES / "torchtitan" / "checkpoint" / "step-2", "optimizer"),
+}
+#: Some of the training state each keeps in its DCP folder (Lightning keeps its in meta.pt).
+STATE = {
+    "lightning": set(),
+    "torchtune": {"seed", "epochs_run", "total_epochs", "max_steps_per_epoch"},
+    "torchtitan": {"train_state.step", "train_state.ntokens_seen", "lr_scheduler.last_epoch",
+                   "dataloader.dp_rank_0", "dataloader.dp_rank_1"},
 }
 #: The model's entries sit under "model" in these (torchtitan's sit at the top level).
 NESTED = ("lightning", "torchtune")
@@ -66,6 +72,7 @@ def test_inspect_shows_the_parts_apart(trainer):
         prefix + name for name in _reference(trainer))
     assert all(t.name.startswith(TRAINERS[trainer][1] + ".") for t in kinds["optimizer"].tensors)
     assert not kinds["state"].tensors
+    assert STATE[trainer] <= {o.name for o in kinds["state"].objects}
 
 
 @trainers
@@ -126,10 +133,11 @@ def test_lightning_meta_is_decoded_and_listed():
 def test_lightning_meta_naming_a_callable_is_refused_and_nothing_runs(tmp_path):
     ckpt = tmp_path / "epoch=0-step=3.ckpt"
     shutil.copytree(TRAINERS["lightning"][0], ckpt)
-    # A pickle that would call print() if unpickled plainly.
-    (ckpt / "meta.pt").write_bytes(pickle.dumps(print))
+    # A real torch.save archive whose pickle names a global outside the allowlist.
+    torch.save({"epoch": 0, "hook": print}, ckpt / "meta.pt")
     report = inspect_checkpoint(ckpt)
     assert [p.path for p in report.problems] == [str(ckpt / "meta.pt")]
+    assert "print" in report.problems[0].message
 
 
 @trainers

@@ -150,3 +150,14 @@ def test_the_folder_above_names_the_checkpoint_to_pass(trainer):
 def test_a_plain_dcp_folder_is_still_one_part():
     layout = find_layout(FIXTURES / "dtensor")
     assert layout.style == "dcp" and [p.kind for p in layout.parts] == ["dcp"]
+
+
+@trainers
+def test_verify_checks_the_folder_once_not_once_per_part(trainer, monkeypatch):
+    import fsdpckpt.inspection.verify as verify
+
+    checked, real = [], verify._check_chunks
+    monkeypatch.setattr(verify, "_check_chunks",
+                        lambda folder, *a, **k: checked.append(folder) or real(folder, *a, **k))
+    assert verify.verify_checkpoint(TRAINERS[trainer][0]).ok
+    assert len(checked) == 1

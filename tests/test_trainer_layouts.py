@@ -161,3 +161,10 @@ def test_verify_checks_the_folder_once_not_once_per_part(trainer, monkeypatch):
                         lambda folder, *a, **k: checked.append(folder) or real(folder, *a, **k))
     assert verify.verify_checkpoint(TRAINERS[trainer][0]).ok
     assert len(checked) == 1
+
+
+@trainers
+def test_inspect_counts_the_folders_bytes_once(trainer):
+    folder = TRAINERS[trainer][0]
+    on_disk = sum(p.stat().st_size for p in folder.iterdir())
+    assert inspect_checkpoint(folder).bytes == on_disk

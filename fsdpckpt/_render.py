@@ -173,7 +173,9 @@ def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool
     style = {"dcp": "DCP folder", "accelerate": "Accelerate checkpoint",
              "hf-trainer": "HF Trainer checkpoint", "verl": "VeRL checkpoint",
              "hf-storage": "HuggingFaceStorageWriter save", "model-file": "model file",
-             "model-folder": "model folder (merged or Hugging Face)"}[report.style]
+             "model-folder": "model folder (merged or Hugging Face)",
+             "lightning": "Lightning checkpoint", "torchtune": "torchtune checkpoint",
+             "torchtitan": "torchtitan checkpoint"}[report.style]
     world = report.world_size if report.world_size_exact else f"at least {report.world_size}"
     whole = report.style in ("model-file", "model-folder")  # no ranks: every tensor whole
     out = [f"{_p(report.path)}: {style}, "

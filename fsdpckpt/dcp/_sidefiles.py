@@ -1,7 +1,8 @@
 """The files saved beside a checkpoint's DCP folders, decoded by the one reader ``load_state`` uses.
 
 ``scheduler.bin`` (``scheduler_{i}.bin``, HF Trainer's ``scheduler.pt``), ``scaler.pt``,
-``custom_checkpoint_{i}.pkl`` and a dataloader's ``dl_state_dict*.bin`` are ``torch.save``
+``custom_checkpoint_{i}.pkl``, a dataloader's ``dl_state_dict*.bin`` and Lightning's
+``meta.pt`` are ``torch.save``
 archives of a ``state_dict()``: :func:`read_state_file` decodes them through the allowlist
 of non-tensor entries (plain Python values and tensors, :mod:`fsdpckpt.dcp._objects`), never
 ``torch.load``. RNG files are decoded by :mod:`fsdpckpt.dcp._rngfile`.
@@ -45,6 +46,8 @@ _STATE_KINDS = {
     "scaler": "scaler state",
     "custom": "custom checkpoint state",
     "dataloader": "dataloader state",
+    # Lightning's meta.pt: plain dicts and lists (loops, callbacks, LR schedulers).
+    "trainer_meta": "Lightning trainer state",
 }
 #: Side files fsdpckpt never loads: their archive is checked, not unpickled.
 _ARCHIVE_KINDS = ("sampler", "training_args", "extra_state")

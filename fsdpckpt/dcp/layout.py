@@ -1,4 +1,6 @@
-"""Finding the parts of a checkpoint folder (Accelerate's or HF Trainer's layout).
+"""Finding the parts of a checkpoint folder (Accelerate's, HF Trainer's, or a trainer's
+single DCP folder: Lightning's ``*.ckpt/``, torchtune's ``dist_epoch_N/``, torchtitan's
+``step-N/``, read as model, optimizer and training state; :mod:`fsdpckpt.dcp._trainers`).
 
 Accelerate's ``save_state`` writes ``pytorch_model_fsdp_{i}/`` and
 ``optimizer_{i}/`` (DCP folders) beside per-rank ``random_states_{rank}.pkl``
@@ -19,6 +21,7 @@ from fsdpckpt._io.remote import location
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import find_hf_storage
 from fsdpckpt.dcp._perrank import find_rank_sets
+from fsdpckpt.dcp._trainers import ROLES, TRAINER_META, trainer_of
 from fsdpckpt.dcp.reader import METADATA_FILE
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError, RemoteStorageError
 
@@ -63,8 +66,10 @@ class DcpPart:
     """A DCP folder inside a checkpoint.
 
     Attributes:
-        name: folder name, e.g. ``"pytorch_model_fsdp_0"``.
-        kind: ``"model"``, ``"optimizer"`` or ``"dcp"`` (any other DCP folder).
+        name: folder name, e.g. ``"pytorch_model_fsdp_0"``; for a part of a trainer's
+            folder, the trainer and the part (``"lightning:model"``).
+        kind: ``"model"``, ``"optimizer"``, ``"state"`` (a trainer's training state) or
+            ``"dcp"`` (any other DCP folder).
         index: the number Accelerate gives it (``optimizer_1`` is 1), or None.
         path: the folder.
         complete: whether it holds ``.metadata`` (DCP writes it last).
@@ -99,7 +104,8 @@ class CheckpointLayout:
     Attributes:
         path: the path given.
         style: ``"dcp"`` (a single DCP folder), ``"accelerate"``, ``"hf-trainer"``,
-            ``"verl"`` or ``"hf-storage"`` (torch's ``HuggingFaceStorageWriter``).
+            ``"verl"``, ``"hf-storage"`` (torch's ``HuggingFaceStorageWriter``),
+            ``"lightning"``, ``"torchtune"`` or ``"torchtitan"``.
         parts: the DCP folders (or sets of per-rank files), models first, then
             optimizers, then others.
         side_files: the recognized files beside them.
@@ -260,6 +266,8 @@ def find_layout(path: str | os.PathLike[str] | Place) -> CheckpointLayout:
             ".metadata or pytorch_model_fsdp_0/.")
     refuse_unfinished_save(root)
     if (root / METADATA_FILE).is_file():
+        if trainer := trainer_of(root):
+            return _trainer_layout(root, trainer)
         return CheckpointLayout(root, "dcp", (DcpPart(root.name, "dcp", None, root, True),), (), ())
 
     entries = _scan(root)
@@ -269,7 +277,9 @@ def find_layout(path: str | os.PathLike[str] | Place) -> CheckpointLayout:
     for entry in entries:
         if entry.is_dir():
             part = _classify_dir(entry.path)
-            if part:
+            if part and part.kind == "dcp" and part.complete and trainer_of(entry.path):
+                nested.append(entry.name)  # a trainer's save is a whole checkpoint
+            elif part:
                 parts.append(part)
             elif _CHECKPOINT_DIR.match(entry.name) or (entry.path / METADATA_FILE).exists():
                 nested.append(entry.name)
@@ -315,9 +325,22 @@ def find_layout(path: str | os.PathLike[str] | Place) -> CheckpointLayout:
         raise NotACheckpointError(
             f"{root}: no checkpoint here (no .metadata, no pytorch_model_fsdp_0/ or "
             "optimizer_0/); pass a DCP folder or an Accelerate checkpoint folder.")
-    order = {"model": 0, "optimizer": 1, "dcp": 2}
+    order = {"model": 0, "optimizer": 1, "state": 2, "dcp": 3}
     parts.sort(key=lambda p: (order[p.kind], p.index if p.index is not None else -1, p.name))
     hf = any(f.name in ("trainer_state.json", "scheduler.pt") or f.name.startswith("rng_state")
              for f in side)
     return CheckpointLayout(root, style or ("hf-trainer" if hf else "accelerate"), tuple(parts),
                             tuple(side), tuple(other))
+
+
+def _trainer_layout(root: Place, trainer: str) -> CheckpointLayout:
+    """A trainer's single DCP folder: its model, optimizer and training state as three parts
+    of the one folder, Lightning's ``meta.pt`` as a side file."""
+    parts = tuple(DcpPart(f"{trainer}:{role}", role, None, root, True) for role in ROLES)
+    side, other = [], []
+    for entry in _scan(root):
+        if entry.name == TRAINER_META and not entry.is_dir():
+            side.append(SideFile(entry.name, "trainer_meta", None, entry.size()))
+        elif entry.name != METADATA_FILE and not entry.name.endswith(".distcp"):
+            other.append(entry.name + "/" if entry.is_dir() else entry.name)
+    return CheckpointLayout(root, trainer, parts, tuple(side), tuple(other))

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import HfStoragePart, check_hf_files, hf_part_named, read_hf_storage
 from fsdpckpt.dcp._perrank import PerRankSet, check_rank_files, rank_set_named, read_rank_set
+from fsdpckpt.dcp._trainers import select_part
 from fsdpckpt.dcp.reader import DcpFolder, read_dcp_folder
 
 __all__ = ["PartStorage", "find_part", "open_part", "check_part_files"]
@@ -77,7 +78,8 @@ def open_part(path: Place, name: str) -> DcpFolder:
         return read_hf_storage(path, found.hf)
     if found.rank_set is not None:
         return read_rank_set(path, found.rank_set)
-    return read_dcp_folder(path)
+    # A trainer's folder holds model, optimizer and training state: the part is one of them.
+    return select_part(read_dcp_folder(path), path, name)
 
 
 def check_part_files(path: Place, name: str) -> list[tuple[Place, str]]:

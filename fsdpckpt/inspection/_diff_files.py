@@ -24,6 +24,7 @@ from fsdpckpt._io.remote import location
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import parse_header
 from fsdpckpt.dcp._objects import loads, to_torch
+from fsdpckpt.dcp._trainers import trainer_of
 from fsdpckpt.dcp.dtypes import dtype_from_name
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.dcp.metadata import KeyPath
@@ -314,7 +315,7 @@ def open_source(path: str | os.PathLike[str] | Place, *, optimizer: bool = False
         raise CheckpointNotFoundError(f"{p}: no such file or folder; check the path.")
     if p.is_file():
         return _file_source(p, keep_keys=keep_keys, shown=p)
-    if is_dcp_folder(p):
+    if is_dcp_folder(p) and not trainer_of(p):  # a trainer's folder: its model, as merged
         return DcpSource(p, keep_keys=keep_keys)
     wanted = MERGED_FILES["optimizer" if optimizer else "model"]
     for name in wanted:

@@ -227,7 +227,9 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
         style=layout.style,
         world_size=world,
         world_size_exact=exact,
-        bytes=sum(p.bytes for p in parts) + sum(f.size for f in layout.side_files),
+        # Parts reading the same files (a trainer's model, optimizer and state) count once.
+        bytes=sum({(p.path, p.files): p.bytes for p in parts}.values())
+        + sum(f.size for f in layout.side_files),
         parts=tuple(parts),
         side_files=layout.side_files,
         other_files=others,

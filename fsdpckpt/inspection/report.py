@@ -171,8 +171,9 @@ class InspectReport(_JsonDocument):
 
     Attributes:
         path: the checkpoint folder.
-        style: ``"dcp"`` (a bare DCP folder), ``"accelerate"``, ``"hf-trainer"``, ``"verl"``
-            or ``"hf-storage"`` (torch's ``HuggingFaceStorageWriter``).
+        style: ``"dcp"`` (a bare DCP folder), ``"accelerate"``, ``"hf-trainer"``, ``"verl"``,
+            ``"hf-storage"`` (torch's ``HuggingFaceStorageWriter``), ``"lightning"``,
+            ``"torchtune"`` or ``"torchtitan"`` (a trainer's one DCP folder).
         ok: (a property) True when ``problems`` is empty.
         world_size: the world size that wrote it, from its rank files.
         world_size_exact: False when ``world_size`` is only a lower bound.

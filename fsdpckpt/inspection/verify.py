@@ -182,8 +182,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     for part in layout.parts:
         problems += [Problem(str(where), why) for where, why in
                      check_part_files(part.path, part.name)]
-    folders = [p.path for p in layout.parts
-               if p.complete and find_part(p.path, p.name).kind == "dcp"]
+    # Once each: a trainer's model, optimizer and state are parts of one folder.
+    folders = list(dict.fromkeys(p.path for p in layout.parts
+                                 if p.complete and find_part(p.path, p.name).kind == "dcp"))
     for folder in folders:  # never part of a committed checkpoint; load_state refuses them
         for stray in stray_metadata_files(folder):
             problems.append(Problem(str(stray), "stray rank-local DCP metadata "

@@ -62,6 +62,7 @@ from fsdpckpt.export._model import (
 )
 from fsdpckpt.export._moe import hub_names, hub_plan
 from fsdpckpt.export._tied import same_bytes
+from fsdpckpt.export._trainer_names import looks_like, reordered, trainer_job
 from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
 from fsdpckpt.merging.merger import MergeJob, commit_job, plan_job, write_job
@@ -275,6 +276,9 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
     request = validate_merge(layout, output, dtype=dtype, max_shard_size=max_shard_size,
                              overwrite=overwrite)
     job = plan_job(request)  # also: is the output free, and which earlier outputs go
+    trainer = None  # a torchtune or torchtitan run's names: renamed to the hub's
+    if lora is None:
+        job, trainer = trainer_job(job, config, side.config)
     folder = request.sources[0].folder  # the part merge merges, its metadata read once
     if lora is None:  # adapter tensors would fail the key check with a puzzling list
         refuse_unasked(folder_source(folder).names, folder.path)
@@ -320,8 +324,9 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
             if names.problems:
                 raise ExportMismatchError(
                     f"{request.sources[0].folder.path}: does not match {expect.model_class} "
-                    f"as {side.config} describes it: " + "; ".join(names.problems) + "; pass "
-                    "base=... with the config of the model this run trained")
+                    f"as {side.config} describes it: " + "; ".join(names.problems) + "; "
+                    + (looks_like(shapes) or "pass base=... with the config of the model "
+                       "this run trained"))
             # None: transformers' conversion is no cut (why, where it says).
             as_stored = str(expect.saved) or None if saved is None else None
         else:  # not built: the reason says why; the base's own weight names, if any
@@ -334,12 +339,15 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
             compared.update(_compare_tied(job, {k: v for k, v in tied.items()
                                                 if (k, v) not in compared}))
             _refuse_differing(request, tied, compared, side.config)
-            job = plan_job(_excluding(request, sorted(tied)))
+            job, _ = trainer_job(plan_job(_excluding(request, sorted(
+                trainer.stored(t) if trainer else t for t in tied))), config, side.config,
+                trainer)
         if fused is not None:  # the plan whose tensors the fuser computes, tied targets out
             job = fused.job(request.output_dir, exclude=tied, overwrite=overwrite,
                             max_shard_size=request.options.max_shard_size)
-        if names is not None and any(not p.whole or p.name != p.source for p in names.pieces):
-            job = hub_plan(job, names.pieces, overwrite=overwrite,
+        pieces = reordered(job, names.pieces if names is not None else None, trainer)
+        if pieces is not None and any(not p.whole or p.name != p.source for p in pieces):
+            job = hub_plan(job, pieces, overwrite=overwrite,
                            max_shard_size=request.options.max_shard_size)
         (result,) = commit_job(job, write_job(job, stage, progress))
         for target in nested:

@@ -1,0 +1,225 @@
+"""A trainer's weight names to Hugging Face's, q/k rows reordered as its converter does.
+
+torchtune and torchtitan train Llama models under their own module names
+(``layers.0.attn.q_proj.weight``, ``layers.0.attention.wq.weight``...) and with rotary
+embeddings that pair neighbouring rows of q and k; Hugging Face's Llama pairs row ``i``
+with row ``i + head_dim / 2``. Their converters (torchtune's ``convert_weights.tune_to_hf``,
+torchtitan's ``Llama3StateDictAdapter.to_hf``) rename every key and reorder q's and k's rows
+within each head: ``w.view(heads, head_dim // 2, 2, dim).transpose(1, 2)``. A plain rename
+would give a model that loads clean and computes something else.
+
+:func:`trainer_names` recognises such a checkpoint by its keys (every key must be one of the
+family's names) and gives the hub name of each key and, for q and k, the order of the stored
+rows the hub's rows are: output row ``h * head_dim + j * head_dim / 2 + k`` is stored row
+``h * head_dim + 2 * k + j``. No two neighbouring output rows are neighbouring stored rows, so
+the reorder is no set of row blocks; it is done on the one tensor being written
+(:func:`~fsdpckpt.export._moe.hub_plan` reads its box, then takes the rows in this order), so
+memory holds one output tensor, as for any other cut. The heads come from the config
+(``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` or ``hidden_size / heads``),
+checked against the stored shapes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fsdpckpt.errors import ExportMismatchError
+from fsdpckpt.export._moe import Piece, hub_plan
+from fsdpckpt.merging._jobs import MergeJob
+
+__all__ = ["TrainerNames", "trainer_names", "looks_like", "trainer_job", "reordered"]
+
+Shape = tuple[int, ...]
+
+_LAYER = "model.layers.{}."
+
+# Each family: the trainer's name -> the hub's ("{}" a layer number), and which of its names
+# are q and k (their rows reordered by the query or the key/value heads).
+_FAMILIES: dict[str, dict[str, str]] = {
+    "torchtune (Llama)": {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.scale": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+        "layers.{}.attn.q_proj.weight": _LAYER + "self_attn.q_proj.weight",
+        "layers.{}.attn.k_proj.weight": _LAYER + "self_attn.k_proj.weight",
+        "layers.{}.attn.v_proj.weight": _LAYER + "self_attn.v_proj.weight",
+        "layers.{}.attn.output_proj.weight": _LAYER + "self_attn.o_proj.weight",
+        "layers.{}.mlp.w1.weight": _LAYER + "mlp.gate_proj.weight",
+        "layers.{}.mlp.w3.weight": _LAYER + "mlp.up_proj.weight",
+        "layers.{}.mlp.w2.weight": _LAYER + "mlp.down_proj.weight",
+        "layers.{}.sa_norm.scale": _LAYER + "input_layernorm.weight",
+        "layers.{}.mlp_norm.scale": _LAYER + "post_attention_layernorm.weight",
+    },
+    # Both of torchtitan's namings: attention.wq (before qkv_linear) and output (before
+    # lm_head) are the older ones.
+    "torchtitan (Llama 3)": {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+        "lm_head.weight": "lm_head.weight",
+        "layers.{}.attention.wq.weight": _LAYER + "self_attn.q_proj.weight",
+        "layers.{}.attention.wk.weight": _LAYER + "self_attn.k_proj.weight",
+        "layers.{}.attention.wv.weight": _LAYER + "self_attn.v_proj.weight",
+        "layers.{}.attention.qkv_linear.wq.weight": _LAYER + "self_attn.q_proj.weight",
+        "layers.{}.attention.qkv_linear.wk.weight": _LAYER + "self_attn.k_proj.weight",
+        "layers.{}.attention.qkv_linear.wv.weight": _LAYER + "self_attn.v_proj.weight",
+        "layers.{}.attention.wo.weight": _LAYER + "self_attn.o_proj.weight",
+        "layers.{}.feed_forward.w1.weight": _LAYER + "mlp.gate_proj.weight",
+        "layers.{}.feed_forward.w3.weight": _LAYER + "mlp.up_proj.weight",
+        "layers.{}.feed_forward.w2.weight": _LAYER + "mlp.down_proj.weight",
+        "layers.{}.attention_norm.weight": _LAYER + "input_layernorm.weight",
+        "layers.{}.ffn_norm.weight": _LAYER + "post_attention_layernorm.weight",
+    },
+}
+_Q = _LAYER + "self_attn.q_proj.weight"
+_K = _LAYER + "self_attn.k_proj.weight"
+
+
+def _patterns(family: Mapping[str, str]) -> list[tuple[re.Pattern[str], str]]:
+    return [(re.compile(re.escape(name).replace(r"\{\}", r"(\d+)") + r"\Z"), hub)
+            for name, hub in family.items()]
+
+
+_COMPILED = {trainer: _patterns(family) for trainer, family in _FAMILIES.items()}
+
+
+def _hub(trainer: str, key: str) -> tuple[str, str] | None:
+    # The hub name of ``key`` in ``trainer``'s family, and its template; None when not one.
+    for pattern, hub in _COMPILED[trainer]:
+        found = pattern.match(key)
+        if found:
+            return hub.format(*found.groups()), hub
+    return None
+
+
+@dataclass(frozen=True)
+class TrainerNames:
+    """How a trainer's checkpoint is written under the hub's names.
+
+    Attributes:
+        trainer: whose names they are (``"torchtune (Llama)"``).
+        hub: each stored name -> its hub name.
+        rows: hub name -> the stored rows, in the order the hub's rows are (q and k only).
+    """
+
+    trainer: str
+    hub: dict[str, str]
+    rows: dict[str, tuple[int, ...]]
+
+    def stored(self, hub_name: str) -> str:
+        """The stored name of ``hub_name`` (itself when it is no renamed key)."""
+        return next((k for k, v in self.hub.items() if v == hub_name), hub_name)
+
+
+def _heads_rows(heads: int, rows: int, key: str, source: Any) -> tuple[int, ...]:
+    # The converters' view(heads, head_dim // 2, 2, dim).transpose(1, 2): output row
+    # (head, j, k) is stored row head * head_dim + 2 * k + j.
+    head_dim = rows // heads if heads > 0 else 0
+    if heads <= 0 or head_dim * heads != rows or head_dim % 2:
+        raise ExportMismatchError(
+            f"{key}: {rows} rows are not {heads} heads of an even head_dim, as {source} says; "
+            "pass base=... with the config of the model this run trained")
+    return tuple(h * head_dim + 2 * k + j for h in range(heads) for j in range(2)
+                 for k in range(head_dim // 2))
+
+
+def trainer_names(stored: Mapping[str, Shape], config: Mapping[str, Any],
+                  source: Any) -> TrainerNames | None:
+    """The hub names of a torchtune or torchtitan Llama checkpoint's keys, and the row order
+    of its q and k, as the trainer's own converter gives them.
+
+    Args:
+        stored: the checkpoint's names and shapes, as merge names them.
+        config: the base's ``config.json`` (its heads and head size).
+        source: where the config was read, for messages.
+
+    Returns:
+        The :class:`TrainerNames`; None when not every key is one trainer's names (a
+        Hugging Face checkpoint, or one this does not know).
+
+    Raises:
+        ExportMismatchError: q's or k's rows are not the config's heads times its head size.
+
+    Example:
+        >>> trainer_names({"tok_embeddings.weight": (50, 16), ...}, config, "config.json")
+    """
+    for trainer in _FAMILIES:
+        found = {key: _hub(trainer, key) for key in stored}
+        if not stored or any(v is None for v in found.values()):
+            continue
+        heads = int(config.get("num_attention_heads") or 0)
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = config.get("head_dim") or (
+            int(config.get("hidden_size") or 0) // heads if heads else 0)
+        hub: dict[str, str] = {}
+        rows: dict[str, tuple[int, ...]] = {}
+        for key, (name, template) in ((k, v) for k, v in found.items() if v is not None):
+            hub[key] = name
+            if template in (_Q, _K):
+                count = heads if template == _Q else kv_heads
+                if stored[key][0] != count * head_dim:
+                    raise ExportMismatchError(
+                        f"{key}: {stored[key][0]} rows, but {source} says {count} heads of "
+                        f"{head_dim}; pass base=... with the config of the model this run "
+                        "trained")
+                rows[name] = _heads_rows(count, stored[key][0], key, source)
+        return TrainerNames(trainer, hub, rows)
+    return None
+
+
+def looks_like(stored: Mapping[str, Shape] | set[str]) -> str | None:
+    """Which trainer's names most of ``stored`` are, when they are no family's whole set: the
+    phrase for a key check's message; None when they are nobody's.
+
+    Example:
+        >>> looks_like({"layers.0.attn.q_proj.weight", "layers.0.attn.lora_a.weight"})
+        "torchtune (Llama)'s names ..."
+    """
+    best = max(_FAMILIES, key=lambda t: sum(_hub(t, k) is not None for k in stored))
+    known = sum(_hub(best, k) is not None for k in stored)
+    if not stored or known * 2 < len(stored):
+        return None
+    odd = sorted(k for k in stored if _hub(best, k) is None)
+    return (f"these are {best}'s names, {len(odd)} of them not its Llama names "
+            f"({', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''}); export-hf converts "
+            f"{best}'s Llama checkpoints only: convert this one with {best}'s own converter, "
+            "or export its model without the keys it does not know (--exclude)")
+
+
+def _planned(job: MergeJob) -> dict[str, Shape]:
+    return {t.spec.name: tuple(t.spec.shape) for plan in job.plans for f in plan.files
+            for t in f.tensors}
+
+
+def trainer_job(job: MergeJob, config: Mapping[str, Any], source: Any,
+                names: TrainerNames | None = None) -> tuple[MergeJob, TrainerNames | None]:
+    """``job`` (the export's copying plan) with its tensors under the hub's names, when its
+    keys are a trainer's (:func:`trainer_names`, or ``names`` found before): still a copying
+    plan, renamed; the rows are reordered when written (:func:`reordered`).
+
+    Returns:
+        The job, renamed or as it was, and the names (None: not a trainer's).
+    """
+    stored = _planned(job)
+    names = names or trainer_names(stored, config, source)
+    if names is None:
+        return job, None
+    pieces = [Piece(names.hub.get(k, k), k, (0,) * len(v), v, v, True)
+              for k, v in stored.items()]
+    return hub_plan(job, pieces, overwrite=True), names
+
+
+def reordered(job: MergeJob, pieces: tuple[Piece, ...] | None,
+              names: TrainerNames | None) -> tuple[Piece, ...] | None:
+    """The pieces to write (``pieces``, or every tensor of ``job`` whole when None), q's and
+    k's rows in the hub's order; ``pieces`` as they are without a trainer's names."""
+    if names is None or not names.rows:
+        return pieces
+    if pieces is None:
+        pieces = tuple(Piece(k, k, (0,) * len(v), v, v, True) for k, v in _planned(job).items())
+    return tuple(Piece(p.name, p.source, p.offsets, p.sizes, p.shape, False,
+                       names.rows[p.source]) if p.whole and p.source in names.rows else p
+                 for p in pieces)

@@ -1,0 +1,106 @@
+"""export-hf of a trainer's checkpoint: its names to Hugging Face's, q/k rows reordered.
+
+The fixture is a real 2-rank torchtune 0.6.1 checkpoint of a tiny Llama 3
+(fixtures/torchtune/dist_epoch_0) and its Hugging Face side (fixtures/torchtune_hf: the
+base config and tokenizer, torchtune's own ``tune_to_hf`` of the model as torchtune loads it,
+and the logits torchtune's own model computes), made by fixtures/generate_torchtune_hf.py.
+Neither torchtune nor torchtitan is needed here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fsdpckpt import ExportMismatchError, export_hf
+from fsdpckpt.export._trainer_names import looks_like, trainer_names
+
+from conftest import FIXTURES
+
+TUNE = FIXTURES / "torchtune" / "dist_epoch_0"
+TUNE_HF = FIXTURES / "torchtune_hf"
+
+
+def _weights(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.fixture(scope="module")
+def tune_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tune") / "hf"
+    export_hf(TUNE, out, base=TUNE_HF)
+    return out
+
+
+def test_torchtune_llama_exports_as_tune_to_hf_bit_exact(tune_export: Path) -> None:
+    torch = pytest.importorskip("torch")
+    got = _weights(tune_export)
+    want = _weights(TUNE_HF)  # reference.safetensors only: logits.safetensors has other keys
+    want = {k: v for k, v in want.items() if k not in ("tokens", "logits")}
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def test_torchtune_export_loads_clean_with_torchtunes_logits(
+        tune_export: Path, caplog: pytest.LogCaptureFixture) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            tune_export, output_loading_info=True, trust_remote_code=False)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    ref = load_file(TUNE_HF / "logits.safetensors")
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits.float()
+    # Two implementations of the same model: equal up to float32 rounding; a plain rename
+    # of q/k (rotary pairs mixed up) is off by far more.
+    torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_rows_are_the_converters_head_reorder() -> None:
+    torch = pytest.importorskip("torch")
+    heads, head_dim, dim = 3, 6, 4
+    stored = {"layers.0.attention.wq.weight": (heads * head_dim, dim),
+              "layers.0.attention.wk.weight": (head_dim, dim), "norm.weight": (dim,)}
+    config = {"num_attention_heads": heads, "num_key_value_heads": 1, "hidden_size": 12,
+              "head_dim": head_dim}
+    names = trainer_names(stored, config, "config.json")
+    assert names is not None and names.trainer == "torchtitan (Llama 3)"
+    assert names.hub["norm.weight"] == "model.norm.weight"
+    q = torch.arange(heads * head_dim * dim).view(heads * head_dim, dim)
+    # torchtune's tune_to_hf and torchtitan's to_hf: view(n, hd // 2, 2, dim).transpose(1, 2)
+    want = q.view(heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(-1, dim)
+    rows = names.rows["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(q[list(rows)], want)
+    assert names.rows["model.layers.0.self_attn.k_proj.weight"] == (0, 2, 4, 1, 3, 5)
+
+
+def test_heads_the_config_does_not_match_are_refused(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(TUNE_HF, base)
+    config = json.loads((base / "config.json").read_text())
+    config["num_attention_heads"] = 4  # 16 q rows are 2 heads of 8, not 4 of 4
+    config["head_dim"] = 8
+    (base / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportMismatchError, match=r"layers\.0\.attn\.q_proj\.weight.*4 heads"):
+        export_hf(TUNE, tmp_path / "out", base=base)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_unknown_keys_among_a_trainers_names_say_whose_names() -> None:
+    stored = {"tok_embeddings.weight": (5, 4), "layers.0.attn.q_proj.weight": (4, 4),
+              "layers.0.attn.q_proj.lora_a.weight": (2, 4), "norm.scale": (4,)}
+    assert trainer_names(stored, {}, "config.json") is None
+    said = looks_like(stored)
+    assert said is not None and "torchtune (Llama)" in said
+    assert "layers.0.attn.q_proj.lora_a.weight" in said and "--base" not in said
+    assert looks_like({"model.embed_tokens.weight": (5, 4)}) is None

@@ -1,10 +1,12 @@
 """export-hf of a trainer's checkpoint: its names to Hugging Face's, q/k rows reordered.
 
-The fixture is a real 2-rank torchtune 0.6.1 checkpoint of a tiny Llama 3
-(fixtures/torchtune/dist_epoch_0) and its Hugging Face side (fixtures/torchtune_hf: the
-base config and tokenizer, torchtune's own ``tune_to_hf`` of the model as torchtune loads it,
-and the logits torchtune's own model computes), made by fixtures/generate_torchtune_hf.py.
-Neither torchtune nor torchtitan is needed here.
+The fixtures are real 2-rank checkpoints of tiny Llama 3 models and their Hugging Face side
+(the base config and tokenizer, the trainer's own conversion of the model as the trainer
+loads it as ``reference.safetensors``, and the logits the trainer's own model computes):
+torchtune 0.6.1's (fixtures/torchtune/dist_epoch_0 and fixtures/torchtune_hf, by
+fixtures/generate_torchtune_hf.py: ``tune_to_hf``) and torchtitan 0.3.0's
+(fixtures/torchtitan_llama, by fixtures/generate_torchtitan_llama.py: ``to_hf``). Neither
+torchtune nor torchtitan is needed here.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from conftest import FIXTURES
 
 TUNE = FIXTURES / "torchtune" / "dist_epoch_0"
 TUNE_HF = FIXTURES / "torchtune_hf"
+TITAN = FIXTURES / "torchtitan_llama"
+RUNS = {"torchtune": (TUNE, TUNE_HF), "torchtitan": (TITAN / "checkpoint" / "step-2", TITAN / "hf")}
 
 
 def _weights(path: Path) -> dict:
@@ -31,34 +35,39 @@ def _weights(path: Path) -> dict:
     return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-@pytest.fixture(scope="module")
-def tune_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tune") / "hf"
-    export_hf(TUNE, out, base=TUNE_HF)
-    return out
+@pytest.fixture(scope="module", params=sorted(RUNS))
+def run_export(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    checkpoint, base = RUNS[request.param]
+    out = tmp_path_factory.mktemp(request.param) / "hf"
+    export_hf(checkpoint, out, base=base)
+    return out, base
 
 
-def test_torchtune_llama_exports_as_tune_to_hf_bit_exact(tune_export: Path) -> None:
+def test_a_trainers_llama_exports_as_its_own_converter_bit_exact(
+        run_export: tuple[Path, Path]) -> None:
     torch = pytest.importorskip("torch")
-    got = _weights(tune_export)
-    want = _weights(TUNE_HF)  # reference.safetensors only: logits.safetensors has other keys
-    want = {k: v for k, v in want.items() if k not in ("tokens", "logits")}
+    from safetensors.torch import load_file
+
+    out, base = run_export
+    got = _weights(out)
+    want = load_file(base / "reference.safetensors")
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
 
 
-def test_torchtune_export_loads_clean_with_torchtunes_logits(
-        tune_export: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_export_loads_clean_with_the_trainers_logits(
+        run_export: tuple[Path, Path], caplog: pytest.LogCaptureFixture) -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
     with caplog.at_level(logging.WARNING, logger="transformers"):
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            tune_export, output_loading_info=True, trust_remote_code=False)
+            run_export[0], output_loading_info=True, trust_remote_code=False)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
-    ref = load_file(TUNE_HF / "logits.safetensors")
+    ref = load_file(run_export[1] / "logits.safetensors")
     with torch.no_grad():
         logits = model(ref["tokens"]).logits.float()
     # Two implementations of the same model: equal up to float32 rounding; a plain rename

@@ -83,7 +83,7 @@ def test_rows_are_the_converters_head_reorder() -> None:
     config = {"num_attention_heads": heads, "num_key_value_heads": 1, "hidden_size": 12,
               "head_dim": head_dim}
     names = trainer_names(stored, config, "config.json")
-    assert names is not None and names.trainer == "torchtitan (Llama 3)"
+    assert names is not None and names.trainer == "torchtitan"
     assert names.hub["norm.weight"] == "model.norm.weight"
     q = torch.arange(heads * head_dim * dim).view(heads * head_dim, dim)
     # torchtune's tune_to_hf and torchtitan's to_hf: view(n, hd // 2, 2, dim).transpose(1, 2)
@@ -110,6 +110,22 @@ def test_unknown_keys_among_a_trainers_names_say_whose_names() -> None:
               "layers.0.attn.q_proj.lora_a.weight": (2, 4), "norm.scale": (4,)}
     assert trainer_names(stored, {}, "config.json") is None
     said = looks_like(stored)
-    assert said is not None and "torchtune (Llama)" in said
+    assert said is not None and "torchtune's names" in said
     assert "layers.0.attn.q_proj.lora_a.weight" in said and "--base" not in said
     assert looks_like({"model.embed_tokens.weight": (5, 4)}) is None
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_key_check_says_whose_names_a_checkpoint_has(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    state = load_file(FIXTURES / "torchtune" / "reference_model.safetensors")
+    state["layers.0.attn.q_norm.scale"] = torch.ones(8)  # no torchtune Llama has it
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    with pytest.raises(ExportMismatchError) as caught:
+        export_hf(tmp_path / "ckpt", tmp_path / "out", base=TUNE_HF)
+    said = str(caught.value)
+    assert "look like torchtune's names" in said and "layers.0.attn.q_norm.scale" in said
+    assert "pass base" not in said

@@ -39,7 +39,7 @@ _LAYER = "model.layers.{}."
 # Each family: the trainer's name -> the hub's ("{}" a layer number), and which of its names
 # are q and k (their rows reordered by the query or the key/value heads).
 _FAMILIES: dict[str, dict[str, str]] = {
-    "torchtune (Llama)": {
+    "torchtune": {
         "tok_embeddings.weight": "model.embed_tokens.weight",
         "norm.scale": "model.norm.weight",
         "output.weight": "lm_head.weight",
@@ -55,7 +55,7 @@ _FAMILIES: dict[str, dict[str, str]] = {
     },
     # Both of torchtitan's namings: attention.wq (before qkv_linear) and output (before
     # lm_head) are the older ones.
-    "torchtitan (Llama 3)": {
+    "torchtitan": {
         "tok_embeddings.weight": "model.embed_tokens.weight",
         "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight",
@@ -74,6 +74,9 @@ _FAMILIES: dict[str, dict[str, str]] = {
         "layers.{}.ffn_norm.weight": _LAYER + "post_attention_layernorm.weight",
     },
 }
+# Each trainer's own converter of the family, for messages.
+_CONVERTER = {"torchtune": "convert_weights.tune_to_hf",
+              "torchtitan": "Llama3StateDictAdapter.to_hf"}
 _Q = _LAYER + "self_attn.q_proj.weight"
 _K = _LAYER + "self_attn.k_proj.weight"
 
@@ -100,7 +103,7 @@ class TrainerNames:
     """How a trainer's checkpoint is written under the hub's names.
 
     Attributes:
-        trainer: whose names they are (``"torchtune (Llama)"``).
+        trainer: whose Llama names they are (``"torchtune"``, ``"torchtitan"``).
         hub: each stored name -> its hub name.
         rows: hub name -> the stored rows, in the order the hub's rows are (q and k only).
     """
@@ -176,17 +179,18 @@ def looks_like(stored: Mapping[str, Shape] | set[str]) -> str | None:
 
     Example:
         >>> looks_like({"layers.0.attn.q_proj.weight", "layers.0.attn.lora_a.weight"})
-        "torchtune (Llama)'s names ..."
+        "these look like torchtune's names, but 1 of them ..."
     """
     best = max(_FAMILIES, key=lambda t: sum(_hub(t, k) is not None for k in stored))
     known = sum(_hub(best, k) is not None for k in stored)
     if not stored or known * 2 < len(stored):
         return None
     odd = sorted(k for k in stored if _hub(best, k) is None)
-    return (f"these are {best}'s names, {len(odd)} of them not its Llama names "
-            f"({', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''}); export-hf converts "
-            f"{best}'s Llama checkpoints only: convert this one with {best}'s own converter, "
-            "or export its model without the keys it does not know (--exclude)")
+    return (f"these look like {best}'s names, but {len(odd)} of them are none of its Llama "
+            f"names ({', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''}); export-hf "
+            f"converts {best}'s Llama checkpoints only: convert this one with {best}'s own "
+            f"converter for its model (as {_CONVERTER[best]} is for Llama) and save the "
+            "result with save_pretrained")
 
 
 def _planned(job: MergeJob) -> dict[str, Shape]:

@@ -113,6 +113,8 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
                    "so): not written")
     click.echo(f"  config from {printable(result.config_from)}; also wrote "
                + ", ".join(printable(p.name) for p in result.files))
+    if result.converted:
+        click.echo(f"  converted {result.converted}")
     if result.model_class:
         click.echo(f"  keys and shapes match {result.model_class}")
     if result.not_checked:

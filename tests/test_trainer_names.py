@@ -40,7 +40,8 @@ def run_export(request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     checkpoint, base = RUNS[request.param]
     out = tmp_path_factory.mktemp(request.param) / "hf"
-    export_hf(checkpoint, out, base=base)
+    result = export_hf(checkpoint, out, base=base)
+    assert result.converted is not None and result.converted.startswith(request.param)
     return out, base
 
 

@@ -112,6 +112,11 @@ class TrainerNames:
     hub: dict[str, str]
     rows: dict[str, tuple[int, ...]]
 
+    def said(self) -> str:
+        """What was converted, as one phrase for the user (``ExportResult.converted``)."""
+        return (f"{self.trainer}'s Llama names, q/k rows reordered by heads as "
+                f"{_CONVERTER[self.trainer]} does")
+
     def stored(self, hub_name: str) -> str:
         """The stored name of ``hub_name`` (itself when it is no renamed key)."""
         return next((k for k, v in self.hub.items() if v == hub_name), hub_name)

@@ -95,6 +95,9 @@ class ExportResult:
             tensors, LLaVA's ``language_model.model.*``), which come from transformers'
             conversion mapping; None when they were written as ``save_pretrained`` writes
             them.
+        converted: the trainer's names converted to the hub's (a torchtune or torchtitan
+            Llama run, :mod:`fsdpckpt.export._trainer_names`), as one phrase; None when the
+            checkpoint held Hugging Face's names.
     """
 
     source: Path | RemotePath
@@ -110,6 +113,7 @@ class ExportResult:
     seconds: float
     not_checked: str | None = None
     names_as_stored: str | None = None
+    converted: str | None = None
 
     def to_json(self) -> dict:
         """What ``fsdpckpt export-hf --json`` prints."""
@@ -119,6 +123,7 @@ class ExportResult:
                 "tied": {target: source for target, source in self.tied},
                 "config_from": str(self.config_from), "checked_against": self.model_class,
                 "not_checked": self.not_checked, "names_as_stored": self.names_as_stored,
+                "converted": self.converted,
                 "seconds": round(self.seconds, 3)}
 
 
@@ -358,7 +363,8 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
     return ExportResult(result.source, request.output_dir, result.files, tuple(files),
                         result.tensors, result.bytes, export_dtype, tuple(sorted(tied.items())),
                         side.config, expect.model_class if isinstance(expect, ModelExpectation)
-                        else None, time.perf_counter() - start, not_checked, as_stored)
+                        else None, time.perf_counter() - start, not_checked, as_stored,
+                        trainer.said() if trainer else None)
 
 
 

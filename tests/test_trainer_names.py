@@ -130,3 +130,30 @@ def test_the_key_check_says_whose_names_a_checkpoint_has(tmp_path: Path) -> None
     said = str(caught.value)
     assert "look like torchtune's names" in said and "layers.0.attn.q_norm.scale" in said
     assert "pass base" not in said
+
+
+def test_the_reorder_streams_as_a_copy_and_casts_as_merge_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    from fsdpckpt.export import _moe
+
+    def no_cut(*args, **kwargs):  # the computed path: one whole tensor in memory
+        raise AssertionError("the trainer's names took the computed path")
+
+    monkeypatch.setattr(_moe, "_cut", no_cut)
+    export_hf(TUNE, tmp_path / "out", base=TUNE_HF, dtype="bf16")
+    got = _weights(tmp_path / "out")
+    for key, value in load_file(TUNE_HF / "reference.safetensors").items():
+        assert torch.equal(got[key], value.to(torch.bfloat16)), key
+
+
+def test_a_chunk_split_by_columns_moves_each_row_part_with_its_row() -> None:
+    from fsdpckpt.export._trainer_names import _to_rows
+
+    # 4 rows of 6; a chunk of columns 3..5 of rows 2..3: runs of 3 at elements 15 and 21.
+    dest = [0, 2, 1, 3]  # stored row r is output row dest[r]
+    assert _to_rows((3, [15, 21]), 6, dest) == (3, [9, 21])
+    # Rows 0..1 whole: one run of 12, one run per row after.
+    assert _to_rows((12, [0]), 6, dest) == (6, [0, 12])

@@ -54,8 +54,6 @@ class Piece:
         offsets, sizes: the box of ``source`` (row-major, as ``source``'s dims).
         shape: its shape as written (the box without the dims a split drops).
         whole: the box is all of ``source``: a rename at most.
-        rows: the box's rows in the order written (a trainer's q/k reordered by heads,
-            :mod:`fsdpckpt.export._trainer_names`); None: as stored. Not ``whole`` then.
     """
 
     name: str
@@ -64,7 +62,6 @@ class Piece:
     sizes: Shape
     shape: Shape
     whole: bool
-    rows: tuple[int, ...] | None = None
 
 
 def _whole(name: str, source: str, shape: Shape) -> Piece:
@@ -264,8 +261,7 @@ def _cut(plan: MergePlan, planned: Mapping[str, PlannedTensor],
             stored = getattr(torch, entry.dtype.name)
             value = torch.frombuffer(memory, dtype=stored) if memory else \
                 torch.empty(0, dtype=stored)
-            yield piece.name, _reordered(torch, value.view(piece.shape), piece).to(
-                getattr(torch, out.name))
+            yield piece.name, value.view(piece.shape).to(getattr(torch, out.name))
     finally:
         files.close()
 
@@ -274,19 +270,10 @@ def _cut_computed(tensors: Iterable[tuple[str, Any]],
                   pieces: list[Piece]) -> Iterator[tuple[str, Any]]:
     # Each computed tensor (whole, by in-memory name) cut into its pieces as views: the
     # tensor is held once, while its pieces are written.
-    import torch
-
     by_source: dict[str, list[Piece]] = {}
     for piece in pieces:
         by_source.setdefault(piece.source, []).append(piece)
     for name, tensor in tensors:
         for piece in by_source.get(name, ()):
             box = tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.sizes))
-            yield piece.name, _reordered(torch, tensor[box].reshape(piece.shape), piece)
-
-
-def _reordered(torch: Any, value: Any, piece: Piece) -> Any:
-    # A piece's rows in its written order (a copy of the one tensor being written).
-    if piece.rows is None:
-        return value
-    return value.index_select(0, torch.tensor(piece.rows, dtype=torch.long))
+            yield piece.name, tensor[box].reshape(piece.shape)

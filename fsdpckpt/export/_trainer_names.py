@@ -12,25 +12,29 @@ would give a model that loads clean and computes something else.
 family's names) and gives the hub name of each key and, for q and k, the order of the stored
 rows the hub's rows are: output row ``h * head_dim + j * head_dim / 2 + k`` is stored row
 ``h * head_dim + 2 * k + j``. No two neighbouring output rows are neighbouring stored rows, so
-the reorder is no set of row blocks; it is done on the one tensor being written
-(:func:`~fsdpckpt.export._moe.hub_plan` reads its box, then takes the rows in this order), so
-memory holds one output tensor, as for any other cut. The heads come from the config
+the reorder is no set of row blocks of more than one row: :func:`trainer_job` keeps the
+merge's copying plan and gives each stored row of q and k its own run, written at its output
+row, so the weights stream as any merge's do. The heads come from the config
 (``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` or ``hidden_size / heads``),
 checked against the stored shapes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fsdpckpt.errors import ExportMismatchError
 from fsdpckpt.export._moe import Piece, hub_plan
 from fsdpckpt.merging._jobs import MergeJob
+from fsdpckpt.merging._runs import Runs
+from fsdpckpt.merging.plan import PlannedTensor
 
-__all__ = ["TrainerNames", "trainer_names", "looks_like", "trainer_job", "reordered"]
+__all__ = ["TrainerNames", "trainer_names", "looks_like", "trainer_job"]
 
 Shape = tuple[int, ...]
 
@@ -203,11 +207,34 @@ def _planned(job: MergeJob) -> dict[str, Shape]:
             for t in f.tensors}
 
 
+def _to_rows(runs: Runs, width: int, dest: Sequence[int]) -> Runs:
+    # A chunk's runs in a 2-D tensor of rows of ``width`` elements, with stored row r written
+    # as output row dest[r]: runs of at most one row each, each moved with its row.
+    run, starts = runs
+    if run > width:  # whole rows: one run per row (run is a multiple of width then)
+        starts = [s + k for s in starts for k in range(0, run, width)]
+        run = width
+    return run, [dest[s // width] * width + s % width for s in starts]
+
+
+def _reorder(tensor: PlannedTensor, rows: tuple[int, ...]) -> PlannedTensor:
+    dest = [0] * len(rows)
+    for out, stored in enumerate(rows):
+        dest[stored] = out
+    width = math.prod(tensor.spec.shape[1:])
+    return dataclasses.replace(tensor, runs=tuple(_to_rows(r, width, dest)
+                                                  for r in tensor.runs))
+
+
 def trainer_job(job: MergeJob, config: Mapping[str, Any], source: Any,
                 names: TrainerNames | None = None) -> tuple[MergeJob, TrainerNames | None]:
     """``job`` (the export's copying plan) with its tensors under the hub's names, when its
-    keys are a trainer's (:func:`trainer_names`, or ``names`` found before): still a copying
-    plan, renamed; the rows are reordered when written (:func:`reordered`).
+    keys are a trainer's (:func:`trainer_names`, or ``names`` found before), and q's and k's
+    rows in the hub's order.
+
+    Still a copying plan: each stored chunk is read once, in order, as for any merge, and
+    each of its rows written where the hub's order puts it (a row is one run of the copy,
+    :mod:`fsdpckpt.merging._runs`), so memory holds the copy's blocks, never a tensor.
 
     Returns:
         The job, renamed or as it was, and the names (None: not a trainer's).
@@ -218,17 +245,9 @@ def trainer_job(job: MergeJob, config: Mapping[str, Any], source: Any,
         return job, None
     pieces = [Piece(names.hub.get(k, k), k, (0,) * len(v), v, v, True)
               for k, v in stored.items()]
-    return hub_plan(job, pieces, overwrite=True), names
-
-
-def reordered(job: MergeJob, pieces: tuple[Piece, ...] | None,
-              names: TrainerNames | None) -> tuple[Piece, ...] | None:
-    """The pieces to write (``pieces``, or every tensor of ``job`` whole when None), q's and
-    k's rows in the hub's order; ``pieces`` as they are without a trainer's names."""
-    if names is None or not names.rows:
-        return pieces
-    if pieces is None:
-        pieces = tuple(Piece(k, k, (0,) * len(v), v, v, True) for k, v in _planned(job).items())
-    return tuple(Piece(p.name, p.source, p.offsets, p.sizes, p.shape, False,
-                       names.rows[p.source]) if p.whole and p.source in names.rows else p
-                 for p in pieces)
+    renamed = hub_plan(job, pieces, overwrite=True)  # whole pieces: renamed, still copying
+    plans = tuple(dataclasses.replace(plan, files=tuple(
+        dataclasses.replace(f, tensors=tuple(
+            _reorder(t, names.rows[t.spec.name]) if t.spec.name in names.rows else t
+            for t in f.tensors)) for f in plan.files)) for plan in renamed.plans)
+    return dataclasses.replace(renamed, plans=plans), names

@@ -14,7 +14,9 @@ Names are what transformers' ``save_pretrained`` writes (the hub's): its own con
 mapping, run on the model class on the meta device, cuts fused MoE experts per expert and
 renames LLaVA's modules, each written tensor read as a box of a stored one; a checkpoint
 already under those names (a transformers 4 run) is written as it is
-(:mod:`fsdpckpt.export._moe`).
+(:mod:`fsdpckpt.export._moe`). A torchtune or torchtitan Llama run's own names are renamed to
+the hub's and q's and k's rows reordered as the trainer's converter does, still as a copy
+(:mod:`fsdpckpt.export._trainer_names`).
 Before a byte is written, the exported keys and shapes are checked against the config's
 model class (built on the meta device when transformers is installed, after its declared
 layer and expert counts are bounded by the checkpoint's keys); a model whose class needs
@@ -62,7 +64,7 @@ from fsdpckpt.export._model import (
 )
 from fsdpckpt.export._moe import hub_names, hub_plan
 from fsdpckpt.export._tied import same_bytes
-from fsdpckpt.export._trainer_names import looks_like, reordered, trainer_job
+from fsdpckpt.export._trainer_names import looks_like, trainer_job
 from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
 from fsdpckpt.merging.merger import MergeJob, commit_job, plan_job, write_job
@@ -350,9 +352,8 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
         if fused is not None:  # the plan whose tensors the fuser computes, tied targets out
             job = fused.job(request.output_dir, exclude=tied, overwrite=overwrite,
                             max_shard_size=request.options.max_shard_size)
-        pieces = reordered(job, names.pieces if names is not None else None, trainer)
-        if pieces is not None and any(not p.whole or p.name != p.source for p in pieces):
-            job = hub_plan(job, pieces, overwrite=overwrite,
+        if names is not None and any(not p.whole or p.name != p.source for p in names.pieces):
+            job = hub_plan(job, names.pieces, overwrite=overwrite,
                            max_shard_size=request.options.max_shard_size)
         (result,) = commit_job(job, write_job(job, stage, progress))
         for target in nested:

@@ -157,3 +157,46 @@ def test_a_chunk_split_by_columns_moves_each_row_part_with_its_row() -> None:
     assert _to_rows((3, [15, 21]), 6, dest) == (3, [9, 21])
     # Rows 0..1 whole: one run of 12, one run per row after.
     assert _to_rows((12, [0]), 6, dest) == (6, [0, 12])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_tied_llama_without_an_output_weight_exports(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    # torchtune's Llama 3.2 ties the output to the embeddings: no output.weight is saved.
+    state = load_file(FIXTURES / "torchtune" / "reference_model.safetensors")
+    del state["output.weight"]
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    base = tmp_path / "base"
+    shutil.copytree(TUNE_HF, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    export_hf(tmp_path / "ckpt", tmp_path / "out", base=base)
+    got = _weights(tmp_path / "out")
+    want = load_file(TUNE_HF / "reference.safetensors")
+    assert sorted(got) == sorted(k for k in want if k != "lm_head.weight")
+    assert all(torch.equal(got[k], want[k]) for k in got)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_tied_output_weight_under_the_trainers_name_is_left_out(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    state = load_file(FIXTURES / "torchtune" / "reference_model.safetensors")
+    state["output.weight"] = state["tok_embeddings.weight"].clone()
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    base = tmp_path / "base"
+    shutil.copytree(TUNE_HF, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    result = export_hf(tmp_path / "ckpt", tmp_path / "out", base=base)
+    assert result.tied == (("lm_head.weight", "model.embed_tokens.weight"),)
+    got = _weights(tmp_path / "out")
+    assert "lm_head.weight" not in got
+    assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"],
+                       load_file(TUNE_HF / "reference.safetensors")[
+                           "model.layers.0.self_attn.q_proj.weight"])

@@ -81,8 +81,8 @@ def test_rows_are_the_converters_head_reorder() -> None:
     heads, head_dim, dim = 3, 6, 4
     stored = {"layers.0.attention.wq.weight": (heads * head_dim, dim),
               "layers.0.attention.wk.weight": (head_dim, dim), "norm.weight": (dim,)}
-    config = {"num_attention_heads": heads, "num_key_value_heads": 1, "hidden_size": 12,
-              "head_dim": head_dim}
+    config = {"model_type": "llama", "num_attention_heads": heads, "num_key_value_heads": 1,
+              "hidden_size": 12, "head_dim": head_dim}
     names = trainer_names(stored, config, "config.json")
     assert names is not None and names.trainer == "torchtitan"
     assert names.hub["norm.weight"] == "model.norm.weight"
@@ -200,3 +200,14 @@ def test_a_tied_output_weight_under_the_trainers_name_is_left_out(tmp_path: Path
     assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"],
                        load_file(TUNE_HF / "reference.safetensors")[
                            "model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_a_trainers_llama_names_with_another_models_config_say_so(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(TUNE_HF, base)
+    config = json.loads((base / "config.json").read_text())
+    config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+    (base / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportMismatchError, match=r"torchtune's Llama names, but .* 'qwen2' "
+                                                  r"model.*pass base=\.\.\. with the Llama"):
+        export_hf(TUNE, tmp_path / "out", base=base)

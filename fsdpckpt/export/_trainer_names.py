@@ -78,6 +78,10 @@ _FAMILIES: dict[str, dict[str, str]] = {
         "layers.{}.ffn_norm.weight": _LAYER + "post_attention_layernorm.weight",
     },
 }
+# The configs these names are converted for: the converters' reorder is for Hugging Face's
+# Llama rotary layout; another model under the same names (torchtune's Qwen2 has no reorder)
+# is not converted as a Llama.
+_MODEL_TYPES = ("llama",)
 # Each trainer's own converter of the family, for messages.
 _CONVERTER = {"torchtune": "convert_weights.tune_to_hf",
               "torchtitan": "Llama3StateDictAdapter.to_hf"}
@@ -150,7 +154,7 @@ def trainer_names(stored: Mapping[str, Shape], config: Mapping[str, Any],
 
     Returns:
         The :class:`TrainerNames`; None when not every key is one trainer's names (a
-        Hugging Face checkpoint, or one this does not know).
+        Hugging Face checkpoint, or one this does not know), or the config is no Llama's.
 
     Raises:
         ExportMismatchError: q's or k's rows are not the config's heads times its head size.
@@ -158,6 +162,8 @@ def trainer_names(stored: Mapping[str, Shape], config: Mapping[str, Any],
     Example:
         >>> trainer_names({"tok_embeddings.weight": (50, 16), ...}, config, "config.json")
     """
+    if config.get("model_type") not in _MODEL_TYPES:
+        return None
     for trainer in _FAMILIES:
         found = {key: _hub(trainer, key) for key in stored}
         if not stored or any(v is None for v in found.values()):
@@ -182,9 +188,11 @@ def trainer_names(stored: Mapping[str, Shape], config: Mapping[str, Any],
     return None
 
 
-def looks_like(stored: Mapping[str, Shape] | set[str]) -> str | None:
+def looks_like(stored: Mapping[str, Shape] | set[str],
+               config: Mapping[str, Any] | None = None, source: Any = None) -> str | None:
     """Which trainer's names most of ``stored`` are, when they are no family's whole set: the
-    phrase for a key check's message; None when they are nobody's.
+    phrase for a key check's message; None when they are nobody's. When they are all a
+    trainer's Llama names but ``config`` (read from ``source``) is no Llama's, says that.
 
     Example:
         >>> looks_like({"layers.0.attn.q_proj.weight", "layers.0.attn.lora_a.weight"})
@@ -195,6 +203,11 @@ def looks_like(stored: Mapping[str, Shape] | set[str]) -> str | None:
     if not stored or known * 2 < len(stored):
         return None
     odd = sorted(k for k in stored if _hub(best, k) is None)
+    if not odd:
+        kind = (config or {}).get("model_type")
+        return (f"these are {best}'s Llama names, but {source} describes a {kind!r} model; "
+                "export-hf converts them for a Llama config only: pass base=... with the "
+                "Llama config this run trained")
     return (f"these look like {best}'s names, but {len(odd)} of them are none of its Llama "
             f"names ({', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''}); export-hf "
             f"converts {best}'s Llama checkpoints only: convert this one with {best}'s own "

@@ -332,8 +332,8 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
                 raise ExportMismatchError(
                     f"{request.sources[0].folder.path}: does not match {expect.model_class} "
                     f"as {side.config} describes it: " + "; ".join(names.problems) + "; "
-                    + (looks_like(shapes) or "pass base=... with the config of the model "
-                       "this run trained"))
+                    + (looks_like(shapes, fixed, side.config)
+                       or "pass base=... with the config of the model this run trained"))
             # None: transformers' conversion is no cut (why, where it says).
             as_stored = str(expect.saved) or None if saved is None else None
         else:  # not built: the reason says why; the base's own weight names, if any

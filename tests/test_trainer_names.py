@@ -5,7 +5,9 @@ The fixtures are real 2-rank checkpoints of tiny Llama 3 models and their Huggin
 loads it as ``reference.safetensors``, and the logits the trainer's own model computes):
 torchtune 0.6.1's (fixtures/torchtune/dist_epoch_0 and fixtures/torchtune_hf, by
 fixtures/generate_torchtune_hf.py: ``tune_to_hf``) and torchtitan 0.3.0's
-(fixtures/torchtitan_llama, by fixtures/generate_torchtitan_llama.py: ``to_hf``). Neither
+(fixtures/torchtitan_llama, by fixtures/generate_torchtitan_llama.py: ``to_hf``), and a
+torchtune Qwen2 (fixtures/torchtune_qwen2, by fixtures/generate_torchtune_qwen2.py: renamed
+by ``qwen2_tune_to_hf``, no reorder: its rotary layout is Hugging Face's). Neither
 torchtune nor torchtitan is needed here.
 """
 
@@ -26,7 +28,10 @@ from conftest import FIXTURES
 TUNE = FIXTURES / "torchtune" / "dist_epoch_0"
 TUNE_HF = FIXTURES / "torchtune_hf"
 TITAN = FIXTURES / "torchtitan_llama"
-RUNS = {"torchtune": (TUNE, TUNE_HF), "torchtitan": (TITAN / "checkpoint" / "step-2", TITAN / "hf")}
+QWEN2 = FIXTURES / "torchtune_qwen2"
+RUNS = {"torchtune Llama": (TUNE, TUNE_HF),
+        "torchtune Qwen2": (QWEN2 / "dist_epoch_0", QWEN2 / "hf"),
+        "torchtitan Llama 3": (TITAN / "checkpoint" / "step-2", TITAN / "hf")}
 
 
 def _weights(path: Path) -> dict:
@@ -39,7 +44,7 @@ def _weights(path: Path) -> dict:
 def run_export(request: pytest.FixtureRequest,
                tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     checkpoint, base = RUNS[request.param]
-    out = tmp_path_factory.mktemp(request.param) / "hf"
+    out = tmp_path_factory.mktemp(request.param.replace(" ", "_")) / "hf"
     result = export_hf(checkpoint, out, base=base)
     assert result.converted is not None and result.converted.startswith(request.param)
     return out, base
@@ -85,6 +90,7 @@ def test_rows_are_the_converters_head_reorder() -> None:
               "hidden_size": 12, "head_dim": head_dim}
     names = trainer_names(stored, config, "config.json")
     assert names is not None and names.trainer == "torchtitan"
+    assert names.family == "torchtitan Llama 3"
     assert names.hub["norm.weight"] == "model.norm.weight"
     q = torch.arange(heads * head_dim * dim).view(heads * head_dim, dim)
     # torchtune's tune_to_hf and torchtitan's to_hf: view(n, hd // 2, 2, dim).transpose(1, 2)
@@ -206,8 +212,8 @@ def test_a_trainers_llama_names_with_another_models_config_say_so(tmp_path: Path
     base = tmp_path / "base"
     shutil.copytree(TUNE_HF, base)
     config = json.loads((base / "config.json").read_text())
-    config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"])
     (base / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ExportMismatchError, match=r"torchtune's Llama names, but .* 'qwen2' "
-                                                  r"model.*pass base=\.\.\. with the Llama"):
+    with pytest.raises(ExportMismatchError, match=r"torchtune Llama names, but .* 'mistral' "
+                                                  r"model.*'llama' config only: pass base="):
         export_hf(TUNE, tmp_path / "out", base=base)

@@ -40,10 +40,8 @@ Shape = tuple[int, ...]
 
 _LAYER = "model.layers.{}."
 
-# Each family: the trainer's name -> the hub's ("{}" a layer number), and which of its names
-# are q and k (their rows reordered by the query or the key/value heads).
-_FAMILIES: dict[str, dict[str, str]] = {
-    "torchtune": {
+# Each family: the trainer's name -> the hub's ("{}" a layer number).
+_TUNE_LLAMA = {
         "tok_embeddings.weight": "model.embed_tokens.weight",
         "norm.scale": "model.norm.weight",
         "output.weight": "lm_head.weight",
@@ -56,10 +54,14 @@ _FAMILIES: dict[str, dict[str, str]] = {
         "layers.{}.mlp.w2.weight": _LAYER + "mlp.down_proj.weight",
         "layers.{}.sa_norm.scale": _LAYER + "input_layernorm.weight",
         "layers.{}.mlp_norm.scale": _LAYER + "post_attention_layernorm.weight",
-    },
+}
+_FAMILIES: dict[str, dict[str, str]] = {
+    "torchtune Llama": _TUNE_LLAMA,
+    "torchtune Qwen2": {**_TUNE_LLAMA, **{f"layers.{{}}.attn.{p}_proj.bias":
+                                          _LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"}},
     # Both of torchtitan's namings: attention.wq (before qkv_linear) and output (before
     # lm_head) are the older ones.
-    "torchtitan": {
+    "torchtitan Llama 3": {
         "tok_embeddings.weight": "model.embed_tokens.weight",
         "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight",
@@ -78,13 +80,15 @@ _FAMILIES: dict[str, dict[str, str]] = {
         "layers.{}.ffn_norm.weight": _LAYER + "post_attention_layernorm.weight",
     },
 }
-# The configs these names are converted for: the converters' reorder is for Hugging Face's
-# Llama rotary layout; another model under the same names (torchtune's Qwen2 has no reorder)
-# is not converted as a Llama.
-_MODEL_TYPES = ("llama",)
-# Each trainer's own converter of the family, for messages.
-_CONVERTER = {"torchtune": "convert_weights.tune_to_hf",
-              "torchtitan": "Llama3StateDictAdapter.to_hf"}
+# Each family: its trainer, the config model_type it is converted for (the same names under
+# another model_type are not converted as this family: torchtune's Qwen2 keeps its rows),
+# whether q's and k's rows are reordered (the Llama converters': their rotary layout is not
+# Hugging Face's) and the trainer's own converter, for messages.
+_FAMILY: dict[str, tuple[str, str, bool, str]] = {
+    "torchtune Llama": ("torchtune", "llama", True, "convert_weights.tune_to_hf"),
+    "torchtune Qwen2": ("torchtune", "qwen2", False, "qwen2_tune_to_hf"),
+    "torchtitan Llama 3": ("torchtitan", "llama", True, "Llama3StateDictAdapter.to_hf"),
+}
 _Q = _LAYER + "self_attn.q_proj.weight"
 _K = _LAYER + "self_attn.k_proj.weight"
 
@@ -94,12 +98,12 @@ def _patterns(family: Mapping[str, str]) -> list[tuple[re.Pattern[str], str]]:
             for name, hub in family.items()]
 
 
-_COMPILED = {trainer: _patterns(family) for trainer, family in _FAMILIES.items()}
+_COMPILED = {family: _patterns(names) for family, names in _FAMILIES.items()}
 
 
-def _hub(trainer: str, key: str) -> tuple[str, str] | None:
-    # The hub name of ``key`` in ``trainer``'s family, and its template; None when not one.
-    for pattern, hub in _COMPILED[trainer]:
+def _hub(family: str, key: str) -> tuple[str, str] | None:
+    # The hub name of ``key`` in ``family``, and its template; None when not one.
+    for pattern, hub in _COMPILED[family]:
         found = pattern.match(key)
         if found:
             return hub.format(*found.groups()), hub
@@ -111,19 +115,22 @@ class TrainerNames:
     """How a trainer's checkpoint is written under the hub's names.
 
     Attributes:
-        trainer: whose Llama names they are (``"torchtune"``, ``"torchtitan"``).
+        trainer: whose names they are (``"torchtune"``, ``"torchtitan"``).
+        family: which of its models' names (``"torchtune Llama"``...).
         hub: each stored name -> its hub name.
         rows: hub name -> the stored rows, in the order the hub's rows are (q and k only).
     """
 
     trainer: str
+    family: str
     hub: dict[str, str]
     rows: dict[str, tuple[int, ...]]
 
     def said(self) -> str:
         """What was converted, as one phrase for the user (``ExportResult.converted``)."""
-        return (f"{self.trainer}'s Llama names, q/k rows reordered by heads as "
-                f"{_CONVERTER[self.trainer]} does")
+        converter = _FAMILY[self.family][3]
+        return (f"{self.family} names, q/k rows reordered by heads as {converter} does"
+                if self.rows else f"{self.family} names, renamed as {converter} does")
 
     def stored(self, hub_name: str) -> str:
         """The stored name of ``hub_name`` (itself when it is no renamed key)."""
@@ -144,8 +151,8 @@ def _heads_rows(heads: int, rows: int, key: str, source: Any) -> tuple[int, ...]
 
 def trainer_names(stored: Mapping[str, Shape], config: Mapping[str, Any],
                   source: Any) -> TrainerNames | None:
-    """The hub names of a torchtune or torchtitan Llama checkpoint's keys, and the row order
-    of its q and k, as the trainer's own converter gives them.
+    """The hub names of a torchtune (Llama, Qwen2) or torchtitan (Llama 3) checkpoint's keys,
+    and the row order of its q and k (Llama), as the trainer's own converter gives them.
 
     Args:
         stored: the checkpoint's names and shapes, as merge names them.
@@ -154,7 +161,8 @@ def trainer_names(stored: Mapping[str, Shape], config: Mapping[str, Any],
 
     Returns:
         The :class:`TrainerNames`; None when not every key is one trainer's names (a
-        Hugging Face checkpoint, or one this does not know), or the config is no Llama's.
+        Hugging Face checkpoint, or one this does not know), or the config's model_type is
+        not the family's.
 
     Raises:
         ExportMismatchError: q's or k's rows are not the config's heads times its head size.
@@ -162,11 +170,10 @@ def trainer_names(stored: Mapping[str, Shape], config: Mapping[str, Any],
     Example:
         >>> trainer_names({"tok_embeddings.weight": (50, 16), ...}, config, "config.json")
     """
-    if config.get("model_type") not in _MODEL_TYPES:
-        return None
-    for trainer in _FAMILIES:
-        found = {key: _hub(trainer, key) for key in stored}
-        if not stored or any(v is None for v in found.values()):
+    for family, (trainer, model_type, reorder, _) in _FAMILY.items():
+        found = {key: _hub(family, key) for key in stored}
+        if config.get("model_type") != model_type or not stored or \
+                any(v is None for v in found.values()):
             continue
         heads = int(config.get("num_attention_heads") or 0)
         kv_heads = int(config.get("num_key_value_heads") or heads)
@@ -176,7 +183,7 @@ def trainer_names(stored: Mapping[str, Shape], config: Mapping[str, Any],
         rows: dict[str, tuple[int, ...]] = {}
         for key, (name, template) in ((k, v) for k, v in found.items() if v is not None):
             hub[key] = name
-            if template in (_Q, _K):
+            if reorder and template in (_Q, _K):
                 count = heads if template == _Q else kv_heads
                 if stored[key][0] != count * head_dim:
                     raise ExportMismatchError(
@@ -184,7 +191,7 @@ def trainer_names(stored: Mapping[str, Shape], config: Mapping[str, Any],
                         f"{head_dim}; pass base=... with the config of the model this run "
                         "trained")
                 rows[name] = _heads_rows(count, stored[key][0], key, source)
-        return TrainerNames(trainer, hub, rows)
+        return TrainerNames(trainer, family, hub, rows)
     return None
 
 
@@ -198,21 +205,23 @@ def looks_like(stored: Mapping[str, Shape] | set[str],
         >>> looks_like({"layers.0.attn.q_proj.weight", "layers.0.attn.lora_a.weight"})
         "these look like torchtune's names, but 1 of them ..."
     """
-    best = max(_FAMILIES, key=lambda t: sum(_hub(t, k) is not None for k in stored))
+    best = max(_FAMILIES, key=lambda f: sum(_hub(f, k) is not None for k in stored))
     known = sum(_hub(best, k) is not None for k in stored)
     if not stored or known * 2 < len(stored):
         return None
+    trainer, model_type, _, converter = _FAMILY[best]
     odd = sorted(k for k in stored if _hub(best, k) is None)
     if not odd:
         kind = (config or {}).get("model_type")
-        return (f"these are {best}'s Llama names, but {source} describes a {kind!r} model; "
-                "export-hf converts them for a Llama config only: pass base=... with the "
-                "Llama config this run trained")
-    return (f"these look like {best}'s names, but {len(odd)} of them are none of its Llama "
-            f"names ({', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''}); export-hf "
-            f"converts {best}'s Llama checkpoints only: convert this one with {best}'s own "
-            f"converter for its model (as {_CONVERTER[best]} is for Llama) and save the "
-            "result with save_pretrained")
+        return (f"these are {best} names, but {source} describes a {kind!r} model; export-hf "
+                f"converts them for a {model_type!r} config only: pass base=... with the "
+                "config this run trained")
+    known_families = ", ".join(_FAMILIES)
+    return (f"these look like {trainer}'s names, but {len(odd)} of them are none of "
+            f"{best}'s ({', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''}); export-hf "
+            f"converts {known_families} checkpoints only: convert this one with {trainer}'s own "
+            f"converter for its model (as {converter} is for {best}) and save the result "
+            "with save_pretrained")
 
 
 def _planned(job: MergeJob) -> dict[str, Shape]:

@@ -217,3 +217,15 @@ def test_a_trainers_llama_names_with_another_models_config_say_so(tmp_path: Path
     with pytest.raises(ExportMismatchError, match=r"torchtune Llama names, but .* 'mistral' "
                                                   r"model.*'llama' config only: pass base="):
         export_hf(TUNE, tmp_path / "out", base=base)
+
+
+def test_the_command_line_says_what_it_converted(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from fsdpckpt.cli import main
+
+    result = CliRunner().invoke(main, ["export-hf", str(TUNE), str(tmp_path / "out"),
+                                       "--base", str(TUNE_HF), "--json"])
+    assert result.exit_code == 0, result.output
+    said = json.loads(result.stdout)["converted"]
+    assert said.startswith("torchtune Llama names, q/k rows reordered") and "tune_to_hf" in said

@@ -379,6 +379,10 @@ def _accelerate_on_ranks(rank: int, world: int, ckpt: str) -> dict:
     iterator = iter(loader)
     _take(iterator, 2)
     accelerator.save_state(ckpt)
+    # Accelerate's save_state returns without a barrier after each rank writes its own
+    # random_states_{rank}.pkl (and every rank writes dl_state_dict.bin): without this wait,
+    # rank 0 may read the folder before rank 1 has finished writing into it.
+    accelerator.wait_for_everyone()
     rest = _take(iterator, 2)
     ours = accelerator.prepare(DataLoader(list(range(N)), batch_size=4))
     result = fsdpckpt.load_state(ckpt, model, dataloader=ours)

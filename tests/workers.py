@@ -168,6 +168,7 @@ def we_load_accelerates(rank: int, world: int, ckpt: str) -> dict:
     saved_params, saved_optim = full_state(model, optimizer)
     saved_sched = scheduler.state_dict()
     accelerator.save_state(ckpt)
+    accelerator.wait_for_everyone()  # save_state has no barrier after the per-rank files
     fresh = wrap(make_model(), "fsdp2")
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.05)
     fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=2, gamma=0.5)

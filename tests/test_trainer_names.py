@@ -31,7 +31,13 @@ TITAN = FIXTURES / "torchtitan_llama"
 QWEN2 = FIXTURES / "torchtune_qwen2"
 RUNS = {"torchtune Llama": (TUNE, TUNE_HF),
         "torchtune Qwen2": (QWEN2 / "dist_epoch_0", QWEN2 / "hf"),
-        "torchtitan Llama 3": (TITAN / "checkpoint" / "step-2", TITAN / "hf")}
+        "torchtitan Llama 3": (TITAN / "checkpoint" / "step-2", TITAN / "hf"),
+        **{f"torchtune {name}": (FIXTURES / f"torchtune_{folder}" / "dist_epoch_0",
+                                 FIXTURES / f"torchtune_{folder}" / "hf")
+           for name, folder in (("Gemma", "gemma"), ("Gemma 2", "gemma2"),
+                                ("Mistral", "mistral"))},
+        "torchtitan Qwen 3": (FIXTURES / "torchtitan_qwen3" / "checkpoint" / "step-2",
+                              FIXTURES / "torchtitan_qwen3" / "hf")}
 
 
 def _weights(path: Path) -> dict:
@@ -42,20 +48,20 @@ def _weights(path: Path) -> dict:
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
 def run_export(request: pytest.FixtureRequest,
-               tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+               tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
     checkpoint, base = RUNS[request.param]
     out = tmp_path_factory.mktemp(request.param.replace(" ", "_")) / "hf"
     result = export_hf(checkpoint, out, base=base)
-    assert result.converted is not None and result.converted.startswith(request.param)
-    return out, base
+    assert result.converted is not None and result.converted.startswith(request.param + " ")
+    return out, base, request.param
 
 
-def test_a_trainers_llama_exports_as_its_own_converter_bit_exact(
-        run_export: tuple[Path, Path]) -> None:
+def test_a_trainers_model_exports_as_its_own_converter_bit_exact(
+        run_export: tuple[Path, Path, str]) -> None:
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
 
-    out, base = run_export
+    out, base, _ = run_export
     got = _weights(out)
     want = load_file(base / "reference.safetensors")
     assert sorted(got) == sorted(want)
@@ -64,16 +70,27 @@ def test_a_trainers_llama_exports_as_its_own_converter_bit_exact(
 
 
 def test_the_export_loads_clean_with_the_trainers_logits(
-        run_export: tuple[Path, Path], caplog: pytest.LogCaptureFixture) -> None:
+        run_export: tuple[Path, Path, str], caplog: pytest.LogCaptureFixture) -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
+    out, base, family = run_export
     with caplog.at_level(logging.WARNING, logger="transformers"):
+        # eager: transformers runs Gemma 2 with no other attention
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            run_export[0], output_loading_info=True, trust_remote_code=False)
+            out, output_loading_info=True, trust_remote_code=False,
+            attn_implementation="eager")
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
-    ref = load_file(run_export[1] / "logits.safetensors")
+    if family == "torchtune Gemma 2":
+        # torchtune 0.6.1's Gemma 2 applies mlp_norm before the MLP, but its converter (and
+        # so the export) puts it at the hub's post_feedforward_layernorm, mlp_scale at
+        # pre_feedforward_layernorm: its logits are Hugging Face's with the two exchanged.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                pre, post = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
+                pre.weight, post.weight = post.weight, pre.weight
+    ref = load_file(base / "logits.safetensors")
     with torch.no_grad():
         logits = model(ref["tokens"]).logits.float()
     # Two implementations of the same model: equal up to float32 rounding; a plain rename
@@ -208,14 +225,18 @@ def test_a_tied_output_weight_under_the_trainers_name_is_left_out(tmp_path: Path
                            "model.layers.0.self_attn.q_proj.weight"])
 
 
-def test_a_trainers_llama_names_with_another_models_config_say_so(tmp_path: Path) -> None:
+def test_a_trainers_names_with_a_config_they_are_not_converted_for_say_so(
+        tmp_path: Path) -> None:
     base = tmp_path / "base"
     shutil.copytree(TUNE_HF, base)
     config = json.loads((base / "config.json").read_text())
-    config.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    # torchtune's Phi-3 has its Llama's names; its converter fuses q, k, v and w1, w3.
+    config.update(model_type="phi3", architectures=["Phi3ForCausalLM"], pad_token_id=0)
     (base / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ExportMismatchError, match=r"torchtune Llama names, but .* 'mistral' "
-                                                  r"model.*'llama' config only: pass base="):
+    with pytest.raises(ExportMismatchError, match=(
+            r"torchtune's names \(torchtune Llama, torchtune Mistral, torchtune Gemma, "
+            r"torchtune Qwen2\), but .* 'phi3' model; export-hf converts them for a 'llama', "
+            r"'mistral', 'gemma', 'qwen2' config only: pass base=")):
         export_hf(TUNE, tmp_path / "out", base=base)
 
 

@@ -1,20 +1,24 @@
 """A trainer's weight names to Hugging Face's, q/k rows reordered as its converter does.
 
-torchtune and torchtitan train Llama models under their own module names
-(``layers.0.attn.q_proj.weight``, ``layers.0.attention.wq.weight``...) and with rotary
-embeddings that pair neighbouring rows of q and k; Hugging Face's Llama pairs row ``i``
-with row ``i + head_dim / 2``. Their converters (torchtune's ``convert_weights.tune_to_hf``,
-torchtitan's ``Llama3StateDictAdapter.to_hf``) rename every key and reorder q's and k's rows
-within each head: ``w.view(heads, head_dim // 2, 2, dim).transpose(1, 2)``. A plain rename
-would give a model that loads clean and computes something else.
+torchtune and torchtitan train models under their own module names
+(``layers.0.attn.q_proj.weight``, ``layers.0.attention.wq.weight``...); for Llama, Mistral and
+Gemma (1 and 2) with rotary embeddings that pair neighbouring rows of q and k, where Hugging
+Face's pair row ``i`` with row ``i + head_dim / 2``. Their converters (torchtune's
+``convert_weights.tune_to_hf`` and ``gemma2_tune_to_hf``, torchtitan's
+``Llama3StateDictAdapter.to_hf``) rename every key and reorder q's and k's rows within each
+head: ``w.view(heads, head_dim // 2, 2, dim).transpose(1, 2)``. A plain rename would give a
+model that loads clean and computes something else. torchtune's Qwen2 and torchtitan's
+Qwen 3 rotate as Hugging Face does: renamed only. The families' names are in
+:mod:`fsdpckpt.export._trainer_families`.
 
 :func:`trainer_names` recognises such a checkpoint by its keys (every key must be one of the
-family's names) and gives the hub name of each key and, for q and k, the order of the stored
-rows the hub's rows are: output row ``h * head_dim + j * head_dim / 2 + k`` is stored row
-``h * head_dim + 2 * k + j``. No two neighbouring output rows are neighbouring stored rows, so
-the reorder is no set of row blocks of more than one row: :func:`trainer_job` keeps the
-merge's copying plan and gives each stored row of q and k its own run, written at its output
-row, so the weights stream as any merge's do. The heads come from the config
+family's names) and the config's model_type, and gives the hub name of each key and, for q
+and k where the family reorders, the order of the stored rows the hub's rows are: output row
+``h * head_dim + j * head_dim / 2 + k`` is stored row ``h * head_dim + 2 * k + j``. No two
+neighbouring output rows are neighbouring stored rows, so the reorder is no set of row blocks
+of more than one row: :func:`trainer_job` keeps the merge's copying plan and gives each
+stored row of q and k its own run, written at its output row, so the weights stream as any
+merge's do. The heads come from the config
 (``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` or ``hidden_size / heads``),
 checked against the stored shapes.
 """
@@ -23,13 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fsdpckpt.errors import ExportMismatchError
 from fsdpckpt.export._moe import Piece, hub_plan
+from fsdpckpt.export._trainer_families import FAMILIES, K, Q, hub_name
 from fsdpckpt.merging._jobs import MergeJob
 from fsdpckpt.merging._runs import Runs
 from fsdpckpt.merging.plan import PlannedTensor
@@ -37,78 +41,6 @@ from fsdpckpt.merging.plan import PlannedTensor
 __all__ = ["TrainerNames", "trainer_names", "looks_like", "trainer_job"]
 
 Shape = tuple[int, ...]
-
-_LAYER = "model.layers.{}."
-
-# Each family: the trainer's name -> the hub's ("{}" a layer number).
-_TUNE_LLAMA = {
-        "tok_embeddings.weight": "model.embed_tokens.weight",
-        "norm.scale": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-        "layers.{}.attn.q_proj.weight": _LAYER + "self_attn.q_proj.weight",
-        "layers.{}.attn.k_proj.weight": _LAYER + "self_attn.k_proj.weight",
-        "layers.{}.attn.v_proj.weight": _LAYER + "self_attn.v_proj.weight",
-        "layers.{}.attn.output_proj.weight": _LAYER + "self_attn.o_proj.weight",
-        "layers.{}.mlp.w1.weight": _LAYER + "mlp.gate_proj.weight",
-        "layers.{}.mlp.w3.weight": _LAYER + "mlp.up_proj.weight",
-        "layers.{}.mlp.w2.weight": _LAYER + "mlp.down_proj.weight",
-        "layers.{}.sa_norm.scale": _LAYER + "input_layernorm.weight",
-        "layers.{}.mlp_norm.scale": _LAYER + "post_attention_layernorm.weight",
-}
-_FAMILIES: dict[str, dict[str, str]] = {
-    "torchtune Llama": _TUNE_LLAMA,
-    "torchtune Qwen2": {**_TUNE_LLAMA, **{f"layers.{{}}.attn.{p}_proj.bias":
-                                          _LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"}},
-    # Both of torchtitan's namings: attention.wq (before qkv_linear) and output (before
-    # lm_head) are the older ones.
-    "torchtitan Llama 3": {
-        "tok_embeddings.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-        "lm_head.weight": "lm_head.weight",
-        "layers.{}.attention.wq.weight": _LAYER + "self_attn.q_proj.weight",
-        "layers.{}.attention.wk.weight": _LAYER + "self_attn.k_proj.weight",
-        "layers.{}.attention.wv.weight": _LAYER + "self_attn.v_proj.weight",
-        "layers.{}.attention.qkv_linear.wq.weight": _LAYER + "self_attn.q_proj.weight",
-        "layers.{}.attention.qkv_linear.wk.weight": _LAYER + "self_attn.k_proj.weight",
-        "layers.{}.attention.qkv_linear.wv.weight": _LAYER + "self_attn.v_proj.weight",
-        "layers.{}.attention.wo.weight": _LAYER + "self_attn.o_proj.weight",
-        "layers.{}.feed_forward.w1.weight": _LAYER + "mlp.gate_proj.weight",
-        "layers.{}.feed_forward.w3.weight": _LAYER + "mlp.up_proj.weight",
-        "layers.{}.feed_forward.w2.weight": _LAYER + "mlp.down_proj.weight",
-        "layers.{}.attention_norm.weight": _LAYER + "input_layernorm.weight",
-        "layers.{}.ffn_norm.weight": _LAYER + "post_attention_layernorm.weight",
-    },
-}
-# Each family: its trainer, the config model_type it is converted for (the same names under
-# another model_type are not converted as this family: torchtune's Qwen2 keeps its rows),
-# whether q's and k's rows are reordered (the Llama converters': their rotary layout is not
-# Hugging Face's) and the trainer's own converter, for messages.
-_FAMILY: dict[str, tuple[str, str, bool, str]] = {
-    "torchtune Llama": ("torchtune", "llama", True, "convert_weights.tune_to_hf"),
-    "torchtune Qwen2": ("torchtune", "qwen2", False, "qwen2_tune_to_hf"),
-    "torchtitan Llama 3": ("torchtitan", "llama", True, "Llama3StateDictAdapter.to_hf"),
-}
-_Q = _LAYER + "self_attn.q_proj.weight"
-_K = _LAYER + "self_attn.k_proj.weight"
-
-
-def _patterns(family: Mapping[str, str]) -> list[tuple[re.Pattern[str], str]]:
-    return [(re.compile(re.escape(name).replace(r"\{\}", r"(\d+)") + r"\Z"), hub)
-            for name, hub in family.items()]
-
-
-_COMPILED = {family: _patterns(names) for family, names in _FAMILIES.items()}
-
-
-def _hub(family: str, key: str) -> tuple[str, str] | None:
-    # The hub name of ``key`` in ``family``, and its template; None when not one.
-    for pattern, hub in _COMPILED[family]:
-        found = pattern.match(key)
-        if found:
-            return hub.format(*found.groups()), hub
-    return None
-
 
 @dataclass(frozen=True)
 class TrainerNames:
@@ -128,7 +60,7 @@ class TrainerNames:
 
     def said(self) -> str:
         """What was converted, as one phrase for the user (``ExportResult.converted``)."""
-        converter = _FAMILY[self.family][3]
+        converter = FAMILIES[self.family].converter
         return (f"{self.family} names, q/k rows reordered by heads as {converter} does"
                 if self.rows else f"{self.family} names, renamed as {converter} does")
 
@@ -151,18 +83,22 @@ def _heads_rows(heads: int, rows: int, key: str, source: Any) -> tuple[int, ...]
 
 def trainer_names(stored: Mapping[str, Shape], config: Mapping[str, Any],
                   source: Any) -> TrainerNames | None:
-    """The hub names of a torchtune (Llama, Qwen2) or torchtitan (Llama 3) checkpoint's keys,
-    and the row order of its q and k (Llama), as the trainer's own converter gives them.
+    """The hub names of a torchtune (Llama, Mistral, Gemma, Gemma 2, Qwen2) or torchtitan
+    (Llama 3, Qwen 3) checkpoint's keys, and the row order of its q and k where the family's
+    converter reorders them, as the trainer's own converter gives them.
+
+    The family is the one whose names are every key and whose converter is for the config's
+    ``model_type`` (:mod:`fsdpckpt.export._trainer_families`).
 
     Args:
         stored: the checkpoint's names and shapes, as merge names them.
-        config: the base's ``config.json`` (its heads and head size).
+        config: the base's ``config.json`` (its model_type, heads and head size).
         source: where the config was read, for messages.
 
     Returns:
-        The :class:`TrainerNames`; None when not every key is one trainer's names (a
-        Hugging Face checkpoint, or one this does not know), or the config's model_type is
-        not the family's.
+        The :class:`TrainerNames`; None when not every key is one family's names (a
+        Hugging Face checkpoint, or one this does not know), or no such family is converted
+        for the config's model_type.
 
     Raises:
         ExportMismatchError: q's or k's rows are not the config's heads times its head size.
@@ -170,10 +106,11 @@ def trainer_names(stored: Mapping[str, Shape], config: Mapping[str, Any],
     Example:
         >>> trainer_names({"tok_embeddings.weight": (50, 16), ...}, config, "config.json")
     """
-    for family, (trainer, model_type, reorder, _) in _FAMILY.items():
-        found = {key: _hub(family, key) for key in stored}
-        if config.get("model_type") != model_type or not stored or \
-                any(v is None for v in found.values()):
+    for family, spec in FAMILIES.items():
+        if config.get("model_type") not in spec.model_types or not stored:
+            continue
+        found = {key: hub_name(family, key) for key in stored}
+        if any(v is None for v in found.values()):
             continue
         heads = int(config.get("num_attention_heads") or 0)
         kv_heads = int(config.get("num_key_value_heads") or heads)
@@ -183,45 +120,53 @@ def trainer_names(stored: Mapping[str, Shape], config: Mapping[str, Any],
         rows: dict[str, tuple[int, ...]] = {}
         for key, (name, template) in ((k, v) for k, v in found.items() if v is not None):
             hub[key] = name
-            if reorder and template in (_Q, _K):
-                count = heads if template == _Q else kv_heads
+            if spec.reorder and template in (Q, K):
+                count = heads if template == Q else kv_heads
                 if stored[key][0] != count * head_dim:
                     raise ExportMismatchError(
                         f"{key}: {stored[key][0]} rows, but {source} says {count} heads of "
                         f"{head_dim}; pass base=... with the config of the model this run "
                         "trained")
                 rows[name] = _heads_rows(count, stored[key][0], key, source)
-        return TrainerNames(trainer, family, hub, rows)
+        return TrainerNames(spec.trainer, family, hub, rows)
     return None
 
 
 def looks_like(stored: Mapping[str, Shape] | set[str],
                config: Mapping[str, Any] | None = None, source: Any = None) -> str | None:
     """Which trainer's names most of ``stored`` are, when they are no family's whole set: the
-    phrase for a key check's message; None when they are nobody's. When they are all a
-    trainer's Llama names but ``config`` (read from ``source``) is no Llama's, says that.
+    phrase for a key check's message; None when they are nobody's, or are a family's names
+    converted for ``config``'s model_type (the check failed on something else). When they
+    are all a family's names but ``config`` (read from ``source``) is no model they are
+    converted for, says that.
 
     Example:
         >>> looks_like({"layers.0.attn.q_proj.weight", "layers.0.attn.lora_a.weight"})
         "these look like torchtune's names, but 1 of them ..."
     """
-    best = max(_FAMILIES, key=lambda f: sum(_hub(f, k) is not None for k in stored))
-    known = sum(_hub(best, k) is not None for k in stored)
-    if not stored or known * 2 < len(stored):
+    kind = (config or {}).get("model_type")
+    known = {f: sum(hub_name(f, k) is not None for k in stored) for f in FAMILIES}
+    most = max(known.values(), default=0)
+    if not stored or most * 2 < len(stored):
         return None
-    trainer, model_type, _, converter = _FAMILY[best]
-    odd = sorted(k for k in stored if _hub(best, k) is None)
-    if not odd:
-        kind = (config or {}).get("model_type")
-        return (f"these are {best} names, but {source} describes a {kind!r} model; export-hf "
-                f"converts them for a {model_type!r} config only: pass base=... with the "
-                "config this run trained")
-    known_families = ", ".join(_FAMILIES)
+    fitting = [f for f in FAMILIES if known[f] == most]
+    if any(kind in FAMILIES[f].model_types for f in fitting) and most == len(stored):
+        return None
+    best = fitting[0]
+    trainer, converter = FAMILIES[best].trainer, FAMILIES[best].converter
+    if most == len(stored):
+        types = ", ".join(repr(t) for f in fitting for t in FAMILIES[f].model_types)
+        return (f"these are {trainer}'s names ({', '.join(fitting)}), but {source} describes "
+                f"a {kind!r} model; export-hf converts them for a {types} config only: pass "
+                f"base=... with the config this run trained, or convert the checkpoint with "
+                f"{trainer}'s own converter for its model and save the result with "
+                "save_pretrained")
+    odd = sorted(k for k in stored if hub_name(best, k) is None)
     return (f"these look like {trainer}'s names, but {len(odd)} of them are none of "
             f"{best}'s ({', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''}); export-hf "
-            f"converts {known_families} checkpoints only: convert this one with {trainer}'s own "
-            f"converter for its model (as {converter} is for {best}) and save the result "
-            "with save_pretrained")
+            f"converts {', '.join(FAMILIES)} checkpoints only: convert this one with "
+            f"{trainer}'s own converter for its model (as {converter} is for {best}) and "
+            "save the result with save_pretrained")
 
 
 def _planned(job: MergeJob) -> dict[str, Shape]:

@@ -14,9 +14,9 @@ Names are what transformers' ``save_pretrained`` writes (the hub's): its own con
 mapping, run on the model class on the meta device, cuts fused MoE experts per expert and
 renames LLaVA's modules, each written tensor read as a box of a stored one; a checkpoint
 already under those names (a transformers 4 run) is written as it is
-(:mod:`fsdpckpt.export._moe`). A torchtune (Llama, Qwen2) or torchtitan (Llama 3) run's
-names go to the hub's, Llama's q and k rows reordered as the trainer's converter does, still
-as a copy (:mod:`fsdpckpt.export._trainer_names`).
+(:mod:`fsdpckpt.export._moe`). A torchtune (Llama, Mistral, Gemma, Gemma 2, Qwen2) or torchtitan
+(Llama 3, Qwen 3) run's names go to the hub's, q and k rows reordered where the trainer's
+converter reorders them, still as a copy (:mod:`fsdpckpt.export._trainer_names`).
 Before a byte is written, the exported keys and shapes are checked against the config's
 model class (built on the meta device when transformers is installed, after its declared
 layer and expert counts are bounded by the checkpoint's keys); a model whose class needs
@@ -97,8 +97,8 @@ class ExportResult:
             tensors, LLaVA's ``language_model.model.*``), which come from transformers'
             conversion mapping; None when they were written as ``save_pretrained`` writes
             them.
-        converted: the trainer's names converted to the hub's (a torchtune Llama or Qwen2
-            run, a torchtitan Llama 3 run: :mod:`fsdpckpt.export._trainer_names`), as one
+        converted: the trainer's names converted to the hub's (a torchtune or torchtitan
+            run of a family :mod:`fsdpckpt.export._trainer_families` lists), as one
             phrase; None when the checkpoint held Hugging Face's names.
     """
 

@@ -22,6 +22,7 @@ import fsdpckpt
 from fsdpckpt.errors import FsdpCkptError, UnsafePickleError
 from fsdpckpt.inspection._diff_sources import same_value
 from fsdpckpt.inspection.inspect import inspect_checkpoint
+from fsdpckpt.inspection.verify import verify_checkpoint
 
 from conftest import FIXTURES, _RunsCommand, run_cli
 
@@ -143,6 +144,14 @@ def test_merge_optimizer_is_lightnings_own_optimizer(tmp_path):
                       want["model"])
 
 
+def test_the_optimizer_part_is_lightnings_optimizer_tensors():
+    # reference_optimizer.safetensors: the consolidated file's optimizer_0 tensors, flattened
+    report = fsdpckpt.diff(FOLDER, FIXTURES / "lightning" / "reference_optimizer.safetensors",
+                           optimizer=True, names=["state.*"])
+    assert report.equal and len(report.tensors) == 12
+    assert all(t.identical for t in report.tensors)
+
+
 def test_a_model_merge_writes_the_model_alone_in_bin_too(tmp_path):
     # The model file is what a model loader reads: meta.pt's entries are training state,
     # kept by load_full_state_dict and compared by diff, not written into it.
@@ -169,6 +178,8 @@ def test_a_meta_naming_a_callable_is_refused_and_nothing_runs(ckpt, tmp_path):
             read()
         assert not sentinel.exists(), verb
     assert [p.path for p in inspect_checkpoint(ckpt).problems] == [str(ckpt / "meta.pt")]
+    assert [p.path for p in verify_checkpoint(ckpt).problems] == [str(ckpt / "meta.pt")]
+    assert not sentinel.exists()
 
 
 def test_a_meta_declaring_a_huge_tensor_is_refused_unallocated(ckpt):

@@ -221,3 +221,15 @@ def test_a_meta_nested_without_end_is_refused_in_one_line(ckpt, graph):
         with pytest.raises(FsdpCkptError, match=says) as caught:
             read()
         assert "meta.pt" in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.s3
+def test_a_remote_lightning_folder_is_read_as_the_local_one(s3):
+    from conftest import upload
+
+    server, root = s3
+    url = upload(server, FOLDER, f"s3://{root}/{FOLDER.name}")
+    state = fsdpckpt.load_full_state_dict(url, storage_options=server.options)
+    assert same_value(state, _lightnings_own())
+    report = fsdpckpt.diff(url, CONSOLIDATED, storage_options=server.options)
+    assert report.equal and len(report.objects) == 95

@@ -78,8 +78,7 @@ class WholeTrainerSource(DcpSource):
 def _holds_whole(side: Source, other: Source) -> bool:
     """Whether ``side`` is a trainer's folder read as a part and ``other``, a file, holds
     every top-level key the folder stores."""
-    if side.kind != "dcp" or other.kind == "dcp" or isinstance(side, WholeTrainerSource) or \
-            not trainer_of(side.path):
+    if side.kind != "dcp" or other.kind == "dcp" or not trainer_of(side.path):
         return False
     from fsdpckpt.dcp.parts import open_part
 

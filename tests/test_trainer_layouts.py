@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 import fsdpckpt
 from fsdpckpt.dcp.layout import find_layout
 from fsdpckpt.errors import NotACheckpointError
+from fsdpckpt.inspection._diff_sources import same_value
 from fsdpckpt.inspection.inspect import inspect_checkpoint
 
 from conftest import FIXTURES
@@ -82,13 +83,33 @@ def test_merge_writes_the_model_alone_with_clean_names(trainer, tmp_path):
     _same(load_file(tmp_path / "out" / "model.safetensors"), _reference(trainer))
 
 
-@trainers
-def test_merge_optimizer_writes_the_optimizer(trainer, tmp_path):
+def _whole_reference(trainer: str, tmp_path):
+    """The file of the folder's whole state as the framework's own consolidation writes it:
+    Lightning's ``consolidate_checkpoint`` (``consolidated.ckpt``, written by Lightning 2.6.6:
+    model, optimizer and meta.pt's entries). torchtune 0.6 and torchtitan 0.3 have none of
+    their own for a DCP folder (torchtune's ``DistributedCheckpointer`` only loads into a live
+    state dict; torchtitan's ``CheckpointManager`` exports the model alone, and its
+    docs/checkpoint.md converts a ``step-N/`` folder with torch's ``format_utils
+    dcp_to_torch``): for them, torch's ``dcp_to_torch_save`` of the folder."""
+    if trainer == "lightning":
+        return FIXTURES / "lightning" / "consolidated.ckpt"
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    folder, key = TRAINERS[trainer]
+    dcp_to_torch_save(TRAINERS[trainer][0], tmp_path / "torch.pt")
+    return tmp_path / "torch.pt"
+
+
+def _optimizer_reference(trainer: str, tmp_path) -> dict:
+    """The optimizer state in the framework's own consolidation (:func:`_whole_reference`)."""
+    return torch.load(_whole_reference(trainer, tmp_path), weights_only=True)[
+        TRAINERS[trainer][1]]
+
+
+@trainers
+def test_merge_optimizer_writes_the_optimizer(trainer, tmp_path):
+    """Bit for bit the framework's own (:func:`_optimizer_reference` says which)."""
+    folder, _ = TRAINERS[trainer]
     fsdpckpt.merge(folder, tmp_path / "out", optimizer=True)
-    dcp_to_torch_save(folder, tmp_path / "torch.pt")  # torch's own consolidation
     want: dict[str, torch.Tensor] = {}
 
     def flatten(prefix, value):
@@ -101,17 +122,34 @@ def test_merge_optimizer_writes_the_optimizer(trainer, tmp_path):
         elif isinstance(value, torch.Tensor):
             want[prefix[:-1]] = value
 
-    flatten("", torch.load(tmp_path / "torch.pt", weights_only=True)[key])
+    reference = _optimizer_reference(trainer, tmp_path)
+    flatten("", reference)
     _same(load_file(tmp_path / "out" / "optimizer.safetensors"), want)
+    # its non-tensor entries (param_groups) too, nested again from the kept key paths
+    merged = fsdpckpt.load_full_state_dict(tmp_path / "out" / "optimizer.safetensors")
+    assert same_value(merged, reference)
 
 
 @trainers
 def test_load_full_state_dict_matches_the_frameworks_own(trainer):
     state = fsdpckpt.load_full_state_dict(TRAINERS[trainer][0])
-    if trainer in NESTED:  # as torch's dcp_to_torch_save nests it
+    if trainer == "lightning":  # consolidate_checkpoint's dict: test_lightning_meta.py
+        state = state["model"]
+    elif trainer in NESTED:  # as torch's dcp_to_torch_save nests it
         assert list(state) == ["model"]
         state = state["model"]
     _same(state, _reference(trainer))
+
+
+@trainers
+def test_diff_against_the_frameworks_whole_consolidation_is_equal(trainer, tmp_path):
+    """The folder whole (Lightning's with meta.pt) against a file holding its whole state."""
+    folder = TRAINERS[trainer][0]
+    for optimizer in (False, True):
+        result = fsdpckpt.diff(folder, _whole_reference(trainer, tmp_path), optimizer=optimizer)
+        assert result.equal and not result.missing and not result.unexpected
+        assert all(t.identical for t in result.tensors)
+        assert any(t.name.startswith(TRAINERS[trainer][1] + ".") for t in result.tensors)
 
 
 @trainers

@@ -33,7 +33,8 @@ from fsdpckpt.errors import (
     UnsafePickleError,
 )
 
-__all__ = ["read_state_file", "check_side_files", "stray_temporaries", "MAX_CHECKED_BYTES"]
+__all__ = ["read_state_file", "check_side_files", "stray_temporaries", "state_kind",
+           "MAX_CHECKED_BYTES"]
 
 #: Side files up to this size are decoded whole by ``inspect`` and ``verify`` (a scheduler's
 #: or scaler's state is a few KB); a larger one (a custom state holding weights) has its
@@ -49,6 +50,14 @@ _STATE_KINDS = {
     # Lightning's meta.pt: plain dicts and lists (loops, callbacks, LR schedulers).
     "trainer_meta": "Lightning trainer state",
 }
+
+
+def state_kind(kind: str) -> str:
+    """What a side file of ``kind`` (a :class:`~fsdpckpt.dcp.layout.SideFile`'s) holds, in
+    messages: ``"Lightning trainer state"`` for ``"trainer_meta"``."""
+    return _STATE_KINDS.get(kind, kind.replace("_", " "))
+
+
 #: Side files fsdpckpt never loads: their archive is checked, not unpickled.
 _ARCHIVE_KINDS = ("sampler", "training_args", "extra_state")
 
@@ -138,7 +147,7 @@ def _check_one(path: Place, kind: str) -> None:
     elif kind in _STATE_KINDS and _size(path, _STATE_KINDS[kind]) <= MAX_CHECKED_BYTES:
         read_state_file(path, _STATE_KINDS[kind])
     elif kind in _STATE_KINDS or kind in _ARCHIVE_KINDS:
-        _check_archive(path, _STATE_KINDS.get(kind, kind.replace("_", " ")))
+        _check_archive(path, state_kind(kind))
 
 
 def check_side_files(root: Place, files: Any) -> list[Problem]:

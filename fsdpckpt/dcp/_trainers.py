@@ -13,17 +13,27 @@ Each such folder is one DCP folder read as three parts, the model, the optimizer
 training state: a part is the folder's entries whose top-level key the trainer gives that
 role. The part's name (``"lightning:model"``...) says which; :func:`select_part` cuts a
 folder read whole down to it, so every verb that opens parts reads the model alone.
+
+Lightning's own consolidation (``python -m lightning.fabric.utilities.consolidate_checkpoint``,
+its ``_load_distributed_checkpoint``) is the whole DCP folder with ``meta.pt``'s entries put
+at the top level over it (``checkpoint.update(meta)``): :func:`trainer_meta` reads those
+entries and :func:`with_trainer_meta` puts them there the same way, for
+``load_full_state_dict`` and ``diff``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 from fsdpckpt._io.storage import Place
+from fsdpckpt.dcp._objects import to_torch
+from fsdpckpt.dcp._sidefiles import read_state_file, state_kind
 from fsdpckpt.dcp.reader import DcpFolder
 
-__all__ = ["TRAINER_META", "ROLES", "trainer_of", "trainer_style", "select_part"]
+__all__ = ["TRAINER_META", "ROLES", "trainer_of", "trainer_style", "select_part", "trainer_meta",
+           "with_trainer_meta"]
 
 #: Lightning's file of non-tensor state beside the DCP files of a sharded checkpoint.
 TRAINER_META = "meta.pt"
@@ -91,3 +101,35 @@ def select_part(folder: DcpFolder, path: Place, name: str) -> DcpFolder:
     objects = tuple(o for o in meta.objects if _role(style, o.key_path, o.name) == role)
     return dataclasses.replace(folder, metadata=dataclasses.replace(
         meta, tensors=tensors, objects=objects))
+
+
+def trainer_meta(root: Place) -> dict[Any, Any] | None:
+    """The entries of Lightning's ``meta.pt`` in the folder ``root``, decoded through the
+    allowlist (:func:`~fsdpckpt.dcp._sidefiles.read_state_file`: nothing is run; tensors in it
+    become torch's, bit for bit), or None when ``root`` holds no ``meta.pt``.
+
+    Raises:
+        UnsafePickleError: it names a global outside the allowlist.
+        NotACheckpointError: it is empty, damaged, nested too deep, or no dict.
+
+    Example:
+        >>> trainer_meta(location("ckpts/epoch=0-step=3.ckpt"))["global_step"]
+        3
+    """
+    path = root / TRAINER_META
+    if not path.is_file():
+        return None
+    return dict(to_torch(read_state_file(path, state_kind("trainer_meta"))))
+
+
+def with_trainer_meta(state: dict[Any, Any], meta: dict[Any, Any]) -> dict[Any, Any]:
+    """``state`` (a Lightning folder's DCP entries, nested) with ``meta``'s entries put at the
+    top level over it, as Lightning's ``_load_distributed_checkpoint`` does
+    (``checkpoint.update(meta)``: an entry of ``meta`` replaces a DCP entry of its name).
+
+    Example:
+        >>> with_trainer_meta({"model": {...}}, {"epoch": 1})
+        {'model': {...}, 'epoch': 1}
+    """
+    state.update(meta)
+    return state

@@ -47,7 +47,31 @@ from fsdpckpt.inspection._diff_tiles import Piece
 from fsdpckpt.merging._keys import clean_key
 from fsdpckpt.merging._validate import choose_parts
 
-__all__ = ["SafetensorsSource", "TorchSource", "open_source"]
+__all__ = ["SafetensorsSource", "TorchSource", "open_source", "value_info", "read_value_box"]
+
+
+def value_info(path: Place, name: str, value: Any) -> TensorInfo:
+    """The :class:`TensorInfo` of a tensor held in memory (``value``), named ``name``.
+
+    Raises:
+        NotACheckpointError: its dtype is one fsdpckpt does not read (naming ``path``).
+    """
+    dtype = dtype_from_name(str(value.dtype))
+    if dtype is None:
+        raise NotACheckpointError(f"{path}: tensor '{name}' has the dtype {value.dtype}, "
+                                  "which fsdpckpt does not read")
+    return TensorInfo(name, dtype, tuple(value.shape))
+
+
+def read_value_box(value: Any, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                   out: memoryview) -> Any:
+    """Fill ``out`` with the box ``offsets``/``sizes`` of the in-memory tensor ``value``
+    (:meth:`Source.read`); returns the box read, a view of ``value``."""
+    import torch
+
+    box = value[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+    torch.frombuffer(out, dtype=value.dtype, count=math.prod(sizes)).view(sizes).copy_(box)
+    return box
 
 
 class SafetensorsSource(Source):
@@ -245,14 +269,9 @@ class TorchSource(Source):
         names = _names([p for p, _, _ in entries], keep_keys=keep_keys, source=path)
         self._values = dict(zip(names, (v for _, v, _ in entries)))
         self._mapped = {n for n, (_, _, m) in zip(names, entries) if m}
-        self.tensors = {}
-        for name, value in self._values.items():
-            if isinstance(value, torch.Tensor):
-                dtype = dtype_from_name(str(value.dtype))
-                if dtype is None:
-                    raise NotACheckpointError(f"{path}: tensor '{name}' has the dtype "
-                                              f"{value.dtype}, which fsdpckpt does not read")
-                self.tensors[name] = TensorInfo(name, dtype, tuple(value.shape))
+        self.tensors = {name: value_info(path, name, value)
+                        for name, value in self._values.items()
+                        if isinstance(value, torch.Tensor)}
 
     def object_names(self) -> list[str]:
         return [n for n in self._values if n not in self.tensors]
@@ -262,11 +281,7 @@ class TorchSource(Source):
 
     def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
              out: memoryview) -> None:
-        import torch
-
-        value = self._values[name]
-        box = value[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-        torch.frombuffer(out, dtype=value.dtype, count=math.prod(sizes)).view(sizes).copy_(box)
+        box = read_value_box(self._values[name], offsets, sizes, out)
         if name in self._mapped:
             _release_pages(box)
 

@@ -147,7 +147,8 @@ class DcpSource(Source):
 
     def objects(self) -> dict[str, Any]:
         found = {}
-        for name in self.object_names():
+        # Its own entries (not object_names(), which a subclass may extend with others).
+        for name in DcpSource.object_names(self):
             entry = cast(ObjectEntry, self._entries[name])
             if entry.file is None:
                 raise NotACheckpointError(f"{self.path}: object '{entry.name}' has no storage "

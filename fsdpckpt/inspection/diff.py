@@ -43,6 +43,7 @@ from fsdpckpt.inspection._diff_tiles import (
     tile_view,
     tiles_of,
 )
+from fsdpckpt.inspection._diff_trainer import whole_trainer_sides
 from fsdpckpt.inspection.inspect import name_matcher
 from fsdpckpt.merging._runs import boxes
 
@@ -313,7 +314,11 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 
         a, b: each a DCP folder, a whole checkpoint (its model folder; see ``optimizer``),
             a ``.safetensors`` or ``.bin``/``.pt`` file or shard index, or a folder holding
             one (``model.safetensors``, ``pytorch_model.bin`` or their index, as Hugging
-            Face and ``fsdpckpt merge`` write them).
+            Face and ``fsdpckpt merge`` write them). A trainer's folder (Lightning's
+            ``*.ckpt/``...) is its model (its optimizer with ``optimizer``), or, against a
+            file holding its whole state (Lightning's ``consolidate_checkpoint`` output,
+            ``dcp_to_torch_save``'s), the whole folder, with Lightning's ``meta.pt``
+            entries at the top level as Lightning consolidates them.
         atol, rtol: the tolerance, as ``torch.allclose``: ``|a - b| <= atol + rtol * |b|``.
             Both 0 (the default) asks for equal values and equal dtypes.
         names: only compare entries whose name matches one of these (a glob such as
@@ -349,7 +354,9 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 
     with open_source(a, optimizer=optimizer, model_index=model_index, keep_keys=keep_keys,
                      storage_options=storage_options) as left, \
             open_source(b, optimizer=optimizer, model_index=model_index, keep_keys=keep_keys,
-                        storage_options=storage_options) as right, reusing_scratch():
+                        storage_options=storage_options) as right, reusing_scratch(), \
+            whole_trainer_sides(left, right, keep_keys=keep_keys) as (left, right):
+        # A trainer's folder against its framework's whole consolidation: both whole.
         return _diff(left, right, atol, rtol, keep, progress)
 
 

@@ -22,6 +22,7 @@ from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._nesting import unflatten
 from fsdpckpt.dcp._objects import loads, read_object, to_torch, torch_load_allowlisted
+from fsdpckpt.dcp._trainers import trainer_meta, with_trainer_meta
 from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.layout import find_layout
@@ -70,6 +71,8 @@ def _from_checkpoint(path: Place) -> dict[Any, Any] | None:
         layout = find_layout(path)
     except NotACheckpointError:
         return None  # a merged output, or nothing this reads (_merged_output says which)
+    if layout.style == "lightning":
+        return _lightning(layout.path)
     models = [part for part in layout.parts if part.kind == "model"]
     if layout.style != "dcp" and len(models) > 1:  # merge's refusal names its --model-index
         raise NotACheckpointError(f"{path}: holds {len(models)} models; pass one of: "
@@ -80,6 +83,14 @@ def _from_checkpoint(path: Place) -> dict[Any, Any] | None:
                                   + ", ".join(str(part.path) for part in chosen))
     part = chosen[0]
     return _from_folder(open_part(part.path, part.name), [])
+
+
+def _lightning(path: Place) -> dict[Any, Any]:
+    """What Lightning's own ``consolidate_checkpoint`` gives for its ``*.ckpt/`` folder: the
+    whole DCP folder (model and optimizer) with ``meta.pt``'s entries at the top level."""
+    meta = trainer_meta(path)  # decoded first: a refused meta.pt costs no tensor read
+    whole = _from_folder(open_part(path, path.name), [])  # its own name: the folder whole
+    return with_trainer_meta(whole, meta) if meta is not None else whole
 
 
 @reusing_scratch()
@@ -224,7 +235,11 @@ def load_full_state_dict(path: str | os.PathLike[str], *,
             (``AWS_*`` variables, ``~/.aws``...). See docs/remote.md.
 
     Returns:
-        For a DCP folder, the nested dict ``dcp_to_torch_save`` would save. For a merged
+        For a DCP folder, the nested dict ``dcp_to_torch_save`` would save. For Lightning's
+        ``*.ckpt/`` folder, what Lightning's own ``consolidate_checkpoint`` saves: that dict
+        (``model``, ``optimizer_0``...) with ``meta.pt``'s entries (``epoch``, ``loops``,
+        ``lr_schedulers``...) at the top level. For another trainer's folder (torchtune's
+        ``dist_epoch_N/``, torchtitan's ``step-N/``), its model. For a merged
         output, the merged state dict, nested again by the key paths the merge kept
         (optimizer state), with non-tensor entries restored.
 

@@ -7,8 +7,9 @@ the quantization state). Either way the weights to fuse into are the base model'
 safetensors reader). :func:`with_base` joins them, under the names PEFT's wrapper gives them
 (``base_model.model.`` + ``.base_layer.`` for adapted modules), to what the checkpoint holds
 that was trained (an adapter-only save: everything it holds, ``modules_to_save`` copies
-saved under the module's name included; a QLoRA save: its adapter tensors); the fuser then
-works as on a checkpoint that held everything.
+saved under the module's name included; a QLoRA save: its adapter tensors and its
+``modules_to_save`` copies, the base's module then named ``M.original_module.*`` as in PEFT's
+model); the fuser then works as on a checkpoint that held everything.
 """
 
 from __future__ import annotations
@@ -76,6 +77,23 @@ def _weights_file(base: Place) -> Place:
                               "base=... the Hugging Face folder the run started from")
 
 
+def _copied_modules(layout: LoraLayout) -> tuple[str, ...]:
+    # The modules a full save holds trained copies of (``M.modules_to_save.<adapter>.*``).
+    marker = ".modules_to_save."
+    return tuple(dict.fromkeys(k.partition(marker)[0] for k in layout.adapter_keys
+                               if marker in k))
+
+
+def _peft_name(name: str, copied: tuple[str, ...]) -> str:
+    # PEFT's name of a base tensor: a module with a modules_to_save copy keeps its frozen
+    # original as ``M.original_module.*``, which the fused model drops for the trained copy
+    # (without the rename both would become ``M.*``, the same name twice).
+    for module in copied:
+        if name.startswith(module + "."):
+            return f"{module}.original_module.{name[len(module) + 1:]}"
+    return name
+
+
 def with_base(source: ModelSource, layout: LoraLayout, base: Place | None) -> ModelSource:
     """``source`` itself when it holds every adapted module's base weight as weights; else
     the base model's tensors (from ``base``) joined to what ``source`` holds that was trained.
@@ -83,8 +101,9 @@ def with_base(source: ModelSource, layout: LoraLayout, base: Place | None) -> Mo
     Raises:
         NotACheckpointError: base weights are needed and ``base`` is None, or holds no
             safetensors weights.
-        ExportMismatchError: the base model lacks an adapted module's weight, or a tensor
-            the checkpoint holds has another shape in the base model.
+        ExportMismatchError: the base model lacks an adapted module's weight, a tensor
+            the checkpoint holds has another shape in the base model, or two tensors would
+            get one name in the fused model.
     """
     packed = packed_weights(source, layout)
     if not layout.without_base and not packed:
@@ -99,7 +118,8 @@ def with_base(source: ModelSource, layout: LoraLayout, base: Place | None) -> Mo
     model = open_model_source(_weights_file(base))
     adapted = {f"{m.name}.{kind}": f"{m.stored}.base_layer.{kind}" for m in layout.modules
                for kind in ("weight", "bias")}
-    from_base = {n: adapted.get(n, PEFT_PREFIX + n) for n in model.names}
+    copied = _copied_modules(layout)
+    from_base = {n: adapted.get(n) or _peft_name(PEFT_PREFIX + n, copied) for n in model.names}
     stored_base = set(from_base.values())
     missing = [m.weight for m in layout.modules if m.weight not in stored_base]
     if missing:
@@ -125,5 +145,21 @@ def with_base(source: ModelSource, layout: LoraLayout, base: Place | None) -> Mo
     names = (*from_base.values(), *kept)
     joined = JoinedSource(source.path, names, shapes, dtypes, {},
                           _parts=((model, from_base), (source, {n: n for n in kept})))
-    find_lora(joined.names)  # the joined names are one PEFT model's
+    _one_tensor_per_name(find_lora(joined.names), base)  # the joined names: one PEFT model's
     return joined
+
+
+def _one_tensor_per_name(layout: LoraLayout, base: Place) -> None:
+    # Two joined tensors that the fused model names alike would give a file naming a tensor
+    # twice, which safetensors readers refuse: refuse it here, naming both.
+    for adapter in layout.adapters:
+        seen: dict[str, str] = {}
+        for name in (*layout.base_keys, *layout.adapter_keys):
+            plain = layout.plain_name(name, adapter)
+            if plain is None:
+                continue
+            if plain in seen:
+                raise ExportMismatchError(f"{base}: {seen[plain]} and {name} would both be "
+                                          f"written as {plain}; pass base=... the model this "
+                                          "run trained, as save_pretrained wrote it")
+            seen[plain] = name

@@ -104,6 +104,8 @@ def test_fuse_onto_the_full_precision_base_is_peft_s_merge(tmp_path, run):
     want = QLORA / run / "fused" / "model.safetensors"  # merge_and_unload().save_pretrained
     _assert_bit_exact(load_file(out / "model.safetensors"), load_file(want))
     assert (out / "model.safetensors").read_bytes() == want.read_bytes()
+    result = run_cli("diff", out, want.parent)
+    assert result.exit_code == 0 and "EQUAL: 12 tensors (12 bit-identical)" in result.stdout
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
         str(out), output_loading_info=True, trust_remote_code=False)
     assert not any(info.values()), info

@@ -49,6 +49,15 @@ def _llava_config() -> Any:
                                     image_token_index=3)
 
 
+def _t5_v1_1_config() -> Any:
+    # T5 v1.1 / Flan-T5: gated feed-forward, decoder outputs not scaled. Their hub configs say
+    # tie_word_embeddings: false, which transformers 5 reads as "do not scale" and ties the
+    # head to shared.weight all the same (T5Config.__init__).
+    return transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=24, num_layers=2,
+                                 num_decoder_layers=2, num_heads=2, decoder_start_token_id=0,
+                                 feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+
+
 #: architecture -> (model class, its config). Tied and untied heads both appear: each
 #: family's default (Gemma, GPT-2, T5 tie; Qwen2, Mistral, Phi-3 do not), Qwen3 tied.
 ARCHITECTURES: dict[str, tuple[str, Callable[[], Any]]] = {
@@ -74,6 +83,7 @@ ARCHITECTURES: dict[str, tuple[str, Callable[[], Any]]] = {
     "t5": ("T5ForConditionalGeneration", lambda: transformers.T5Config(
         vocab_size=64, d_model=16, d_kv=8, d_ff=24, num_layers=2, num_decoder_layers=2,
         num_heads=2, decoder_start_token_id=0)),
+    "t5_v1_1": ("T5ForConditionalGeneration", _t5_v1_1_config),
     "llava": ("LlavaForConditionalGeneration", _llava_config),
 }
 
@@ -87,6 +97,7 @@ TIED = {
     "t5": {"lm_head.weight": "shared.weight", "encoder.embed_tokens.weight": "shared.weight",
            "decoder.embed_tokens.weight": "shared.weight"},
 }
+TIED["t5_v1_1"] = TIED["t5"]
 
 
 def _model(arch: str) -> Any:
@@ -201,3 +212,21 @@ def test_a_two_rank_fsdp2_run_exports_as_save_pretrained_writes(tmp_path, arch, 
     loaded = getattr(transformers, ARCHITECTURES[arch][0]).from_pretrained(
         str(tmp_path / "out"), attn_implementation="eager")
     assert torch.equal(_outputs(loaded.eval()), _outputs(model))
+
+
+def test_a_head_the_class_ties_whatever_the_config_says_is_refused_even_with_untie(tmp_path):
+    # A T5 v1.1 run under transformers 4 trained its head apart from shared.weight; transformers
+    # 5's T5 ties them always, so --untie cannot keep both: the refusal says so, not --untie.
+    model = _model("t5_v1_1")
+    model.save_pretrained(str(tmp_path / "reference"))
+    state = {name: (tensor.detach().clone(), split((0,), 2))
+             for name, tensor in model.state_dict().items()}
+    state["lm_head.weight"] = (torch.randn_like(state["lm_head.weight"][0]), split((0,), 2))
+    write_dcp(tmp_path / "ckpt" / "pytorch_model_fsdp_0", state)
+    base = _base(tmp_path / "reference", tmp_path / "base")
+    with pytest.raises(fsdpckpt.ExportMismatchError, match="lm_head.weight and shared.*--untie"):
+        fsdpckpt.export_hf(tmp_path / "ckpt", tmp_path / "out", base=base)
+    with pytest.raises(fsdpckpt.ExportMismatchError, match="always ties T5's") as refused:
+        fsdpckpt.export_hf(tmp_path / "ckpt", tmp_path / "out", base=base, untie=True)
+    assert "--untie" not in str(refused.value)
+    assert not (tmp_path / "out" / "model.safetensors").exists()

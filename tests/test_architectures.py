@@ -1,5 +1,9 @@
 """export-hf across 13 architectures: what ``save_pretrained`` writes, loaded clean, same outputs.
 
+Qwen2, Qwen3, Gemma 2, Gemma 3, Mistral, GPT-2, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE, BERT for
+sequence classification, T5 (the original and v1.1 / Flan-T5) and LLaVA (an image through its
+vision tower too).
+
 For each architecture a tiny model is built with real transformers (every parameter random,
 so a misplaced or mis-tied tensor cannot go unseen); ``save_pretrained`` of it is the
 reference: the export must write exactly its keys (the hub's names: per-expert MoE tensors,
@@ -114,6 +118,13 @@ def _outputs(model: Any) -> torch.Tensor:
     with torch.no_grad():
         if model.config.is_encoder_decoder:
             return model(input_ids=_IDS, decoder_input_ids=_IDS[:, :4]).logits
+        if getattr(model.config, "vision_config", None) is not None:
+            # An image through the vision tower and projector: its 4 patches (32 / 16,
+            # squared) fill the 4 image tokens (3).
+            torch.manual_seed(1)
+            pixels = torch.randn(1, 3, 32, 32)
+            ids = torch.tensor([[1, 3, 3, 3, 3, 5, 9]])
+            return model(input_ids=ids, pixel_values=pixels).logits
         return model(input_ids=_IDS).logits
 
 

@@ -405,7 +405,7 @@ def _refuse_differing(request: MergeRequest, tied: dict[str, str],
             raise ExportMismatchError(
                 f"{request.sources[0].folder.path}: {target} and {source} differ, and the "
                 f"model class {config} describes ties them even with tie_word_embeddings: "
-                f"false (transformers 5 always ties T5's): it would load {source} as "
+                f"false (as transformers 5's T5 does): it would load {source} as "
                 f"{target}, so no export as that class keeps both; load the run with the "
                 f"transformers version it was trained with")
         raise ExportMismatchError(

@@ -141,3 +141,16 @@ def test_verify_passes_on_the_runs_checkpoint():
     result = run_cli("verify", CKPT)
     assert result.exit_code == 0, result.output
     assert fsdpckpt.verify_checkpoint(CKPT).ok
+
+
+def test_a_config_without_architectures_is_exported_under_the_hub_names(tmp_path):
+    # A LlavaConfig built in the training script and saved as it is names no class: the
+    # model type's image-text-to-text model is the one save_pretrained would have written.
+    base = shutil.copytree(RUN, tmp_path / "run", ignore=shutil.ignore_patterns("checkpoint-*"))
+    config = json.loads((base / "config.json").read_text())
+    del config["architectures"]
+    (base / "config.json").write_text(json.dumps(config))
+    result = fsdpckpt.export_hf(CKPT, tmp_path / "out", base=base)
+    assert result.names_as_stored is None and result.not_checked is None
+    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == \
+        sorted(load_file(REFERENCE / "model.safetensors"))

@@ -154,3 +154,12 @@ def test_a_config_without_architectures_is_exported_under_the_hub_names(tmp_path
     assert result.names_as_stored is None and result.not_checked is None
     assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == \
         sorted(load_file(REFERENCE / "model.safetensors"))
+
+
+def test_without_base_the_runs_folder_above_the_checkpoint_gives_the_same_export(
+        export, tmp_path):
+    result = run_cli("export-hf", CKPT, tmp_path / "out")  # the config and processor: run/
+    assert result.exit_code == 0, result.output
+    for name in ("model.safetensors", "config.json", "generation_config.json",
+                 *PROCESSOR_FILES):
+        assert (tmp_path / "out" / name).read_bytes() == (export / name).read_bytes(), name

@@ -23,7 +23,13 @@ HF_FILE_KINDS = ("config", "generation_config", "processor", "tokenizer", "chat_
 
 
 def hf_file_kind(name: str) -> str | None:
-    """The kind of the file ``name`` (a name in its folder), or None for another file.
+    """The kind of a Hugging Face file, by its name.
+
+    Args:
+        name: a file's name in its folder.
+
+    Returns:
+        One of :data:`HF_FILE_KINDS`, or None for another file.
 
     Example:
         >>> hf_file_kind("processor_config.json"), hf_file_kind("scheduler.bin")

@@ -12,6 +12,7 @@ from fsdpckpt._printable import printable
 from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.dcp.layout import SideFile
 from fsdpckpt.dcp.metadata import DataFile
+from fsdpckpt.inspection._hf_files import HF_FILE_KINDS
 from fsdpckpt.inspection.report import (
     AdapterReport,
     InspectReport,
@@ -192,9 +193,14 @@ def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool
                      _plural(len(part.files), "file" if whole else "rank file"),
                      human_bytes(part.bytes)])
     out += table(rows, right=(4,))
-    if report.side_files:
+    state = [f for f in report.side_files if f.kind not in HF_FILE_KINDS]
+    hf_files = [f for f in report.side_files if f.kind in HF_FILE_KINDS]
+    if state:
         out += ["", "Other state:"]
-        out += table(_side_rows(report.side_files, summary=not tensors), right=(3,))
+        out += table(_side_rows(state, summary=not tensors), right=(3,))
+    if hf_files:
+        out += ["", "Hugging Face files:"]
+        out += table(_side_rows(hf_files, summary=False), right=(3,))
     if report.adapter is not None:
         out += ["", _adapter_line(report.adapter)]
     if report.other_files:

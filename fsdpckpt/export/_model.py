@@ -132,7 +132,8 @@ def expect_model(config_dir: Path, config: dict[str, Any], *,
         logger.setLevel(level)
     if model is None:
         names = [str(a)[:80] for a in (config.get("architectures") or [])]
-        return f"transformers has no causal LM class for {names or model_type!r}"
+        return (f"transformers has no causal LM or image-text-to-text class for "
+                f"{names or model_type!r}")
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     tied: dict[str, str] = {}
     first: dict[int, str] = {}
@@ -152,11 +153,17 @@ def _build(transformers: Any, torch: Any, config: Any, trust_remote_code: bool) 
     with torch.device("meta"):
         if cls is not None:
             return cls._from_config(config)
-        try:
-            return transformers.AutoModelForCausalLM.from_config(
-                config, trust_remote_code=trust_remote_code)
-        except ValueError:  # no causal LM for this model type
-            return None
+        # A config without architectures (built, not downloaded): the model type's causal
+        # LM, else its image-text-to-text model (LLaVA and the other VLMs have no causal LM).
+        for auto in ("AutoModelForCausalLM", "AutoModelForImageTextToText"):
+            if not hasattr(transformers, auto):  # transformers too old to have it
+                continue
+            try:
+                return getattr(transformers, auto).from_config(
+                    config, trust_remote_code=trust_remote_code)
+            except ValueError:  # no such model for this model type
+                continue
+        return None
 
 
 def tied_without_transformers(config: dict[str, Any], names: Collection[str]) -> dict[str, str]:

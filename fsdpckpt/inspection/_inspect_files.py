@@ -17,6 +17,7 @@ from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp.metadata import DataFile, ObjectEntry
 from fsdpckpt.inspection._diff_files import open_source
 from fsdpckpt.inspection._diff_sources import MERGED_FILES
+from fsdpckpt.inspection._hf_files import split_hf_files
 from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport
 from fsdpckpt.merging._convert_source import shards
 
@@ -81,7 +82,10 @@ def inspect_model_files(path: Place, files: list[Place],
         >>> inspect_model_files(Path("out"), [Path("out/model.safetensors")], lambda n: True)
     """
     parts = tuple(_part(f, f.name, keep) for f in files)
+    # A model folder's config, tokenizer and processor (what export-hf copies), listed.
+    hf_files = split_hf_files(path, [p.name for p in path.iterdir()])[0] \
+        if path.is_dir() else ()
     return InspectReport(
         path=path, style=MODEL_FILE_STYLES[path.is_dir()], world_size=1, world_size_exact=True,
-        bytes=sum(p.bytes for p in parts), parts=parts, side_files=(), other_files=(),
-        problems=())
+        bytes=sum(p.bytes for p in parts) + sum(f.size for f in hf_files), parts=parts,
+        side_files=hf_files, other_files=(), problems=())

@@ -222,6 +222,10 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
     problems.extend(check_side_files(layout.path, layout.side_files))
     problems.extend(stray_temporaries(layout.path, layout.other_files))
     adapter, others = _adapter(layout.path, layout.other_files, problems)
+    # The config, tokenizer and processor a trainer saved into the checkpoint (HF Trainer).
+    from fsdpckpt.inspection._hf_files import split_hf_files
+
+    hf_files, others = split_hf_files(layout.path, others)
     return InspectReport(
         path=layout.path,
         style=layout.style,
@@ -229,9 +233,9 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
         world_size_exact=exact,
         # Parts reading the same files (a trainer's model, optimizer and state) count once.
         bytes=sum({(p.path, p.files): p.bytes for p in parts}.values())
-        + sum(f.size for f in layout.side_files),
+        + sum(f.size for f in layout.side_files + hf_files),
         parts=tuple(parts),
-        side_files=layout.side_files,
+        side_files=layout.side_files + hf_files,
         other_files=others,
         problems=tuple(problems),
         adapter=adapter,

@@ -1,0 +1,71 @@
+"""An MoE run exported as its users would (issue 20, section 3).
+
+``fixtures/mixtral/`` is a real 2-rank FSDP2 run (Accelerate's ``save_state``, gloo, CPU, 3
+SGD steps) of a tiny transformers 5 ``MixtralForCausalLM``; ``fixtures/generate_mixtral.py``
+writes it. Its checkpoint holds transformers 5's fused experts (``mlp.experts.gate_up_proj``
+``[3, 48, 16]``, 2 + 1 experts per rank); the references are transformers' own
+``save_pretrained`` of the trained model (per-expert hub names and bytes) and its logits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+import fsdpckpt  # noqa: E402
+
+from conftest import FIXTURES, run_cli  # noqa: E402
+
+MIXTRAL = FIXTURES / "mixtral"
+RUN = MIXTRAL / "run"
+CKPT = RUN / "checkpoint-3"
+REFERENCE = MIXTRAL / "reference"
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mixtral") / "out"
+    result = run_cli("export-hf", CKPT, out, "--json")  # base: the run folder, found
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["names_as_stored"] is None and doc["not_checked"] is None, doc
+    return out
+
+
+def test_the_run_holds_fused_experts_sharded_over_both_ranks():
+    (model, _optimizer) = fsdpckpt.inspect_checkpoint(CKPT).parts
+    fused = [t for t in model.tensors if t.name.endswith("mlp.experts.gate_up_proj")]
+    assert len(fused) == 2 and all(t.shape == (3, 48, 16) for t in fused)
+    assert all(len(t.chunks) == 2 for t in fused)  # 2 + 1 experts
+
+
+def test_the_export_writes_the_per_expert_names_and_bytes_save_pretrained_wrote(export):
+    got = load_file(export / "model.safetensors")
+    want = load_file(REFERENCE / "model.safetensors")
+    assert "model.layers.1.block_sparse_moe.experts.2.w3.weight" in want
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def test_the_export_loads_clean_with_the_runs_logits(export, caplog):
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(export), output_loading_info=True, trust_remote_code=False)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert "newly initialized" not in caplog.text
+    ref = load_file(MIXTRAL / "logits.safetensors")
+    with torch.no_grad():
+        logits = model.eval()(input_ids=ref["input_ids"]).logits
+    torch.testing.assert_close(logits, ref["logits"], atol=0, rtol=0)
+
+
+def test_verify_passes_on_the_runs_checkpoint():
+    assert fsdpckpt.verify_checkpoint(CKPT).ok

@@ -131,6 +131,21 @@ def test_inspect_shows_the_adapter_config(tmp_path):
     assert sorted(doc["adapter"]["target_modules"]) == ["q_proj", "v_proj"]
 
 
+def test_inspect_finds_the_adapter_config_where_hf_trainer_leaves_it():
+    # HF Trainer's adapter-only save: adapter_config.json in the run's output folder, above
+    # checkpoint-N/, where export-hf --lora looks for it too.
+    report = fsdpckpt.inspect_checkpoint(RUN / "run" / "checkpoint-3")
+    assert report.ok and report.adapter is not None
+    assert report.adapter.file == "../adapter_config.json" and report.adapter.r == 4
+
+
+def test_inspect_of_a_checkpoint_without_adapters_ignores_a_parents_adapter_config(tmp_path):
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    shutil.copytree(FIXTURES / "fsdp2_accelerate", ckpt)
+    shutil.copy(RUN / "run" / "adapter_config.json", tmp_path / "run")
+    assert fsdpckpt.inspect_checkpoint(ckpt).adapter is None
+
+
 def test_inspect_reports_a_wrong_adapter_config_as_a_problem(tmp_path):
     model = _peft_llama()
     _save(model.state_dict(), tmp_path / "ckpt", model)

@@ -165,13 +165,11 @@ def test_two_tensors_named_alike_are_refused_not_written_twice(tmp_path, monkeyp
 
 
 def test_inspect_shows_the_adapter_and_the_packed_base(tmp_path):
-    ckpt = tmp_path / "checkpoint-3"
-    shutil.copytree(_checkpoint("all_linear"), ckpt)
-    # inspect reads adapter_config.json beside the parts (where a run that saves it with the
-    # checkpoint puts it); this run wrote it one folder up, with the adapter.
-    shutil.copy(QLORA / "all_linear" / "run" / "adapter_config.json", ckpt)
+    # This run wrote adapter_config.json one folder up, with the adapter: inspect finds it
+    # where the export does.
+    ckpt = _checkpoint("all_linear")
     out = run_cli("inspect", ckpt, "--summary").stdout
-    assert "LoRA adapter (adapter_config.json): r=4, lora_alpha=8, targets" in out
+    assert "LoRA adapter (../adapter_config.json): r=4, lora_alpha=8, targets" in out
     assert "Not recognized" not in out
     doc = json.loads(run_cli("inspect", ckpt, "--json").stdout)
     assert doc["ok"] and doc["adapter"]["r"] == 4 and doc["adapter"]["lora_alpha"] == 8

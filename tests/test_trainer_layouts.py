@@ -72,8 +72,17 @@ def test_inspect_shows_the_parts_apart(trainer):
     assert sorted(t.name for t in kinds["model"].tensors) == sorted(
         prefix + name for name in _reference(trainer))
     assert all(t.name.startswith(TRAINERS[trainer][1] + ".") for t in kinds["optimizer"].tensors)
-    assert not kinds["state"].tensors
-    assert STATE[trainer] <= {o.name for o in kinds["state"].objects}
+    if STATE[trainer]:
+        assert not kinds["state"].tensors
+        assert STATE[trainer] <= {o.name for o in kinds["state"].objects}
+
+
+def test_inspect_leaves_out_a_part_the_folder_holds_nothing_of():
+    # Lightning keeps its training state in meta.pt, not in the DCP folder: no empty "state"
+    # part, the file listed as what it is.
+    report = inspect_checkpoint(TRAINERS["lightning"][0])
+    assert [p.kind for p in report.parts] == ["model", "optimizer"]
+    assert [f.kind for f in report.side_files] == ["trainer_meta"]
 
 
 @trainers

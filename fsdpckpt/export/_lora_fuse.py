@@ -28,8 +28,8 @@ from fsdpckpt.export._lora_config import (
 from fsdpckpt.export._lora_keys import LoraLayout, LoraModule
 from fsdpckpt.export._lora_read import ModelSource
 
-__all__ = ["LoraFuser", "fuse_weight", "find_adapter_config", "fused_from", "load",
-           "pick_adapter", "torch_dtype"]
+__all__ = ["LoraFuser", "fuse_weight", "find_adapter_config", "adapter_config_places",
+           "fused_from", "load", "pick_adapter", "torch_dtype"]
 
 #: A path argument: local, or a URL / :class:`RemotePath` on object storage.
 _Where: TypeAlias = str | os.PathLike[str] | RemotePath
@@ -182,6 +182,16 @@ def pick_adapter(layout: LoraLayout, adapter: str | None,
     return layout.adapters[0]
 
 
+def adapter_config_places(checkpoint: Place) -> list[Place]:
+    """Where a run leaves ``adapter_config.json`` for the checkpoint ``checkpoint``: its folder
+    and that folder's two parents (HF Trainer's and Accelerate's output folders), nearest first.
+    """
+    here = storage.resolved(checkpoint)  # a local link followed (object stores have none)
+    here = here if here.is_dir() else here.parent
+    # The root's parent (a bucket's too) is itself: each place once.
+    return list(dict.fromkeys([here, here.parent, here.parent.parent]))
+
+
 def find_adapter_config(checkpoint: _Where, *,
                         lora_config: _Config | None = None,
                         base: _Where | None = None,
@@ -198,11 +208,7 @@ def find_adapter_config(checkpoint: _Where, *,
         return parse_lora_config(dict(lora_config), source="lora_config")
     if lora_config is not None:
         return read_lora_config(lora_config, storage_options=storage_options)
-    path = location(checkpoint, storage_options=storage_options)
-    here = storage.resolved(path)  # a local link followed (object stores have none)
-    here = here if here.is_dir() else here.parent
-    # The folder and its two parents; the root's parent (a bucket's too) is itself.
-    places: list[Place] = list(dict.fromkeys([here, here.parent, here.parent.parent]))
+    places = adapter_config_places(location(checkpoint, storage_options=storage_options))
     if base is not None:
         places.append(location(base, storage_options=storage_options))
     for place in places:

@@ -146,22 +146,40 @@ def _is_checkpoint(folder: Place) -> bool:
     return True
 
 
-def _adapter(folder: Place, others: tuple[str, ...], problems: list[Problem]
-             ) -> tuple[AdapterReport | None, tuple[str, ...]]:
-    # A PEFT adapter config beside the parts (where save_state's callers write it): read as
-    # the LoRA export reads it, so that a wrong field shows here as a problem.
+def _adapter(folder: Place, others: tuple[str, ...], names: list[str],
+             problems: list[Problem]) -> tuple[AdapterReport | None, tuple[str, ...]]:
+    # A PEFT adapter config beside the parts (where save_state's callers write it), or, for a
+    # checkpoint holding LoRA adapters, where the export finds it (the run's output folder,
+    # where HF Trainer and PEFT's save_pretrained leave it): read as the LoRA export reads
+    # it, so that a wrong field shows here as a problem.
     from fsdpckpt.export._lora_config import ADAPTER_CONFIG, read_lora_config
+    from fsdpckpt.export._lora_fuse import adapter_config_places
 
-    if ADAPTER_CONFIG not in others:
-        return None, others
     rest = tuple(n for n in others if n != ADAPTER_CONFIG)
-    try:
-        config = read_lora_config(folder / ADAPTER_CONFIG)
-    except FsdpCkptError as exc:
-        problems.append(Problem(str(folder / ADAPTER_CONFIG), str(exc)))
+    label, found = ADAPTER_CONFIG, folder / ADAPTER_CONFIG if ADAPTER_CONFIG in others else None
+    if found is None and _holds_lora(names):
+        for up, place in enumerate(adapter_config_places(folder)[1:], start=1):
+            if (place / ADAPTER_CONFIG).is_file():
+                label, found = "../" * up + ADAPTER_CONFIG, place / ADAPTER_CONFIG
+                break
+    if found is None:
         return None, rest
-    return AdapterReport(ADAPTER_CONFIG, config.r, config.lora_alpha, config.target_modules,
+    try:
+        config = read_lora_config(found)
+    except FsdpCkptError as exc:
+        problems.append(Problem(str(found), str(exc)))
+        return None, rest
+    return AdapterReport(label, config.r, config.lora_alpha, config.target_modules,
                          config.use_rslora, config.use_dora), rest
+
+
+def _holds_lora(names: list[str]) -> bool:
+    from fsdpckpt.export._lora_keys import find_lora
+
+    try:
+        return bool(find_lora(names).adapter_keys)
+    except NotACheckpointError:  # half an adapter: still adapters, the export says what is wrong
+        return True
 
 
 def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
@@ -204,6 +222,7 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
     layout = find_layout(place)
     problems: list[Problem] = []
     parts = []
+    model_names: list[str] = []
     for part in layout.parts:
         folder = None
         if part.complete:
@@ -212,7 +231,13 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
         else:
             problems.append(Problem(str(part.path), "no .metadata: this save never finished "
                                     "(DCP writes .metadata last); use an earlier checkpoint"))
-        parts.append(_part_report(part, folder, keep))
+        report = _part_report(part, folder, keep)
+        if folder is not None and part.name == f"{layout.style}:{part.kind}" and \
+                not report.num_tensors and not report.num_objects:
+            continue  # a trainer's part its folder holds nothing of (Lightning's state: meta.pt)
+        parts.append(report)
+        if folder is not None and part.kind == "model":
+            model_names.extend(t.name for t in folder.metadata.tensors)
     rng_ranks = [f.rank for f in layout.files_of("rng") if f.rank is not None]
     world = max([p.world_size for p in parts] + [r + 1 for r in rng_ranks] + [0])
     # Every rank writes its RNG file; without them a DCP folder may only give a lower bound.
@@ -221,7 +246,7 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
     # Each side file decoded by the reader load_state uses: an empty or cut-short one fails here.
     problems.extend(check_side_files(layout.path, layout.side_files))
     problems.extend(stray_temporaries(layout.path, layout.other_files))
-    adapter, others = _adapter(layout.path, layout.other_files, problems)
+    adapter, others = _adapter(layout.path, layout.other_files, model_names, problems)
     # The config, tokenizer and processor a trainer saved into the checkpoint (HF Trainer).
     from fsdpckpt.inspection._hf_files import split_hf_files
 

@@ -14,10 +14,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from fsdpckpt._io import storage, storage_paths
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
+from fsdpckpt.export._code_files import MAX_CONFIG_BYTES as _MAX_CONFIG_BYTES
+from fsdpckpt.export._code_files import check_inside, code_files
 
 __all__ = ["SideFiles", "CONFIG", "MAX_SIDE_BYTES", "GENERATION_CONFIG", "TOKENIZER_FILES",
            "PROCESSOR_FILES", "GENERATION_FIELDS", "find_side_files", "side_file_bytes",
@@ -44,8 +45,6 @@ _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mode
 #: A folder of .jinja templates (transformers 5 saves extra named chat templates there).
 _TEMPLATES_DIR = "additional_chat_templates"
 
-#: A config.json is a few KB; one larger than this is not one.
-_MAX_CONFIG_BYTES = 16 * 2**20
 #: The largest side file copied (a large vocabulary's tokenizer.json is tens of MB): each is
 #: read whole, so this bounds the memory a copy takes.
 MAX_SIDE_BYTES = 128 * 2**20
@@ -141,12 +140,12 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
     others: list[Place] = list(tokenizer.glob("*_tokenizer"))
     for sub in sorted(others, key=str):
         if sub.is_dir() and _has_tokenizer(sub):
-            _check_inside(sub, tokenizer)
+            check_inside(sub, tokenizer)
             copied += [(sub / n, f"{sub.name}/{n}") for n in TOKENIZER_FILES
                        if (sub / n).is_file()]
     templates = tokenizer / _TEMPLATES_DIR
     if templates.is_dir():
-        _check_inside(templates, tokenizer)
+        check_inside(templates, tokenizer)
         jinja: list[Place] = list(templates.glob("*.jinja"))
         copied += [(p, f"{_TEMPLATES_DIR}/{p.name}") for p in sorted(jinja, key=str)
                    if p.is_file()]
@@ -161,101 +160,14 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
             made.append((GENERATION_CONFIG, config_bytes(doc)))
     # Custom code (trust_remote_code): the modules the config's and the tokenizer's
     # auto_map name, with the modules they import relatively, from the folder beside each.
-    code = _code_files(config, config.parent)
+    code = code_files(config, config.parent)
     if (tokenizer / "tokenizer_config.json").is_file():
-        code += [c for c in _code_files(tokenizer / "tokenizer_config.json", tokenizer)
+        code += [c for c in code_files(tokenizer / "tokenizer_config.json", tokenizer)
                  if c[1] not in {name for _, name in code}]
     copied += code
     for source, _name in copied:
-        _check_inside(source, source.parent)
+        check_inside(source, source.parent)
     return SideFiles(config, tuple(copied), tuple(folders), tuple(made))
-
-
-#: A module ``auto_map`` may name: one Python identifier (``modeling_custom``), so a name
-#: can never reach outside the folder.
-_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-#: What transformers reads as a relative import of custom code (dynamic_module_utils).
-_RELATIVE_IMPORTS = (re.compile(r"^\s*import\s+\.(\S+)\s*$", re.MULTILINE),
-                     re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE))
-#: A custom code module is source, not data: one larger than this is not one.
-_MAX_CODE_BYTES = 16 * 2**20
-
-
-def _auto_map_modules(auto_map: Any) -> list[str]:
-    # {"AutoModelForCausalLM": "modeling_x.XForCausalLM", "AutoTokenizer": ["tok.T", null]}
-    # A reference to another repo's code ("org/repo--modeling_x.X") is loaded from there.
-    refs: list[Any] = []
-    if isinstance(auto_map, dict):
-        for value in auto_map.values():
-            refs += value if isinstance(value, list) else [value]
-    modules = []
-    for ref in refs:
-        if isinstance(ref, str) and "--" not in ref and "." in ref:
-            modules.append(ref.rsplit(".", 1)[0])
-    return modules
-
-
-def _code_files(json_file: Place, folder: Place) -> list[tuple[Place, str]]:
-    """The ``.py`` files in ``folder`` that ``json_file``'s ``auto_map`` needs, as (source,
-    name): each module it names, and the modules those import relatively (as
-    transformers resolves them).
-
-    Raises:
-        NotACheckpointError: a module name that is not a plain Python name.
-        CheckpointNotFoundError: a module it needs is not in ``folder``.
-    """
-    try:
-        doc = parse_json(json_file.read_bytes()) if json_file.stat().st_size <= \
-            _MAX_CONFIG_BYTES else None
-    except (ValueError, OSError):
-        return []  # read_config, or the tokenizer itself, reports an unreadable file
-    if not isinstance(doc, dict):
-        return []
-    todo = _auto_map_modules(doc.get("auto_map"))
-    found: dict[str, Place] = {}
-    while todo:
-        module = todo.pop(0)
-        if module in found:
-            continue
-        if not _MODULE.match(module):
-            raise NotACheckpointError(f"{json_file}: auto_map names the module {module!r}, "
-                                      "which is not a Python module name in its folder; fix "
-                                      "the auto_map or pass base= with the model folder")
-        path = folder / f"{module}.py"
-        if not path.is_file():  # "--base": pinned by tests/test_export_hf.py
-            raise CheckpointNotFoundError(f"{path}: {json_file.name}'s auto_map needs this "
-                                          "custom code file and it is missing; pass --base "
-                                          "with the model folder that holds it")
-        _check_inside(path, folder)
-        if path.stat().st_size > _MAX_CODE_BYTES:
-            raise NotACheckpointError(f"{path}: over {_MAX_CODE_BYTES} bytes, it is not a "
-                                      "custom code module")
-        found[module] = path
-        text = path.read_bytes().decode("utf-8", errors="replace")
-        todo += [m for pattern in _RELATIVE_IMPORTS for m in pattern.findall(text)]
-    return [(path, path.name) for path in found.values()]
-
-
-def _check_inside(path: Place, folder: Place) -> None:
-    """Refuse a side file that is a symlink leading out of the folder it is copied from.
-
-    A Hugging Face hub cache's snapshot links its files to the repo's ``blobs/``; those
-    are inside.
-
-    Raises:
-        NotACheckpointError: ``path`` resolves outside ``folder``.
-    """
-    # Object stores have no links (and RemotePath refuses '..' in names): there a file is
-    # always inside the folder it was listed in.
-    root = storage.resolved(folder)
-    target = storage.resolved(path)
-    roots = [root]
-    if root.parent.name == "snapshots":  # hub cache: models--org--name/snapshots/<rev>
-        roots.append(root.parent.parent / "blobs")
-    if not any(storage_paths.within(target, r) for r in roots):
-        raise NotACheckpointError(f"{path}: a symlink to {target}, outside {folder}; side "
-                                  "files are only copied from inside their folder: copy the "
-                                  "file into the folder or pass base= with one that holds it")
 
 
 def strip_fsdp_prefix(name: str) -> str:

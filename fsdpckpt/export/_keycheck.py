@@ -24,7 +24,8 @@ from typing import Any
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import SafetensorsHeader
 from fsdpckpt.errors import ExportMismatchError
-from fsdpckpt.export._config import CONFIG, _check_inside
+from fsdpckpt.export._code_files import check_inside
+from fsdpckpt.export._config import CONFIG
 from fsdpckpt.formats._shards import MAX_INDEX_BYTES, read_header, read_shard_index
 
 __all__ = ["ExportMismatchError", "custom_code", "custom_code_reason", "check_declared_sizes",
@@ -153,7 +154,7 @@ def key_problems(shapes: Mapping[str, Shape], wanted: Mapping[str, Shape | None]
 
 def _header(file: Place) -> SafetensorsHeader:
     # The checked header of a safetensors file (the one parser), by ranged reads.
-    _check_inside(file, file.parent)  # a hub snapshot's links into blobs/ are inside
+    check_inside(file, file.parent)  # a hub snapshot's links into blobs/ are inside
     return read_header(file)
 
 

@@ -9,17 +9,24 @@ so a file the export would carry is never shown as "Not recognized".
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from fsdpckpt._io import storage
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp.layout import SideFile
+from fsdpckpt.export._code_files import custom_code_names
 from fsdpckpt.export._config import CONFIG, GENERATION_CONFIG, PROCESSOR_FILES, TOKENIZER_FILES
 
 __all__ = ["HF_FILE_KINDS", "hf_file_kind", "split_hf_files"]
 
 #: ``SideFile.kind`` of each Hugging Face file, in the order ``inspect`` lists them.
-HF_FILE_KINDS = ("config", "generation_config", "processor", "tokenizer", "chat_template")
+HF_FILE_KINDS = ("config", "generation_config", "processor", "tokenizer", "chat_template",
+                 "code")
+#: The folders ``save_pretrained`` writes beside the files, by kind: a processor's other
+#: tokenizers (``qformer_tokenizer/``) and the extra named chat templates.
+_FOLDER_KINDS = ((re.compile(r"^\w+_tokenizer$"), "tokenizer"),
+                 (re.compile(r"^additional_chat_templates$"), "chat_template"))
 
 
 def hf_file_kind(name: str) -> str | None:
@@ -64,11 +71,23 @@ def split_hf_files(folder: Place, names: Iterable[str]
     """
     found: list[SideFile] = []
     rest: list[str] = []
+    code: set[str] | None = None  # the auto_map's modules, read once if a .py file is there
     for name in names:
-        kind = hf_file_kind(name)
-        if kind is None or not (folder / name).is_file():
-            rest.append(name)
+        bare = name.rstrip("/")
+        place = folder / bare
+        if name.endswith(".py"):
+            code = set(custom_code_names(folder)) if code is None else code
+            kind = "code" if name in code else None
         else:
-            found.append(SideFile(name, kind, None, storage.size(folder / name)))
+            kind = hf_file_kind(bare) if not name.endswith("/") else None
+        if kind is not None and place.is_file():
+            found.append(SideFile(bare, kind, None, storage.size(place)))
+            continue
+        kind = next((k for pattern, k in _FOLDER_KINDS if pattern.match(bare)), None)
+        if kind is not None and place.is_dir():
+            files = [f for f in place.iterdir() if f.is_file()]
+            found.append(SideFile(bare + "/", kind, None, sum(storage.size(f) for f in files)))
+        else:
+            rest.append(name)
     found.sort(key=lambda f: (HF_FILE_KINDS.index(f.kind), f.name))
     return tuple(found), tuple(rest)

@@ -10,13 +10,15 @@ from the checkpoint in the same boxes (a contiguous run of row-major elements, a
 
 from __future__ import annotations
 
+from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
+from fsdpckpt.errors import ExportMismatchError
 from fsdpckpt.merging._copy import MemorySink, locate_stored_chunk, place_chunk
 from fsdpckpt.merging._runs import boxes, chunk_runs
 
-__all__ = ["BOX_BYTES", "same_bytes", "read_box"]
+__all__ = ["BOX_BYTES", "same_bytes", "read_box", "refuse_differing"]
 
 #: The most bytes of each tensor held at once.
 BOX_BYTES = 8 * 2**20
@@ -73,3 +75,39 @@ def read_box(files: DataFiles, tensor: TensorEntry, offsets: tuple[int, ...],
         sub = Chunk(tuple(lo - o for lo, o in zip(low, offsets)), part, chunk.file, 0, 0)
         place_chunk(src, sub_raw, sub, chunk_runs(sizes, sub), tensor.dtype, sink, 0,
                     source=source)
+
+
+def refuse_differing(checkpoint: Place, tied: dict[str, str],
+                     compared: dict[tuple[str, str], bool], config: Place,
+                     untie: bool) -> None:
+    """Refuse an export whose config ties tensors the checkpoint holds with different bytes.
+
+    The config decides what is tied; the bytes must agree, or dropping the target would
+    silently change the model.
+
+    Args:
+        checkpoint: the checkpoint's folder, for messages.
+        tied: tied target -> the tensor it is tied to.
+        compared: ``(target, source)`` -> whether :func:`same_bytes` found them equal
+            (pairs not compared count as equal).
+        config: the config that ties them, for messages.
+        untie: whether the user asked for both to be written (the class may tie them still).
+
+    Raises:
+        ExportMismatchError: a pair differs; the message says what to pass.
+    """
+    for target, source in sorted(tied.items()):
+        if compared.get((target, source), True):
+            continue
+        if untie:  # still tied: the class ties them whatever the config says (T5 in 5.x)
+            raise ExportMismatchError(
+                f"{checkpoint}: {target} and {source} differ, and the model class {config} "
+                f"describes ties them even with tie_word_embeddings: false (as transformers "
+                f"5's T5 does): it would load {source} as {target}, so no export as that "
+                f"class keeps both; load the run with the transformers version it was "
+                f"trained with")
+        raise ExportMismatchError(
+            f"{checkpoint}: {target} and {source} differ, but {config} ties them "
+            f"(tie_word_embeddings), so {target} would not be written and the model would "
+            f"change; pass --untie (untie=True) to write both and set tie_word_embeddings: "
+            f"false, or pass base=... with the config this run trained")

@@ -63,7 +63,7 @@ from fsdpckpt.export._model import (
     tied_without_transformers,
 )
 from fsdpckpt.export._moe import hub_names, hub_plan
-from fsdpckpt.export._tied import same_bytes
+from fsdpckpt.export._tied import refuse_differing, same_bytes
 from fsdpckpt.export._trainer_names import looks_like, trainer_job
 from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
@@ -345,7 +345,7 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
         if fused is None and tied:
             compared.update(_compare_tied(job, {k: v for k, v in tied.items()
                                                 if (k, v) not in compared}))
-            _refuse_differing(request, tied, compared, side.config, untie)
+            refuse_differing(request.sources[0].folder.path, tied, compared, side.config, untie)
             job, _ = trainer_job(plan_job(_excluding(request, sorted(
                 trainer.stored(t) if trainer else t for t in tied))), config, side.config,
                 trainer)
@@ -391,25 +391,3 @@ def _compare_tied(job: MergeJob, pairs: dict[str, str]) -> dict[tuple[str, str],
         finally:
             files.close()
     return found
-
-
-def _refuse_differing(request: MergeRequest, tied: dict[str, str],
-                      compared: dict[tuple[str, str], bool], config: Path | RemotePath,
-                      untie: bool) -> None:
-    # The config decides what is tied; the bytes must agree, or dropping the target would
-    # silently change the model.
-    for target, source in sorted(tied.items()):
-        if compared.get((target, source), True):
-            continue
-        if untie:  # still tied: the class ties them whatever the config says (T5 in 5.x)
-            raise ExportMismatchError(
-                f"{request.sources[0].folder.path}: {target} and {source} differ, and the "
-                f"model class {config} describes ties them even with tie_word_embeddings: "
-                f"false (as transformers 5's T5 does): it would load {source} as "
-                f"{target}, so no export as that class keeps both; load the run with the "
-                f"transformers version it was trained with")
-        raise ExportMismatchError(
-            f"{request.sources[0].folder.path}: {target} and {source} differ, but {config} "
-            f"ties them (tie_word_embeddings), so {target} would not be written and the model "
-            f"would change; pass --untie (untie=True) to write both and set "
-            f"tie_word_embeddings: false, or pass base=... with the config this run trained")

@@ -21,11 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdpckpt.export._config import strip_fsdp_prefix
-from fsdpckpt.export._keycheck import custom_code, custom_code_reason
+from fsdpckpt._io import storage
+from fsdpckpt._io.storage import Place
+from fsdpckpt.export._config import CONFIG, strip_fsdp_prefix
+from fsdpckpt.export._keycheck import base_weights, custom_code, custom_code_reason
 from fsdpckpt.export._moe import Piece, saved_layout
 
-__all__ = ["ModelExpectation", "expect_model", "tied_without_transformers", "start_import"]
+__all__ = ["ModelExpectation", "expect_model", "tied_without_transformers", "start_import",
+           "BaseWeights", "base_may_answer", "expect_from_base"]
 
 #: The output-embedding key most causal LMs tie to their input embeddings.
 _LM_HEAD = "lm_head.weight"
@@ -49,6 +52,56 @@ class ModelExpectation:
     shapes: dict[str, tuple[int, ...]]
     tied: dict[str, str]
     saved: dict[str, tuple[Piece, ...]] | str = ""
+
+
+#: The base's weights, by name with their shapes, and the file that lists them.
+BaseWeights = tuple[dict[str, tuple[int, ...]], Place]
+
+
+def base_may_answer(config_file: Place, base: Place | None) -> BaseWeights | None:
+    """The base's weights when they may stand in for the model class: the config exported is
+    the base's own (``base/config.json``), it names no custom code, and its safetensors
+    weights give every name and shape; else None.
+
+    A base folder written by ``save_pretrained`` holds exactly the names and shapes the
+    class built from its config writes (tied targets left out), so when a checkpoint's names
+    and shapes are those, nothing is left for the class to say, and neither transformers nor
+    the model's code is imported (seconds of an export's time, most of a small one's).
+    """
+    if base is None or str(storage.resolved(config_file)) != str(storage.resolved(base / CONFIG)):
+        return None
+    weights = base_weights(base)
+    if weights is None or any(shape is None for shape in weights[0].values()):
+        return None  # names alone (a .bin base, an index without its files): the class decides
+    return {name: tuple(shape) for name, shape in weights[0].items() if shape is not None}, \
+        weights[1]
+
+
+def expect_from_base(shapes: dict[str, tuple[int, ...]], config: dict[str, Any],
+                     weights: BaseWeights) -> ModelExpectation | None:
+    """The model class's expectation, answered by the base's weights (:func:`base_may_answer`)
+    when the checkpoint's names and shapes are exactly theirs, ties from the config as
+    without transformers (:func:`tied_without_transformers`); None when they are not (other
+    names: MoE experts fused in memory, LLaVA's, another tie), and the class must be built.
+
+    Args:
+        shapes: the exported tensors' names and shapes (tied targets included).
+        config: the exported config.
+        weights: the base's weights.
+    """
+    if custom_code(config):
+        return None
+    tied = tied_without_transformers(config, shapes)
+    wanted, _where = weights
+    if set(wanted) != set(shapes) - set(tied) or any(
+            wanted[name] != tuple(shape) for name, shape in shapes.items() if name in wanted):
+        return None
+    if any(tuple(shapes[target]) != tuple(shapes[source]) for target, source in tied.items()):
+        return None
+    names = [strip_fsdp_prefix(a) for a in (config.get("architectures") or [])
+             if isinstance(a, str)]
+    model_class = names[0] if names else str(config.get("model_type"))
+    return ModelExpectation(model_class, {n: tuple(v) for n, v in shapes.items()}, tied, "")
 
 
 def start_import(config: dict[str, Any]) -> threading.Thread:

@@ -58,6 +58,8 @@ from fsdpckpt.export._lora_keys import refuse_unasked
 from fsdpckpt.export._lora_read import folder_source
 from fsdpckpt.export._model import (
     ModelExpectation,
+    base_may_answer,
+    expect_from_base,
     expect_model,
     start_import,
     tied_without_transformers,
@@ -100,6 +102,10 @@ class ExportResult:
         converted: the trainer's names converted to the hub's (a torchtune or torchtitan
             run of a family :mod:`fsdpckpt.export._trainer_families` lists), as one
             phrase; None when the checkpoint held Hugging Face's names.
+        base_weights: the base's weight file (``model.safetensors`` or its index) whose
+            names and shapes the export's are, every one: they answered for the model class
+            (``model_class``, as the config names it), which was then not built and
+            transformers not imported; None when the class was built.
     """
 
     source: Path | RemotePath
@@ -116,6 +122,7 @@ class ExportResult:
     not_checked: str | None = None
     names_as_stored: str | None = None
     converted: str | None = None
+    base_weights: Path | RemotePath | None = None
 
     def to_json(self) -> dict:
         """What ``fsdpckpt export-hf --json`` prints."""
@@ -126,6 +133,7 @@ class ExportResult:
                 "config_from": str(self.config_from), "checked_against": self.model_class,
                 "not_checked": self.not_checked, "names_as_stored": self.names_as_stored,
                 "converted": self.converted,
+                "base_weights": str(self.base_weights) if self.base_weights else None,
                 "seconds": round(self.seconds, 3)}
 
 
@@ -278,8 +286,10 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
     layout = find_layout(where)
     side = find_side_files(_search_root(layout), base_at)
     config = read_config(side.config)
-    # transformers' import is the export's largest cost: it runs while this thread plans.
-    importing = start_import(config)
+    # transformers' import is the export's largest cost: it runs while this thread plans,
+    # unless the base's own weights may stand in for the model class (export._model).
+    from_base = base_may_answer(side.config, base_at)
+    importing = start_import(config) if from_base is None else None
     request = validate_merge(layout, output, dtype=dtype, max_shard_size=max_shard_size,
                              overwrite=overwrite)
     job = plan_job(request)  # also: is the output free, and which earlier outputs go
@@ -319,8 +329,10 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
         for name, data in side.made:  # the generation config no folder held
             write_bytes(stage / name, data)
             copies.append(stage / name)
-        importing.join()
-        expect = expect_model(stage, fixed, trust_remote_code=trust_remote_code)
+        quick = expect_from_base(shapes, fixed, from_base) if from_base else None
+        if quick is None:
+            (importing or start_import(config)).join()
+        expect = quick or expect_model(stage, fixed, trust_remote_code=trust_remote_code)
         not_checked = names = None
         if isinstance(expect, ModelExpectation):
             # In-memory names (transformers 5) or the hub's (transformers 4's per-expert
@@ -365,8 +377,8 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
                         result.tensors, result.bytes, export_dtype, tuple(sorted(tied.items())),
                         side.config, expect.model_class if isinstance(expect, ModelExpectation)
                         else None, time.perf_counter() - start, not_checked, as_stored,
-                        trainer.said() if trainer else None)
-
+                        trainer.said() if trainer else None,
+                        from_base[1] if quick is not None and from_base else None)
 
 
 def _excluding(request: MergeRequest, names: list[str]) -> MergeRequest:

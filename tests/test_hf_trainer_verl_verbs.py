@@ -27,7 +27,7 @@ from test_perrank import _torch_reference
 
 import fsdpckpt
 
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, assert_one_line_error, run_cli
 from deep_compare import assert_same_tensors
 from multirank import run_ranks
 
@@ -107,6 +107,17 @@ def test_load_full_state_dict_is_the_trainers_model(which):
     assert_same_tensors(state["model"], load_file(run.model))
 
 
+@pytest.mark.parametrize("which", sorted(RUNS))
+def test_merge_weights_and_convert_round_trip_the_trainers_model(which, tmp_path):
+    run = RUNS[which]
+    result = run_cli("merge-weights", run.ckpt / "pytorch_model_fsdp_0", tmp_path / "acc")
+    assert result.exit_code == 0, result.output
+    assert_same_tensors(load_file(tmp_path / "acc" / "model.safetensors"), load_file(run.model))
+    result = run_cli("convert", run.model, tmp_path / "seed" / "pytorch_model_fsdp_0")
+    assert result.exit_code == 0, result.output
+    assert run_cli("diff", tmp_path / "seed", run.ckpt).exit_code == 0
+
+
 # --- HF Trainer: export-hf ----------------------------------------------------------------
 
 def test_full_export_loads_in_transformers_as_the_trainers_model(tmp_path):
@@ -141,6 +152,13 @@ def test_lora_adapter_export_is_the_trained_adapter_and_diffs_equal(tmp_path):
     assert run_cli("inspect", out, "--summary").exit_code == 0
     assert_same_tensors(fsdpckpt.load_full_state_dict(out),
                         load_file(LORA / "trained_adapter.safetensors"))
+
+
+def test_lora_export_without_lora_names_both_flags(tmp_path):
+    result = run_cli("export-hf", RUNS["hf-trainer-lora"].ckpt, tmp_path / "out",
+                     "--base", LORA / "base")
+    assert_one_line_error(result, "holds LoRA adapters", "--lora adapter", "--lora fuse")
+    assert not (tmp_path / "out").exists()
 
 
 def test_lora_fuse_export_is_pefts_merge_and_unload(tmp_path):

@@ -52,6 +52,8 @@ _SIDE_FILES = [
     (re.compile(r"^extra_state_world_size_\d{1,9}_rank_\d{1,9}\.pt$"), "extra_state"),
     (re.compile(r"^fsdp_config\.json$"), "fsdp_config"),
 ]
+#: The folder in which VeRL's checkpoint manager saves the model's config and tokenizer.
+VERL_HF_DIR = "huggingface/"
 _MODEL_DIR = re.compile(r"^pytorch_model(_fsdp)?_(\d+)$")
 _OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
 _CHECKPOINT_DIR = re.compile(r"^(checkpoint|ckpt|step|global_step)[-_]?\d+$")
@@ -308,6 +310,12 @@ def find_layout(path: str | os.PathLike[str] | Place) -> CheckpointLayout:
     for rank_set in rank_sets:
         parts.append(DcpPart(rank_set.name, rank_set.kind, rank_set.index, root, True))
         other = [n for n in other if n not in rank_set.files.values()]
+    if style == "verl" and VERL_HF_DIR in other:
+        # VeRL's copy of the model's config and tokenizer, which export-hf takes as its base.
+        hf_dir = root / VERL_HF_DIR.rstrip("/")
+        side.append(SideFile(VERL_HF_DIR, "hf_config", None,
+                             sum(e.size() for e in _scan(hf_dir) if not e.is_dir())))
+        other.remove(VERL_HF_DIR)
     # Safetensors files of torch's HuggingFaceStorageWriter: one part, read by
     # dcp/_hfstorage.py as a DCP folder.
     saved = None if nested or parts else find_hf_storage(root, other)

@@ -42,9 +42,11 @@ from fsdpckpt.merging._runs import chunk_runs
 __all__ = ["MERGED_FILES", "DcpSource", "Source", "TensorInfo", "bits", "same_value"]
 
 #: What a folder that is no checkpoint is read as, first found first (model, then optimizer).
+#: PEFT's adapter file last: an adapter export (``export-hf --lora adapter``) is compared and
+#: inspected as the model it holds.
 MERGED_FILES = {
     "model": ("model.safetensors.index.json", "model.safetensors",
-              "pytorch_model.bin.index.json", "pytorch_model.bin"),
+              "pytorch_model.bin.index.json", "pytorch_model.bin", "adapter_model.safetensors"),
     "optimizer": ("optimizer.safetensors.index.json", "optimizer.safetensors",
                   "optimizer.bin.index.json", "optimizer.bin"),
 }

@@ -37,9 +37,10 @@ from fsdpckpt.merging._validate import choose_parts
 
 __all__ = ["load_full_state_dict", "shard_files"]
 
+# PEFT's adapter file after the model's: an adapter export loads as the tensors it holds.
 _MERGED_NAMES = ["model.safetensors.index.json", "model.safetensors",
-                 "pytorch_model.bin.index.json",
-                 "pytorch_model.bin", "optimizer.safetensors.index.json", "optimizer.safetensors",
+                 "pytorch_model.bin.index.json", "pytorch_model.bin", "adapter_model.safetensors",
+                 "optimizer.safetensors.index.json", "optimizer.safetensors",
                  "optimizer.bin.index.json", "optimizer.bin"]
 
 

@@ -133,8 +133,15 @@ def test_fuse_without_base_says_to_pass_it(tmp_path):
 
 def test_a_base_that_is_not_the_run_s_model_is_refused_by_name(tmp_path):
     # Another tiny Llama (hidden size 64, not 16): every name is there, no size is.
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(BASE)
+    config.hidden_size, config.head_dim = 64, 16
+    wider = tmp_path / "wider"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(wider)
+    shutil.copy(BASE / "tokenizer.json", wider)
     result = run_cli("export-hf", _checkpoint("all_linear"), tmp_path / "out", "--lora", "fuse",
-                     "--base", FIXTURES / "hf_trainer_lora" / "base")
+                     "--base", wider)
     assert_one_line_error(result, "model.embed_tokens.weight is [103, 16] but [103, 64]",
                           "--base")
     # The run's model with one projection of another shape: refused by its packed size (the

@@ -33,6 +33,7 @@ from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._zstd import ZstdEntry
 from fsdpckpt.errors import DiffOptionError
 from fsdpckpt.inspection._diff_files import open_source
+from fsdpckpt.inspection._diff_names import NameMap, mapped_sides
 from fsdpckpt.inspection._diff_sources import Source, TensorInfo, bits, same_value
 from fsdpckpt.inspection._diff_tied import Tie, ties_left_out
 from fsdpckpt.inspection._diff_tiles import (
@@ -47,8 +48,8 @@ from fsdpckpt.inspection._diff_trainer import whole_trainer_sides
 from fsdpckpt.inspection.inspect import name_matcher
 from fsdpckpt.merging._runs import boxes
 
-__all__ = ["diff", "DiffReport", "TensorDiff", "ObjectDiff", "Tie", "DiffOptionError",
-           "BOX_ELEMENTS"]
+__all__ = ["diff", "DiffReport", "TensorDiff", "ObjectDiff", "Tie", "NameMap",
+           "DiffOptionError", "BOX_ELEMENTS"]
 
 #: Elements of one tensor compared at a time. The comparison holds a few float64 copies of a
 #: box per side: about 40 bytes an element, 20 MiB at this size.
@@ -125,6 +126,9 @@ class DiffReport:
         tied: the tensors one side leaves out because its config ties them (an export's
             ``lm_head.weight``): not missing, but compared in ``tensors`` under their name
             with the tensor they are tied to, as a loader would see them.
+        names: how a checkpoint side's names were matched to a Hugging Face folder's (read
+            as export-hf writes it: renamed, cut, rows reordered), or why they were not;
+            None when no folder's names needed it.
     """
 
     a: str
@@ -136,6 +140,7 @@ class DiffReport:
     tensors: tuple[TensorDiff, ...]
     objects: tuple[ObjectDiff, ...] = field(default=())
     tied: tuple[Tie, ...] = field(default=())
+    names: NameMap | None = None
 
     @property
     def equal(self) -> bool:
@@ -157,6 +162,7 @@ class DiffReport:
             "tensors": [t.to_json() for t in self.tensors],
             "objects": [o.to_json() for o in self.objects],
             "tied": [t.to_json() for t in self.tied],
+            "names": self.names.to_json() if self.names else None,
             "summary": {
                 "tensors": len(self.tensors),
                 "identical": sum(t.identical for t in self.tensors),
@@ -356,8 +362,10 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 
             open_source(b, optimizer=optimizer, model_index=model_index, keep_keys=keep_keys,
                         storage_options=storage_options) as right, reusing_scratch(), \
             whole_trainer_sides(left, right, keep_keys=keep_keys) as (left, right):
-        # A trainer's folder against its framework's whole consolidation: both whole.
-        return _diff(left, right, atol, rtol, keep, progress)
+        # A trainer's folder against its framework's whole consolidation: both whole; a
+        # checkpoint against its export: read under the export's names (._diff_names).
+        left, right, mapped = mapped_sides(left, right)
+        return replace(_diff(left, right, atol, rtol, keep, progress), names=mapped)
 
 
 def _diff(left: Source, right: Source, atol: float, rtol: float, keep: Any,

@@ -34,7 +34,7 @@ from fsdpckpt.dcp._zstd import ZstdEntry
 from fsdpckpt.errors import DiffOptionError
 from fsdpckpt.inspection._diff_files import open_source
 from fsdpckpt.inspection._diff_names import NameMap, mapped_sides
-from fsdpckpt.inspection._diff_sources import Source, TensorInfo, bits, same_value
+from fsdpckpt.inspection._diff_sources import Accumulator, Source, TensorInfo, same_value
 from fsdpckpt.inspection._diff_tied import Tie, ties_left_out
 from fsdpckpt.inspection._diff_tiles import (
     Piece,
@@ -194,44 +194,6 @@ def _tolerance(name: str, value: float) -> float:
     return number
 
 
-class _Accumulator:
-    """The running comparison of one tensor, box after box."""
-
-    def __init__(self) -> None:
-        self.identical = True
-        self.comparable = True
-        self.max_abs = 0.0
-        self.max_rel = 0.0
-        self.mismatched = 0
-
-    def add(self, a: Any, b: Any, same_dtype: bool, atol: float, rtol: float) -> None:
-        """Compare one box: ``a`` and ``b`` are 1-D tensors of equal length."""
-        import torch
-
-        if same_dtype and torch.equal(bits(a), bits(b)):
-            return
-        self.identical = False
-        wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
-        try:
-            x, y = a.to(wide), b.to(wide)
-        except (RuntimeError, TypeError):  # float4 and others torch cannot convert
-            self.comparable = False
-            self.mismatched += int((bits(a) != bits(b)).sum()) if same_dtype else a.numel()
-            return
-        same = (x == y) | (torch.isnan(x) & torch.isnan(y))
-        one_nan = torch.isnan(x) ^ torch.isnan(y)
-        infinite = torch.isinf(x) | torch.isinf(y)
-        size = (x - y).abs()
-        size = torch.where(same, 0.0, torch.where(one_nan, math.inf, size))
-        scale = y.abs()
-        close = same | ((size <= atol + rtol * scale) & ~infinite)
-        rel = torch.where(size == 0, 0.0, size / scale).nan_to_num(nan=math.inf)
-        self.mismatched += int((~close).sum())
-        if size.numel():
-            self.max_abs = max(self.max_abs, float(size.max()))
-            self.max_rel = max(self.max_rel, float(rel.max()))
-
-
 def _compare_tensor(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, atol: float,
                     rtol: float, advance: ProgressCallback | None) -> TensorDiff:
 
@@ -240,7 +202,7 @@ def _compare_tensor(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, atol: 
     if ta.shape != tb.shape:
         return TensorDiff(ta.name, ta.dtype.name, tb.dtype.name, ta.shape, tb.shape, False,
                           False, None, None, 0, 0)
-    acc = _Accumulator()
+    acc = Accumulator()
     pieces_a, pieces_b = a.pieces(ta.name), b.pieces(tb.name)
     if pieces_a is not None and pieces_b is not None:
         _compare_tiles(pieces_a, pieces_b, ta, tb, acc, atol, rtol, advance)
@@ -254,7 +216,7 @@ def _compare_tensor(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, atol: 
 
 
 def _compare_tiles(pieces_a: list[Piece], pieces_b: list[Piece], ta: TensorInfo,
-                   tb: TensorInfo, acc: _Accumulator, atol: float, rtol: float,
+                   tb: TensorInfo, acc: Accumulator, atol: float, rtol: float,
                    advance: ProgressCallback | None) -> None:
     """Compare where both sides are stored by piece: each overlap of a piece of A with a
     piece of B in tiles that both read in long runs (:mod:`._diff_tiles`)."""
@@ -287,7 +249,7 @@ def _compare_tiles(pieces_a: list[Piece], pieces_b: list[Piece], ta: TensorInfo,
                 advance(count * (ta.dtype.itemsize + tb.dtype.itemsize))
 
 
-def _compare_boxes(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, acc: _Accumulator,
+def _compare_boxes(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, acc: Accumulator,
                    atol: float, rtol: float, advance: ProgressCallback | None) -> None:
     """Compare box by box in row-major order, through :meth:`Source.read`."""
     import torch

@@ -174,3 +174,17 @@ def test_chunks_cut_inside_heads_and_experts_and_stored_transposed(which, tmp_pa
     assert report.equal and report.names is not None and report.names.converted
     report = diff(_changed(tmp_path / "hf", name, tmp_path / "changed"), cut)
     assert [(t.name, t.mismatched) for t in report.differing] == [(name, 1)]
+
+
+def test_a_class_transformers_fails_to_build_is_compared_as_stored(exported, monkeypatch):
+    which, checkpoint, out = exported
+    if which.startswith("torch"):
+        pytest.skip("a trainer's names need no model class")
+
+    def failing(*_args, **_kwargs):
+        raise ValueError("no such attention implementation")
+
+    monkeypatch.setattr(_save_moe, "expect_model", failing)
+    report = diff(out, checkpoint)
+    assert not report.equal and report.names is not None and report.names.side == "b"
+    assert "ValueError: no such attention implementation" in (report.names.not_mapped or "")

@@ -253,7 +253,11 @@ def _plan(stored: Mapping[str, Shape], config: dict[str, Any], config_file: Plac
         check_declared_sizes(config, dict(stored), config_file)
     except ExportMismatchError as exc:
         return None, NameMap(side, None, not_mapped=str(exc))
-    hub = hub_layout(config, stored)
+    try:
+        hub = hub_layout(config, stored)
+    except Exception as exc:  # noqa: BLE001  transformers' own failure: compared as stored
+        return None, NameMap(side, None, not_mapped=f"the model class was not built: "
+                             f"{type(exc).__name__}: {str(exc)[:200]}")
     if hub.pieces is None or hub.as_stored:
         return None, NameMap(side, None, not_mapped=hub.as_stored or "unknown")
     targets = {p.name: _Target(p, None) for found in hub.pieces.values() for p in found}

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fsdpckpt
+from fsdpckpt.inspection import diff as diff_module
 from fsdpckpt.inspection.diff import diff
 from fsdpckpt.training import _save_moe
 
@@ -188,3 +189,13 @@ def test_a_class_transformers_fails_to_build_is_compared_as_stored(exported, mon
     report = diff(out, checkpoint)
     assert not report.equal and report.names is not None and report.names.side == "b"
     assert "ValueError: no such attention implementation" in (report.names.not_mapped or "")
+
+
+def test_tiny_boxes_cut_across_experts_and_reordered_rows(exported, tmp_path, monkeypatch):
+    # Tiles of 5 elements: each one crosses row, head and expert boundaries somewhere.
+    which, checkpoint, out = exported
+    monkeypatch.setattr(diff_module, "BOX_ELEMENTS", 5)
+    assert diff(checkpoint, out).equal and diff(out, checkpoint).equal
+    name = RUNS[which][2]
+    report = diff(checkpoint, _changed(out, name, tmp_path / "changed"))
+    assert [(t.name, t.mismatched) for t in report.differing] == [(name, 1)]

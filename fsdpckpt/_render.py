@@ -267,6 +267,8 @@ def render_diff(report: DiffReport) -> str:
     out = [f"A: {_p(report.a)}", f"B: {_p(report.b)}"]
     out += _names_line("missing (in A, not in B)", report.missing)
     out += _names_line("unexpected (in B, not in A)", report.unexpected)
+    if report.names is not None:  # a checkpoint read under its export's names, or why not
+        out.append(_p(report.names.said()))
     for tie in report.tied:  # an export's tied target: compared with what it is tied to
         side, other = tie.left_out_by.upper(), "B" if tie.left_out_by == "a" else "A"
         verdict = "equal" if all(t.equal for t in report.tensors if t.name == tie.name) \

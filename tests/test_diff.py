@@ -257,7 +257,7 @@ def test_json_is_one_document_with_the_verdict_and_every_tensor(merged, tmp_path
     assert result.exit_code == 1
     doc = json.loads(result.stdout)
     assert set(doc) == {"a", "b", "atol", "rtol", "equal", "missing", "unexpected", "tensors",
-                        "objects", "tied", "summary"}
+                        "objects", "tied", "names", "summary"}
     assert doc["equal"] is False and doc["summary"]["differing"] == 1
     bad = next(t for t in doc["tensors"] if t["name"] == "2.bias")
     assert set(bad) == {"name", "dtype", "shape", "equal", "identical", "max_abs", "max_rel",

@@ -39,7 +39,8 @@ from fsdpckpt.merging._copy import MemorySink, locate_stored_chunk, place_chunk
 from fsdpckpt.merging._keys import output_name, shares_top_key
 from fsdpckpt.merging._runs import chunk_runs
 
-__all__ = ["MERGED_FILES", "DcpSource", "Source", "TensorInfo", "bits", "same_value"]
+__all__ = ["MERGED_FILES", "Accumulator", "DcpSource", "Source", "TensorInfo", "bits",
+           "same_value"]
 
 #: What a folder that is no checkpoint is read as, first found first (model, then optimizer).
 #: PEFT's adapter file last: an adapter export (``export-hf --lora adapter``) is compared and
@@ -225,3 +226,42 @@ def same_value(x: Any, y: Any) -> bool:
     if isinstance(x, (float, complex)):
         return x == y or (x != x and y != y)  # NaN is the only x != x
     return bool(x == y)
+
+
+class Accumulator:
+    """The running comparison of one tensor, box after box (``diff``'s rule of what is
+    equal: :mod:`fsdpckpt.inspection.diff`)."""
+
+    def __init__(self) -> None:
+        self.identical = True
+        self.comparable = True
+        self.max_abs = 0.0
+        self.max_rel = 0.0
+        self.mismatched = 0
+
+    def add(self, a: Any, b: Any, same_dtype: bool, atol: float, rtol: float) -> None:
+        """Compare one box: ``a`` and ``b`` are 1-D tensors of equal length."""
+        import torch
+
+        if same_dtype and torch.equal(bits(a), bits(b)):
+            return
+        self.identical = False
+        wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
+        try:
+            x, y = a.to(wide), b.to(wide)
+        except (RuntimeError, TypeError):  # float4 and others torch cannot convert
+            self.comparable = False
+            self.mismatched += int((bits(a) != bits(b)).sum()) if same_dtype else a.numel()
+            return
+        same = (x == y) | (torch.isnan(x) & torch.isnan(y))
+        one_nan = torch.isnan(x) ^ torch.isnan(y)
+        infinite = torch.isinf(x) | torch.isinf(y)
+        size = (x - y).abs()
+        size = torch.where(same, 0.0, torch.where(one_nan, math.inf, size))
+        scale = y.abs()
+        close = same | ((size <= atol + rtol * scale) & ~infinite)
+        rel = torch.where(size == 0, 0.0, size / scale).nan_to_num(nan=math.inf)
+        self.mismatched += int((~close).sum())
+        if size.numel():
+            self.max_abs = max(self.max_abs, float(size.max()))
+            self.max_rel = max(self.max_rel, float(rel.max()))

@@ -14,12 +14,13 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import NotACheckpointError
 from fsdpckpt.export._config import CONFIG, read_config
 from fsdpckpt.export._model import tied_without_transformers
 from fsdpckpt.inspection._diff_sources import Source
 
-__all__ = ["Tie", "ties_left_out"]
+__all__ = ["Tie", "ties_left_out", "side_config"]
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,29 @@ def ties_left_out(side: Source, other: Collection[str], which: str) -> list[Tie]
         >>> ties_left_out(export_side, checkpoint_side.tensors, "b")
         [Tie(name='lm_head.weight', tied_to='model.embed_tokens.weight', left_out_by='b')]
     """
-    if side.kind == "dcp":
+    found = side_config(side)
+    if found is None:
         return []
-    config_file = side.path.parent / CONFIG
-    if not config_file.is_file():
-        return []
-    try:
-        config = read_config(config_file)
-    except NotACheckpointError:  # not a model's config: nothing is known to be tied
-        return []
+    _, config = found
     ties = tied_without_transformers(config, set(side.tensors) | set(other))
     return [Tie(target, source, which) for target, source in ties.items()
             if target not in side.tensors and target in other and source in side.tensors]
+
+
+def side_config(side: Source) -> tuple[Place, dict[str, Any]] | None:
+    """The ``config.json`` beside a side's weight file and what it says: None for a
+    checkpoint (DCP) side, or a file with no readable model config beside it.
+
+    Example:
+        >>> side_config(export_side)
+        (PosixPath('out/config.json'), {'model_type': 'llama', ...})
+    """
+    if side.kind == "dcp":
+        return None
+    config_file = side.path.parent / CONFIG
+    if not config_file.is_file():
+        return None
+    try:
+        return config_file, read_config(config_file)
+    except NotACheckpointError:  # not a model's config: nothing is known of its model
+        return None

@@ -33,7 +33,8 @@ from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._zstd import ZstdEntry
 from fsdpckpt.errors import DiffOptionError
 from fsdpckpt.inspection._diff_files import open_source
-from fsdpckpt.inspection._diff_sources import Source, TensorInfo, bits, same_value
+from fsdpckpt.inspection._diff_names import NameMap, mapped_sides
+from fsdpckpt.inspection._diff_sources import Accumulator, Source, TensorInfo, same_value
 from fsdpckpt.inspection._diff_tied import Tie, ties_left_out
 from fsdpckpt.inspection._diff_tiles import (
     Piece,
@@ -47,8 +48,8 @@ from fsdpckpt.inspection._diff_trainer import whole_trainer_sides
 from fsdpckpt.inspection.inspect import name_matcher
 from fsdpckpt.merging._runs import boxes
 
-__all__ = ["diff", "DiffReport", "TensorDiff", "ObjectDiff", "Tie", "DiffOptionError",
-           "BOX_ELEMENTS"]
+__all__ = ["diff", "DiffReport", "TensorDiff", "ObjectDiff", "Tie", "NameMap",
+           "DiffOptionError", "BOX_ELEMENTS"]
 
 #: Elements of one tensor compared at a time. The comparison holds a few float64 copies of a
 #: box per side: about 40 bytes an element, 20 MiB at this size.
@@ -125,6 +126,9 @@ class DiffReport:
         tied: the tensors one side leaves out because its config ties them (an export's
             ``lm_head.weight``): not missing, but compared in ``tensors`` under their name
             with the tensor they are tied to, as a loader would see them.
+        names: how a checkpoint side's names were matched to a Hugging Face folder's (read
+            as export-hf writes it: renamed, cut, rows reordered), or why they were not;
+            None when no folder's names needed it.
     """
 
     a: str
@@ -136,6 +140,7 @@ class DiffReport:
     tensors: tuple[TensorDiff, ...]
     objects: tuple[ObjectDiff, ...] = field(default=())
     tied: tuple[Tie, ...] = field(default=())
+    names: NameMap | None = None
 
     @property
     def equal(self) -> bool:
@@ -157,6 +162,7 @@ class DiffReport:
             "tensors": [t.to_json() for t in self.tensors],
             "objects": [o.to_json() for o in self.objects],
             "tied": [t.to_json() for t in self.tied],
+            "names": self.names.to_json() if self.names else None,
             "summary": {
                 "tensors": len(self.tensors),
                 "identical": sum(t.identical for t in self.tensors),
@@ -188,44 +194,6 @@ def _tolerance(name: str, value: float) -> float:
     return number
 
 
-class _Accumulator:
-    """The running comparison of one tensor, box after box."""
-
-    def __init__(self) -> None:
-        self.identical = True
-        self.comparable = True
-        self.max_abs = 0.0
-        self.max_rel = 0.0
-        self.mismatched = 0
-
-    def add(self, a: Any, b: Any, same_dtype: bool, atol: float, rtol: float) -> None:
-        """Compare one box: ``a`` and ``b`` are 1-D tensors of equal length."""
-        import torch
-
-        if same_dtype and torch.equal(bits(a), bits(b)):
-            return
-        self.identical = False
-        wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
-        try:
-            x, y = a.to(wide), b.to(wide)
-        except (RuntimeError, TypeError):  # float4 and others torch cannot convert
-            self.comparable = False
-            self.mismatched += int((bits(a) != bits(b)).sum()) if same_dtype else a.numel()
-            return
-        same = (x == y) | (torch.isnan(x) & torch.isnan(y))
-        one_nan = torch.isnan(x) ^ torch.isnan(y)
-        infinite = torch.isinf(x) | torch.isinf(y)
-        size = (x - y).abs()
-        size = torch.where(same, 0.0, torch.where(one_nan, math.inf, size))
-        scale = y.abs()
-        close = same | ((size <= atol + rtol * scale) & ~infinite)
-        rel = torch.where(size == 0, 0.0, size / scale).nan_to_num(nan=math.inf)
-        self.mismatched += int((~close).sum())
-        if size.numel():
-            self.max_abs = max(self.max_abs, float(size.max()))
-            self.max_rel = max(self.max_rel, float(rel.max()))
-
-
 def _compare_tensor(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, atol: float,
                     rtol: float, advance: ProgressCallback | None) -> TensorDiff:
 
@@ -234,7 +202,7 @@ def _compare_tensor(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, atol: 
     if ta.shape != tb.shape:
         return TensorDiff(ta.name, ta.dtype.name, tb.dtype.name, ta.shape, tb.shape, False,
                           False, None, None, 0, 0)
-    acc = _Accumulator()
+    acc = Accumulator()
     pieces_a, pieces_b = a.pieces(ta.name), b.pieces(tb.name)
     if pieces_a is not None and pieces_b is not None:
         _compare_tiles(pieces_a, pieces_b, ta, tb, acc, atol, rtol, advance)
@@ -248,7 +216,7 @@ def _compare_tensor(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, atol: 
 
 
 def _compare_tiles(pieces_a: list[Piece], pieces_b: list[Piece], ta: TensorInfo,
-                   tb: TensorInfo, acc: _Accumulator, atol: float, rtol: float,
+                   tb: TensorInfo, acc: Accumulator, atol: float, rtol: float,
                    advance: ProgressCallback | None) -> None:
     """Compare where both sides are stored by piece: each overlap of a piece of A with a
     piece of B in tiles that both read in long runs (:mod:`._diff_tiles`)."""
@@ -281,7 +249,7 @@ def _compare_tiles(pieces_a: list[Piece], pieces_b: list[Piece], ta: TensorInfo,
                 advance(count * (ta.dtype.itemsize + tb.dtype.itemsize))
 
 
-def _compare_boxes(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, acc: _Accumulator,
+def _compare_boxes(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, acc: Accumulator,
                    atol: float, rtol: float, advance: ProgressCallback | None) -> None:
     """Compare box by box in row-major order, through :meth:`Source.read`."""
     import torch
@@ -356,8 +324,10 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 
             open_source(b, optimizer=optimizer, model_index=model_index, keep_keys=keep_keys,
                         storage_options=storage_options) as right, reusing_scratch(), \
             whole_trainer_sides(left, right, keep_keys=keep_keys) as (left, right):
-        # A trainer's folder against its framework's whole consolidation: both whole.
-        return _diff(left, right, atol, rtol, keep, progress)
+        # A trainer's folder against its framework's whole consolidation: both whole; a
+        # checkpoint against its export: read under the export's names (._diff_names).
+        left, right, mapped = mapped_sides(left, right)
+        return replace(_diff(left, right, atol, rtol, keep, progress), names=mapped)
 
 
 def _diff(left: Source, right: Source, atol: float, rtol: float, keep: Any,

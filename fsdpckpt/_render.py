@@ -229,14 +229,20 @@ def render_verify(report: VerifyReport, path: str) -> str:
     escaped as in :func:`render_inspect`.
     """
     out = [f"{_p(p.path)}: {_p(p.message)}" for p in report.problems]
+    model = report.style in ("model-file", "model-folder")  # an export's or a merge's output
     how = "every byte checked against the manifest" if report.manifest else \
+        "model files: structure checked, every tensor byte read, .bin data against its " \
+        "zip CRC-32s" if model else \
         "no manifest: chunk headers and data checked against their own checksums"
     out.append(f"{_p(path)}: {'OK' if report.ok else 'DAMAGED'} ({how})")
     if report.unchecked:
         count = len(report.unchecked)
+        fix = "structure checked and every byte read, but a changed byte cannot be seen; " \
+            "diff it against its source checkpoint to check the values" if model else \
+            "their structure was checked, not their data bytes; save with " \
+            "fsdpckpt.save_state (a manifest) to have every byte checked"
         out.append(f"unchecked: {count} file{'s' * (count != 1)} record no checksums "
-                   "(safetensors): their structure was checked, not their data bytes; save "
-                   "with fsdpckpt.save_state (a manifest) to have every byte checked")
+                   f"(safetensors): {fix}")
     if report.manifest_digest:
         files = f"files carry {report.digest}" if report.digest else \
             "files carry CRC-32 only: save with digest='sha256' to detect deliberate changes"

@@ -344,7 +344,10 @@ def verify(path: str, as_json: bool, quiet: bool, expect_digest: str | None,
     SHA-256 when saved with digest="sha256") and every tensor chunk's CRC-32, and flags
     stray files and folders. Without one (Accelerate or plain DCP wrote it), decodes
     every chunk's header against the metadata and checks its data against the CRC-32
-    its zip directory stores. Exit 0 only when whole.
+    its zip directory stores. An output of export-hf or merge (a model folder, a
+    shard index, a weight file): every file it needs present, headers strict, every
+    tensor byte read, .bin data against its zip CRC-32s (safetensors records no
+    checksum: its files are listed as unchecked). Exit 0 only when whole.
 
     CRC-32 catches accidents. To detect deliberate changes too, save with
     digest="sha256", keep the manifest digest this command prints somewhere safe,

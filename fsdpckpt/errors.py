@@ -40,7 +40,15 @@ class CheckpointNotFoundError(FsdpCkptError, FileNotFoundError):
 
 
 class NotACheckpointError(FsdpCkptError, ValueError):
-    """A path exists but is not a checkpoint fsdpckpt can read."""
+    """A path exists but is not a checkpoint fsdpckpt can read.
+
+    Attributes:
+        checkpoints: for a folder that holds several checkpoints (``checkpoint-500/``,
+            ``checkpoint-1000/``...), their names, oldest first, as the message lists them;
+            empty otherwise. Every verb refuses such a folder with the same message.
+    """
+
+    checkpoints: tuple[str, ...] = ()
 
 
 class UnsafePickleError(FsdpCkptError, pickle.UnpicklingError):

@@ -222,15 +222,20 @@ def _several_checkpoints(root: Place, names: list[str]) -> NotACheckpointError:
     than ``checkpoint-500``)."""
     names = sorted(names, key=_natural_key)
     if len(names) == 1:
-        return NotACheckpointError(f"{root}: holds one checkpoint ({names[0]}); pass it: "
-                                   f"{root / names[0]}")
-    shown = names if len(names) <= 5 else names[:2] + ["..."] + names[-2:]
-    finished = [n for n in names if _is_finished(root / n)]
-    pick = finished[-1] if finished else names[-1]
-    why = "the newest" if pick == names[-1] else f"the newest finished save ({names[-1]} is not)"
-    return NotACheckpointError(
-        f"{root}: holds {len(names)} checkpoints ({', '.join(shown)}); pass one of them, "
-        f"e.g. {why}: {root / pick}")
+        error = NotACheckpointError(f"{root}: holds one checkpoint ({names[0]}); pass it: "
+                                    f"{root / names[0]}")
+    else:
+        shown = names if len(names) <= 5 else names[:2] + ["..."] + names[-2:]
+        finished = [n for n in names if _is_finished(root / n)]
+        pick = finished[-1] if finished else names[-1]
+        why = "the newest" if pick == names[-1] else \
+            f"the newest finished save ({names[-1]} is not)"
+        error = NotACheckpointError(
+            f"{root}: holds {len(names)} checkpoints ({', '.join(shown)}); pass one of them, "
+            f"e.g. {why}: {root / pick}")
+    # Marked, so that a reader falling back to a merged output passes this message on.
+    error.checkpoints = tuple(names)
+    return error
 
 
 def _side_file(entry: _Entry) -> SideFile | None:

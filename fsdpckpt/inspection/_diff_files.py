@@ -338,7 +338,9 @@ def open_source(path: str | os.PathLike[str] | Place, *, optimizer: bool = False
             return _file_source(p / name, keep_keys=keep_keys, shown=p / name)
     try:
         layout = find_layout(p)
-    except NotACheckpointError:
+    except NotACheckpointError as exc:
+        if exc.checkpoints:  # a folder of checkpoints: listed, as every verb lists them
+            raise
         raise NotACheckpointError(
             f"{p}: neither a checkpoint (no .metadata, no pytorch_model_fsdp_0/) nor a merged "
             f"model ({', '.join(wanted)}); pass a DCP folder, a checkpoint folder, or a "

@@ -235,8 +235,12 @@ class VerifyReport(_JsonDocument):
             None when it carries CRC-32 only.
         problems: everything found wrong, each once.
         unchecked: the data files whose format records no checksum (safetensors files of
-            torch's Hugging Face storage) and that no manifest covers: their structure was
-            checked, but a changed byte in their tensor data cannot be seen.
+            torch's Hugging Face storage, of an export or a merge) and that no manifest
+            covers: their structure was checked, but a changed byte in their tensor data
+            cannot be seen.
+        style: what was verified, named as :attr:`InspectReport.style` names it (a
+            checkpoint's layout, or ``"model-file"`` / ``"model-folder"`` for an export's
+            or a merge's output and its files).
     """
 
     path: Path | RemotePath
@@ -245,6 +249,7 @@ class VerifyReport(_JsonDocument):
     digest: str | None
     problems: tuple[Problem, ...]
     unchecked: tuple[str, ...] = ()
+    style: str = ""
 
     @property
     def ok(self) -> bool:
@@ -255,4 +260,4 @@ class VerifyReport(_JsonDocument):
         return {"path": str(self.path), "ok": self.ok, "manifest": self.manifest,
                 "manifest_digest": self.manifest_digest, "digest": self.digest,
                 "problems": [p.to_json() for p in self.problems],
-                "unchecked": list(self.unchecked)}
+                "unchecked": list(self.unchecked), "style": self.style}

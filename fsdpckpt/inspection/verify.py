@@ -5,7 +5,9 @@ CRC-32, and for a file that fails, each chunk in it, to name the tensor; files t
 manifest does not list are strays. Without a manifest (Accelerate or plain DCP wrote the
 checkpoint), each chunk's archive header is decoded and checked against the metadata
 (dtype, shape) and its data against the CRC-32 its zip directory stores. Data is read in
-blocks; no tensor is ever held whole.
+blocks; no tensor is ever held whole. What ``inspect`` reads besides checkpoints (an
+export's or a merge's output, a weight file) is checked by
+:mod:`fsdpckpt.inspection._verify_files`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from fsdpckpt.dcp.metadata import DcpMetadata
 from fsdpckpt.dcp.parts import check_part_files, find_part
 from fsdpckpt.dcp.reader import path_inside, read_dcp_folder
 from fsdpckpt.errors import FsdpCkptError
-from fsdpckpt.inspection.inspect import inspect_checkpoint
+from fsdpckpt.inspection.inspect import _model_files, inspect_checkpoint
 from fsdpckpt.inspection.report import VerifyReport
 from fsdpckpt.training._dcp_io import stray_metadata_files
 from fsdpckpt.training.manifest import MANIFEST, data_entry_crc, manifest_digest, read_manifest
@@ -137,7 +139,14 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     """Check the structure and every byte of the checkpoint at ``path``.
 
     Args:
-        path: a DCP folder, or a checkpoint folder in Accelerate's or HF Trainer's layout.
+        path: a DCP folder, or a checkpoint folder in Accelerate's or HF Trainer's layout;
+            or what ``inspect`` and ``diff`` read besides: the output folder of
+            ``export-hf`` or ``merge`` (a Hugging Face model folder), a shard index, a
+            ``.safetensors`` or ``.bin`` file. Those are checked as
+            :mod:`fsdpckpt.inspection._verify_files` says: every file the folder needs
+            present, headers strict, every tensor byte read, ``.bin`` data against its
+            zip CRC-32s; safetensors files record no checksum and are listed in
+            ``unchecked``.
         progress: a progress factory, as for :func:`fsdpckpt.merge` (see
             :mod:`fsdpckpt._progress`): ``progress(total_bytes, files)`` is called once,
             before any data is read, with the bytes verify will read (from the manifest's
@@ -154,8 +163,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     Returns:
         A :class:`~fsdpckpt.inspection.report.VerifyReport`: ``path``, ``ok``, ``manifest``
         (whether one was checked against), ``manifest_digest``, ``digest`` (the file digest
-        the manifest carries, or None) and ``problems``. Its ``to_json()`` is the document
-        ``fsdpckpt verify --json`` prints.
+        the manifest carries, or None), ``problems``, ``unchecked`` and ``style`` (as
+        ``inspect`` names what it read: ``"accelerate"``, ``"model-folder"``...). Its
+        ``to_json()`` is the document ``fsdpckpt verify --json`` prints.
 
     Example:
         >>> report = verify_checkpoint("ckpt/checkpoint_100")
@@ -163,8 +173,18 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         True
     """
     root = location(path, storage_options=storage_options)
-    layout = find_layout(root)
     problems: list[Problem] = []
+    model_files = _model_files(root)
+    if model_files:  # an export's or a merge's output, a shard index, a weight file
+        from fsdpckpt.inspection._inspect_files import MODEL_FILE_STYLES
+        from fsdpckpt.inspection._verify_files import verify_model_files
+
+        digest = _check_digest(root, expect_digest, problems) if expect_digest else None
+        found, unchecked = verify_model_files(model_files, progress)
+        return _report(root, problems + found, manifest=False, digest=digest,
+                       file_digest=None, unchecked=unchecked,
+                       style=MODEL_FILE_STYLES[root.is_dir()])
+    layout = find_layout(root)
     try:
         problems += inspect_checkpoint(root).problems
     except FsdpCkptError as exc:
@@ -176,7 +196,8 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         if not expect_digest:
             raise
         problems.append(Problem(str(root / MANIFEST), str(exc)))
-        return _report(root, problems, manifest=True, digest=digest, file_digest=None)
+        return _report(root, problems, manifest=True, digest=digest, file_digest=None,
+                       style=layout.style)
     # Per-rank torch.save sets: every zip entry read against its CRC-32. HuggingFaceStorage
     # saves (no checksums): every header read again, and every data byte owned by a tensor.
     for part in layout.parts:
@@ -199,7 +220,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
                           if (hf := find_part(p.path, p.name).hf) is not None
                           for name in hf.files)
         return _report(root, problems, manifest=False, digest=digest, file_digest=None,
-                       unchecked=unchecked)
+                       unchecked=unchecked, style=layout.style)
 
     file_digest = manifest.get("digest")  # schema-checked: None, or one of DIGESTS
     named = {p.path for p in problems}  # stray metadata files are named above already
@@ -252,14 +273,16 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             if len(problems) == before:
                 problems.append(Problem(str(file), "contents do not match the "
                                  "manifest's checksum (a changed byte outside tensor data)"))
-    return _report(root, problems, manifest=True, digest=digest, file_digest=file_digest)
+    return _report(root, problems, manifest=True, digest=digest, file_digest=file_digest,
+                   style=layout.style)
 
 
 def _report(root: Place, problems: list[Problem], *, manifest: bool, digest: str | None,
-            file_digest: str | None, unchecked: tuple[str, ...] = ()) -> VerifyReport:
+            file_digest: str | None, style: str,
+            unchecked: tuple[str, ...] = ()) -> VerifyReport:
     if manifest and digest is None:
         digest = manifest_digest(root)
     # Each problem once (a file may be reached twice), in the order first found.
     return VerifyReport(path=root, manifest=manifest, manifest_digest=digest,
                         digest=file_digest, problems=tuple(dict.fromkeys(problems)),
-                        unchecked=unchecked)
+                        unchecked=unchecked, style=style)

@@ -65,12 +65,15 @@ def _from_checkpoint(path: Place) -> dict[Any, Any] | None:
     the model folder of a whole Accelerate / HF Trainer checkpoint.
 
     Raises:
-        NotACheckpointError: the folder holds several models (the message lists them: pass
-            one).
+        NotACheckpointError: the folder holds several models, or several checkpoints and
+            no merged output (the message lists them: pass one).
     """
     try:
         layout = find_layout(path)
-    except NotACheckpointError:
+    except NotACheckpointError as exc:
+        # A folder of checkpoints holding no merged output: listed, as every verb lists them.
+        if exc.checkpoints and not any((path / n).is_file() for n in _MERGED_NAMES):
+            raise
         return None  # a merged output, or nothing this reads (_merged_output says which)
     if layout.style == "lightning":
         return _lightning(layout.path)

@@ -32,7 +32,7 @@ from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, Not
 from fsdpckpt.formats._shards import ShardIndex, read_header, read_shard_index
 from fsdpckpt.merging._convert_source import MODEL_FILES, sniff
 
-__all__ = ["Stored", "OpenFiles", "read_source", "verify"]
+__all__ = ["Stored", "OpenFiles", "read_source", "read_weights", "verify"]
 
 _ACCEPTS = ("load_pretrained reads a Hugging Face model folder or one of its weight files: "
             "model.safetensors, pytorch_model.bin, or their *.index.json")
@@ -115,6 +115,30 @@ def _torch_bin(file: Place) -> dict[str, Stored]:
             for path, pieces in tensors.items()}
 
 
+def read_weights(file: Place) -> dict[str, Stored]:
+    """Every tensor of one weight file (a safetensors file or a ``torch.save`` zip), by its
+    name, the file checked as the module docstring says (no tensor byte is read). Also what
+    ``verify`` reads a model folder's files with.
+
+    Raises:
+        CorruptCheckpointError: the file is damaged or truncated.
+        NotACheckpointError: neither format, the legacy ``torch.save`` format, or sharded
+            tensors (DTensors).
+        UnsafePickleError: a ``.bin`` pickle asks for anything but tensors.
+
+    Example:
+        >>> sorted(read_weights(Path("out/model.safetensors")))[:1]
+        ['lm_head.weight']
+    """
+    kind = sniff(file)
+    if kind == "torch-legacy":
+        raise NotACheckpointError(f"{file}: a torch.save file in the legacy (pre-zip) "
+                                  "format, which records no checksum and cannot be read "
+                                  "by ranges; save it again with torch.save or as "
+                                  "safetensors.")
+    return _safetensors(file) if kind == "safetensors" else _torch_bin(file)
+
+
 def read_source(root: Place) -> dict[str, Stored]:
     """Every weight of the source ``root``, by its name, its file checked as the module
     docstring says (headers and pickles only: no tensor byte is read).
@@ -128,14 +152,7 @@ def read_source(root: Place) -> dict[str, Stored]:
     files, index = _weight_files(root)
     found: dict[str, Stored] = {}
     for file in files:
-        kind = sniff(file)
-        if kind == "torch-legacy":
-            raise NotACheckpointError(f"{file}: a torch.save file in the legacy (pre-zip) "
-                                      "format, which records no checksum and cannot be read "
-                                      "by ranges; save it again with torch.save or as "
-                                      "safetensors.")
-        tensors = _safetensors(file) if kind == "safetensors" else _torch_bin(file)
-        for name, stored in tensors.items():
+        for name, stored in read_weights(file).items():
             if name in found:
                 raise CorruptCheckpointError(f"{file}: holds '{name}', which "
                                              f"{found[name].file} holds too; the folder mixes "

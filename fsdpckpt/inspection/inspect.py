@@ -28,7 +28,7 @@ from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 from fsdpckpt.inspection.report import AdapterReport, InspectReport, PartReport, TensorReport
 
-__all__ = ["inspect_checkpoint", "sharding_of", "name_matcher"]
+__all__ = ["inspect_checkpoint", "sharding_of", "name_matcher", "model_files"]
 
 
 def sharding_of(tensor: TensorEntry) -> str:
@@ -122,7 +122,7 @@ def _missing_rng(path: str, world: int, present: set[int]) -> list[Problem]:
     return problems
 
 
-def _model_files(place: Place) -> list[Place]:
+def model_files(place: Place) -> list[Place]:
     """The model files ``place`` stands for when it is no checkpoint but what ``diff`` also
     reads: a weight file or shard index itself, or a folder holding a merged or Hugging Face
     model (and no checkpoint: a checkpoint folder is inspected as one). A file of a
@@ -214,11 +214,11 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
     """
     place = location(path, storage_options=storage_options)
     keep = name_matcher(names)
-    model_files = _model_files(place)
-    if model_files:
+    files = model_files(place)
+    if files:
         from fsdpckpt.inspection._inspect_files import inspect_model_files
 
-        return inspect_model_files(place, model_files, keep)
+        return inspect_model_files(place, files, keep)
     layout = find_layout(place)
     problems: list[Problem] = []
     parts = []

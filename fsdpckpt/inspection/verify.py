@@ -30,7 +30,7 @@ from fsdpckpt.dcp.metadata import DcpMetadata
 from fsdpckpt.dcp.parts import check_part_files, find_part
 from fsdpckpt.dcp.reader import path_inside, read_dcp_folder
 from fsdpckpt.errors import FsdpCkptError
-from fsdpckpt.inspection.inspect import _model_files, inspect_checkpoint
+from fsdpckpt.inspection.inspect import inspect_checkpoint, model_files
 from fsdpckpt.inspection.report import VerifyReport
 from fsdpckpt.training._dcp_io import stray_metadata_files
 from fsdpckpt.training.manifest import MANIFEST, data_entry_crc, manifest_digest, read_manifest
@@ -174,13 +174,13 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     """
     root = location(path, storage_options=storage_options)
     problems: list[Problem] = []
-    model_files = _model_files(root)
-    if model_files:  # an export's or a merge's output, a shard index, a weight file
+    files = model_files(root)
+    if files:  # an export's or a merge's output, a shard index, a weight file
         from fsdpckpt.inspection._inspect_files import MODEL_FILE_STYLES
         from fsdpckpt.inspection._verify_files import verify_model_files
 
         digest = _check_digest(root, expect_digest, problems) if expect_digest else None
-        found, unchecked = verify_model_files(model_files, progress)
+        found, unchecked = verify_model_files(files, progress)
         return _report(root, problems + found, manifest=False, digest=digest,
                        file_digest=None, unchecked=unchecked,
                        style=MODEL_FILE_STYLES[root.is_dir()])

@@ -174,13 +174,13 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     """
     root = location(path, storage_options=storage_options)
     problems: list[Problem] = []
-    files = model_files(root)
-    if files:  # an export's or a merge's output, a shard index, a weight file
+    outputs = model_files(root)
+    if outputs:  # an export's or a merge's output, a shard index, a weight file
         from fsdpckpt.inspection._inspect_files import MODEL_FILE_STYLES
         from fsdpckpt.inspection._verify_files import verify_model_files
 
         digest = _check_digest(root, expect_digest, problems) if expect_digest else None
-        found, unchecked = verify_model_files(files, progress)
+        found, unchecked = verify_model_files(outputs, progress)
         return _report(root, problems + found, manifest=False, digest=digest,
                        file_digest=None, unchecked=unchecked,
                        style=MODEL_FILE_STYLES[root.is_dir()])

@@ -15,7 +15,10 @@ in the same run:
   - merge: the raw weights, base and adapter tensors as stored;
   - export-hf --lora fuse: the HF folder with the adapter fused in (fp32 maths per layer);
   - export-hf --lora adapter: only the adapter tensors;
-  - export-hf of the plain (un-wrapped) model of the same shapes.
+  - export-hf of the plain (un-wrapped) model of the same shapes: the config beside the
+    checkpoint, the model class built on the meta device to check the keys;
+  - export-hf --base of the same, the base being the model folder ``save_pretrained`` wrote
+    (its weights answer for the class: transformers is never imported).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ for name, model in (("plain", plain), ("lora", None)):
     config.save_pretrained(str(folder))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny / f, folder / f)
+plain.save_pretrained(str(work / "base"))
+for f in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(tiny / f, work / "base" / f)
 """
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -83,6 +89,9 @@ def main() -> None:
                                               str(work / "out"), "--lora", "adapter", "-q"],
             "export-hf (plain model)": cli + ["export-hf", str(work / "plain"),
                                              str(work / "out"), "-q"],
+            "export-hf --base (weights answer)": cli + [
+                "export-hf", str(work / "plain"), str(work / "out"), "--base",
+                str(work / "base"), "-q"],
         }
         times: dict[str, list[float]] = {k: [] for k in cases}
         peaks: dict[str, list[float]] = {k: [] for k in cases}
@@ -96,10 +105,10 @@ def main() -> None:
         print(f"Llama, {args.layers} layers, hidden 1024, LoRA r=16 on q/k/v/o: {size:.0f} MiB "
               f"of shards; median of {args.rounds} rounds")
         anchor = statistics.median(times["merge (anchor)"])
-        print(f"{'case':28} {'seconds':>8} {'vs merge':>9} {'peak MB':>8}")
+        print(f"{'case':34} {'seconds':>8} {'vs merge':>9} {'peak MB':>8}")
         for name in cases:
             median = statistics.median(times[name])
-            print(f"{name:28} {median:8.2f} {median / anchor:8.2f}x "
+            print(f"{name:34} {median:8.2f} {median / anchor:8.2f}x "
                   f"{max(peaks[name]):8.0f}")
 
 

@@ -9,7 +9,8 @@ VeRL's ``apply_fsdp2``), written by ``fixtures/generate_verl.py``. Beside each c
 - ``merged_hf/``: VeRL's own merger (``python -m verl.model_merger merge --backend fsdp``),
   which casts every shard to bfloat16: the reference for ``--dtype bf16`` / ``bfloat16``;
 - ``reference_model.safetensors``: VeRL's own ``load_checkpoint`` into a fresh model,
-  gathered: the reference in the stored dtype (float32).
+  gathered: the reference in the stored dtype (float32); for FSDP2 also
+  ``reference_optimizer.safetensors``, the AdamW state it loads.
 
 FSDP1's optimizer files hold each rank's own flat-parameter state (``optimizer.state_dict()``):
 inspect and verify show it as rank-local, ``merge --optimizer`` refuses it by name.
@@ -95,8 +96,12 @@ def test_merge_optimizer(run, tmp_path):
         assert not (tmp_path / "out").exists()
         return
     assert result.exit_code == 0, result.output
-    optim = load_file(tmp_path / "out" / "optimizer.safetensors")
-    assert len(optim) == 36  # exp_avg, exp_avg_sq and step of each of the 12 parameters
+    # FSDP2's moments are DTensors: the state VeRL's load_checkpoint loads, bit for bit.
+    want = load_file(run / "reference_optimizer.safetensors")
+    assert len(want) == 36  # exp_avg, exp_avg_sq and step of each of the 12 parameters
+    assert_same_tensors(load_file(tmp_path / "out" / "optimizer.safetensors"), want)
+    result = run_cli("diff", "--optimizer", run / ACTOR, tmp_path / "out")
+    assert result.exit_code == 0 and "36 bit-identical" in result.stdout, result.output
 
 
 def test_export_hf_bf16_is_the_mergers_folder_and_runs_as_it(run, tmp_path):

@@ -189,6 +189,7 @@ def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool
                          ""])
             continue
         rows.append([_p(part.kind), _p(part.name) if whole else _part_name(part.name),
+                     "rank-local state (not mergeable)" if part.rank_local else
                      f"{part.num_tensors} tensors, {part.num_objects} objects",
                      _plural(len(part.files), "file" if whole else "rank file"),
                      human_bytes(part.bytes)])
@@ -206,7 +207,9 @@ def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool
     if report.other_files:
         out += ["", "Not recognized: " + ", ".join(map(_p, report.other_files))]
     for part in report.parts:
-        if part.complete:
+        if part.rank_local:
+            out += ["", f"{_part_name(part.name)} ({_p(part.kind)}): {_p(part.rank_local)}"]
+        elif part.complete:
             out += _part_lines(part, chunks=chunks, tensors=tensors, whole=whole)
     listed = [p for p in report.parts if p.tensors or p.objects]
     if names and tensors and not listed:

@@ -5,10 +5,13 @@
   FSDP2 runs of ``transformers.Trainer`` (``fixtures/generate_hf_trainer.py``). The
   references are the model, optimizer and adapter the Trainer held at the checkpoint,
   gathered from the live model by torch, and peft's own ``merge_and_unload``.
-- VeRL: ``fixtures/verl/`` (FSDP2 rank files) and, for ``export-hf``, VeRL FSDP1 and FSDP2
-  saves of the HF Trainer run's tiny Llama written here on 2 ranks as VeRL's
-  ``FSDPCheckpointManager`` writes them (``model_world_size_2_rank_{r}.pt``, ``fsdp_config.json``,
-  ``huggingface/``). The reference is what VeRL's ``model_merger`` computes: each rank's
+- VeRL: real runs of VeRL's own checkpoint manager and merger are ``tests/test_verl_run.py``'s
+  (``fixtures/verl_fsdp1/``, ``fixtures/verl_fsdp2/``). Here: the stand-in ``fixtures/verl/``
+  (FSDP2 rank files with an optimizer merge can be checked against), and FSDP1 and FSDP2 saves
+  of the HF Trainer run's tiny Llama written here on 2 ranks in VeRL's layout
+  (``model_world_size_2_rank_{r}.pt``, ``fsdp_config.json``, ``huggingface/``); the FSDP1 one
+  without a device mesh, so its rank files hold ShardedTensors, which VeRL's own runs (always
+  on a mesh) never write. The reference is what VeRL's ``model_merger`` computes: each rank's
   local shard, concatenated in rank order along its placement (and cast to bf16, the
   merger's dtype).
 """

@@ -33,8 +33,8 @@ from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, TensorE
 from fsdpckpt.dcp.reader import DcpFolder, data_file_path
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
-__all__ = ["PerRankChunk", "PerRankFolder", "PerRankSet", "find_rank_sets", "read_rank_set",
-           "rank_set_named", "check_rank_files"]
+__all__ = ["PerRankChunk", "PerRankFolder", "PerRankSet", "RankLocalStateError", "find_rank_sets",
+           "read_rank_set", "rank_set_files", "rank_set_named", "check_rank_files"]
 
 # (pattern, kind, style): group 1 the model/optimizer index or the world size, group 2 the rank.
 _RANK_FILES = [
@@ -98,6 +98,12 @@ def find_rank_sets(names: list[str]) -> list[PerRankSet]:
             sets.append(PerRankSet(f"{prefix}_{number}_rank*.bin", kind, style, number, None,
                                    files))
     return sets
+
+
+class RankLocalStateError(NotACheckpointError):
+    """Every rank stores a tensor whole, each with its own bytes (FSDP1's per-rank optimizer
+    state, flat parameters): a valid save for the ranks that wrote it, which nothing can merge.
+    Inspect and verify show such an optimizer part as rank-local instead of failing."""
 
 
 @dataclass(frozen=True)
@@ -199,8 +205,13 @@ def read_rank_set(folder: Place, rank_set: PerRankSet) -> PerRankFolder:
     objects_out = tuple(
         DecodedObject(".".join(map(str, (top, *path))), first, 0, 0, (top, *path), value=value)
         for path, (_, value) in objects.items())
-    files = tuple(DataFile(n, _size(folder, n)) for n in sorted(rank_set.files.values()))
-    return PerRankFolder(folder, DcpMetadata(tensors_out, objects_out), files)
+    return PerRankFolder(folder, DcpMetadata(tensors_out, objects_out),
+                         rank_set_files(folder, rank_set))
+
+
+def rank_set_files(folder: Place, rank_set: PerRankSet) -> tuple[DataFile, ...]:
+    """The rank files of ``rank_set`` present in ``folder``, with their sizes, by name."""
+    return tuple(DataFile(n, _size(folder, n)) for n in sorted(rank_set.files.values()))
 
 
 def _check_replicated(path: Place, rank_set: PerRankSet, key: KeyPath,
@@ -251,7 +262,7 @@ def _looks_rank_local(rank_set: PerRankSet, key: KeyPath) -> bool:
 
 
 def _rank_local(path: Place, rank_set: PerRankSet, key: KeyPath,
-                what: str) -> NotACheckpointError:
+                what: str) -> RankLocalStateError:
     """The refusal of a tensor every rank stores whole, each with its own bytes."""
     label = ".".join(map(str, (rank_set.kind, *key)))
     if any(isinstance(part, str) and "flat_param" in part for part in key):
@@ -268,7 +279,7 @@ def _rank_local(path: Place, rank_set: PerRankSet, key: KeyPath,
            if rank_set.kind == "optimizer" else
            "Save with state_dict_type=SHARDED_STATE_DICT or FULL_STATE_DICT (or FSDP2), "
            "which record where each piece goes.")
-    return NotACheckpointError(
+    return RankLocalStateError(
         f"{path}: '{label}' {what}: it is {kind}, not a "
         f"replicated tensor, and the rank files do not say where each rank's piece goes, so "
         f"it cannot be merged. {fix}")

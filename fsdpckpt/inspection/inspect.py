@@ -18,12 +18,12 @@ from typing import Any
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import HfStorageFolder
-from fsdpckpt.dcp._perrank import PerRankFolder
+from fsdpckpt.dcp._perrank import PerRankFolder, RankLocalStateError, rank_set_files
 from fsdpckpt.dcp._sidefiles import check_side_files, stray_temporaries
 from fsdpckpt.dcp.checks import Problem, check_folder, known_world_size
 from fsdpckpt.dcp.layout import DcpPart, find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
-from fsdpckpt.dcp.parts import open_part
+from fsdpckpt.dcp.parts import find_part, open_part
 from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 from fsdpckpt.inspection.report import AdapterReport, InspectReport, PartReport, TensorReport
@@ -91,6 +91,15 @@ def _part_report(part: DcpPart, folder: DcpFolder | None,
         tensors=tuple(_tensor_report(t) for t in meta.tensors if keep(t.name)),
         objects=tuple(o for o in meta.objects if keep(o.name)),
     )
+
+
+def _rank_local_report(part: DcpPart, why: str) -> PartReport:
+    """A per-rank optimizer part whose tensors are each rank's own: its files, and why."""
+    rank_set = find_part(part.path, part.name).rank_set
+    files = rank_set_files(part.path, rank_set) if rank_set is not None else ()
+    return PartReport(part.name, part.kind, part.index, part.path, part.complete,
+                      world_size=len(files), bytes=sum(f.size for f in files), files=files,
+                      rank_local=why)
 
 
 _SHOWN_RANKS = 5  # missing ranks named in full; the rest are counted
@@ -226,7 +235,15 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
     for part in layout.parts:
         folder = None
         if part.complete:
-            folder = open_part(part.path, part.name)
+            try:
+                folder = open_part(part.path, part.name)
+            except RankLocalStateError as exc:
+                if part.kind != "optimizer":
+                    raise
+                # FSDP1's optimizer.state_dict() per rank (VeRL): resumable on the ranks that
+                # wrote it, not mergeable; the model beside it is, so show the part, not fail.
+                parts.append(_rank_local_report(part, str(exc)))
+                continue
             problems.extend(check_folder(folder))
         else:
             problems.append(Problem(str(part.path), "no .metadata: this save never finished "

@@ -101,6 +101,9 @@ class PartReport(_JsonDocument):
         dtypes: how many tensors of each dtype, most frequent first.
         files: its data files.
         tensors, objects: the tensors and non-tensor entries whose name matched ``names``.
+        rank_local: for a per-rank optimizer part whose every rank stores its own state
+            whole (FSDP1's ``optimizer.state_dict()``, as VeRL saves it), why nothing can
+            merge it; its tensors are then not listed. Empty otherwise.
     """
 
     name: str
@@ -119,6 +122,7 @@ class PartReport(_JsonDocument):
     files: tuple[DataFile, ...] = ()
     tensors: tuple[TensorReport, ...] = ()
     objects: tuple[ObjectEntry, ...] = ()
+    rank_local: str = ""
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"name": self.name, "kind": self.kind, "index": self.index,
@@ -138,6 +142,8 @@ class PartReport(_JsonDocument):
             "tensors": [t.to_json() for t in self.tensors],
             "objects": [_object_json(o) for o in self.objects],
         })
+        if self.rank_local:
+            doc["rank_local"] = self.rank_local
         return doc
 
 

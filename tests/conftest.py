@@ -181,3 +181,23 @@ def upload(server, local: Path, url: str) -> str:
         if path.is_file():
             fs.put_file(str(path), f"{target}/{path.relative_to(local).as_posix()}")
     return url
+
+
+@pytest.fixture
+def default_sigint():
+    """SIGINT raising KeyboardInterrupt, as in a terminal: a job started in the background
+    by a non-interactive shell (nohup, ``cmd &``) inherits SIGINT ignored, and Python then
+    never installs its handler. Restored after the test."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def sigint_as_in_a_terminal() -> None:
+    """``preexec_fn`` for a child that is sent SIGINT: the default disposition, whatever the
+    test run inherited (see :func:`default_sigint`)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

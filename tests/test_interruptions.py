@@ -35,7 +35,7 @@ def _signal_right_after_mkdtemp(monkeypatch) -> None:
 
 
 @pytest.fixture
-def signal_right_after_mkdtemp(monkeypatch):
+def signal_right_after_mkdtemp(monkeypatch, default_sigint):
     _signal_right_after_mkdtemp(monkeypatch)
 
 
@@ -57,7 +57,7 @@ def test_ctrl_c_right_after_staging_in_an_existing_folder_leaves_it_as_it_was(
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
-def test_ctrl_c_right_after_convert_stages_leaves_nothing(tmp_path, monkeypatch):
+def test_ctrl_c_right_after_convert_stages_leaves_nothing(tmp_path, monkeypatch, default_sigint):
     merged = tmp_path / "merged"
     fsdpckpt.merge(CKPT, merged)
     _signal_right_after_mkdtemp(monkeypatch)

@@ -17,6 +17,7 @@ from conftest import (
     FIXTURES,
     assert_one_line_error,
     reference_state_dict,
+    sigint_as_in_a_terminal,
 )
 from conftest import run_cli as run
 from deep_compare import assert_same_state
@@ -234,7 +235,8 @@ def test_sigint_to_a_real_process_leaves_nothing(tmp_path):
             "print('started', flush=True)\n"
             f"c.main(['merge', {str(DCP_FOLDERS['dtensor'])!r}, {str(tmp_path / 'out')!r}])\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_in_a_terminal)
     assert proc.stdout.readline().strip() == "started"
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)

@@ -152,3 +152,31 @@ def test_run_starts_of_a_long_thin_chunk_take_no_memory():
     tracemalloc.stop()
     assert (run, len(starts), starts[10**8 - 1]) == (1, 10**8, 4 * (10**8 - 1) + 1)
     assert peak < 2**20, peak  # a list of the starts was 10^8 ints: gigabytes
+
+
+def test_a_large_column_major_chunk_is_written_in_square_tiles(tmp_path, monkeypatch):
+    """A transposed chunk larger than a span is read and written in pieces as long as a
+    tile's side, not as many short pieces as stored rows fit in a span (issue 21: a 2.4 GB
+    one took 75 s); the bytes are torch's."""
+    monkeypatch.setattr(engine, "_SPAN", 4096)
+    monkeypatch.setattr(engine, "_TILE", 64 * 64 * 4)  # square tiles of 64 x 64 float32
+    value = torch.randn(200, 300)
+    stored = value.t().contiguous().t()  # column-major, as torch.save keeps a transposed view
+    path = tmp_path / "chunk"
+    path.write_bytes(stored.t().contiguous().view(torch.uint8).numpy().tobytes())
+    raw = RawTensor(0, value.numel() * 4, DTYPES["float32"], 0, (200, 300), (1, 200))
+    assert engine.column_major_past_a_span(raw)
+    out = bytearray(value.numel() * 4)
+    sink, writes = MemorySink(memoryview(out)), []
+    original = sink.write
+    sink.write = lambda data, at: (writes.append(len(data)), original(data, at))  # type: ignore
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunk = Chunk((0, 0), (200, 300), None, 0, 0)
+        place_chunk(fd, raw, chunk, chunk_runs((200, 300), chunk), DTYPES["float32"], sink, 0,
+                    source="chunk")
+    finally:
+        os.close(fd)
+    assert torch.equal(torch.frombuffer(out, dtype=torch.float32).view(200, 300), value)
+    # One write per output row of each tile: 4 tile rows x 5 tile columns x 64 rows at most.
+    assert len(writes) <= 4 * 5 * 64 and min(writes) >= (300 - 4 * 64) * 4

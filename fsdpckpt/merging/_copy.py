@@ -238,6 +238,56 @@ def _place_tiled(src: Source, raw: RawTensor, chunk: Chunk, run: int, starts: Se
             progress(numel * out_size)
 
 
+def column_major_past_a_span(raw: RawTensor) -> bool:
+    """Whether ``raw`` is a column-major matrix (a transposed view ``torch.save`` kept with
+    its strides) whose storage is more than one tile's span: its output rows are its stored
+    columns, and tiles of whole stored rows would write each output row in pieces of a few
+    hundred bytes (a 2.4 GB one took 75 s)."""
+    return len(raw.shape) == 2 and raw.shape[0] > 1 and raw.shape[1] > 1 and \
+        tuple(raw.stride) == (1, raw.shape[0]) and raw.storage_nbytes > _SPAN
+
+
+def _place_column_major(src: Source, raw: RawTensor, chunk: Chunk, run: int,
+                        starts: Sequence[int], out: DType, sink: Sink, tensor_start: int,
+                        source: str, progress: Callable[[int], None] | None) -> None:
+    """A large column-major chunk in square tiles: each tile's stored columns read as one
+    piece per column, transposed (and cast) with torch, written as one piece per output row.
+    Pieces of ``sqrt(_TILE)`` elements on both sides, where tiles of whole stored rows read
+    well and write in pieces of ``_SPAN / rows`` elements. The reads leave storage order, so
+    the caller checks the storage whole first (:func:`place_stored_chunk`)."""
+    import torch
+
+    in_size, out_size = raw.dtype.itemsize, out.itemsize
+    in_dtype, out_dtype = getattr(torch, raw.dtype.name), getattr(torch, out.name)
+    side = max(1, math.isqrt(max(1, _TILE // max(in_size, out_size))))
+    rows, cols = raw.shape
+    stored = scratch(side * side * in_size, "stored")
+    staged = scratch(side * side * in_size, "staged") if in_dtype != out_dtype else None
+    made = scratch(side * side * out_size, "made")
+    for first_row in range(0, rows, side):
+        height = min(side, rows - first_row)
+        for first_col in range(0, cols, side):
+            width = min(side, cols - first_col)
+            for k in range(width):  # stored column first_col + k: output rows of it
+                at = raw.storage_start + (raw.storage_offset + (first_col + k) * rows
+                                          + first_row) * in_size
+                _read(src, stored[k * height * in_size:(k + 1) * height * in_size], at,
+                            source)
+            view = torch.frombuffer(stored, dtype=in_dtype, count=width * height).view(
+                width, height).t()
+            if staged is not None:  # reordered first, then cast contiguous (as _place_tiled)
+                view = torch.frombuffer(staged, dtype=in_dtype, count=width * height).view(
+                    height, width).copy_(view)
+            torch.frombuffer(made, dtype=out_dtype, count=width * height).view(
+                height, width).copy_(view)
+            for pos, element, count in _pieces(chunk.sizes, (first_row, first_col),
+                                               (height, width), run, starts):
+                sink.write(made[pos * out_size:(pos + count) * out_size],
+                           tensor_start + element * out_size)
+            if progress:
+                progress(width * height * out_size)
+
+
 def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
                 out: DType, dst: int | Sink, tensor_start: int, *, source: str,
                 progress: Callable[[int], None] | None = None) -> None:
@@ -267,6 +317,9 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
                        raw.nbytes, source=source, progress=progress)
     elif raw.is_contiguous and (same or fast_cast(raw.dtype.name, out.name) is not None):
         _place_contiguous(src, raw, run, starts, out, sink, tensor_start, source, progress)
+    elif column_major_past_a_span(raw) and not isinstance(src, _checked.CheckedRead):
+        _place_column_major(src, raw, chunk, run, starts, out, sink, tensor_start, source,
+                            progress)
     else:
         _place_tiled(src, raw, chunk, run, starts, out, sink, tensor_start, source, progress)
 
@@ -333,9 +386,10 @@ def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs
     """
     raw, src, source = locate_stored_chunk(files, tensor, chunk, verify=False)
     if raw.crc32 is None or not _checked.ENABLED or raw.storage_offset or \
-            raw.nbytes != raw.storage_nbytes:
-        # Nothing recorded, or a view of a storage other tensors share (an FSDP1 flat
-        # parameter in a rank file): that storage is read whole against its CRC once.
+            raw.nbytes != raw.storage_nbytes or column_major_past_a_span(raw):
+        # Nothing recorded, a view of a storage other tensors share (an FSDP1 flat
+        # parameter in a rank file), or a large column-major chunk (read out of storage
+        # order, below): that storage is read whole against its CRC once.
         _checked.verify_entry_once(files.checked, (chunk.file, chunk.offset, raw.storage_start),
                                    src, raw.storage_start, raw.storage_nbytes, raw.crc32,
                                    source=source, entry=raw.entry)

@@ -13,6 +13,7 @@ __all__ = [
     "FsdpCkptError",
     "CheckpointNotFoundError",
     "NotACheckpointError",
+    "RankLocalStateError",
     "UnsafePickleError",
     "CorruptCheckpointError",
     "DiskFullError",
@@ -49,6 +50,13 @@ class NotACheckpointError(FsdpCkptError, ValueError):
     """
 
     checkpoints: tuple[str, ...] = ()
+
+
+class RankLocalStateError(NotACheckpointError):
+    """Every rank stores a tensor whole, each with its own bytes (FSDP1's per-rank optimizer
+    state of flat parameters, as VeRL saves it): a valid save for the ranks that wrote it,
+    which nothing can merge into one tensor. ``merge --optimizer`` refuses it by name;
+    ``inspect`` and ``verify`` show such a part as rank-local instead of failing."""
 
 
 class UnsafePickleError(FsdpCkptError, pickle.UnpicklingError):

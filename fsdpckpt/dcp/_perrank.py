@@ -31,10 +31,15 @@ from fsdpckpt.dcp._perrank_file import RankTensor, open_rank_file, read_rank
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, TensorEntry
 from fsdpckpt.dcp.reader import DcpFolder, data_file_path
-from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    RankLocalStateError,
+)
 
-__all__ = ["PerRankChunk", "PerRankFolder", "PerRankSet", "RankLocalStateError", "find_rank_sets",
-           "read_rank_set", "rank_set_files", "rank_set_named", "check_rank_files"]
+__all__ = ["PerRankChunk", "PerRankFolder", "PerRankSet", "find_rank_sets", "read_rank_set",
+           "rank_set_files", "rank_set_named", "check_rank_files"]
 
 # (pattern, kind, style): group 1 the model/optimizer index or the world size, group 2 the rank.
 _RANK_FILES = [
@@ -98,12 +103,6 @@ def find_rank_sets(names: list[str]) -> list[PerRankSet]:
             sets.append(PerRankSet(f"{prefix}_{number}_rank*.bin", kind, style, number, None,
                                    files))
     return sets
-
-
-class RankLocalStateError(NotACheckpointError):
-    """Every rank stores a tensor whole, each with its own bytes (FSDP1's per-rank optimizer
-    state, flat parameters): a valid save for the ranks that wrote it, which nothing can merge.
-    Inspect and verify show such an optimizer part as rank-local instead of failing."""
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,14 @@ from typing import Any
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import HfStorageFolder
-from fsdpckpt.dcp._perrank import PerRankFolder, RankLocalStateError, rank_set_files
+from fsdpckpt.dcp._perrank import PerRankFolder, rank_set_files
 from fsdpckpt.dcp._sidefiles import check_side_files, stray_temporaries
 from fsdpckpt.dcp.checks import Problem, check_folder, known_world_size
 from fsdpckpt.dcp.layout import DcpPart, find_layout
 from fsdpckpt.dcp.metadata import TensorEntry
 from fsdpckpt.dcp.parts import find_part, open_part
 from fsdpckpt.dcp.reader import DcpFolder
-from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
+from fsdpckpt.errors import FsdpCkptError, NotACheckpointError, RankLocalStateError
 from fsdpckpt.inspection.report import AdapterReport, InspectReport, PartReport, TensorReport
 
 __all__ = ["inspect_checkpoint", "sharding_of", "name_matcher", "model_files"]

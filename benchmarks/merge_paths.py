@@ -8,8 +8,11 @@ Run by hand (not in CI):
 Three model folders of the same tensors (N layers of 4096x4096 fp32):
   - dim0: written by a real 2-rank FSDP2 run (each weight split on dim 0), as FSDP saves;
   - dim1: each weight in two dim-1 chunks, as tensor parallelism saves;
+  - grid: each weight in a 2x2 grid of chunks (dim 0 and dim 1);
   - transposed: each weight in two dim-0 chunks stored column-major (a transposed view
-    that torch.save kept with its strides).
+    that torch.save kept with its strides);
+  - big_plain, big_transposed: one square tensor of --big GB, whole, row-major and
+    column-major (the plain merge of the same bytes is the second's anchor).
 Each merge is a whole `fsdpckpt merge` process; tools alternate within each round; median
 wall time, peak RSS from wait4. Page cache warm, `sync` (untimed) before each run. The
 anchor is the plain merge of the dim0 folder, measured in the same run. Targets (issue 8):
@@ -35,7 +38,7 @@ from merge import build, run
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _build_layouts(work: Path, layers: int) -> None:
+def _build_layouts(work: Path, layers: int, big_gb: float) -> None:
     # In a child: the measuring process must not hold torch (its peak would leak into
     # the children's ru_maxrss).
     code = f"""
@@ -44,10 +47,15 @@ sys.path.insert(0, {str(ROOT / 'tests')!r})
 from chunked import split, write_dcp
 from pathlib import Path
 g = torch.Generator().manual_seed(0)
-for name, layout in [("dim1", split([1])), ("transposed", split([0], transpose=True))]:
+for name, layout in [("dim1", split([1])), ("grid", split([0, 1])),
+                     ("transposed", split([0], transpose=True))]:
     tensors = {{f"{{i}}.weight": (torch.randn(4096, 4096, generator=g), layout)
                for i in range({layers})}}
     write_dcp(Path({str(work)!r}) / name, tensors)
+side = int(({big_gb} * 1e9 / 4) ** 0.5)
+big = torch.randn(side, side, generator=g)
+write_dcp(Path({str(work)!r}) / "big_plain", {{"w": (big, split([]))}})
+write_dcp(Path({str(work)!r}) / "big_transposed", {{"w": (big, split([], transpose=True))}})
 """
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -63,11 +71,17 @@ def measure(work: Path, rounds: int) -> dict[str, dict[str, float]]:
         "merge --dtype bf16 (dim0)": _merge(work / "dim0", out, "--dtype", "bf16"),
         "merge (dim1 chunks)": _merge(work / "dim1", out),
         "merge --dtype bf16 (dim1 chunks)": _merge(work / "dim1", out, "--dtype", "bf16"),
+        "merge (2-D grid chunks)": _merge(work / "grid", out),
         "merge (transposed chunks)": _merge(work / "transposed", out),
         "merge --dtype bf16 (transposed)": _merge(work / "transposed", out, "--dtype", "bf16"),
         "cp -r (dim0, the I/O floor)": ["cp", "-r", str(work / "dim0"), str(out / "copy")],
+        "cp -r && sync (a durable copy)": ["sh", "-c", f"cp -r '{work / 'dim0'}' "
+                                           f"'{out / 'copy'}' && sync"],
+        "merge (one big tensor, plain)": _merge(work / "big_plain", out),
+        "merge (one big tensor, column-major)": _merge(work / "big_transposed", out),
     }
-    for folder in ("dim0", "dim1", "transposed"):  # warm the page cache once
+    # Warm the page cache once.
+    for folder in ("dim0", "dim1", "grid", "transposed", "big_plain", "big_transposed"):
         subprocess.run(["cat", *map(str, (work / folder).iterdir())], stdout=subprocess.DEVNULL,
                        check=True)
     times: dict[str, list[float]] = {}
@@ -87,14 +101,19 @@ def measure(work: Path, rounds: int) -> dict[str, dict[str, float]]:
 
 def report(results: dict[str, dict[str, float]], size_gb: float) -> None:
     anchor = results["merge (dim0, plain)"]["seconds"]
+    durable = results["cp -r && sync (a durable copy)"]["seconds"]
     print(f"\n{size_gb:.1f} GB of fp32 weights per folder; whole process, median wall")
-    print(f"{'case':34} {'wall s':>7} {'x plain':>8} {'peak RSS MB':>12}")
+    print(f"{'case':38} {'wall s':>7} {'x plain':>8} {'x cp+sync':>10} {'peak RSS MB':>12}")
     for name, r in results.items():
-        print(f"{name:34} {r['seconds']:7.2f} {r['seconds'] / anchor:8.2f} {r['peak_mb']:12.0f}")
+        print(f"{name:38} {r['seconds']:7.2f} {r['seconds'] / anchor:8.2f} "
+              f"{r['seconds'] / durable:10.2f} {r['peak_mb']:12.0f}")
     bf16 = results["merge --dtype bf16 (dim0)"]["seconds"] / anchor
+    big = results["merge (one big tensor, column-major)"]["seconds"] / \
+        results["merge (one big tensor, plain)"]["seconds"]
     worst = max(r["peak_mb"] for n, r in results.items() if n.startswith("merge"))
-    print(f"targets: --dtype bf16 <= 1.5x plain: {bf16:.2f}x; peak RSS <= 300 MB on every "
-          f"path: {worst:.0f} MB")
+    print(f"targets: every path <= 1.5x plain (--dtype bf16: {bf16:.2f}x; the big column-major "
+          f"tensor: {big:.2f}x its plain merge); plain <= 1.3x cp+sync: {anchor / durable:.2f}x; "
+          f"peak RSS <= 300 MB on every path: {worst:.0f} MB")
 
 
 def main() -> None:
@@ -102,6 +121,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24,
                         help="4096x4096 fp32 layers (64 MiB each)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--big", type=float, default=1.0,
+                        help="GB of the one big tensor, stored plain and column-major")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, help="write the figures as JSON here")
     args = parser.parse_args()
@@ -112,7 +133,7 @@ def main() -> None:
         if not (work / "dim0" / ".metadata").exists():
             start = time.perf_counter()
             build(work / "dim0", args.layers)
-            _build_layouts(work, args.layers)
+            _build_layouts(work, args.layers, args.big)
             print(f"built the folders in {time.perf_counter() - start:.1f} s")
         size_gb = sum(p.stat().st_size for p in (work / "dim0").iterdir()) / 1e9
         results = measure(work, args.rounds)

@@ -364,3 +364,53 @@ def test_a_merge_of_per_rank_files_with_a_flipped_bit_raises_and_writes_nothing(
         fsdpckpt.merge(ckpt, tmp_path / "out")
     assert str(damaged_file) in str(caught.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_crc_computed_beside_the_write_is_the_crc_computed_inline(tmp_path):
+    """CheckedRead.read_at(later=True) (the merge's blocks, their CRC on the other core while
+    they are written) gives the same CRC as reading inline, over buffers taking turns."""
+    import os
+    import zlib
+
+    from fsdpckpt.dcp._checked import CheckedRead
+
+    data = os.urandom(5 * 4096 + 123)
+    path = tmp_path / "entry"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for later in (False, True):
+            checked = CheckedRead(fd, 0, len(data), zlib.crc32(data), source="entry")
+            buffers = [memoryview(bytearray(4096)), memoryview(bytearray(4096))]
+            for turn, at in enumerate(range(0, len(data), 4096)):
+                view = buffers[turn % 2][:min(4096, len(data) - at)]
+                checked.read_at(view, at, later=later)
+            checked.finish()  # raises if the CRC differs
+        wrong = CheckedRead(fd, 0, len(data), zlib.crc32(data) ^ 1, source="entry")
+        wrong.read_at(memoryview(bytearray(4096)), 0, later=True)
+        with pytest.raises(ChecksumError):
+            wrong.finish()
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("where", [0.0, 0.5, 0.999])
+def test_a_flipped_bit_in_any_block_of_a_large_chunk_fails_the_merge(where, tmp_path):
+    # A chunk of many 256 KiB blocks, checked beside the writes: the first, a middle and the
+    # last block each caught, and nothing published.
+    import torch
+
+    from chunked import split, write_dcp
+
+    folder = write_dcp(tmp_path / "ckpt", {"w": (torch.randn(1024, 1024), split([0]))})
+    meta = read_dcp_folder(folder).metadata
+    chunk = meta.tensors[0].chunks[0]
+    path = folder / chunk.file
+    with path.open("rb") as file:
+        raw = locate_tensor(file, chunk.offset, chunk.length, source=str(path))
+    data = bytearray(path.read_bytes())
+    data[raw.storage_start + int(raw.storage_nbytes * where)] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError):
+        fsdpckpt.merge(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

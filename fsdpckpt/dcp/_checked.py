@@ -24,7 +24,9 @@ nothing else sets it.
 
 from __future__ import annotations
 
+import threading
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any
 
 from fsdpckpt._io.checksums import crc32_range
@@ -104,18 +106,38 @@ class CheckedRead:
         self._src, self._end, self._expected = src, start + nbytes, expected
         self._start, self._at, self._crc = start, start, 0
         self._source, self._entry = source, entry
+        self._pending: Future[int] | None = None
 
     @property
     def local(self) -> bool:
         """Whether the bytes come from a local file's descriptor."""
         return isinstance(self._src, int)
 
-    def read_at(self, view: memoryview, offset: int) -> None:
+    def read_at(self, view: memoryview, offset: int, *, later: bool = False) -> None:
+        """Fill ``view`` with the bytes from ``offset``, extending the CRC where they continue
+        the checked bytes.
+
+        With ``later``, the CRC of these bytes is computed on the other core while the caller
+        writes them out (``zlib.crc32`` releases the GIL), and the caller must leave ``view``
+        as it is until its next call here (or :meth:`finish`) returns: the reader reads the
+        next block into another buffer, then this waits for the previous block's CRC. On two
+        cores the check then costs about nothing beside the copy (issue 21).
+        """
         pread_into(self._src, view, offset, source=self._source)
+        self._settle()
         if offset <= self._at < offset + len(view) and self._at < self._end:
             take = view.cast("B")[self._at - offset : min(len(view), self._end - offset)]
-            self._crc = zlib.crc32(take, self._crc)
+            if later:
+                self._pending = _worker().submit(zlib.crc32, take, self._crc)
+            else:
+                self._crc = zlib.crc32(take, self._crc)
             self._at += len(take)
+
+    def _settle(self) -> None:
+        # The CRC of the block read before, computed in the background: chained in order.
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._crc = pending.result()
 
     def finish(self) -> None:
         """Check the whole entry: the rest is read now if the reader did not take it in order.
@@ -123,12 +145,26 @@ class CheckedRead:
         Raises:
             ChecksumError: naming the file and the entry, when the CRC-32 differs.
         """
+        self._settle()
         crc = crc32_range(
             self._src, self._at, self._end - self._at, source=self._source, crc=self._crc
         )
         self._at = self._end
         if crc != self._expected:
             raise checksum_error(self._source, self._entry, self._expected, crc)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _worker() -> ThreadPoolExecutor:
+    """The one thread that computes CRCs beside the reader (made on first use)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(1, thread_name_prefix="fsdpckpt-crc")
+        return _POOL
 
 
 def check_saved_file(file: IO[bytes], *, source: str) -> None:

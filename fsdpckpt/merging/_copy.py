@@ -39,10 +39,12 @@ __all__ = ["place_chunk", "place_stored_chunk", "tiles", "FileSink", "MemorySink
 # imported (about 220 MB here) two such buffers keep a merge under 300 MB.
 _SPAN = 16 * 2**20
 _TILE = 16 * 2**20
-#: Elements read, checked (and cast) and written per block from a local file: small enough
-#: that the CRC and the write find the bytes still in the CPU cache. With 16 MiB blocks each
-#: byte crossed memory three times, and a checked merge took 3x the unchecked one.
-_LOCAL_BLOCK = 2**20
+#: Bytes read, checked (and cast) and written per block from a local file: small enough that
+#: the CRC (on the other core) and the write find the bytes still in the CPU cache. With
+#: 16 MiB blocks each byte crossed memory three times, and a checked merge took 3x the
+#: unchecked one; with the CRC beside the write, 256 KiB blocks merged 1.6 GB in 1.23 s,
+#: 1 MiB in 2.1 s, 4 MiB in 2.8 s, 128 KiB in 1.8 s (a durable cp -r: 1.17 s).
+_LOCAL_BLOCK = 256 * 2**10
 
 
 class Sink(Protocol):
@@ -180,15 +182,28 @@ def _place_contiguous(src: Source, raw: RawTensor, run: int, starts: Sequence[in
     total = run * len(starts)  # elements
     local = isinstance(src, int) or isinstance(src, _checked.CheckedRead) and src.local
     per_block = max(1, (_LOCAL_BLOCK if local else _SPAN) // max(in_size, out_size))
-    stored = scratch(min(total, per_block) * in_size, "stored")
-    made = scratch(min(total, per_block) * out_size, "made") if raw.dtype != out else stored
+    # A checked local read: its CRC runs on the other core while the block is written, so
+    # two buffers take turns (CheckedRead.read_at's ``later``).
+    checked = src if isinstance(src, _checked.CheckedRead) and src.local else None
+    buffers = [scratch(min(total, per_block) * in_size, slot)
+               for slot in (("stored", "stored-2") if checked else ("stored",))]
+    cast = raw.dtype != out
+    made = scratch(min(total, per_block) * out_size, "made") if cast else buffers[0]
     done = 0  # elements of the chunk placed so far
+    turn = 0
     while done < total:
         count = min(total - done, per_block)
+        stored = buffers[turn % len(buffers)]
+        turn += 1
         block = stored[:count * in_size]
-        _read(src, block, raw.data_start + done * in_size, source)
-        if made is not stored:
+        if checked is not None:
+            checked.read_at(block, raw.data_start + done * in_size, later=True)
+        else:
+            _read(src, block, raw.data_start + done * in_size, source)
+        if cast:
             cast_block(raw.dtype.name, out.name, block, made[:count * out_size])
+        else:
+            made = stored
         at = 0
         while at < count:
             index, within = divmod(done + at, run)

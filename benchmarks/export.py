@@ -51,6 +51,10 @@ config = transformers.LlamaConfig(vocab_size=1024, hidden_size=1024, intermediat
                                   num_key_value_heads=16, tie_word_embeddings=False)
 torch.manual_seed(0)
 plain = transformers.LlamaForCausalLM(config)
+# The base a user passes, saved before PEFT wraps (and changes) the same model object below.
+plain.save_pretrained(str(work / "base"))
+for f in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(tiny / f, work / "base" / f)
 for name, model in (("plain", plain), ("lora", None)):
     folder = work / name
     if model is None:
@@ -65,9 +69,6 @@ for name, model in (("plain", plain), ("lora", None)):
     config.save_pretrained(str(folder))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny / f, folder / f)
-plain.save_pretrained(str(work / "base"))
-for f in ("tokenizer.json", "tokenizer_config.json"):
-    shutil.copy(tiny / f, work / "base" / f)
 """
     subprocess.run([sys.executable, "-c", code], check=True)
 

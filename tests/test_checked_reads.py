@@ -414,3 +414,33 @@ def test_a_flipped_bit_in_any_block_of_a_large_chunk_fails_the_merge(where, tmp_
     with pytest.raises(ChecksumError):
         fsdpckpt.merge(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_forked_child_checks_with_a_crc_thread_of_its_own(tmp_path):
+    """The CRC thread is made on first use; a child forked after it (a DataLoader worker)
+    would otherwise hand its blocks to a thread it does not have and wait forever."""
+    import os
+
+    import torch
+
+    from chunked import split, write_dcp
+
+    folder = write_dcp(tmp_path / "ckpt", {"w": (torch.randn(512, 512), split([0]))})
+    fsdpckpt.merge(folder, tmp_path / "parent")  # the parent's thread now exists
+    pid = os.fork()
+    if pid == 0:  # the child: merge again, exit 0 when done (a hang fails by the timeout)
+        try:
+            fsdpckpt.merge(folder, tmp_path / "child")
+        finally:
+            os._exit(0 if (tmp_path / "child" / "model.safetensors").exists() else 1)
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    raise AssertionError("the forked child's checked merge did not finish")

@@ -24,6 +24,7 @@ nothing else sets it.
 
 from __future__ import annotations
 
+import os
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -156,6 +157,17 @@ class CheckedRead:
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
+
+
+def _forget_pool() -> None:
+    # A forked child has the parent's pool object but not its thread: work submitted to it
+    # would wait forever. The child makes its own on first use.
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _worker() -> ThreadPoolExecutor:

@@ -201,3 +201,28 @@ def sigint_as_in_a_terminal() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def assert_same_safetensors(got_file: Path, want_file: Path) -> None:
+    """The two safetensors files hold the same names, and each tensor's dtype, shape and bytes."""
+    import torch
+    from safetensors.torch import load_file
+
+    got, want = load_file(got_file), load_file(want_file)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def load_clean(model_class, folder: Path, caplog):
+    """``model_class.from_pretrained(folder)`` (no remote code), asserting nothing was missing,
+    unexpected, mismatched or newly initialized; the model in eval mode."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        model, info = model_class.from_pretrained(str(folder), output_loading_info=True,
+                                                  trust_remote_code=False)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert "newly initialized" not in caplog.text
+    return model.eval()

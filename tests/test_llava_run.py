@@ -12,7 +12,6 @@ the trained model computes on a fixed image and prompt.
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 
 import pytest
@@ -24,7 +23,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 import fsdpckpt  # noqa: E402
 
-from conftest import FIXTURES, run_cli  # noqa: E402
+from conftest import FIXTURES, assert_same_safetensors, load_clean, run_cli  # noqa: E402
 
 LLAVA = FIXTURES / "llava"
 RUN = LLAVA / "run"
@@ -58,23 +57,14 @@ def test_the_checkpoint_holds_the_in_memory_names_and_the_reference_the_hubs():
 
 
 def test_the_export_writes_the_names_and_bytes_save_pretrained_wrote(export):
-    got = load_file(export / "model.safetensors")
-    want = load_file(REFERENCE / "model.safetensors")
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
-        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert_same_safetensors(export / "model.safetensors", REFERENCE / "model.safetensors")
 
 
 def test_the_export_loads_clean_with_the_runs_logits(export, caplog):
-    with caplog.at_level(logging.WARNING, logger="transformers"):
-        model, info = transformers.LlavaForConditionalGeneration.from_pretrained(
-            str(export), output_loading_info=True, trust_remote_code=False)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert "newly initialized" not in caplog.text
+    model = load_clean(transformers.LlavaForConditionalGeneration, export, caplog)
     ref = _inputs()
     with torch.no_grad():
-        logits = model.eval()(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"],
+        logits = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"],
                               pixel_values=ref["pixel_values"]).logits
     torch.testing.assert_close(logits, ref["logits"], atol=0, rtol=0)
 

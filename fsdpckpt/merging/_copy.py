@@ -31,7 +31,7 @@ from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
 from fsdpckpt.merging._casts import cast_block, fast_cast
-from fsdpckpt.merging._runs import Runs, chunk_runs
+from fsdpckpt.merging._runs import Runs, chunk_runs, tiles
 
 __all__ = ["place_chunk", "place_stored_chunk", "tiles", "FileSink", "MemorySink"]
 
@@ -106,54 +106,6 @@ def _read(src: Source, view: memoryview, offset: int, source: str) -> None:
 
 def _runs(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> Runs:
     return chunk_runs(shape, Chunk(tuple(offsets), tuple(sizes), None, 0, 0))
-
-
-def tiles(shape: Sequence[int], stride: Sequence[int], span_max: int,
-          numel_max: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Cut a strided tensor into boxes that each span and hold few enough elements.
-
-    A box's span is the distance, in elements of the storage, from its first
-    stored element to its last (plus one). Boxes come in row-major order of
-    their corners where the layout allows, and together cover every element once.
-
-    Args:
-        shape, stride: the tensor's shape and strides, in elements.
-        span_max: the most storage elements one box may span (at least 1).
-        numel_max: the most elements one box may hold (at least 1).
-
-    Yields:
-        ``(offsets, sizes)`` of each non-empty box.
-    """
-    ndim = len(shape)
-    stack = [((0,) * ndim, tuple(shape))]
-    while stack:
-        offsets, sizes = stack.pop()
-        numel = math.prod(sizes)
-        if numel == 0:
-            continue
-        reach = [(s - 1) * abs(st) for s, st in zip(sizes, stride)]
-        span = 1 + sum(reach)
-        if span <= span_max and numel <= numel_max:
-            yield offsets, sizes
-            continue
-        cuttable = [d for d in range(ndim) if sizes[d] > 1]
-        if span > span_max:
-            # Cutting the dim with the widest step shrinks the span most; a transposed
-            # chunk is cut across its stored rows, not along them.
-            d = max(cuttable, key=lambda k: abs(stride[k]))
-            rest = span - reach[d]
-            piece = (span_max - rest) // abs(stride[d]) + 1 if rest < span_max else 1
-        else:
-            d = cuttable[0]  # the outermost: boxes stay whole rows, written in one piece
-            piece = max(1, numel_max // (numel // sizes[d]))
-        parts = []
-        for start in range(0, sizes[d], piece):
-            part = list(sizes)
-            part[d] = min(piece, sizes[d] - start)
-            corner = list(offsets)
-            corner[d] += start
-            parts.append((tuple(corner), tuple(part)))
-        stack.extend(reversed(parts))
 
 
 def _pieces(chunk_sizes: Sequence[int], box_offsets: Sequence[int], box_sizes: Sequence[int],

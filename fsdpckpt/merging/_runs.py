@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 from fsdpckpt.dcp.metadata import Chunk
 
-__all__ = ["RunStarts", "chunk_runs", "Runs", "boxes"]
+__all__ = ["RunStarts", "chunk_runs", "Runs", "boxes", "tiles"]
 
 #: ``(run, starts)``: ``len(starts)`` runs of ``run`` consecutive elements each.
 Runs = tuple[int, Sequence[int]]
@@ -99,3 +99,51 @@ def boxes(shape: Sequence[int], max_elements: int) -> Iterator[tuple[tuple[int, 
             size = min(step, shape[dim] - start)
             yield lead + (start,) + (0,) * len(shape[dim + 1:]), \
                 (1,) * dim + (size,) + shape[dim + 1:]
+
+
+def tiles(shape: Sequence[int], stride: Sequence[int], span_max: int,
+          numel_max: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Cut a strided tensor into boxes that each span and hold few enough elements.
+
+    A box's span is the distance, in elements of the storage, from its first
+    stored element to its last (plus one). Boxes come in row-major order of
+    their corners where the layout allows, and together cover every element once.
+
+    Args:
+        shape, stride: the tensor's shape and strides, in elements.
+        span_max: the most storage elements one box may span (at least 1).
+        numel_max: the most elements one box may hold (at least 1).
+
+    Yields:
+        ``(offsets, sizes)`` of each non-empty box.
+    """
+    ndim = len(shape)
+    stack = [((0,) * ndim, tuple(shape))]
+    while stack:
+        offsets, sizes = stack.pop()
+        numel = math.prod(sizes)
+        if numel == 0:
+            continue
+        reach = [(s - 1) * abs(st) for s, st in zip(sizes, stride)]
+        span = 1 + sum(reach)
+        if span <= span_max and numel <= numel_max:
+            yield offsets, sizes
+            continue
+        cuttable = [d for d in range(ndim) if sizes[d] > 1]
+        if span > span_max:
+            # Cutting the dim with the widest step shrinks the span most; a transposed
+            # chunk is cut across its stored rows, not along them.
+            d = max(cuttable, key=lambda k: abs(stride[k]))
+            rest = span - reach[d]
+            piece = (span_max - rest) // abs(stride[d]) + 1 if rest < span_max else 1
+        else:
+            d = cuttable[0]  # the outermost: boxes stay whole rows, written in one piece
+            piece = max(1, numel_max // (numel // sizes[d]))
+        parts = []
+        for start in range(0, sizes[d], piece):
+            part = list(sizes)
+            part[d] = min(piece, sizes[d] - start)
+            corner = list(offsets)
+            corner[d] += start
+            parts.append((tuple(corner), tuple(part)))
+        stack.extend(reversed(parts))

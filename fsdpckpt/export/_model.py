@@ -60,8 +60,9 @@ BaseWeights = tuple[dict[str, tuple[int, ...]], Place]
 
 def base_may_answer(config_file: Place, base: Place | None) -> BaseWeights | None:
     """The base's weights when they may stand in for the model class: the config exported is
-    the base's own (``base/config.json``), it names no custom code, and its safetensors
-    weights give every name and shape; else None.
+    the base's own (``base/config.json``) and its safetensors weights give every name and
+    shape; else None. (A config naming custom code is left to the class by
+    :func:`expect_from_base`.)
 
     A base folder written by ``save_pretrained`` holds exactly the names and shapes the
     class built from its config writes (tied targets left out), so when a checkpoint's names
@@ -71,10 +72,11 @@ def base_may_answer(config_file: Place, base: Place | None) -> BaseWeights | Non
     if base is None or str(storage.resolved(config_file)) != str(storage.resolved(base / CONFIG)):
         return None
     weights = base_weights(base)
-    if weights is None or any(shape is None for shape in weights[0].values()):
-        return None  # names alone (a .bin base, an index without its files): the class decides
-    return {name: tuple(shape) for name, shape in weights[0].items() if shape is not None}, \
-        weights[1]
+    if weights is None:
+        return None
+    shapes = {name: tuple(shape) for name, shape in weights[0].items() if shape is not None}
+    # Names alone (a .bin base, an index without its files): the class decides.
+    return (shapes, weights[1]) if len(shapes) == len(weights[0]) else None
 
 
 def expect_from_base(shapes: dict[str, tuple[int, ...]], config: dict[str, Any],

@@ -147,31 +147,25 @@ def _place_contiguous(src: Source, raw: RawTensor, run: int, starts: Sequence[in
     checked = src if isinstance(src, _checked.CheckedRead) and src.local else None
     buffers = [scratch(min(total, per_block) * in_size, slot)
                for slot in (("stored", "stored-2") if checked else ("stored",))]
-    cast = raw.dtype != out
-    made = scratch(min(total, per_block) * out_size, "made") if cast else buffers[0]
-    done = 0  # elements of the chunk placed so far
-    turn = 0
-    while done < total:
+    made = scratch(min(total, per_block) * out_size, "made") if raw.dtype != out else None
+    for turn, done in enumerate(range(0, total, per_block)):  # done: elements placed so far
         count = min(total - done, per_block)
-        stored = buffers[turn % len(buffers)]
-        turn += 1
-        block = stored[:count * in_size]
+        block = buffers[turn % len(buffers)][:count * in_size]
         if checked is not None:
             checked.read_at(block, raw.data_start + done * in_size, later=True)
         else:
             _read(src, block, raw.data_start + done * in_size, source)
-        if cast:
-            cast_block(raw.dtype.name, out.name, block, made[:count * out_size])
-        else:
-            made = stored
+        written = block  # what goes out: the stored bytes, or their cast
+        if made is not None:
+            written = made[:count * out_size]
+            cast_block(raw.dtype.name, out.name, block, written)
         at = 0
         while at < count:
             index, within = divmod(done + at, run)
             piece = min(count - at, run - within)
-            sink.write(made[at * out_size:(at + piece) * out_size],
+            sink.write(written[at * out_size:(at + piece) * out_size],
                        tensor_start + (starts[index] + within) * out_size)
             at += piece
-        done += count
         if progress:
             progress(count * out_size)
 
@@ -246,8 +240,7 @@ def _place_column_major(src: Source, raw: RawTensor, chunk: Chunk, run: int,
             for k in range(width):  # stored column first_col + k: output rows of it
                 at = raw.storage_start + (raw.storage_offset + (first_col + k) * rows
                                           + first_row) * in_size
-                _read(src, stored[k * height * in_size:(k + 1) * height * in_size], at,
-                            source)
+                _read(src, stored[k * height * in_size:(k + 1) * height * in_size], at, source)
             view = torch.frombuffer(stored, dtype=in_dtype, count=width * height).view(
                 width, height).t()
             if staged is not None:  # reordered first, then cast contiguous (as _place_tiled)

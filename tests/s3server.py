@@ -153,7 +153,11 @@ def start(timeout: float = 60.0) -> S3Server:
                "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                # Its Iceberg and Lance endpoints listen on fixed ports by default: off, so
                # that two servers (two test sessions) can run side by side.
-               "-s3.port.iceberg=0", "-s3.port.lance=0"]
+               "-s3.port.iceberg=0", "-s3.port.lance=0",
+               # Its volumes turn read-only once the disk's free space falls under
+               # 1% (2.5 GB of 252 GB): big tests beside it did that on a CI machine, and
+               # every later S3 test failed with "internal error". A fixed floor instead.
+               "-volume.minFreeSpace=256MiB"]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)

@@ -38,6 +38,31 @@ def dtensor_copy(tmp_path) -> Path:
     return Path(shutil.copytree(FIXTURES / "dtensor", tmp_path / "dtensor"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_home_cache(tmp_path_factory):
+    """export-hf keeps the model class's answer in ~/.cache (export/_expect_cache.py): the
+    suite never reads or writes the user's. Set for the session, so that module-scoped
+    fixtures (which run before any test's own fixtures) export under it too; children
+    (subprocess, multi-rank workers) inherit it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FSDPCKPT_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache-session"))
+        patch.delenv("FSDPCKPT_NO_CACHE", raising=False)
+        yield
+
+
+_CACHES = iter(range(10**9))
+
+
+@pytest.fixture(autouse=True)
+def _own_expectation_cache(_no_home_cache, tmp_path_factory, monkeypatch):
+    """Each test its own empty cache of model classes' answers (created only when written):
+    a test that replaces the class's builder (``expect_model``: transformers "not
+    installed") or checks what an export imports must meet the class, not an answer an
+    earlier test's export of the same config left."""
+    monkeypatch.setenv("FSDPCKPT_CACHE_DIR",
+                       str(tmp_path_factory.getbasetemp() / f"cache-{next(_CACHES)}"))
+
+
 _REFERENCE: dict = {}
 
 

@@ -52,6 +52,7 @@ from fsdpckpt.export._config import (
     read_config,
     side_file_bytes,
 )
+from fsdpckpt.export._expect_cache import recall, remember
 from fsdpckpt.export._fuse_hf import plan_fused
 from fsdpckpt.export._keycheck import check_against_base, check_declared_sizes, custom_code
 from fsdpckpt.export._lora_keys import refuse_unasked
@@ -287,9 +288,11 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
     side = find_side_files(_search_root(layout), base_at)
     config = read_config(side.config)
     # transformers' import is the export's largest cost: it runs while this thread plans,
-    # unless the base's own weights may stand in for the model class (export._model).
+    # unless the base's own weights may stand in for the model class (export._model), or an
+    # earlier export of this config kept the class's answer (export._expect_cache).
     from_base = base_may_answer(side.config, base_at)
-    importing = start_import(config) if from_base is None else None
+    kept = None if from_base else recall(exported_config(config, "", untie=untie))
+    importing = None if from_base or kept else start_import(config)
     request = validate_merge(layout, output, dtype=dtype, max_shard_size=max_shard_size,
                              overwrite=overwrite)
     job = plan_job(request)  # also: is the output free, and which earlier outputs go
@@ -330,9 +333,11 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
             write_bytes(stage / name, data)
             copies.append(stage / name)
         quick = expect_from_base(shapes, fixed, from_base) if from_base else None
-        if quick is None:
+        kept = kept or (recall(fixed) if from_base and quick is None else None)
+        if quick is None and kept is None:
             (importing or start_import(config)).join()
-        expect = quick or expect_model(stage, fixed, trust_remote_code=trust_remote_code)
+        expect = quick or kept or remember(fixed, expect_model(
+            stage, fixed, trust_remote_code=trust_remote_code))
         not_checked = names = None
         if isinstance(expect, ModelExpectation):
             # In-memory names (transformers 5) or the hub's (transformers 4's per-expert

@@ -45,8 +45,8 @@ __all__ = ["MAX_BYTES", "OFF", "WHERE", "cache_dir", "recall", "remember"]
 
 #: Bumped whenever what the file holds, or what the class's answer means, changes.
 FORMAT = 1
-#: The largest file read: a MoE model's per-expert pieces (some 50,000 for the largest
-#: open models) take a few MB.
+#: The largest file read: a dense model takes tens of KB; a MoE model's per-expert pieces
+#: (some 50,000 for the largest open models) some 10 MB.
 MAX_BYTES = 32 << 20
 #: The environment variable that turns the cache off (any value but empty or ``0``).
 OFF = "FSDPCKPT_NO_CACHE"

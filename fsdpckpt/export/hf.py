@@ -19,7 +19,8 @@ already under those names (a transformers 4 run) is written as it is
 converter reorders them, still as a copy (:mod:`fsdpckpt.export._trainer_names`).
 Before a byte is written, the exported keys and shapes are checked against the config's
 model class (built on the meta device when transformers is installed, after its declared
-layer and expert counts are bounded by the checkpoint's keys); a model whose class needs
+layer and expert counts are bounded by the checkpoint's keys; its answer is kept for later
+exports of the same config, :mod:`fsdpckpt.export._expect_cache`); a model whose class needs
 custom code is built only with ``trust_remote_code`` and otherwise checked against the
 base's weights (:mod:`fsdpckpt.export._keycheck`). Everything is staged in the output folder
 and renamed into place at the end; on any error the output folder is left as it was.
@@ -289,7 +290,8 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
     config = read_config(side.config)
     # transformers' import is the export's largest cost: it runs while this thread plans,
     # unless the base's own weights may stand in for the model class (export._model), or an
-    # earlier export of this config kept the class's answer (export._expect_cache).
+    # earlier export of this config kept the class's answer (export._expect_cache; the
+    # dtype, planned below, is no part of its key).
     from_base = base_may_answer(side.config, base_at)
     kept = None if from_base else recall(exported_config(config, "", untie=untie))
     importing = None if from_base or kept else start_import(config)

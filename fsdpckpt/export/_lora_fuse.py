@@ -268,9 +268,10 @@ def fused_from(source: ModelSource, layout: LoraLayout, config: LoraConfig, *,
     """The plain model's ``(name, tensor)`` pairs of ``source`` with the adapter fused in,
     in stored order, one at a time: memory holds the adapters and one base tensor.
     ``only``: the stored names to read (by default every one the fused model holds)."""
-    fuser = LoraFuser(layout, config, load(source, set(layout.adapter_keys)), adapter=adapter,
-                      dtype=dtype)
-    # Adapter tensors are already held; modules_to_save copies are read with the base.
+    # The fuser holds the adapters' own tensors; modules_to_save copies (an lm_head's may be
+    # gigabytes) are read, one at a time, with the base tensors.
+    held = {k for m in layout.modules for k in m.adapter_keys}
+    fuser = LoraFuser(layout, config, load(source, held), adapter=adapter, dtype=dtype)
     kept = {n for n in source.names if layout.plain_name(n, fuser.adapter) is not None
             and (only is None or n in only)}
     for name, tensor in source.read(kept.__contains__):

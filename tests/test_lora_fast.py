@@ -139,3 +139,22 @@ def test_one_thread_gives_the_bits_of_the_default_thread_count(shape):
         got = (b @ a).mul_(0.5)
     assert torch.get_num_threads() == threads
     assert torch.equal(_bits(got), _bits(expected))
+
+
+@pytest.mark.parametrize("damaged", ["mlp.down_proj.weight", "self_attn.q_proj.base_layer"])
+def test_a_flipped_bit_in_a_copied_or_a_fused_tensor_raises_and_writes_nothing(damaged,
+                                                                               tmp_path):
+    from test_checked_reads import flip_tensor_bit
+
+    from fsdpckpt import ChecksumError
+    from fsdpckpt.dcp.reader import read_dcp_folder
+
+    peft_model = _trained(_llama(), r=2, lora_alpha=4, target_modules=["q_proj"])
+    ckpt = _save(peft_model, tmp_path / "ckpt")
+    folder = ckpt / "pytorch_model_fsdp_0"
+    name = next(t.name for t in read_dcp_folder(folder).metadata.tensors if damaged in t.name)
+    _, path = flip_tensor_bit(folder, name)
+    with pytest.raises(ChecksumError) as caught:
+        fuse_into(ckpt, tmp_path / "out")
+    assert str(path) in str(caught.value)
+    assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -14,6 +14,8 @@ in the same run:
 
   - merge: the raw weights, base and adapter tensors as stored;
   - export-hf --lora fuse: the HF folder with the adapter fused in (fp32 maths per layer);
+  - export-hf --lora fuse --base: the same, the base model folder answering for the class
+    (the base's weights: transformers is never imported, torch is, for the maths);
   - export-hf --lora adapter: only the adapter tensors;
   - export-hf of the plain (un-wrapped) model of the same shapes: the config beside the
     checkpoint, the model class built on the meta device to check the keys;
@@ -95,6 +97,9 @@ def main() -> None:
             "merge (anchor)": cli + ["merge", str(work / "lora"), str(work / "out"), "-q"],
             "export-hf --lora fuse": cli + ["export-hf", str(work / "lora"), str(work / "out"),
                                            "--lora", "fuse", "-q"],
+            "export-hf --lora fuse --base": cli + [
+                "export-hf", str(work / "lora"), str(work / "out"), "--lora", "fuse", "--base",
+                str(work / "base"), "-q"],
             "export-hf --lora adapter": cli + ["export-hf", str(work / "lora"),
                                               str(work / "out"), "--lora", "adapter", "-q"],
             "export-hf (plain model)": cli + ["export-hf", str(work / "plain"),

@@ -12,18 +12,24 @@ writer, commit and result do the rest, as for any merge.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import sys
+import threading
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.remote import location
 from fsdpckpt.dcp.dtypes import dtype_from_name
+from fsdpckpt.dcp.metadata import TensorEntry
 from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.errors import CorruptCheckpointError
 from fsdpckpt.export._lora_base import with_base
 from fsdpckpt.export._lora_fuse import (
+    computed_names,
     find_adapter_config,
     fused_from,
     pick_adapter,
@@ -57,6 +63,10 @@ class FusedWeights:
     dtype: str
     _cast: str | None
     _find_config: dict[str, Any]
+    #: The plain names copied from their stored chunks (the fuser would only rename and
+    #: cast them), each with its stored entry; the stored names the fuser reads (None: all).
+    _copied: Mapping[str, TensorEntry] = field(default_factory=dict)
+    _read: frozenset[str] | None = None
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -68,7 +78,7 @@ class FusedWeights:
         shards of at most ``max_shard_size`` bytes as a merge splits them."""
         left = frozenset(exclude)
         return computed_plan(self.folder, [s for s in self.specs if s.name not in left],
-                             self._tensors, max_shard_size=max_shard_size)
+                             self._tensors, max_shard_size=max_shard_size, copied=self._copied)
 
     def job(self, output_dir: Path, *, exclude: Iterable[str] = (),
             max_shard_size: int | None = None, overwrite: bool) -> MergeJob:
@@ -83,10 +93,11 @@ class FusedWeights:
                                                            overwrite=overwrite))
 
     def _tensors(self) -> Iterable[tuple[str, Any]]:
-        # Called by the writer: the adapter config is looked for only now, as it always was.
+        # Called by the writer: the adapter config is looked for only now, as it always was
+        # (before the writer copies anything); the fuser reads only what it computes.
         config = find_adapter_config(**self._find_config)
         return fused_from(self.source, self.layout, config, adapter=self.adapter,
-                          dtype=self._cast)
+                          dtype=self._cast, only=self._read)
 
 
 def plan_fused(checkpoint: Any, source: ModelSource, *, dtype: str | None,
@@ -111,6 +122,16 @@ def plan_fused(checkpoint: Any, source: ModelSource, *, dtype: str | None,
     if joined is not source:  # base weights from the base model's folder
         source, layout = joined, find_lora(joined.names)
     specs = _fused_specs(source, layout, name, dtype)
+    computed = computed_names(layout, name)
+    copied, read = {}, set()
+    for stored in source.names:
+        entry = source.stored_entry(stored)
+        plain = layout.plain_name(stored, name)
+        if stored not in computed and plain is not None and entry is not None and entry.chunks:
+            copied[plain] = entry
+        else:
+            read.add(stored)
+    _import_torch_meanwhile()
     sizes: Counter[str] = Counter()
     for spec in specs:
         if spec.dtype.is_floating:
@@ -119,7 +140,22 @@ def plan_fused(checkpoint: Any, source: ModelSource, *, dtype: str | None,
     lookup = {"checkpoint": checkpoint, "lora_config": lora_config, "base": base,
               "storage_options": storage_options}
     return FusedWeights(folder or no_metadata(source.path), source, layout, name, tuple(specs),
-                        exported, dtype, lookup)
+                        exported, dtype, lookup, copied, frozenset(read))
+
+
+def _import_torch_meanwhile() -> None:
+    # The fuser's maths needs torch, about a second to import (most of a small fused
+    # export's time), and nothing before it does: imported in the background while the
+    # export is checked and the copied tensors are written. A failure is met again, and
+    # reported, where the fuser imports it.
+    if "torch" in sys.modules:
+        return
+
+    def load() -> None:
+        with contextlib.suppress(Exception):  # met again in the writer's thread
+            importlib.import_module("torch")
+
+    threading.Thread(target=load, name="fsdpckpt-import-torch", daemon=True).start()
 
 
 def _fused_specs(source: ModelSource, layout: LoraLayout, adapter: str,

@@ -9,8 +9,9 @@ checkpoint's base tensors through it, one in memory at a time. Where the fused t
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -29,7 +30,7 @@ from fsdpckpt.export._lora_keys import LoraLayout, LoraModule
 from fsdpckpt.export._lora_read import ModelSource
 
 __all__ = ["LoraFuser", "fuse_weight", "find_adapter_config", "adapter_config_places",
-           "fused_from", "load", "pick_adapter", "torch_dtype"]
+           "computed_names", "fused_from", "load", "one_thread", "pick_adapter", "torch_dtype"]
 
 #: A path argument: local, or a URL / :class:`RemotePath` on object storage.
 _Where: TypeAlias = str | os.PathLike[str] | RemotePath
@@ -70,19 +71,42 @@ def fuse_weight(weight: Any, lora_a: Any, lora_b: Any, scaling: float, *,
     Returns:
         The fused weight, float32, the shape of ``weight``.
     """
-    w = weight.float()
-    transposed = fan_in_fan_out or embedding
-    delta = lora_b.float() @ lora_a.float()
-    delta = (delta.T if transposed else delta) * scaling
-    if magnitude is None:
-        return w + delta
-    # DoRA: the norm of each output row of W + delta, in the (out x in) orientation.
-    rows = (w + delta).T if fan_in_fan_out else w + delta
     import torch
 
+    w = weight.float()
+    transposed = fan_in_fan_out or embedding
+    # PEFT's ops, in its order and dtype (get_delta_weight, then W + delta): in place in the
+    # product's memory where that changes no bit (an element-wise op gives the same values
+    # into any buffer), two tensors the weight's size fewer to allocate and fault in.
+    delta = (lora_b.float() @ lora_a.float()).mul_(scaling)
+    delta = delta.T if transposed else delta
+    if magnitude is None:
+        return torch.add(w, delta, out=delta) if not transposed else w + delta
+    # DoRA: the norm of each output row of W + delta, in the (out x in) orientation.
+    rows = (w + delta).T if fan_in_fan_out else w + delta
     norm = torch.linalg.norm(rows, dim=1)
     factor = (magnitude.float() / norm).view(-1, 1)
     return (factor.T if fan_in_fan_out else factor) * (w + delta)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch's ops on one thread within the block (the caller's count restored after).
+
+    A fusion's ops are a thin matmul and element-wise passes over memory, a few
+    milliseconds a weight on one core. On two threads, while the other core reads, checks
+    CRCs or is another process's, each op waits for a second thread that is not running:
+    10-40 ms an op measured on a busy two-core machine, against 0.5 ms on one. The bits
+    are the same either way (tests/test_lora_fast.py compares them).
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)
@@ -150,10 +174,11 @@ class LoraFuser:
             return None
         found = self._adapters.get(name)
         if found is not None:
-            fused = fuse_weight(tensor, found.a, found.b, found.scaling,
-                                fan_in_fan_out=self.config.fan_in_fan_out,
-                                magnitude=found.magnitude, embedding=found.module.embedding)
-            return plain, fused.to(self.dtype or tensor.dtype)
+            with one_thread():
+                fused = fuse_weight(tensor, found.a, found.b, found.scaling,
+                                    fan_in_fan_out=self.config.fan_in_fan_out,
+                                    magnitude=found.magnitude, embedding=found.module.embedding)
+                return plain, fused.to(self.dtype or tensor.dtype)
         lora_bias = self._biases.get(name)
         if lora_bias is not None:
             fused = tensor.float() + lora_bias.b_bias.float() * lora_bias.scaling
@@ -224,14 +249,31 @@ def load(source: ModelSource, keys: set[str]) -> dict[str, Any]:
     return dict(source.read(lambda n: n in keys))
 
 
+def computed_names(layout: LoraLayout, adapter: str) -> frozenset[str]:
+    """The stored names whose fused tensor :class:`LoraFuser` computes (``adapter``'s base
+    weights, and the base biases its ``lora_B`` biases add to); every other tensor the
+    fused model holds is the stored one, renamed (cast at most)."""
+    found = set()
+    for module in layout.modules:
+        if module.adapter == adapter:
+            found.add(module.weight)
+            if module.lora_b_bias is not None and module.bias is not None:
+                found.add(module.bias)
+    return frozenset(found)
+
+
 def fused_from(source: ModelSource, layout: LoraLayout, config: LoraConfig, *,
-               adapter: str | None, dtype: str | None) -> Iterator[tuple[str, Any]]:
+               adapter: str | None, dtype: str | None,
+               only: Collection[str] | None = None) -> Iterator[tuple[str, Any]]:
     """The plain model's ``(name, tensor)`` pairs of ``source`` with the adapter fused in,
-    in stored order, one at a time: memory holds the adapters and one base tensor."""
-    fuser = LoraFuser(layout, config, load(source, set(layout.adapter_keys)), adapter=adapter,
-                      dtype=dtype)
-    # Adapter tensors are already held; modules_to_save copies are read with the base.
-    kept = {n for n in source.names if layout.plain_name(n, fuser.adapter) is not None}
+    in stored order, one at a time: memory holds the adapters and one base tensor.
+    ``only``: the stored names to read (by default every one the fused model holds)."""
+    # The fuser holds the adapters' own tensors; modules_to_save copies (an lm_head's may be
+    # gigabytes) are read, one at a time, with the base tensors.
+    held = {k for m in layout.modules for k in m.adapter_keys}
+    fuser = LoraFuser(layout, config, load(source, held), adapter=adapter, dtype=dtype)
+    kept = {n for n in source.names if layout.plain_name(n, fuser.adapter) is not None
+            and (only is None or n in only)}
     for name, tensor in source.read(kept.__contains__):
         out = fuser(name, tensor)
         if out is not None:

@@ -60,6 +60,11 @@ class ModelSource:
         else:
             yield from self._read_dcp(want)
 
+    def stored_entry(self, name: str) -> TensorEntry | None:
+        """The DCP metadata entry of ``name`` (its stored chunks), for a writer that copies
+        it as a merge copies it; None for a tensor of a ``.safetensors`` file."""
+        return self._entries.get(name)
+
     def _read_dcp(self, want: Callable[[str], bool] | None) -> Iterator[tuple[str, Any]]:
         from fsdpckpt._io.rawio import reusing_scratch
         from fsdpckpt.dcp._datafiles import DataFiles

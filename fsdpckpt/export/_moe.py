@@ -27,6 +27,7 @@ tensor (one expert's matrix), never a layer.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -233,8 +234,12 @@ def hub_plan(job: MergeJob, pieces: Iterable[Piece], *, overwrite: bool,
     specs = [TensorSpec(p.name, (p.name,), planned[p.source].spec.dtype, p.shape)
              for p in chosen]
     fuser = plan.fuser
+    # A fused plan copies some tensors from their stored chunks (plan.computed_plan): their
+    # pieces are cut from the stored chunks too, the computed tensors' from the fuser's.
+    stored = [p for p in chosen if planned[p.source].source.chunks]
+    made = [p for p in chosen if not planned[p.source].source.chunks]
     stream = (lambda: _cut(plan, planned, chosen)) if fuser is None else \
-        (lambda: _cut_computed(fuser(), chosen))
+        (lambda: itertools.chain(_cut(plan, planned, stored), _cut_computed(fuser(), made)))
     computed = computed_plan(plan.folder, specs, stream, max_shard_size=max_shard_size)
     return MergeJob((computed,), job.output_dir,
                     claim_outputs((computed,), job.output_dir, overwrite=overwrite))

@@ -15,7 +15,7 @@ stored ones); the writer, the commit and the result are the same for both.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -35,9 +35,9 @@ __all__ = ["MergePlanError", "PlannedTensor", "PlannedObject", "PlannedFile", "M
            "plan_merge", "chunk_runs", "RunStarts", "parse_size", "parse_dtype", "RESERVED_NAME",
            "split_shards", "TensorStream", "computed_plan", "no_metadata"]
 
-#: A fuser, for the writer: called once, it yields each planned tensor as ``(name,
-#: torch.Tensor)`` in plan order, each computed when it is reached and not kept (names
-#: the plan does not hold are skipped).
+#: A fuser, for the writer: called once, it yields each planned tensor that has no stored
+#: chunks as ``(name, torch.Tensor)`` in plan order, each computed when it is reached and
+#: not kept (names the plan does not hold are skipped); the others are copied.
 TensorStream = Callable[[], Iterable[tuple[str, Any]]]
 
 
@@ -86,7 +86,8 @@ class MergePlan:
         stem: the base of the file names (``model``, ``pytorch_model``, ``optimizer``):
             the single file is ``{stem}.{suffix}``, shards ``{stem}-00001-of-00002.{suffix}``.
         fuser: None when every tensor is copied from its stored chunks; otherwise the
-            tensors come from it, computed one at a time (:func:`computed_plan`).
+            tensors without stored chunks come from it, computed one at a time
+            (:func:`computed_plan`).
     """
 
     folder: DcpFolder
@@ -372,14 +373,21 @@ def no_metadata(path: Any) -> DcpFolder:
 
 
 def computed_plan(folder: DcpFolder, specs: Sequence[TensorSpec], fuser: TensorStream, *,
-                  max_shard_size: int | None = None, stem: str = "model") -> MergePlan:
+                  max_shard_size: int | None = None, stem: str = "model",
+                  copied: Mapping[str, TensorEntry] | None = None) -> MergePlan:
     """A plan whose tensors are computed by ``fuser`` rather than copied from stored chunks:
     ``specs`` (plain names, in the order ``fuser`` yields them; their shapes and dtypes
     known from the metadata) laid out into safetensors files split as :func:`plan_merge`
     splits them. The tensors have no stored chunks; ``folder`` is what the fuser reads.
+    ``copied``: the names (of ``specs``) whose tensor is rather a stored tensor of
+    ``folder`` (with chunks), copied as a merge copies it (cast to the spec's dtype).
     """
     fmt = get_format("safetensors")
-    tensors = [PlannedTensor(s, TensorEntry(s.name, s.dtype, tuple(s.shape), (), s.key_path), ())
+    copied = copied or {}
+    tensors = [PlannedTensor(s, copied[s.name], tuple(chunk_runs(copied[s.name].shape, c)
+                                                       for c in copied[s.name].chunks))
+               if s.name in copied else
+               PlannedTensor(s, TensorEntry(s.name, s.dtype, tuple(s.shape), (), s.key_path), ())
                for s in specs]
     stem = fmt.file_stem(stem)
     files, index_name = _files(fmt, stem, _shard(tensors, max_shard_size), None)

@@ -40,7 +40,7 @@ from fsdpckpt.errors import (
 from fsdpckpt.formats import ObjectValue, TensorSpec
 from fsdpckpt.formats._shards import index_bytes
 from fsdpckpt.merging._copy import place_stored_chunk
-from fsdpckpt.merging.plan import MergePlan, PlannedFile
+from fsdpckpt.merging.plan import MergePlan, PlannedFile, PlannedTensor
 
 if TYPE_CHECKING:
     from fsdpckpt._io.remote import RemotePath
@@ -207,11 +207,13 @@ def _check_space(stage: Path, files: list[PlannedFile]) -> None:
 
 def _write_computed(plan: MergePlan, files: list[PlannedFile], stage: Path,
                     progress: Callable[[int], None] | None) -> list[Path]:
-    # Every file laid out first (header and size, from the plan); then each tensor the
-    # fuser yields is written at its place as it comes and dropped, so memory holds one.
+    # Every file laid out first (header and size, from the plan); then the tensors with
+    # stored chunks are copied as a merge copies them, and each tensor the fuser yields is
+    # written at its place as it comes and dropped, so memory holds one.
     assert plan.fuser is not None
     paths = [stage / f.name for f in files]
     where: dict[str, tuple[int, int, TensorSpec]] = {}  # name -> (fd, offset, spec)
+    copies: list[tuple[int, int, PlannedTensor]] = []  # (fd, offset, tensor)
     with contextlib.ExitStack() as opened:
         fds = []
         for path, file in zip(paths, files, strict=True):
@@ -223,8 +225,22 @@ def _write_computed(plan: MergePlan, files: list[PlannedFile], stage: Path,
             _reserve(fd, layout.size, path)
             for offset, data in layout.fixed:
                 pwrite_all(fd, data, offset)
-            where.update((s.name, (fd, layout.starts[s.name], s)) for s in specs)
-        for name, tensor in plan.fuser():
+            for t in file.tensors:
+                if t.source.chunks:
+                    copies.append((fd, layout.starts[t.spec.name], t))
+                else:
+                    where[t.spec.name] = (fd, layout.starts[t.spec.name], t.spec)
+        tensors = plan.fuser()  # called first: what it looks up fails before any copy
+        if copies:  # the stored ones first: a fuser that imports torch does it meanwhile
+            sources = opened.enter_context(DataFiles(plan.folder.path))
+            sources.prefetch((c.file, c.offset, c.length) for _, _, t in copies
+                             for c in t.source.chunks)
+            for fd, start, t in copies:
+                for chunk, runs in zip(t.source.chunks, t.runs, strict=True):
+                    place_stored_chunk(sources, t.source, chunk, runs, t.spec.dtype, fd, start,
+                                       progress=progress)
+                _start_writeback(fd, start, t.spec.nbytes)
+        for name, tensor in tensors:
             if name not in where:  # not planned (a tied target), or another rank's share
                 continue
             fd, offset, spec = where.pop(name)

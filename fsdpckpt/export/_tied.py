@@ -10,6 +10,8 @@ from the checkpoint in the same boxes (a contiguous run of row-major elements, a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._datafiles import DataFiles
@@ -18,7 +20,10 @@ from fsdpckpt.errors import ExportMismatchError
 from fsdpckpt.merging._copy import MemorySink, locate_stored_chunk, place_chunk
 from fsdpckpt.merging._runs import boxes, chunk_runs
 
-__all__ = ["BOX_BYTES", "same_bytes", "read_box", "refuse_differing"]
+if TYPE_CHECKING:  # the merger's job, only named here
+    from fsdpckpt.merging.merger import MergeJob
+
+__all__ = ["BOX_BYTES", "compare_tied", "same_bytes", "read_box", "refuse_differing"]
 
 #: The most bytes of each tensor held at once.
 BOX_BYTES = 8 * 2**20
@@ -111,3 +116,22 @@ def refuse_differing(checkpoint: Place, tied: dict[str, str],
             f"(tie_word_embeddings), so {target} would not be written and the model would "
             f"change; pass --untie (untie=True) to write both and set tie_word_embeddings: "
             f"false, or pass base=... with the config this run trained")
+
+
+def compare_tied(job: MergeJob, pairs: dict[str, str]) -> dict[tuple[str, str], bool]:
+    """Whether each ``(target, source)`` pair of ``pairs`` that the job's checkpoint holds
+    has the same bytes under both names, read box by box (:func:`same_bytes`); pairs with a
+    name the checkpoint lacks are left out. Run before any weight is written."""
+    found: dict[tuple[str, str], bool] = {}
+    for plan in job.plans:
+        entries = {t.spec.name: t.source for f in plan.files for t in f.tensors}
+        wanted = [(t, s) for t, s in sorted(pairs.items()) if t in entries and s in entries]
+        if not wanted:
+            continue
+        files = DataFiles(plan.folder.path)
+        try:
+            for target, source in wanted:
+                found[(target, source)] = same_bytes(files, entries[target], entries[source])
+        finally:
+            files.close()
+    return found

@@ -41,7 +41,6 @@ from fsdpckpt._io.durable import write_bytes
 from fsdpckpt._io.publish_built import built_into
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressFactory
-from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.layout import CheckpointLayout, find_layout
 from fsdpckpt.errors import ExportMismatchError, MergePlanError, OutputExistsError
 from fsdpckpt.export._config import (
@@ -67,7 +66,7 @@ from fsdpckpt.export._model import (
     tied_without_transformers,
 )
 from fsdpckpt.export._moe import hub_names, hub_plan
-from fsdpckpt.export._tied import refuse_differing, same_bytes
+from fsdpckpt.export._tied import compare_tied, refuse_differing
 from fsdpckpt.export._trainer_names import looks_like, trainer_job
 from fsdpckpt.export.lora import AdapterExport, export_adapter
 from fsdpckpt.merging._validate import MergeRequest, validate_merge
@@ -318,7 +317,7 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
     _check_outputs(side, request.output_dir, overwrite)
     # The pairs the config ties, compared while transformers is still importing; the model
     # class (when there is one) decides below which pairs are tied.
-    compared = _compare_tied(job, tied_without_transformers(fixed, shapes)) \
+    compared = compare_tied(job, tied_without_transformers(fixed, shapes)) \
         if fused is None else {}
     with sigterm_interrupts(), staging(request.output_dir) as stage:
         config_file = stage / CONFIG
@@ -362,7 +361,7 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
                 {k: v for k, v in shapes.items() if k not in tied}, tied, base_at, expect,
                 request.sources[0].folder.path)
         if fused is None and tied:
-            compared.update(_compare_tied(job, {k: v for k, v in tied.items()
+            compared.update(compare_tied(job, {k: v for k, v in tied.items()
                                                 if (k, v) not in compared}))
             refuse_differing(request.sources[0].folder.path, tied, compared, side.config, untie)
             job, _ = trainer_job(plan_job(_excluding(request, sorted(
@@ -393,20 +392,3 @@ def _excluding(request: MergeRequest, names: list[str]) -> MergeRequest:
     exclude = options.exclude + tuple(_glob_literal(n) for n in names)
     return dataclasses.replace(request, options=dataclasses.replace(options, exclude=exclude))
 
-
-def _compare_tied(job: MergeJob, pairs: dict[str, str]) -> dict[tuple[str, str], bool]:
-    # Whether each (target, source) pair the checkpoint holds has the same bytes under both
-    # names, read box by box (export._tied), before any weight is written.
-    found: dict[tuple[str, str], bool] = {}
-    for plan in job.plans:
-        entries = {t.spec.name: t.source for f in plan.files for t in f.tensors}
-        wanted = [(t, s) for t, s in sorted(pairs.items()) if t in entries and s in entries]
-        if not wanted:
-            continue
-        files = DataFiles(plan.folder.path)
-        try:
-            for target, source in wanted:
-                found[(target, source)] = same_bytes(files, entries[target], entries[source])
-        finally:
-            files.close()
-    return found

@@ -1,0 +1,128 @@
+"""load_full_state_dict and diff against their anchors (issue 21).
+
+Run by hand (not in CI):
+
+    python benchmarks/verbs.py                     # 12 layers of 4096x4096 fp32 (805 MB)
+    python benchmarks/verbs.py --layers 24 --rounds 5
+
+Builds a model folder with a real 2-rank FSDP2 run (as ``benchmarks/merge.py`` does), a
+second copy of it (``cp -r``: the same bytes in other files) and its merged safetensors
+file, then times whole processes, alternating cases in each round (median wall, peak RSS
+from ``wait4``; page cache warm, ``sync`` untimed before each run):
+
+- ``fsdpckpt.load_full_state_dict(DIR)`` against torch's own way to the same dict,
+  ``dcp_to_torch_save(DIR, FILE)`` then ``torch.load(FILE)`` (the file in the same
+  scratch folder, removed after). Target: no slower.
+- ``fsdpckpt diff A B`` of the folder and its copy (every byte of both read and compared,
+  every chunk checked against its CRC-32), and of the folder and its merged safetensors
+  file, against reading both sides once: ``cat`` of both sides' data files into
+  ``/dev/null`` in one process (the bytes only: no CRC, no comparison, no ``import
+  torch``). Target: at most 1.5x. ``diff`` needs torch (its comparison rule is torch's),
+  and importing it costs here about as much as reading 1.6 GB from the page cache, so the
+  ``import torch`` process alone is printed too, and the ratio without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from merge import build, run
+
+_LOAD = ("import sys, fsdpckpt\n"
+         "fsdpckpt.load_full_state_dict(sys.argv[1])\n")
+_TORCH = ("import sys, torch\n"
+          "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+          "dcp_to_torch_save(sys.argv[1], sys.argv[2])\n"
+          "torch.load(sys.argv[2])\n")
+
+
+def _files(*folders: Path) -> list[str]:
+    return [str(p) for folder in folders for p in sorted(folder.iterdir()) if p.is_file()]
+
+
+def cases(work: Path) -> dict[str, list[str] | None]:
+    py, dim0, copy, merged = sys.executable, work / "dim0", work / "copy", work / "merged"
+    return {
+        "load_full_state_dict": [py, "-c", _LOAD, str(dim0)],
+        "dcp_to_torch_save + torch.load": [py, "-c", _TORCH, str(dim0), str(work / "out.pt")],
+        "fsdpckpt diff DIR COPY": [py, "-m", "fsdpckpt", "diff", str(dim0), str(copy)],
+        "cat DIR/* COPY/* > /dev/null": ["cat", *_files(dim0, copy)],
+        "fsdpckpt diff DIR MERGED": [py, "-m", "fsdpckpt", "diff", str(dim0), str(merged)],
+        "cat DIR/* MERGED/* > /dev/null": ["cat", *_files(dim0, merged)],
+        "python -c 'import torch'": [py, "-c", "import torch"],
+    }
+
+
+def measure(work: Path, rounds: int) -> dict[str, dict[str, float]]:
+    todo = cases(work)
+    subprocess.run(["cat", *_files(work / "dim0", work / "copy", work / "merged")],
+                   stdout=subprocess.DEVNULL, check=True)  # warm the page cache once
+    times: dict[str, list[float]] = {}
+    peaks: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, cmd in todo.items():
+            (work / "out.pt").unlink(missing_ok=True)
+            os.sync()
+            if cmd[0] == "cat":  # its output to /dev/null, not a pipe
+                cmd = ["sh", "-c", 'exec cat "$@" > /dev/null', "cat", *cmd[1:]]
+            wall, peak = run(cmd)
+            times.setdefault(name, []).append(wall)
+            peaks.setdefault(name, []).append(peak)
+    (work / "out.pt").unlink(missing_ok=True)
+    return {name: {"seconds": statistics.median(times[name]), "peak_mb": max(peaks[name]),
+                   "runs": times[name]} for name in todo}
+
+
+def report(results: dict[str, dict[str, float]], size_gb: float, rounds: int) -> None:
+    print(f"\n{size_gb:.2f} GB model folder (2-rank FSDP2, fp32); whole processes, median "
+          f"of {rounds}")
+    print(f"{'case':34} {'wall s':>7} {'peak RSS MB':>12}  runs")
+    for name, r in results.items():
+        runs = " ".join(f"{w:.2f}" for w in r["runs"])
+        print(f"{name:34} {r['seconds']:7.2f} {r['peak_mb']:12.0f}  {runs}")
+    s = {name: r["seconds"] for name, r in results.items()}
+    imp = s["python -c 'import torch'"]
+    print(f"targets: load_full_state_dict <= torch's way: "
+          f"{s['load_full_state_dict'] / s['dcp_to_torch_save + torch.load']:.2f}x")
+    for other in ("COPY", "MERGED"):
+        diff, cat = s[f"fsdpckpt diff DIR {other}"], s[f"cat DIR/* {other}/* > /dev/null"]
+        print(f"  diff DIR {other} <= 1.5x reading both: {diff / cat:.2f}x whole process; "
+              f"{(diff - imp) / cat:.2f}x less the import of torch")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="load_full_state_dict and diff benchmark")
+    parser.add_argument("--layers", type=int, default=12,
+                        help="4096x4096 fp32 layers (64 MiB each)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="fsdpckpt-verbs-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"cpus: {os.cpu_count()}, workdir: {work}")
+    try:
+        if not (work / "merged").exists():
+            start = time.perf_counter()
+            build(work / "dim0", args.layers)
+            shutil.copytree(work / "dim0", work / "copy")
+            subprocess.run([sys.executable, "-m", "fsdpckpt", "merge", str(work / "dim0"),
+                            str(work / "merged"), "--quiet"], check=True)
+            print(f"built the folders in {time.perf_counter() - start:.1f} s")
+        size_gb = sum(p.stat().st_size for p in (work / "dim0").iterdir()) / 1e9
+        report(measure(work, args.rounds), size_gb, args.rounds)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

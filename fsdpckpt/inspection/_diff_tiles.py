@@ -19,12 +19,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fsdpckpt._io.rawio import ReadAt, pread_into
+from fsdpckpt._io.rawio import ReadAt, pread_into, scratch
 from fsdpckpt.dcp._checked import CheckedRead
 from fsdpckpt.dcp._zstd import ZstdEntry
 
-__all__ = ["Piece", "compressed", "finish_checks", "overlaps", "tile_sizes", "tiles_of",
-           "read_tile", "tile_view"]
+__all__ = ["Piece", "compressed", "finish_checks", "flat_tile", "overlaps", "tile_sizes",
+           "tiles_of", "read_tile", "tile_view"]
 
 
 @dataclass(frozen=True)
@@ -203,3 +203,19 @@ def tile_view(buffer: memoryview, dtype: Any, sizes: Sequence[int],
     count = math.prod(sizes)
     return torch.frombuffer(buffer, dtype=dtype, count=count).as_strided(tuple(sizes),
                                                                          tuple(strides))
+
+
+def flat_tile(buffer: memoryview, dtype: str, sizes: Sequence[int], strides: Sequence[int],
+              slot: str) -> Any:
+    """The tile read by :func:`read_tile` as a 1-D tensor of ``dtype`` (a torch name), in the
+    tile's row-major order: a view of ``buffer``, or a copy in the scratch ``slot`` where
+    the tile lies in another order."""
+    import torch
+
+    torch_dtype, count = getattr(torch, dtype), math.prod(sizes)
+    view = tile_view(buffer, torch_dtype, sizes, strides)
+    if not view.is_contiguous():  # to the tile's row-major order, bit for bit
+        rows = scratch(count * torch_dtype.itemsize, slot)
+        view = torch.frombuffer(rows, dtype=torch_dtype, count=count).view(tuple(sizes)) \
+            .copy_(view)
+    return view.reshape(-1)

@@ -46,10 +46,10 @@ from fsdpckpt.inspection._diff_tiles import (
     Piece,
     compressed,
     finish_checks,
+    flat_tile,
     overlaps,
     read_tile,
     tile_sizes,
-    tile_view,
     tiles_of,
 )
 from fsdpckpt.inspection._diff_trainer import whole_trainer_sides
@@ -256,27 +256,15 @@ def _compare_tiles(pieces_a: list[Piece], pieces_b: list[Piece], ta: TensorInfo,
             # Laid out alike in the two buffers: the same bytes are the same elements.
             if not (same_dtype and strides_a == strides_b and
                     same_bytes(buffer_a[:nbytes], buffer_b[:nbytes])):
-                acc.add(_flat(buffer_a, ta, part, strides_a, "a"),
-                        _flat(buffer_b, tb, part, strides_b, "b"), same_dtype, atol, rtol)
+                acc.add(flat_tile(buffer_a, ta.dtype.name, part, strides_a, "diff-a-rows"),
+                        flat_tile(buffer_b, tb.dtype.name, part, strides_b, "diff-b-rows"),
+                        same_dtype, atol, rtol)
             if advance:
                 advance(count * (ta.dtype.itemsize + tb.dtype.itemsize))
         for piece in (pa, pb):  # the next overlap may read other pieces into these buffers
             if isinstance(piece.src, CheckedRead):
                 piece.src.settle()
     finish_checks([*pieces_a, *pieces_b])  # before anything is said of the tensor
-
-
-def _flat(buffer: memoryview, info: TensorInfo, part: tuple[int, ...],
-          strides: tuple[int, ...], side: str) -> Any:
-    """A tile read by :func:`read_tile`, as a 1-D tensor in the tile's row-major order."""
-    import torch
-
-    dtype, count = getattr(torch, info.dtype.name), math.prod(part)
-    view = tile_view(buffer, dtype, part, strides)
-    if not view.is_contiguous():  # to the tile's row-major order, bit for bit
-        rows = scratch(count * info.dtype.itemsize, f"diff-{side}-rows")
-        view = torch.frombuffer(rows, dtype=dtype, count=count).view(part).copy_(view)
-    return view.reshape(-1)
 
 
 def _compare_boxes(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, acc: Accumulator,

@@ -143,9 +143,11 @@ def _place_contiguous(src: Source, raw: RawTensor, run: int, starts: Sequence[in
     one_write = raw.dtype == out and len(starts) == 1
     block_bytes = (_LOCAL_BLOCK if one_write else _LOCAL_CAST_BLOCK) if local else _SPAN
     per_block = max(1, block_bytes // max(in_size, out_size))
-    # A checked local read: its CRC runs on the other core while the block is written, so
-    # two buffers take turns (CheckedRead.read_at's ``later``).
-    checked = src if isinstance(src, _checked.CheckedRead) and src.local else None
+    # A checked read: its CRC runs on the other core while the block is written (and, from
+    # remote storage, the next one fetched), so two buffers take turns (CheckedRead.read_at's
+    # ``later``). Remote blocks are 16 MiB: the second costs 16 MiB, and a merge from S3
+    # summed every byte on the main thread before (1.24x a plain download, issue 21).
+    checked = src if isinstance(src, _checked.CheckedRead) else None
     buffers = [scratch(min(total, per_block) * in_size, slot)
                for slot in (("stored", "stored-2") if checked else ("stored",))]
     made = scratch(min(total, per_block) * out_size, "made") if raw.dtype != out else None

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge import build, run
+from merge import build, run_usage
 
 _LOAD = ("import sys, fsdpckpt\n"
          "fsdpckpt.load_full_state_dict(sys.argv[1])\n")
@@ -79,6 +79,7 @@ def measure(work: Path, rounds: int) -> dict[str, dict[str, float]]:
     subprocess.run(["cat", *_files(work / "dim0", work / "copy", work / "merged")],
                    stdout=subprocess.DEVNULL, check=True)  # warm the page cache once
     times: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
     peaks: dict[str, list[float]] = {}
     for _ in range(rounds):
         for name, cmd in todo.items():
@@ -86,21 +87,24 @@ def measure(work: Path, rounds: int) -> dict[str, dict[str, float]]:
             os.sync()
             if cmd[0] == "cat":  # its output to /dev/null, not a pipe
                 cmd = ["sh", "-c", 'exec cat "$@" > /dev/null', "cat", *cmd[1:]]
-            wall, peak = run(cmd)
+            wall, cpu, peak = run_usage(cmd)  # CPU time: less moved by a busy machine
             times.setdefault(name, []).append(wall)
+            cpus.setdefault(name, []).append(cpu)
             peaks.setdefault(name, []).append(peak)
     (work / "out.pt").unlink(missing_ok=True)
     return {name: {"seconds": statistics.median(times[name]), "peak_mb": max(peaks[name]),
-                   "runs": times[name]} for name in todo}
+                   "cpu_seconds": statistics.median(cpus[name]), "runs": times[name]}
+            for name in todo}
 
 
 def report(results: dict[str, dict[str, float]], size_gb: float, rounds: int) -> None:
     print(f"\n{size_gb:.2f} GB model folder (2-rank FSDP2, fp32); whole processes, median "
           f"of {rounds}")
-    print(f"{'case':34} {'wall s':>7} {'peak RSS MB':>12}  runs")
+    print(f"{'case':34} {'wall s':>7} {'CPU s':>6} {'peak RSS MB':>12}  runs (wall s)")
     for name, r in results.items():
         runs = " ".join(f"{w:.2f}" for w in r["runs"])
-        print(f"{name:34} {r['seconds']:7.2f} {r['peak_mb']:12.0f}  {runs}")
+        print(f"{name:34} {r['seconds']:7.2f} {r['cpu_seconds']:6.2f} {r['peak_mb']:12.0f}  "
+              f"{runs}")
     s = {name: r["seconds"] for name, r in results.items()}
     print(f"targets: load_full_state_dict <= torch's way: "
           f"{s['load_full_state_dict'] / s['dcp_to_torch_save + torch.load']:.2f}x")

@@ -114,18 +114,23 @@ class CheckedRead:
         """Whether the bytes come from a local file's descriptor."""
         return isinstance(self._src, int)
 
+    @property
+    def src(self) -> int | ReadAt:
+        """What the bytes are read from (a descriptor, a remote file, a decoder)."""
+        return self._src
+
     def read_at(self, view: memoryview, offset: int, *, later: bool = False) -> None:
         """Fill ``view`` with the bytes from ``offset``, extending the CRC where they continue
         the checked bytes.
 
         With ``later``, the CRC of these bytes is computed on the other core while the caller
         writes them out (``zlib.crc32`` releases the GIL), and the caller must leave ``view``
-        as it is until its next call here (or :meth:`finish`) returns: the reader reads the
-        next block into another buffer, then this waits for the previous block's CRC. On two
-        cores the check then costs about nothing beside the copy (issue 21).
+        as it is until its next call here (or :meth:`settle`, :meth:`finish`) returns: the
+        reader reads the next block into another buffer, then this waits for the previous
+        block's CRC. On two cores the check then costs about nothing beside the copy (issue 21).
         """
         pread_into(self._src, view, offset, source=self._source)
-        self._settle()
+        self.settle()
         if offset <= self._at < offset + len(view) and self._at < self._end:
             take = view.cast("B")[self._at - offset : min(len(view), self._end - offset)]
             if later:
@@ -134,23 +139,26 @@ class CheckedRead:
                 self._crc = zlib.crc32(take, self._crc)
             self._at += len(take)
 
-    def _settle(self) -> None:
-        # The CRC of the block read before, computed in the background: chained in order.
+    def settle(self) -> None:
+        """Wait for the CRC of the block last read with ``later``: its buffer is free after."""
+        # Computed in the background, chained in order.
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._crc = pending.result()
 
     def finish(self) -> None:
         """Check the whole entry: the rest is read now if the reader did not take it in order.
+        Once finished, it stays finished: reading on through it, or finishing again (several
+        tensors a diff reads from one stored entry), checks nothing again.
 
         Raises:
             ChecksumError: naming the file and the entry, when the CRC-32 differs.
         """
-        self._settle()
+        self.settle()
         crc = crc32_range(
             self._src, self._at, self._end - self._at, source=self._source, crc=self._crc
         )
-        self._at = self._end
+        self._at, self._crc = self._end, crc
         if crc != self._expected:
             raise checksum_error(self._source, self._entry, self._expected, crc)
 

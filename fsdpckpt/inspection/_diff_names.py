@@ -33,7 +33,7 @@ from fsdpckpt.export._moe import Piece as Box
 from fsdpckpt.export._trainer_names import trainer_names
 from fsdpckpt.inspection._diff_sources import Source, TensorInfo
 from fsdpckpt.inspection._diff_tied import side_config
-from fsdpckpt.inspection._diff_tiles import Piece, read_tile
+from fsdpckpt.inspection._diff_tiles import Piece, finish_checks, read_tile
 from fsdpckpt.training._save_moe import hub_layout
 
 __all__ = ["NameMap", "ConvertedSource", "mapped_sides"]
@@ -233,6 +233,7 @@ def _read_pieces(pieces: Sequence[Piece], offsets: Sequence[int], sizes: Sequenc
         tile = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).as_strided(
             (*part, itemsize), tuple(s * itemsize for s in strides) + (1,))
         box[tuple(slice(lo - o, h - o) for lo, h, o in zip(low, high, offsets))].copy_(tile)
+    finish_checks(pieces)  # the whole of each piece's entry, the first time
 
 
 def _plan(stored: Mapping[str, Shape], config: dict[str, Any], config_file: Place,

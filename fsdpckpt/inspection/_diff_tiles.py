@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fsdpckpt._io.rawio import ReadAt, pread_into
+from fsdpckpt._io.rawio import ReadAt, pread_into, scratch
+from fsdpckpt.dcp._checked import CheckedRead
+from fsdpckpt.dcp._zstd import ZstdEntry
 
-__all__ = ["Piece", "overlaps", "tile_sizes", "tiles_of", "read_tile", "tile_view"]
+__all__ = ["Piece", "compressed", "finish_checks", "flat_tile", "overlaps", "tile_sizes",
+           "tiles_of", "read_tile", "tile_view"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,8 @@ class Piece:
 
     Attributes:
         offsets, sizes: the box, in the tensor.
-        src: the open file descriptor, or the decoded bytes of a compressed entry.
+        src: the open file descriptor, or the decoded bytes of a compressed entry, or
+            either through a :class:`~fsdpckpt.dcp._checked.CheckedRead`.
         storage_start: byte offset of the storage in ``src``.
         storage_offset: the box's first element, in elements of the storage.
         stride: the box's strides in the storage, in elements.
@@ -115,16 +119,19 @@ def tiles_of(offsets: Sequence[int], sizes: Sequence[int], tile: Sequence[int],
 
 
 def read_tile(piece: Piece, offsets: Sequence[int], sizes: Sequence[int],
-              buffer: memoryview) -> tuple[int, ...]:
+              buffer: memoryview, *, later: bool = False) -> tuple[int, ...]:
     """Read the tile ``offsets``/``sizes`` (in the tensor) of ``piece`` into ``buffer``, in
     the piece's storage order, reading nothing outside it.
+
+    A piece read through a :class:`~fsdpckpt.dcp._checked.CheckedRead` sums the bytes as
+    they come; with ``later`` on the other core (``CheckedRead.read_at``), and then
+    ``buffer`` must stay as it is until the piece's next read or its ``settle``. Whoever
+    reads pieces calls :func:`finish_checks` on them before using what it read.
 
     Returns:
         The strides (in elements) at which the tile lies in ``buffer``, one per tensor dim:
         ``buffer`` viewed with ``sizes`` and these strides is the tile.
     """
-    import torch
-
     ndim = len(sizes)
     local = [o - p for o, p in zip(offsets, piece.offsets)]
     base = piece.storage_offset + sum(x * st for x, st in zip(local, piece.stride))
@@ -144,6 +151,8 @@ def read_tile(piece: Piece, offsets: Sequence[int], sizes: Sequence[int],
         inner += 1
     outer = perm[:ndim - inner]
     if outer:
+        import torch  # here only: a tile of one run is read without it
+
         grid = torch.tensor(base, dtype=torch.int64)
         for d in outer:
             grid = grid.unsqueeze(-1) + torch.arange(sizes[d], dtype=torch.int64) * \
@@ -159,9 +168,31 @@ def read_tile(piece: Piece, offsets: Sequence[int], sizes: Sequence[int],
         at = piece.storage_start + first * size
         if isinstance(piece.src, int):
             pread_into(piece.src, part, at, source=piece.source)
+        elif isinstance(piece.src, CheckedRead):
+            piece.src.read_at(part, at, later=later)
         else:
             piece.src.read_at(part, at)
     return tuple(strides)
+
+
+def finish_checks(pieces: Iterable[Piece]) -> None:
+    """Finish the check of every piece read through a
+    :class:`~fsdpckpt.dcp._checked.CheckedRead` (each once): what the tiles did not read in
+    storage order is read now, and the whole entry is compared with its recorded CRC-32.
+
+    Raises:
+        ChecksumError: a piece's stored bytes do not match their recorded CRC-32.
+    """
+    checks = {id(p.src): p.src for p in pieces if isinstance(p.src, CheckedRead)}
+    for check in checks.values():
+        check.finish()
+
+
+def compressed(piece: Piece) -> bool:
+    """Whether the piece is read through the decoder of a compressed entry (its reads are
+    cheap only moving forward)."""
+    src = piece.src.src if isinstance(piece.src, CheckedRead) else piece.src
+    return isinstance(src, ZstdEntry)
 
 
 def tile_view(buffer: memoryview, dtype: Any, sizes: Sequence[int],
@@ -172,3 +203,19 @@ def tile_view(buffer: memoryview, dtype: Any, sizes: Sequence[int],
     count = math.prod(sizes)
     return torch.frombuffer(buffer, dtype=dtype, count=count).as_strided(tuple(sizes),
                                                                          tuple(strides))
+
+
+def flat_tile(buffer: memoryview, dtype: str, sizes: Sequence[int], strides: Sequence[int],
+              slot: str) -> Any:
+    """The tile read by :func:`read_tile` as a 1-D tensor of ``dtype`` (a torch name), in the
+    tile's row-major order: a view of ``buffer``, or a copy in the scratch ``slot`` where
+    the tile lies in another order."""
+    import torch
+
+    torch_dtype, count = getattr(torch, dtype), math.prod(sizes)
+    view = tile_view(buffer, torch_dtype, sizes, strides)
+    if not view.is_contiguous():  # to the tile's row-major order, bit for bit
+        rows = scratch(count * torch_dtype.itemsize, slot)
+        view = torch.frombuffer(rows, dtype=torch_dtype, count=count).view(tuple(sizes)) \
+            .copy_(view)
+    return view.reshape(-1)

@@ -12,7 +12,8 @@ of tensor bytes in fsdpckpt (the merge and everything built on it, ``load_full_s
   reader skipped or took out of order, and compares. A merge reads each chunk once, so the
   check costs a CRC over bytes already in memory, not a second read.
 - :func:`verify_entry_once` checks a whole entry at once, once per entry for all the boxes
-  read from it, for readers that take boxes of a tensor (the tied-weight check, ``diff``).
+  read from it, for readers that take boxes of a tensor (the tied-weight check, ``diff``);
+  :func:`verify_entry_beside` does it on the other core while the reader takes the boxes.
 - :func:`check_archive` reads every entry of a whole archive against its CRC, for readers
   that hand the bytes to ``torch.load`` (which does not check them).
 
@@ -24,10 +25,12 @@ nothing else sets it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import IO, Any
 
 from fsdpckpt._io.checksums import crc32_range
@@ -41,6 +44,7 @@ __all__ = [
     "check_archive",
     "check_saved_file",
     "checksum_error",
+    "verify_entry_beside",
     "verify_entry_once",
 ]
 
@@ -83,6 +87,43 @@ def verify_entry_once(
     if expected is None or not ENABLED or key in done:
         return
     CheckedRead(src, start, nbytes, expected, source=source, entry=entry).finish()
+    done.add(key)
+
+
+@contextlib.contextmanager
+def verify_entry_beside(
+    done: set[Any],
+    key: Any,
+    src: int,
+    start: int,
+    nbytes: int,
+    expected: int | None,
+    *,
+    source: str,
+    entry: str | None = None,
+) -> Iterator[None]:
+    """:func:`verify_entry_once` on the CRC thread while the block runs, for a reader that
+    takes the entry out of storage order from a local descriptor (a column-major chunk's
+    tiles): the whole-entry pass then costs the other core, not this one (issue 21). The
+    check ends when the block does, and the caller commits nothing made from the bytes before
+    that: they are checked before anything is published, not before they are read.
+
+    Raises:
+        ChecksumError: naming ``source`` and ``entry``, when the CRC-32 differs (at the end
+            of the block, after what it raises itself).
+    """
+    if expected is None or not ENABLED or key in done:
+        yield
+        return
+    pending = _worker().submit(crc32_range, src, start, nbytes, source=source)
+    try:
+        yield
+    except BaseException:
+        wait([pending])  # the reader's own error wins; the descriptor outlives the pass
+        raise
+    crc = pending.result()
+    if crc != expected:
+        raise checksum_error(source, entry, expected, crc)
     done.add(key)
 
 

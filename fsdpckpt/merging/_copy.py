@@ -31,7 +31,7 @@ from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
 from fsdpckpt.merging._casts import cast_block, fast_cast
-from fsdpckpt.merging._runs import Runs, chunk_runs, tiles
+from fsdpckpt.merging._runs import Runs, chunk_runs, row_starts, tiles
 from fsdpckpt.merging._transpose import column_pitch, transpose_tile
 
 __all__ = ["checked_source", "place_chunk", "place_stored_chunk", "tiles", "FileSink",
@@ -239,6 +239,7 @@ def _place_column_major(src: Source, raw: RawTensor, chunk: Chunk, run: int,
     made = scratch(side * side * out_size, "made")
     for first_row in range(0, rows, side):
         height = min(side, rows - first_row)
+        lines = row_starts((run, starts), cols, first_row, height)  # where each row goes
         for first_col in range(0, cols, side):
             width = min(side, cols - first_col)
             for k in range(width):  # stored column first_col + k: output rows of it
@@ -246,19 +247,20 @@ def _place_column_major(src: Source, raw: RawTensor, chunk: Chunk, run: int,
                                           + first_row) * in_size
                 _read(src, stored[k * pitch * in_size:(k * pitch + height) * in_size], at,
                       source)
-            numel = width * height
             # Reordered first, then cast contiguous to contiguous as .to() does (_place_tiled).
             transpose_tile(stored, pitch, width, height, raw.dtype,
                            made if staged is None else staged)
             if staged is not None:
-                cast_block(raw.dtype.name, out.name, staged[:numel * in_size],
-                           made[:numel * out_size])
-            for pos, element, count in _pieces(chunk.sizes, (first_row, first_col),
-                                               (height, width), run, starts):
-                sink.write(made[pos * out_size:(pos + count) * out_size],
-                           tensor_start + element * out_size)
+                cast_block(raw.dtype.name, out.name, staged[:width * height * in_size],
+                           made[:width * height * out_size])
+            row, begin = width * out_size, 0  # rows that follow each other go out in one write
+            for end in range(1, height + 1):
+                if end == height or lines[end] != lines[end - 1] + width:
+                    sink.write(made[begin * row:end * row],
+                               tensor_start + (lines[begin] + first_col) * out_size)
+                    begin = end
             if progress:
-                progress(numel * out_size)
+                progress(width * height * out_size)
 
 
 def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,

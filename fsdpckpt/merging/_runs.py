@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 from fsdpckpt.dcp.metadata import Chunk
 
-__all__ = ["RunStarts", "chunk_runs", "Runs", "boxes", "tiles"]
+__all__ = ["RunStarts", "chunk_runs", "Runs", "boxes", "row_starts", "tiles"]
 
 #: ``(run, starts)``: ``len(starts)`` runs of ``run`` consecutive elements each.
 Runs = tuple[int, Sequence[int]]
@@ -73,6 +73,14 @@ def chunk_runs(shape: Sequence[int], chunk: Chunk) -> tuple[int, Sequence[int]]:
     run = math.prod(chunk.sizes[k:])
     base = sum(o * s for o, s in zip(chunk.offsets, stride))
     return run, RunStarts(base, chunk.sizes[:k], stride[:k])
+
+
+def row_starts(runs: Runs, width: int, first: int, count: int) -> list[int]:
+    """The tensor element where each of ``count`` rows of a 2-D chunk ``width`` elements
+    wide begins, from row ``first``; ``runs`` are the chunk's (:func:`chunk_runs`: one run,
+    or one per row, so a row never straddles two)."""
+    run, starts = runs
+    return [starts[row * width // run] + row * width % run for row in range(first, first + count)]
 
 
 def boxes(shape: Sequence[int], max_elements: int) -> Iterator[tuple[tuple[int, ...],

@@ -1,0 +1,217 @@
+"""Large column-major chunks (a transposed view ``torch.save`` kept with its strides): their
+tiles are transposed without torch (numpy, or torch without numpy), bit for bit for every
+element width, and their storage is checked beside the tiles, before anything is published
+(issue 21)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fsdpckpt
+from fsdpckpt import ChecksumError
+from fsdpckpt.dcp import _checked
+from fsdpckpt.dcp._archive import RawTensor, locate_tensor
+from fsdpckpt.dcp.dtypes import DTYPES
+from fsdpckpt.dcp.metadata import Chunk
+from fsdpckpt.dcp.reader import read_dcp_folder
+from fsdpckpt.merging import _casts, _transpose
+from fsdpckpt.merging import _copy as engine
+from fsdpckpt.merging._copy import MemorySink, place_chunk
+from fsdpckpt.merging.plan import chunk_runs
+
+from chunked import split, write_dcp
+
+# One dtype of every element width, the float ones with NaN payloads among their values.
+WIDTHS = [torch.uint8, torch.bool, torch.float8_e4m3fn, torch.int16, torch.bfloat16,
+          torch.float32, torch.int32, torch.float64, torch.complex64, torch.complex128]
+_UINT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _values(dtype: torch.dtype, shape: tuple[int, int], seed: int = 0) -> torch.Tensor:
+    """Random bytes of ``dtype`` (every bit pattern, NaN payloads included); bools 0 or 1."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (shape[0] * shape[1] * size,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).view(shape)
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def transposer(request, monkeypatch):
+    """Both ways of transposing a tile: numpy's blocks, or torch where numpy is missing."""
+    if request.param == "torch":
+        monkeypatch.setattr(_casts, "_numpy", lambda: None)
+    monkeypatch.setattr(_transpose, "_BLOCK", 3)  # blocks that do not divide the tiles
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", WIDTHS, ids=str)
+@pytest.mark.parametrize("shape", [(7, 5), (1, 9), (9, 1), (1, 1), (16, 16)])
+def test_a_tile_is_transposed_bit_for_bit(transposer, dtype, shape):
+    height, width = shape
+    value = _values(dtype, (width, height))  # the stored columns, one per row here
+    size = value.element_size()
+    pitch = height + 2  # columns apart by more than their length, as in a padded buffer
+    stored = bytearray(width * pitch * size)
+    for k in range(width):
+        stored[k * pitch * size:(k * pitch + height) * size] = _bytes(value[k])
+    target = bytearray(width * height * size)
+    _transpose.transpose_tile(memoryview(stored), pitch, width, height,
+                              DTYPES[str(dtype)[6:]], memoryview(target))
+    assert bytes(target) == _bytes(value.t())
+
+
+def test_columns_a_multiple_of_4_kib_apart_are_padded_by_a_cache_line():
+    assert _transpose.column_pitch(2048, 4) == 2048 + 16
+    assert _transpose.column_pitch(4096, 1) == 4096 + 64
+    assert _transpose.column_pitch(1024, 16) == 1024 + 4
+    assert _transpose.column_pitch(2896, 2) == 2896  # not a multiple of 4 KiB: as it is
+
+
+def _place(tmp_path, value: torch.Tensor, shape, offsets, out: torch.dtype) -> bytes:
+    """Place ``value``, stored column-major, at ``offsets`` of a zero tensor of ``shape``."""
+    rows, cols = value.shape
+    path = tmp_path / f"chunk-{os.getpid()}-{threading.get_ident()}-{id(value)}"
+    pad = 3  # elements before the chunk in its storage
+    storage = torch.cat([torch.zeros(pad, dtype=value.dtype), value.t().reshape(-1)])
+    path.write_bytes(_bytes(storage))
+    raw = RawTensor(0, storage.numel() * value.element_size(), DTYPES[str(value.dtype)[6:]],
+                    pad, (rows, cols), (1, rows))
+    assert engine.column_major_past_a_span(raw)
+    out_size = torch.empty((), dtype=out).element_size()
+    memory = bytearray(shape[0] * shape[1] * out_size)
+    chunk = Chunk(offsets, (rows, cols), "f", 0, 0)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        place_chunk(fd, raw, chunk, chunk_runs(shape, chunk), DTYPES[str(out)[6:]],
+                    MemorySink(memoryview(memory)), 0, source="test")
+    finally:
+        os.close(fd)
+    return bytes(memory)
+
+
+@pytest.mark.parametrize("dtype", WIDTHS, ids=str)
+@pytest.mark.parametrize("where", ["whole", "rows", "columns"])
+def test_a_column_major_chunk_lands_bit_for_bit(tmp_path, monkeypatch, transposer, dtype, where):
+    # Tiles of 8 x 8 over 37 x 29 elements: partial tiles on both edges.
+    size = torch.empty((), dtype=dtype).element_size()
+    monkeypatch.setattr(engine, "_SPAN", 64)
+    monkeypatch.setattr(engine, "_TILE", 64 * max(size, 1))
+    value = _values(dtype, (37, 29), seed=1)
+    shape, offsets = {"whole": ((37, 29), (0, 0)), "rows": ((50, 29), (13, 0)),
+                      "columns": ((40, 41), (2, 7))}[where]
+    want = torch.zeros(shape, dtype=dtype)
+    want[offsets[0]:offsets[0] + 37, offsets[1]:offsets[1] + 29] = value
+    assert _place(tmp_path, value, shape, offsets, dtype) == _bytes(want)
+
+
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float16, torch.float64])
+def test_a_column_major_chunk_cast_is_torch_to_of_the_contiguous_tensor(tmp_path, monkeypatch,
+                                                                         transposer, out):
+    # NaN payloads of both signs, infinities, subnormals, ties: cast as .to() casts the
+    # contiguous tensor torch loads.
+    monkeypatch.setattr(engine, "_SPAN", 64)
+    monkeypatch.setattr(engine, "_TILE", 64 * 8)
+    bits = torch.tensor([0x7FC00001, 0xFFC00000, 0x7F800001, 0x7F800000, 0x00000001,
+                         0x3F808000, 0x3F818000, 0x477FF000, 0x80000000], dtype=torch.int64)
+    value = torch.cat([bits.to(torch.int32).view(torch.float32),
+                       torch.randn(23 * 19 - len(bits)) * 1e4]).view(23, 19)
+    assert _place(tmp_path, value, (23, 19), (0, 0), out) == _bytes(value.to(out))
+
+
+def test_a_numpy_transpose_never_imports_torch(tmp_path):
+    """The whole merge of a large column-major tensor, torch-free where numpy is installed
+    (``import torch`` costs more than merging 1.6 GB)."""
+    value = torch.randn(300, 200)
+    folder = write_dcp(tmp_path / "ckpt", {"w": (value, split([], transpose=True))})
+    code = ("import sys; from fsdpckpt.merging import _copy; _copy._SPAN = 4096; "
+            "_copy._TILE = 4096; import fsdpckpt; "
+            f"fsdpckpt.merge({str(folder)!r}, {str(tmp_path / 'out')!r}); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
+                   env=dict(os.environ, PYTHONPATH=root))
+    (got,) = load_file(tmp_path / "out" / "model.safetensors").values()
+    assert torch.equal(got, value)
+
+
+def _damage(folder, where: float) -> None:
+    meta = read_dcp_folder(folder).metadata
+    chunk = meta.tensors[0].chunks[0]
+    path = folder / chunk.file
+    with path.open("rb") as file:
+        raw = locate_tensor(file, chunk.offset, chunk.length, source=str(path))
+    assert raw.stride == (1, raw.shape[0])  # column-major, as stored
+    data = bytearray(path.read_bytes())
+    data[raw.storage_start + min(raw.storage_nbytes - 1, int(raw.storage_nbytes * where))] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("where", [0.0, 0.5, 1.0])
+def test_a_damaged_byte_in_a_column_major_chunk_is_refused_before_anything_is_published(
+        tmp_path, monkeypatch, where):
+    monkeypatch.setattr(engine, "_SPAN", 4096)
+    monkeypatch.setattr(engine, "_TILE", 32 * 32 * 4)
+    folder = write_dcp(tmp_path / "ckpt", {"w": (torch.randn(130, 70), split([0], transpose=True))})
+    _damage(folder, where)
+    beside = []
+    original = _checked.verify_entry_beside
+    monkeypatch.setattr(_checked, "verify_entry_beside",
+                        lambda *a, **k: (beside.append(a[1]), original(*a, **k))[1])
+    with pytest.raises(ChecksumError, match="does not match the CRC-32"):
+        fsdpckpt.merge(folder, tmp_path / "out")
+    assert beside  # checked beside the tiles, not before them
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_check_beside_the_tiles_passes_once_per_entry_and_lets_the_reader_error_win(
+        tmp_path):
+    data = os.urandom(3 * 2**20 + 5)
+    path = tmp_path / "entry"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done: set = set()
+        with _checked.verify_entry_beside(done, "k", fd, 0, len(data), zlib.crc32(data),
+                                          source="entry"):
+            pass
+        assert done == {"k"}
+        with _checked.verify_entry_beside(done, "k", fd, 0, len(data), 0, source="entry"):
+            pass  # already checked: not read again
+        with pytest.raises(ChecksumError), _checked.verify_entry_beside(
+                set(), "k", fd, 0, len(data), zlib.crc32(data) ^ 1, source="entry"):
+            pass
+        with pytest.raises(KeyError), _checked.verify_entry_beside(
+                set(), "k", fd, 0, len(data), zlib.crc32(data) ^ 1, source="entry"):
+            raise KeyError("the reader's own error")
+    finally:
+        os.close(fd)
+
+
+def test_a_merge_of_a_large_column_major_folder_is_bit_exact(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine, "_SPAN", 4096)
+    monkeypatch.setattr(engine, "_TILE", 32 * 32 * 4)
+    tensors = {"a": torch.randn(130, 70), "b": torch.randn(1, 300), "c": torch.randn(300, 1),
+               "d": _values(torch.float32, (65, 97), seed=2)}  # NaN payloads included
+    folder = write_dcp(tmp_path / "ckpt", {k: (v, split([0], transpose=True))
+                                           for k, v in tensors.items()})
+    (result,) = fsdpckpt.merge(folder, tmp_path / "out")
+    got = load_file(result.path)
+    for name, value in tensors.items():
+        assert np.array_equal(got[f"{name}"].view(torch.int32).numpy(),
+                              value.view(torch.int32).numpy()), name

@@ -4,6 +4,7 @@ Run by hand (not in CI):
 
     python benchmarks/merge_paths.py                 # 24 layers of 4096x4096 fp32 (1.6 GB)
     python benchmarks/merge_paths.py --layers 48 --rounds 5
+    python benchmarks/merge_paths.py --before /work/main --cases transposed,big  # vs a tree
 
 Three model folders of the same tensors (N layers of 4096x4096 fp32):
   - dim0: written by a real 2-rank FSDP2 run (each weight split on dim 0), as FSDP saves;
@@ -14,9 +15,12 @@ Three model folders of the same tensors (N layers of 4096x4096 fp32):
   - big_plain, big_transposed: one square tensor of --big GB, whole, row-major and
     column-major (the plain merge of the same bytes is the second's anchor).
 Each merge is a whole `fsdpckpt merge` process; tools alternate within each round; median
-wall time, peak RSS from wait4. Page cache warm, `sync` (untimed) before each run. The
-anchor is the plain merge of the dim0 folder, measured in the same run. Targets (issue 8):
-peak RSS <= 300 MB on every path; `--dtype bf16` <= 1.5x the plain merge.
+wall time, CPU time (user + system, all threads) and peak RSS from wait4. Page cache warm,
+`sync` (untimed) before each run. The anchor is the plain merge of the dim0 folder, measured
+in the same run. With ``--before TREE`` each merge also runs with the fsdpckpt of another
+checkout (``PYTHONPATH=TREE``, run from there), alternated with this one's, each tree's rows
+against its own anchors. Targets (issue 8): peak RSS <= 300 MB on every path; `--dtype bf16`
+<= 1.5x the plain merge.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from merge import build, run
+from merge import build, run_usage
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,11 +64,18 @@ write_dcp(Path({str(work)!r}) / "big_transposed", {{"w": (big, split([], transpo
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def _merge(src: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "fsdpckpt", "merge", str(src), str(out), "--quiet", *extra]
+def _merge(src: Path, out: Path, *extra: str, tree: Path = ROOT) -> list[str]:
+    # Run from the tree (python -m puts the working folder first on sys.path).
+    return ["env", "-C", str(tree), f"PYTHONPATH={tree}", sys.executable, "-m", "fsdpckpt",
+            "merge", str(src), str(out), "--quiet", *extra]
 
 
-def measure(work: Path, rounds: int) -> dict[str, dict[str, float]]:
+_ANCHORS = ("merge (dim0, plain)", "merge (one big tensor, plain)")
+BEFORE = " [before]"
+
+
+def measure(work: Path, rounds: int, only: list[str] | None = None,
+            before: Path | None = None) -> dict[str, dict[str, float]]:
     out = work / "out"
     cases = {
         "merge (dim0, plain)": _merge(work / "dim0", out),
@@ -80,37 +91,56 @@ def measure(work: Path, rounds: int) -> dict[str, dict[str, float]]:
         "merge (one big tensor, plain)": _merge(work / "big_plain", out),
         "merge (one big tensor, column-major)": _merge(work / "big_transposed", out),
     }
+    if only:
+        cases = {name: cmd for name, cmd in cases.items()
+                 if name in _ANCHORS or name.startswith("cp") or any(word in name for word in only)}
+    if before is not None:
+        for name, cmd in list(cases.items()):
+            if name.startswith("merge"):
+                at = cmd.index("-m")
+                cases[name + BEFORE] = ["env", "-C", str(before), f"PYTHONPATH={before}",
+                                        *cmd[at - 1:]]
     # Warm the page cache once.
     for folder in ("dim0", "dim1", "grid", "transposed", "big_plain", "big_transposed"):
         subprocess.run(["cat", *map(str, (work / folder).iterdir())], stdout=subprocess.DEVNULL,
                        check=True)
     times: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
     peaks: dict[str, list[float]] = {}
-    for _ in range(rounds):
-        for name, cmd in cases.items():
+    for turn in range(rounds):
+        # Alternate the order each round: a busy spell then falls on every case alike.
+        for name, cmd in (list(cases.items()) if turn % 2 == 0 else
+                          list(reversed(cases.items()))):
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
             os.sync()
-            wall, peak = run(cmd)
+            wall, cpu, peak = run_usage(cmd)
             times.setdefault(name, []).append(wall)
+            cpus.setdefault(name, []).append(cpu)
             peaks.setdefault(name, []).append(peak)
     shutil.rmtree(out, ignore_errors=True)
     return {name: {"seconds": statistics.median(times[name]), "peak_mb": max(peaks[name]),
-                   "runs": times[name]} for name in cases}
+                   "cpu": statistics.median(cpus[name]), "runs": times[name]}
+            for name in cases}
 
 
 def report(results: dict[str, dict[str, float]], size_gb: float) -> None:
-    anchor = results["merge (dim0, plain)"]["seconds"]
     durable = results["cp -r && sync (a durable copy)"]["seconds"]
-    print(f"\n{size_gb:.1f} GB of fp32 weights per folder; whole process, median wall")
-    print(f"{'case':38} {'wall s':>7} {'x plain':>8} {'x cp+sync':>10} {'peak RSS MB':>12}")
+    print(f"\n{size_gb:.1f} GB of fp32 weights per folder; whole process, median wall and CPU")
+    print(f"{'case':47} {'wall s':>7} {'cpu s':>6} {'x plain':>8} {'x cp+sync':>10} "
+          f"{'peak RSS MB':>12}")
     for name, r in results.items():
-        print(f"{name:38} {r['seconds']:7.2f} {r['seconds'] / anchor:8.2f} "
+        tree = BEFORE if name.endswith(BEFORE) else ""
+        # The big tensor against the plain merge of the same bytes, the rest against dim0's.
+        anchor = results[_ANCHORS["big" in name] + tree]["seconds"]
+        print(f"{name:47} {r['seconds']:7.2f} {r['cpu']:6.2f} {r['seconds'] / anchor:8.2f} "
               f"{r['seconds'] / durable:10.2f} {r['peak_mb']:12.0f}")
-    bf16 = results["merge --dtype bf16 (dim0)"]["seconds"] / anchor
-    big = results["merge (one big tensor, column-major)"]["seconds"] / \
-        results["merge (one big tensor, plain)"]["seconds"]
-    worst = max(r["peak_mb"] for n, r in results.items() if n.startswith("merge"))
+    anchor = results[_ANCHORS[0]]["seconds"]
+    worst = max(r["peak_mb"] for n, r in results.items()
+                if n.startswith("merge") and not n.endswith(BEFORE))
+    bf16 = results.get("merge --dtype bf16 (dim0)", {}).get("seconds", float("nan")) / anchor
+    big = results.get("merge (one big tensor, column-major)", {}).get("seconds", float("nan")) \
+        / results[_ANCHORS[1]]["seconds"]
     print(f"targets: every path <= 1.5x plain (--dtype bf16: {bf16:.2f}x; the big column-major "
           f"tensor: {big:.2f}x its plain merge); plain <= 1.3x cp+sync: {anchor / durable:.2f}x; "
           f"peak RSS <= 300 MB on every path: {worst:.0f} MB")
@@ -125,6 +155,10 @@ def main() -> None:
                         help="GB of the one big tensor, stored plain and column-major")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--cases", help="comma-separated words: only the cases whose name "
+                        "holds one (the anchors always run), e.g. transposed,big")
+    parser.add_argument("--before", type=Path, help="another checkout of fsdpckpt whose "
+                        "merges run beside this one's (before/after in one run)")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="fsdpckpt-paths-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -136,7 +170,8 @@ def main() -> None:
             _build_layouts(work, args.layers, args.big)
             print(f"built the folders in {time.perf_counter() - start:.1f} s")
         size_gb = sum(p.stat().st_size for p in (work / "dim0").iterdir()) / 1e9
-        results = measure(work, args.rounds)
+        only = args.cases.split(",") if args.cases else None
+        results = measure(work, args.rounds, only, args.before)
         report(results, size_gb)
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))

@@ -103,17 +103,19 @@ def _place(tmp_path, value: torch.Tensor, shape, offsets, out: torch.dtype) -> b
 
 
 @pytest.mark.parametrize("dtype", WIDTHS, ids=str)
-@pytest.mark.parametrize("where", ["whole", "rows", "columns"])
+@pytest.mark.parametrize("where", ["whole", "rows", "columns", "short"])
 def test_a_column_major_chunk_lands_bit_for_bit(tmp_path, monkeypatch, transposer, dtype, where):
-    # Tiles of 8 x 8 over 37 x 29 elements: partial tiles on both edges.
+    # Tiles of 8 x 8 over 37 x 29 elements: partial tiles on both edges; a chunk of 7 rows
+    # (short) is read in whole stored columns, one preadv for many.
     size = torch.empty((), dtype=dtype).element_size()
     monkeypatch.setattr(engine, "_SPAN", 64)
     monkeypatch.setattr(engine, "_TILE", 64 * max(size, 1))
-    value = _values(dtype, (37, 29), seed=1)
+    height = 7 if where == "short" else 37
+    value = _values(dtype, (height, 29), seed=1)
     shape, offsets = {"whole": ((37, 29), (0, 0)), "rows": ((50, 29), (13, 0)),
-                      "columns": ((40, 41), (2, 7))}[where]
+                      "columns": ((40, 41), (2, 7)), "short": ((9, 31), (1, 2))}[where]
     want = torch.zeros(shape, dtype=dtype)
-    want[offsets[0]:offsets[0] + 37, offsets[1]:offsets[1] + 29] = value
+    want[offsets[0]:offsets[0] + height, offsets[1]:offsets[1] + 29] = value
     assert _place(tmp_path, value, shape, offsets, dtype) == _bytes(want)
 
 
@@ -207,7 +209,8 @@ def test_a_merge_of_a_large_column_major_folder_is_bit_exact(tmp_path, monkeypat
     monkeypatch.setattr(engine, "_SPAN", 4096)
     monkeypatch.setattr(engine, "_TILE", 32 * 32 * 4)
     tensors = {"a": torch.randn(130, 70), "b": torch.randn(1, 300), "c": torch.randn(300, 1),
-               "d": _values(torch.float32, (65, 97), seed=2)}  # NaN payloads included
+               "d": _values(torch.float32, (65, 97), seed=2),  # NaN payloads included
+               "e": torch.randn(40, 300)}  # chunks of 20 rows: whole stored columns per tile
     folder = write_dcp(tmp_path / "ckpt", {k: (v, split([0], transpose=True))
                                            for k, v in tensors.items()})
     (result,) = fsdpckpt.merge(folder, tmp_path / "out")
@@ -215,3 +218,23 @@ def test_a_merge_of_a_large_column_major_folder_is_bit_exact(tmp_path, monkeypat
     for name, value in tensors.items():
         assert np.array_equal(got[f"{name}"].view(torch.int32).numpy(),
                               value.view(torch.int32).numpy()), name
+
+
+def test_scattered_reads_fill_each_view_in_order_whatever_iov_max(tmp_path, monkeypatch):
+    from fsdpckpt._io.rawio import pread_scattered
+
+    monkeypatch.setattr(os, "IOV_MAX", 3, raising=False)
+    data = os.urandom(1000)
+    path = tmp_path / "data"
+    path.write_bytes(data)
+    buffer = bytearray(2000)
+    views = [memoryview(buffer)[at:at + n] for at, n in [(0, 7), (100, 0), (200, 93), (400, 1),
+                                                          (500, 300), (900, 99)]]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pread_scattered(fd, views, 500, source="data")
+        assert b"".join(bytes(v) for v in views) == data[500:]
+        with pytest.raises(fsdpckpt.CorruptCheckpointError):
+            pread_scattered(fd, [memoryview(bytearray(10))], 995, source="data")
+    finally:
+        os.close(fd)

@@ -21,8 +21,8 @@ from typing import Protocol, runtime_checkable
 
 from fsdpckpt.errors import CorruptCheckpointError
 
-__all__ = ["ReadAt", "ReadAtFile", "SizedReader", "pread_into", "read_exact", "pwrite_all",
-           "copy_range", "scratch", "reusing_scratch"]
+__all__ = ["ReadAt", "ReadAtFile", "SizedReader", "pread_into", "pread_scattered", "read_exact",
+           "pwrite_all", "copy_range", "scratch", "reusing_scratch"]
 
 _BLOCK = 16 * 2**20
 # copy_file_range is refused for these reasons (another file system, an old kernel,
@@ -136,6 +136,29 @@ def pread_into(fd: int | ReadAt, view: memoryview, offset: int, *, source: str) 
         if got <= 0:
             raise _truncated(source, offset + count)
         done += got
+
+
+def pread_scattered(fd: int, views: list[memoryview], offset: int, *, source: str) -> None:
+    """Fill ``views``, in order, with the consecutive bytes of the local descriptor ``fd`` from
+    ``offset``: one ``preadv`` per ``IOV_MAX`` views (a column-major tile's whole stored
+    columns, each put at its own place in the tile's buffer, in a few calls, not one each).
+
+    Raises:
+        CorruptCheckpointError: the file ends first (naming ``source``).
+    """
+    most = getattr(os, "IOV_MAX", 1024)
+    views = [v for v in views if len(v)]
+    first = 0  # the first view not yet filled
+    while first < len(views):
+        got = os.preadv(fd, views[first:first + most], offset)
+        if got <= 0:
+            raise _truncated(source, offset + sum(map(len, views[first:])))
+        offset += got
+        while got and got >= len(views[first]):  # whole views filled; a part view goes again
+            got -= len(views[first])
+            first += 1
+        if got:
+            views[first] = views[first][got:]
 
 
 def read_exact(fd: int | ReadAt, count: int, offset: int, *, source: str) -> bytearray:

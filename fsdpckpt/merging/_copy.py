@@ -8,11 +8,14 @@ for the common exports (fp32 to bf16 or fp16), without torch. Any other cast,
 or a non-contiguous stored chunk, imports torch, and then works tile by tile: each
 tile is a box of the chunk whose stored bytes span at most ``_SPAN`` bytes and
 whose output is at most ``_TILE`` bytes, so memory stays flat however large
-the tensor (a transposed 2.4 GB chunk used to be held whole, three times).
+the tensor (a transposed 2.4 GB chunk used to be held whole, three times). A large
+column-major chunk goes in square tiles instead, transposed by numpy where it is installed
+(:mod:`fsdpckpt.merging._transpose`), without torch unless a cast needs it.
 
 Every chunk's bytes are checked against the CRC-32 its archive records as they are read
 (:mod:`fsdpckpt.dcp._checked`), so a checked chunk goes through memory, never
-``copy_file_range``; readers of parts of a chunk check its storage whole, once.
+``copy_file_range``; readers of parts of a chunk check its storage whole, once (a
+column-major chunk's on the CRC thread, beside its tiles).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from fsdpckpt._io.rawio import ReadAt, copy_range, pread_into, pwrite_all, scratch
+from fsdpckpt._io.rawio import ReadAt, copy_range, pread_into, pread_scattered, pwrite_all, scratch
 from fsdpckpt.dcp import _checked
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
@@ -242,11 +245,14 @@ def _place_column_major(src: Source, raw: RawTensor, chunk: Chunk, run: int,
         lines = row_starts((run, starts), cols, first_row, height)  # where each row goes
         for first_col in range(0, cols, side):
             width = min(side, cols - first_col)
-            for k in range(width):  # stored column first_col + k: output rows of it
-                at = raw.storage_start + (raw.storage_offset + (first_col + k) * rows
-                                          + first_row) * in_size
-                _read(src, stored[k * pitch * in_size:(k * pitch + height) * in_size], at,
-                      source)
+            pieces = [stored[k * pitch * in_size:(k * pitch + height) * in_size]
+                      for k in range(width)]  # stored column first_col + k: output rows of it
+            at = raw.storage_start + (raw.storage_offset + first_col * rows + first_row) * in_size
+            if height == rows and isinstance(src, int):  # whole columns, one after another
+                pread_scattered(src, pieces, at, source=source)
+            else:
+                for k, piece in enumerate(pieces):
+                    _read(src, piece, at + k * rows * in_size, source)
             # Reordered first, then cast contiguous to contiguous as .to() does (_place_tiled).
             transpose_tile(stored, pitch, width, height, raw.dtype,
                            made if staged is None else staged)

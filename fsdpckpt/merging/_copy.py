@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from fsdpckpt._io.rawio import ReadAt, copy_range, pread_into, pread_scattered, pwrite_all, scratch
+from fsdpckpt._io.rawio import ReadAt, copy_range, pread_into, pwrite_all, scratch
 from fsdpckpt.dcp import _checked
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
@@ -34,8 +34,8 @@ from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
 from fsdpckpt.merging._casts import cast_block, fast_cast
-from fsdpckpt.merging._runs import Runs, chunk_runs, row_starts, tiles
-from fsdpckpt.merging._transpose import column_pitch, transpose_tile
+from fsdpckpt.merging._runs import Runs, chunk_runs, tiles
+from fsdpckpt.merging._transpose import place_column_major
 
 __all__ = ["checked_source", "place_chunk", "place_stored_chunk", "tiles", "FileSink",
            "MemorySink"]
@@ -224,51 +224,6 @@ def column_major_past_a_span(raw: RawTensor) -> bool:
         tuple(raw.stride) == (1, raw.shape[0]) and raw.storage_nbytes > _SPAN
 
 
-def _place_column_major(src: Source, raw: RawTensor, chunk: Chunk, run: int,
-                        starts: Sequence[int], out: DType, sink: Sink, tensor_start: int,
-                        source: str, progress: Callable[[int], None] | None) -> None:
-    """A large column-major chunk in square tiles: each tile's stored columns read as one
-    piece per column, transposed without torch where numpy is installed
-    (:mod:`fsdpckpt.merging._transpose`), cast if asked, written as one piece per output row.
-    Pieces of ``sqrt(_TILE)`` elements on both sides, where tiles of whole stored rows read
-    well and write in pieces of ``_SPAN / rows`` elements. The reads leave storage order, so
-    the caller checks the storage whole, beside the tiles (:func:`place_stored_chunk`)."""
-    in_size, out_size = raw.dtype.itemsize, out.itemsize
-    side = max(1, math.isqrt(max(1, _TILE // max(in_size, out_size))))
-    pitch = column_pitch(side, in_size)
-    rows, cols = raw.shape
-    stored = scratch(side * pitch * in_size, "stored")
-    staged = scratch(side * side * in_size, "staged") if raw.dtype.name != out.name else None
-    made = scratch(side * side * out_size, "made")
-    for first_row in range(0, rows, side):
-        height = min(side, rows - first_row)
-        lines = row_starts((run, starts), cols, first_row, height)  # where each row goes
-        for first_col in range(0, cols, side):
-            width = min(side, cols - first_col)
-            pieces = [stored[k * pitch * in_size:(k * pitch + height) * in_size]
-                      for k in range(width)]  # stored column first_col + k: output rows of it
-            at = raw.storage_start + (raw.storage_offset + first_col * rows + first_row) * in_size
-            if height == rows and isinstance(src, int):  # whole columns, one after another
-                pread_scattered(src, pieces, at, source=source)
-            else:
-                for k, piece in enumerate(pieces):
-                    _read(src, piece, at + k * rows * in_size, source)
-            # Reordered first, then cast contiguous to contiguous as .to() does (_place_tiled).
-            transpose_tile(stored, pitch, width, height, raw.dtype,
-                           made if staged is None else staged)
-            if staged is not None:
-                cast_block(raw.dtype.name, out.name, staged[:width * height * in_size],
-                           made[:width * height * out_size])
-            row, begin = width * out_size, 0  # rows that follow each other go out in one write
-            for end in range(1, height + 1):
-                if end == height or lines[end] != lines[end - 1] + width:
-                    sink.write(made[begin * row:end * row],
-                               tensor_start + (lines[begin] + first_col) * out_size)
-                    begin = end
-            if progress:
-                progress(width * height * out_size)
-
-
 def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
                 out: DType, dst: int | Sink, tensor_start: int, *, source: str,
                 progress: Callable[[int], None] | None = None) -> None:
@@ -299,8 +254,8 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
     elif raw.is_contiguous and (same or fast_cast(raw.dtype.name, out.name) is not None):
         _place_contiguous(src, raw, run, starts, out, sink, tensor_start, source, progress)
     elif column_major_past_a_span(raw) and not isinstance(src, _checked.CheckedRead):
-        _place_column_major(src, raw, chunk, run, starts, out, sink, tensor_start, source,
-                            progress)
+        place_column_major(src, raw, runs, out, sink.write, tensor_start, _TILE, source=source,
+                           progress=progress)
     else:
         _place_tiled(src, raw, chunk, run, starts, out, sink, tensor_start, source, progress)
 

@@ -12,10 +12,6 @@ writer, commit and result do the rest, as for any merge.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import sys
-import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -131,7 +127,6 @@ def plan_fused(checkpoint: Any, source: ModelSource, *, dtype: str | None,
             copied[plain] = entry
         else:
             read.add(stored)
-    _import_torch_meanwhile()
     sizes: Counter[str] = Counter()
     for spec in specs:
         if spec.dtype.is_floating:
@@ -142,20 +137,6 @@ def plan_fused(checkpoint: Any, source: ModelSource, *, dtype: str | None,
     return FusedWeights(folder or no_metadata(source.path), source, layout, name, tuple(specs),
                         exported, dtype, lookup, copied, frozenset(read))
 
-
-def _import_torch_meanwhile() -> None:
-    # The fuser's maths needs torch, about a second to import (most of a small fused
-    # export's time), and nothing before it does: imported in the background while the
-    # export is checked and the copied tensors are written. A failure is met again, and
-    # reported, where the fuser imports it.
-    if "torch" in sys.modules:
-        return
-
-    def load() -> None:
-        with contextlib.suppress(Exception):  # met again in the writer's thread
-            importlib.import_module("torch")
-
-    threading.Thread(target=load, name="fsdpckpt-import-torch", daemon=True).start()
 
 
 def _fused_specs(source: ModelSource, layout: LoraLayout, adapter: str,

@@ -81,3 +81,45 @@ def write_dcp(path: Path, tensors: dict[str, tuple[torch.Tensor, Layout]], *,
         pickle.dump(Metadata(entries, planner_data=planner, storage_data=storage,
                              version="1.0.0"), meta)
     return path
+
+
+def flip_stored_byte(folder: Path, tensor: int = 0, chunk: int = 0, *, where: float = 0.5,
+                     mask: int = 0x01) -> Path:
+    """Flip the bits ``mask`` of one byte of a stored chunk's data in the DCP folder
+    ``folder``: chunk ``chunk`` of tensor ``tensor`` (in metadata order), the byte at
+    fraction ``where`` of its storage (1.0: the last). Returns the data file changed."""
+    from fsdpckpt.dcp._archive import locate_tensor
+    from fsdpckpt.dcp.reader import read_dcp_folder
+
+    entry = read_dcp_folder(folder).metadata.tensors[tensor].chunks[chunk]
+    path = folder / entry.file
+    with path.open("rb") as file:
+        raw = locate_tensor(file, entry.offset, entry.length, source=str(path))
+    data = bytearray(path.read_bytes())
+    data[raw.storage_start + min(raw.storage_nbytes - 1, int(raw.storage_nbytes * where))] ^= mask
+    path.write_bytes(bytes(data))
+    return path
+
+
+def place_stored(path: Path, raw, offsets: Sequence[int], shape: Sequence[int],
+                 out: torch.dtype) -> bytearray:
+    """What the copy engine makes of the chunk ``raw`` stored in the file ``path``, placed at
+    ``offsets`` of a zero tensor of ``shape`` cast to ``out``: that tensor's bytes."""
+    import math
+    import os
+
+    from fsdpckpt.dcp.dtypes import DTYPES
+    from fsdpckpt.dcp.metadata import Chunk
+    from fsdpckpt.merging._copy import MemorySink, place_chunk
+    from fsdpckpt.merging._runs import chunk_runs
+
+    memory = bytearray(math.prod(shape) * torch.empty((), dtype=out).element_size())
+    chunk = Chunk(tuple(offsets), tuple(raw.shape), "f", 0, 0)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        place_chunk(fd, raw, chunk, chunk_runs(tuple(shape), chunk), DTYPES[str(out)[6:]],
+                    MemorySink(memoryview(memory)), 0, source="test")
+    finally:
+        os.close(fd)
+    return memory
+

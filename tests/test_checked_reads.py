@@ -400,17 +400,10 @@ def test_a_flipped_bit_in_any_block_of_a_large_chunk_fails_the_merge(where, tmp_
     # last block each caught, and nothing published.
     import torch
 
-    from chunked import split, write_dcp
+    from chunked import flip_stored_byte, split, write_dcp
 
     folder = write_dcp(tmp_path / "ckpt", {"w": (torch.randn(1024, 1024), split([0]))})
-    meta = read_dcp_folder(folder).metadata
-    chunk = meta.tensors[0].chunks[0]
-    path = folder / chunk.file
-    with path.open("rb") as file:
-        raw = locate_tensor(file, chunk.offset, chunk.length, source=str(path))
-    data = bytearray(path.read_bytes())
-    data[raw.storage_start + int(raw.storage_nbytes * where)] ^= 0x01
-    path.write_bytes(bytes(data))
+    flip_stored_byte(folder, where=where)
     with pytest.raises(ChecksumError):
         fsdpckpt.merge(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()

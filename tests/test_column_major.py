@@ -19,14 +19,11 @@ from fsdpckpt import ChecksumError
 from fsdpckpt.dcp import _checked
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp.dtypes import DTYPES
-from fsdpckpt.dcp.metadata import Chunk
 from fsdpckpt.dcp.reader import read_dcp_folder
 from fsdpckpt.merging import _casts, _transpose
 from fsdpckpt.merging import _copy as engine
-from fsdpckpt.merging._copy import MemorySink, place_chunk
-from fsdpckpt.merging.plan import chunk_runs
 
-from chunked import split, write_dcp
+from chunked import flip_stored_byte, place_stored, split, write_dcp
 
 # One dtype of every element width, the float ones with NaN payloads among their values.
 WIDTHS = [torch.uint8, torch.bool, torch.float8_e4m3fn, torch.int16, torch.bfloat16,
@@ -90,16 +87,7 @@ def _place(tmp_path, value: torch.Tensor, shape, offsets, out: torch.dtype) -> b
     raw = RawTensor(0, storage.numel() * value.element_size(), DTYPES[str(value.dtype)[6:]],
                     pad, (rows, cols), (1, rows))
     assert engine.column_major_past_a_span(raw)
-    out_size = torch.empty((), dtype=out).element_size()
-    memory = bytearray(shape[0] * shape[1] * out_size)
-    chunk = Chunk(offsets, (rows, cols), "f", 0, 0)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        place_chunk(fd, raw, chunk, chunk_runs(shape, chunk), DTYPES[str(out)[6:]],
-                    MemorySink(memoryview(memory)), 0, source="test")
-    finally:
-        os.close(fd)
-    return bytes(memory)
+    return bytes(place_stored(path, raw, offsets, shape, out))
 
 
 @pytest.mark.parametrize("dtype", WIDTHS, ids=str)
@@ -159,9 +147,7 @@ def _damage(folder, where: float) -> None:
     with path.open("rb") as file:
         raw = locate_tensor(file, chunk.offset, chunk.length, source=str(path))
     assert raw.stride == (1, raw.shape[0])  # column-major, as stored
-    data = bytearray(path.read_bytes())
-    data[raw.storage_start + min(raw.storage_nbytes - 1, int(raw.storage_nbytes * where))] ^= 1
-    path.write_bytes(bytes(data))
+    flip_stored_byte(folder, where=where)
 
 
 @pytest.mark.parametrize("where", [0.0, 0.5, 1.0])

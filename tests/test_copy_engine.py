@@ -19,7 +19,7 @@ from fsdpckpt.merging import _copy as engine
 from fsdpckpt.merging._copy import MemorySink, place_chunk, tiles
 from fsdpckpt.merging.plan import chunk_runs
 
-from chunked import split, write_dcp
+from chunked import place_stored, split, write_dcp
 
 
 @st.composite
@@ -79,14 +79,7 @@ def test_place_chunk_matches_torch_for_any_layout_chunk_and_cast(tmp_path, monke
     raw = RawTensor(0, storage.numel() * storage.element_size(), DTYPES[str(dtype)[6:]], pad,
                     sizes, tuple(stored.stride()))
     full = torch.zeros(shape, dtype=out)
-    memory = bytearray(full.numel() * full.element_size())
-    chunk = Chunk(offsets, sizes, "f", 0, 0)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        place_chunk(fd, raw, chunk, chunk_runs(shape, chunk), DTYPES[str(out)[6:]],
-                    MemorySink(memoryview(memory)), 0, source="test")
-    finally:
-        os.close(fd)
+    memory = place_stored(path, raw, offsets, shape, out)
     got = torch.frombuffer(memory, dtype=out).view(shape) if memory else full
     index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
     full[index] = chunk_value.to(out)

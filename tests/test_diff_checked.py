@@ -22,12 +22,10 @@ from safetensors.torch import save_file
 
 import fsdpckpt
 from fsdpckpt import ChecksumError
-from fsdpckpt.dcp._archive import locate_tensor
 from fsdpckpt.dcp._checked import CheckedRead
-from fsdpckpt.dcp.reader import read_dcp_folder
 from fsdpckpt.inspection import _diff_sources
 
-from chunked import split, write_dcp
+from chunked import flip_stored_byte, split, write_dcp
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,13 +44,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tenso
 
 
 def _flip(folder: Path, where: float, chunk_index: int) -> None:
-    chunk = read_dcp_folder(folder).metadata.tensors[0].chunks[chunk_index]
-    path = folder / chunk.file
-    with path.open("rb") as file:
-        raw = locate_tensor(file, chunk.offset, chunk.length, source=str(path))
-    data = bytearray(path.read_bytes())
-    data[raw.storage_start + min(int(raw.storage_nbytes * where), raw.storage_nbytes - 1)] ^= 1
-    path.write_bytes(bytes(data))
+    flip_stored_byte(folder, chunk=chunk_index, where=where)
 
 
 @pytest.mark.parametrize("other", ["dim0", "dim1", "transposed", "ref.safetensors"])

@@ -13,10 +13,8 @@ from safetensors.torch import load_file
 
 import fsdpckpt
 from fsdpckpt import ChecksumError
-from fsdpckpt.dcp._archive import locate_tensor
-from fsdpckpt.dcp.reader import read_dcp_folder
 
-from chunked import split, write_dcp
+from chunked import flip_stored_byte, split, write_dcp
 from conftest import upload
 
 pytestmark = pytest.mark.s3
@@ -47,13 +45,7 @@ def test_a_flipped_bit_in_any_block_fails_a_merge_from_s3(s3, folder, where, tmp
     damaged.mkdir()
     for file in path.iterdir():
         (damaged / file.name).write_bytes(file.read_bytes())
-    chunk = read_dcp_folder(damaged).metadata.tensors[0].chunks[1]
-    data_file = damaged / chunk.file
-    with data_file.open("rb") as file:
-        raw = locate_tensor(file, chunk.offset, chunk.length, source=str(data_file))
-    data = bytearray(data_file.read_bytes())
-    data[raw.storage_start + int(raw.storage_nbytes * where)] ^= 0x04
-    data_file.write_bytes(bytes(data))
+    flip_stored_byte(damaged, chunk=1, where=where, mask=0x04)
     url = upload(server, damaged, f"s3://{root}/ckpt")
     with pytest.raises(ChecksumError, match="CRC-32"):
         fsdpckpt.merge(url, tmp_path / "out", storage_options=server.options)

@@ -29,27 +29,41 @@ from fsdpckpt.export._lora_config import (
 from fsdpckpt.export._lora_keys import LoraLayout, LoraModule
 from fsdpckpt.export._lora_read import ModelSource
 
-__all__ = ["LoraFuser", "fuse_weight", "find_adapter_config", "adapter_config_places",
-           "computed_names", "fused_from", "load", "one_thread", "pick_adapter", "torch_dtype"]
+__all__ = ["LoraFuser", "check_module", "fuse_weight", "find_adapter_config",
+           "adapter_config_places", "checked_dtype", "computed_names", "fused_from", "load",
+           "one_thread", "pick_adapter", "torch_dtype"]
 
 #: A path argument: local, or a URL / :class:`RemotePath` on object storage.
 _Where: TypeAlias = str | os.PathLike[str] | RemotePath
 _Config: TypeAlias = _Where | Mapping[str, Any]
 
 
-def torch_dtype(dtype: str | None) -> Any:
-    # The merge's reading of a dtype name (plan.parse_dtype), worded for these functions.
+def checked_dtype(dtype: str | None) -> Any:
+    """The merge's reading of a dtype name (:func:`~fsdpckpt.merging.plan.parse_dtype`, a
+    :class:`~fsdpckpt.dcp.dtypes.DType`; None stays None), worded for these functions;
+    without importing torch.
+
+    Raises:
+        OptionError: not bf16, fp16 or fp32 (or their long names).
+    """
     if dtype is None:
         return None
-    import torch
-
     from fsdpckpt.errors import MergePlanError
     from fsdpckpt.merging.plan import parse_dtype
 
     try:
-        found = parse_dtype(dtype)
+        return parse_dtype(dtype)
     except MergePlanError:
         raise OptionError(f"dtype={dtype!r}: use one of bf16, fp16, fp32") from None
+
+
+def torch_dtype(dtype: str | None) -> Any:
+    """:func:`checked_dtype` as a ``torch.dtype``."""
+    found = checked_dtype(dtype)
+    if found is None:
+        return None
+    import torch
+
     return getattr(torch, str(found))
 
 
@@ -119,6 +133,28 @@ class _Adapter:
     scaling: float
 
 
+def check_module(module: LoraModule, config: LoraConfig, a_shape: tuple[int, ...],
+                 b_shape: tuple[int, ...]) -> int:
+    """Check one adapted module against the adapter config from its A and B shapes alone;
+    returns its rank.
+
+    Raises:
+        NotACheckpointError: the rank disagrees with the config (``r``, ``rank_pattern``), or
+            the config says DoRA and the module has no magnitude.
+    """
+    rank = a_shape[0]
+    expected = config.rank_of(module.name)
+    if rank != expected or b_shape[-1] != rank:
+        raise NotACheckpointError(
+            f"{module.lora_a}: rank {rank} but the adapter config gives {module.name} "
+            f"r={expected} (field 'r' or 'rank_pattern'); pass the adapter_config.json "
+            "of this run")
+    if config.use_dora and module.magnitude is None:
+        raise NotACheckpointError(f"{module.stored}: the config says use_dora but the "
+                                  "checkpoint holds no lora_magnitude_vector for it")
+    return rank
+
+
 class LoraFuser:
     """Fuses adapters into base tensors one at a time: ``fuser(name, tensor)``.
 
@@ -150,16 +186,7 @@ class LoraFuser:
             if module.adapter != self.adapter:
                 continue
             a, b = adapter_tensors[module.lora_a], adapter_tensors[module.lora_b]
-            rank = a.shape[0]
-            expected = config.rank_of(module.name)
-            if rank != expected or b.shape[-1] != rank:
-                raise NotACheckpointError(
-                    f"{module.lora_a}: rank {rank} but the adapter config gives {module.name} "
-                    f"r={expected} (field 'r' or 'rank_pattern'); pass the adapter_config.json "
-                    "of this run")
-            if config.use_dora and module.magnitude is None:
-                raise NotACheckpointError(f"{module.stored}: the config says use_dora but the "
-                                          "checkpoint holds no lora_magnitude_vector for it")
+            rank = check_module(module, config, tuple(a.shape), tuple(b.shape))
             self._adapters[module.weight] = _Adapter(
                 module, a, b,
                 adapter_tensors[module.magnitude] if module.magnitude else None,

@@ -26,6 +26,7 @@ from typing import Any, TypeAlias
 
 from fsdpckpt._io.remote import RemotePath, is_url, location
 from fsdpckpt.errors import NotACheckpointError, OutputExistsError
+from fsdpckpt.export._adapter_copy import copy_adapter, copyable
 from fsdpckpt.export._fuse_hf import plan_fused
 from fsdpckpt.export._lora_base import with_base
 from fsdpckpt.export._lora_config import (
@@ -36,10 +37,11 @@ from fsdpckpt.export._lora_config import (
 )
 from fsdpckpt.export._lora_fuse import (
     LoraFuser,
+    check_module,
+    checked_dtype,
     find_adapter_config,
     fuse_weight,
     fused_from,
-    load,
     pick_adapter,
     torch_dtype,
 )
@@ -108,7 +110,10 @@ def _require_local(output: str | os.PathLike[str]) -> None:
                                   "storage with export_hf(..., lora=...)")
 
 
-def _prepare_output(output: Path, names: list[str], overwrite: bool) -> None:
+def _prepare_output(output: Path, names: list[str], overwrite: bool, *,
+                    make: bool = True) -> None:
+    # ``make``: create the folder now; else the stage that writes the weights makes it, and
+    # removes it again if they fail (nothing left behind).
     if output.exists() and not output.is_dir():
         raise NotACheckpointError(f"{output}: is a file; pass a folder to write into")
     taken = [n for n in names if (output / n).exists()]
@@ -116,7 +121,8 @@ def _prepare_output(output: Path, names: list[str], overwrite: bool) -> None:
 
         raise OutputExistsError(f"{output / taken[0]}: already exists; pass overwrite=True "
                                 "to replace it")
-    output.mkdir(parents=True, exist_ok=True)
+    if make:
+        output.mkdir(parents=True, exist_ok=True)
 
 
 def _save_safetensors(tensors: Mapping[str, Any], path: Path) -> None:
@@ -158,7 +164,7 @@ def export_adapter(checkpoint: _Where, output: str | os.PathLike[str],
         CheckpointNotFoundError: no adapter config found.
         OutputExistsError: the files exist and ``overwrite`` is False.
     """
-    cast = torch_dtype(dtype)  # a wrong name fails before anything is read or written
+    checked_dtype(dtype)  # a wrong name fails before anything is read or written
     _require_local(output)
     source = open_model_source(checkpoint, storage_options=storage_options)
     layout = find_lora(source.names)
@@ -170,9 +176,11 @@ def export_adapter(checkpoint: _Where, output: str | os.PathLike[str],
         raise NotACheckpointError(f"adapter config field 'bias' is {bias!r}: the trained base "
                                   "biases are not exported as adapter weights yet; fuse instead "
                                   "(lora='fuse')")
-    LoraFuser(layout, config, load(source, set(layout.adapter_keys)), adapter=name)  # checks
+    for module in layout.modules:  # every adapted module against the config, by shapes
+        if module.adapter == name:
+            check_module(module, config, source.shapes[module.lora_a],
+                         source.shapes[module.lora_b])
     out = Path(output)
-    _prepare_output(out, [ADAPTER_WEIGHTS, ADAPTER_CONFIG], overwrite)
     # PEFT's save_embedding_layers="auto": an adapted embed_tokens / lm_head is saved with
     # its base weights, which PeftModel.from_pretrained then loads over the base model's.
     saved = {n: n for m in layout.modules if m.adapter == name
@@ -181,17 +189,25 @@ def export_adapter(checkpoint: _Where, output: str | os.PathLike[str],
         key = layout.adapter_file_name(stored, name)
         if key is not None:
             saved[stored] = key
-    tensors: dict[str, Any] = {}
-    for stored, tensor in source.read(saved.__contains__):
-        tensors[saved[stored]] = tensor.to(cast) if cast is not None else tensor
-    _save_safetensors(tensors, out / ADAPTER_WEIGHTS)
+    entries = copyable(source, saved, dtype)
+    _prepare_output(out, [ADAPTER_WEIGHTS, ADAPTER_CONFIG], overwrite, make=False)
+    if entries is not None:  # from a DCP folder: copied as a merge copies, no torch
+        written = copy_adapter(source, entries, dtype, out)
+    else:  # every tensor read (small) before the folder is made
+        tensors: dict[str, Any] = {}
+        cast = torch_dtype(dtype)
+        for stored, tensor in source.read(saved.__contains__):
+            tensors[saved[stored]] = tensor.to(cast) if cast is not None else tensor
+        out.mkdir(parents=True, exist_ok=True)
+        _save_safetensors(tensors, out / ADAPTER_WEIGHTS)
+        written = len(tensors)
     import json
 
     from fsdpckpt._io.durable import write_bytes
 
     write_bytes(out / ADAPTER_CONFIG, (json.dumps(dict(config.raw), indent=2) + "\n").encode())
     count = sum(m.adapter == name for m in layout.modules)
-    return AdapterExport(out, (ADAPTER_WEIGHTS, ADAPTER_CONFIG), len(tensors), name, count)
+    return AdapterExport(out, (ADAPTER_WEIGHTS, ADAPTER_CONFIG), written, name, count)
 
 
 def fuse_into(checkpoint: _Where, output: str | os.PathLike[str],

@@ -34,3 +34,40 @@ def test_a_diff_and_a_merge_run_from_an_atexit_handler(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert out.stdout.strip() == "equal True", out.stderr
     assert (tmp_path / "merged").is_dir()
+
+
+def test_a_reader_failing_beside_the_whole_entry_check_does_not_wait_for_all_of_it(
+        tmp_path, monkeypatch):
+    # A column-major chunk's storage is summed on the CRC thread while its tiles are placed
+    # (verify_entry_beside). When the placing fails (Ctrl-C, SIGTERM turned into an
+    # exception, a full disk), the pass is stopped at its next block, not read to its end
+    # first: for a large chunk that is the whole storage's read, seconds to minutes during
+    # which Ctrl-C seems ignored (and a SIGTERM's grace period runs out before cleanup).
+    import time
+
+    import pytest
+
+    from fsdpckpt._io import checksums
+    from fsdpckpt.dcp import _checked
+
+    size = 64 << 20
+    path = tmp_path / "entry"
+    with open(path, "wb") as file:
+        file.truncate(size)
+    read: list[int] = []
+    real = checksums.pread_into
+
+    def slow(fd, view, offset, *, source):  # 256 blocks of 256 KiB: half a second in all
+        time.sleep(0.002)
+        read.append(len(view))
+        real(fd, view, offset, source=source)
+
+    monkeypatch.setattr(checksums, "pread_into", slow)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(KeyboardInterrupt), \
+                _checked.verify_entry_beside(set(), "entry", fd, 0, size, 0, source="entry"):
+            raise KeyboardInterrupt
+    finally:
+        os.close(fd)
+    assert sum(read) < size // 4

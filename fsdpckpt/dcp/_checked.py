@@ -118,16 +118,30 @@ def verify_entry_beside(
         return
     # In blocks small enough to be checked while still in the cache, and taken from the heap:
     # a fresh 16 MiB mapping per entry cost its page faults again for every chunk.
-    pending = _submit(crc32_range, src, start, nbytes, block=_BESIDE_BLOCK, source=source)
+    stopped = threading.Event()
+
+    def stop_when_told(_: int) -> None:
+        # After each block: a reader that failed (Ctrl-C, a full disk) waits for one block
+        # of the pass, not for the rest of the whole storage's read.
+        if stopped.is_set():
+            raise _Stopped
+
+    pending = _submit(crc32_range, src, start, nbytes, stop_when_told, block=_BESIDE_BLOCK,
+                      source=source)
     try:
         yield
     except BaseException:
+        stopped.set()
         wait([pending])  # the reader's own error wins; the descriptor outlives the pass
         raise
     crc = pending.result()
     if crc != expected:
         raise checksum_error(source, entry, expected, crc)
     done.add(key)
+
+
+class _Stopped(Exception):
+    """The whole-entry pass beside a reader that failed, stopped (never seen outside)."""
 
 
 class CheckedRead:

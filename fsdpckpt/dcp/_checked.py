@@ -29,7 +29,7 @@ import contextlib
 import os
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import IO, Any
 
@@ -118,17 +118,30 @@ def verify_entry_beside(
         return
     # In blocks small enough to be checked while still in the cache, and taken from the heap:
     # a fresh 16 MiB mapping per entry cost its page faults again for every chunk.
-    pending = _worker().submit(crc32_range, src, start, nbytes, block=_BESIDE_BLOCK,
-                               source=source)
+    stopped = threading.Event()
+
+    def stop_when_told(_: int) -> None:
+        # After each block: a reader that failed (Ctrl-C, a full disk) waits for one block
+        # of the pass, not for the rest of the whole storage's read.
+        if stopped.is_set():
+            raise _Stopped
+
+    pending = _submit(crc32_range, src, start, nbytes, stop_when_told, block=_BESIDE_BLOCK,
+                      source=source)
     try:
         yield
     except BaseException:
+        stopped.set()
         wait([pending])  # the reader's own error wins; the descriptor outlives the pass
         raise
     crc = pending.result()
     if crc != expected:
         raise checksum_error(source, entry, expected, crc)
     done.add(key)
+
+
+class _Stopped(Exception):
+    """The whole-entry pass beside a reader that failed, stopped (never seen outside)."""
 
 
 class CheckedRead:
@@ -179,7 +192,7 @@ class CheckedRead:
         if offset <= self._at < offset + len(view) and self._at < self._end:
             take = view.cast("B")[self._at - offset : min(len(view), self._end - offset)]
             if later:
-                self._pending = _worker().submit(zlib.crc32, take, self._crc)
+                self._pending = _submit(zlib.crc32, take, self._crc)
             else:
                 self._crc = zlib.crc32(take, self._crc)
             self._at += len(take)
@@ -230,6 +243,17 @@ def _worker() -> ThreadPoolExecutor:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(1, thread_name_prefix="fsdpckpt-crc")
         return _POOL
+
+
+def _submit(fn: Callable[..., int], *args: Any, **kwargs: Any) -> Future[int]:
+    """``fn`` on the CRC thread; here and now where thread pools take no more work (atexit
+    handlers run after the interpreter shut them down: a diff or merge run from one)."""
+    try:
+        return _worker().submit(fn, *args, **kwargs)
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        done: Future[int] = Future()
+        done.set_result(fn(*args, **kwargs))
+        return done
 
 
 def check_saved_file(file: IO[bytes], *, source: str) -> None:

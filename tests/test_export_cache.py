@@ -216,6 +216,18 @@ def test_a_fifo_in_place_of_the_file_neither_hangs_nor_fails(tmp_path):
     assert fsdpckpt.export_hf(CKPT, tmp_path / "again").model_class == "LlamaForCausalLM"
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user takes root")
+def test_a_file_another_user_owns_is_not_trusted(tmp_path):
+    # In a shared cache folder anyone could write the answer that lets a wrong checkpoint
+    # pass the key check: only the user's own files are read.
+    _valid_doc(tmp_path)
+    file = _cache_file()
+    os.chown(file, 12345, 12345)
+    assert recall(_config()) is None
+    os.chown(file, 0, 0)
+    assert recall(_config()) is not None
+
+
 def test_another_transformers_version_misses(tmp_path, monkeypatch):
     from importlib import metadata
 

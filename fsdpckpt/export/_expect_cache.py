@@ -118,7 +118,10 @@ def recall(config: dict[str, Any]) -> ModelExpectation | None:
     try:
         with open(path, "rb", opener=_no_block) as handle:
             info = os.fstat(handle.fileno())
-            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
+            # Another user's file is not trusted: in a shared cache folder anyone could write
+            # the answer that lets a wrong checkpoint pass the key check.
+            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES or \
+                    info.st_uid != os.getuid():
                 return None
             data = handle.read(MAX_BYTES + 1)
         if len(data) > MAX_BYTES:

@@ -1,7 +1,7 @@
 """Every read and write loops until its whole range is done, on every merge path.
 
 Linux moves at most 2,147,479,552 bytes in one ``write``/``pwrite``, and any call may
-move fewer bytes than asked. These tests make every ``pwrite``, ``preadv`` and
+move fewer bytes than asked. These tests make every ``pwrite``, ``pwritev``, ``preadv`` and
 ``copy_file_range`` move only a few bytes per call, and check that each merge path
 still writes exactly what torch's own loader reads.
 """
@@ -49,10 +49,24 @@ def _short(real, limit):
     return call
 
 
+def _short_gathered(real, limit):
+    def call(fd, buffers, offset):  # the first ``limit`` bytes of the buffers, in order
+        taken, left = [], limit
+        for buffer in buffers:
+            if not left:
+                break
+            taken.append(memoryview(buffer)[:left])
+            left -= len(taken[-1])
+        return real(fd, taken, offset)
+    return call
+
+
 @pytest.fixture
 def short_io(monkeypatch):
-    """pwrite writes at most 7 bytes, preadv reads at most 5, copy_file_range copies 3."""
+    """pwrite and pwritev write at most 7 bytes, preadv reads at most 5, copy_file_range
+    copies 3."""
     monkeypatch.setattr(os, "pwrite", _short(os.pwrite, 7))
+    monkeypatch.setattr(os, "pwritev", _short_gathered(os.pwritev, 7))
     real_preadv = os.preadv
     monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: real_preadv(
         fd, [memoryview(buffers[0])[:5]], offset))

@@ -204,7 +204,7 @@ def test_disk_filling_up_mid_merge_leaves_nothing(tmp_path, monkeypatch):
     def full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(writer, "place_stored_chunk", full)
+    monkeypatch.setattr(writer, "place_tensor", full)
     (tmp_path / "out").mkdir()
     result = run("merge", DCP_FOLDERS["dtensor"], tmp_path / "out")
     assert_one_line_error(result, "No space left on device")
@@ -217,7 +217,7 @@ def test_ctrl_c_mid_merge_leaves_nothing(tmp_path, monkeypatch):
     def interrupt(*_a, **_k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(writer, "place_stored_chunk", interrupt)
+    monkeypatch.setattr(writer, "place_tensor", interrupt)
     result = run("merge", DCP_FOLDERS["dtensor"], tmp_path / "out")
     assert_one_line_error(result, "interrupted")
     assert_untouched(tmp_path / "out")
@@ -229,9 +229,9 @@ def test_sigint_to_a_real_process_leaves_nothing(tmp_path):
     import time
 
     code = ("import time, fsdpckpt.merging.writer as w, fsdpckpt.cli as c\n"
-            "real = w.place_stored_chunk\n"
+            "real = w.place_tensor\n"
             "def slow(*a, **k):\n    time.sleep(0.5); return real(*a, **k)\n"
-            "w.place_stored_chunk = slow\n"
+            "w.place_tensor = slow\n"
             "print('started', flush=True)\n"
             f"c.main(['merge', {str(DCP_FOLDERS['dtensor'])!r}, {str(tmp_path / 'out')!r}])\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,

@@ -16,13 +16,13 @@ import io
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from fsdpckpt.errors import CorruptCheckpointError
 
 __all__ = ["ReadAt", "ReadAtFile", "SizedReader", "pread_into", "pread_scattered", "read_exact",
-           "pwrite_all", "copy_range", "scratch", "reusing_scratch"]
+           "pwrite_all", "pwrite_gathered", "iov_max", "copy_range", "scratch", "reusing_scratch"]
 
 _BLOCK = 16 * 2**20
 # copy_file_range is refused for these reasons (another file system, an old kernel,
@@ -146,7 +146,7 @@ def pread_scattered(fd: int, views: list[memoryview], offset: int, *, source: st
     Raises:
         CorruptCheckpointError: the file ends first (naming ``source``).
     """
-    most = getattr(os, "IOV_MAX", 1024)
+    most = iov_max()
     views = [v for v in views if len(v)]
     first = 0  # the first view not yet filled
     while first < len(views):
@@ -159,6 +159,11 @@ def pread_scattered(fd: int, views: list[memoryview], offset: int, *, source: st
             first += 1
         if got:
             views[first] = views[first][got:]
+
+
+def iov_max() -> int:
+    """The most buffers one ``preadv``/``pwritev`` takes (Linux: 1024)."""
+    return getattr(os, "IOV_MAX", 1024)
 
 
 def read_exact(fd: int | ReadAt, count: int, offset: int, *, source: str) -> bytearray:
@@ -181,6 +186,37 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> No
         if wrote <= 0:  # never returned for a real write; looping on it would never end
             raise OSError(errno.EIO, f"a write at byte {offset + done} wrote nothing")
         done += wrote
+
+
+def pwrite_gathered(fd: int, views: Sequence[memoryview], offset: int) -> None:
+    """Write ``views``, in order, as the consecutive bytes of ``fd`` from ``offset``: one
+    ``pwritev`` per :func:`iov_max` views (a band of output rows whose pieces lie in several
+    chunks' buffers, in a few calls, not one per piece), however many calls it takes.
+
+    Raises:
+        OSError: the system refuses the write (full disk...) or writes nothing.
+    """
+    most, first = iov_max(), 0  # views[first] is the first not yet written whole
+    head: memoryview | None = None  # what is left of it, when a write ended inside it
+    while first < len(views):
+        batch = list(views[first:first + most])
+        if head is not None:
+            batch[0] = head
+        count = sum(map(len, batch))
+        wrote = os.pwritev(fd, batch, offset) if count else 0
+        if wrote <= 0 < count:  # never returned for a real write; looping would never end
+            raise OSError(errno.EIO, f"a write at byte {offset} wrote nothing")
+        offset += wrote
+        if wrote == count:  # the usual case: all of them
+            first, head = first + len(batch), None
+            continue
+        for view in batch:  # a short write: the whole views, then what is left of one
+            if wrote < len(view):
+                head = view[wrote:]
+                break
+            wrote -= len(view)
+            first += 1
+            head = None
 
 
 def copy_range(src: int, src_offset: int, dst: int, dst_offset: int, count: int, *,

@@ -39,7 +39,7 @@ from fsdpckpt.errors import (
 )
 from fsdpckpt.formats import ObjectValue, TensorSpec
 from fsdpckpt.formats._shards import index_bytes
-from fsdpckpt.merging._copy import place_stored_chunk
+from fsdpckpt.merging._rows import place_tensor
 from fsdpckpt.merging.plan import MergePlan, PlannedFile, PlannedTensor
 
 if TYPE_CHECKING:
@@ -128,9 +128,8 @@ def _write_file(plan: MergePlan, file: PlannedFile, objects: list[ObjectValue], 
         crcs = {}
         for planned in file.tensors:
             entry, start = planned.source, layout.starts[planned.spec.name]
-            for chunk, runs in zip(entry.chunks, planned.runs, strict=True):
-                place_stored_chunk(sources, entry, chunk, runs, planned.spec.dtype, fd, start,
-                                   progress=progress)
+            place_tensor(sources, entry, planned.runs, planned.spec.dtype, fd, start,
+                         progress=progress)
             if fmt.needs_crc:
                 crcs[planned.spec.name] = crc32_range(fd, start, planned.spec.nbytes)
             _start_writeback(fd, start, planned.spec.nbytes)
@@ -236,9 +235,8 @@ def _write_computed(plan: MergePlan, files: list[PlannedFile], stage: Path,
             sources.prefetch((c.file, c.offset, c.length) for _, _, t in copies
                              for c in t.source.chunks)
             for fd, start, t in copies:
-                for chunk, runs in zip(t.source.chunks, t.runs, strict=True):
-                    place_stored_chunk(sources, t.source, chunk, runs, t.spec.dtype, fd, start,
-                                       progress=progress)
+                place_tensor(sources, t.source, t.runs, t.spec.dtype, fd, start,
+                             progress=progress)
                 _start_writeback(fd, start, t.spec.nbytes)
         for name, tensor in tensors:
             if name not in where:  # not planned (a tied target), or another rank's share

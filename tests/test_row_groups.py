@@ -160,6 +160,7 @@ def test_every_layout_and_width_lands_as_torch_cat_makes_it(tmp_path, monkeypatc
 def test_a_cast_is_torch_to_of_the_whole_tensor_nan_payloads_included(tmp_path, monkeypatch,
                                                                      spy, source, target):
     monkeypatch.setattr(_rows, "GROUP_BLOCK", 3 * 12 * 8)
+    monkeypatch.setattr(_rows, "GROUP_CAST_BLOCK", 3 * 12 * 8)
     special = {"float32": [0x7FC00001, 0xFFC00000, 0x7F800001, 0x7F800000, 0x00000001,
                            0x3F808000, 0x3F818000, 0x477FF000, 0x80000000]}
     value = _values(getattr(torch, source), (9, 12), seed=3)
@@ -208,6 +209,7 @@ def test_other_chunks_go_chunk_by_chunk_and_land_the_same(tmp_path, spy):
 
 def test_buffers_stay_within_the_turn_however_large_the_tensor(tmp_path, monkeypatch):
     monkeypatch.setattr(_rows, "GROUP_BLOCK", 4096)
+    monkeypatch.setattr(_rows, "GROUP_CAST_BLOCK", 4096)
     sizes = []
     original = _rows.scratch
     monkeypatch.setattr(_rows, "scratch", lambda n, slot=None: (sizes.append(n),

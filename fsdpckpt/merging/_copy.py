@@ -4,7 +4,9 @@ The fast path never decodes a tensor: a chunk that is one contiguous run of
 its output tensor (FSDP's dim-0 shards) is copied file to file with
 ``os.copy_file_range``; a chunk that is many runs (dim-1 shards) is read in
 16 MiB blocks and written run by run, cast on the way by :mod:`fsdpckpt.merging._casts`
-for the common exports (fp32 to bf16 or fp16), without torch. Any other cast,
+for the common exports (fp32 to bf16 or fp16), without torch (a merge writes the chunks that
+together make whole rows, dim-1 shards and 2-D grids, a band of rows at a time instead:
+:mod:`fsdpckpt.merging._rows`). Any other cast,
 or a non-contiguous stored chunk, imports torch, and then works tile by tile: each
 tile is a box of the chunk whose stored bytes span at most ``_SPAN`` bytes and
 whose output is at most ``_TILE`` bytes, so memory stays flat however large

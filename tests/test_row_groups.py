@@ -19,7 +19,6 @@ from test_exact_io import _short_gathered
 import fsdpckpt
 from fsdpckpt import ChecksumError
 from fsdpckpt._io.rawio import pwrite_gathered
-from fsdpckpt.dcp._archive import locate_tensor
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.dcp.metadata import Chunk
@@ -27,7 +26,7 @@ from fsdpckpt.dcp.reader import read_dcp_folder
 from fsdpckpt.merging import _rows
 from fsdpckpt.merging._runs import chunk_runs
 
-from chunked import Layout, split, write_dcp
+from chunked import Layout, flip_stored_byte, split, write_dcp
 
 
 def _chunks(shape, boxes) -> list[Chunk]:
@@ -220,19 +219,6 @@ def test_buffers_stay_within_the_turn_however_large_the_tensor(tmp_path, monkeyp
     assert sizes and max(sizes) <= 2 * 4096 and sum(sizes) <= 3 * 4096
 
 
-def _flip(folder, name: str, member: int, where: float) -> None:
-    """Flip one byte of chunk ``member`` of tensor ``name``'s storage, at fraction ``where``."""
-    meta = read_dcp_folder(folder).metadata
-    (tensor,) = [t for t in meta.tensors if t.name.endswith(name)]
-    chunk = tensor.chunks[member]
-    path = folder / str(chunk.file)
-    with path.open("rb") as file:
-        raw = locate_tensor(file, chunk.offset, chunk.length, source=str(path))
-    data = bytearray(path.read_bytes())
-    data[raw.storage_start + min(raw.storage_nbytes - 1, int(raw.storage_nbytes * where))] ^= 1
-    path.write_bytes(bytes(data))
-
-
 @pytest.mark.parametrize("member", [0, 1, 2])
 @pytest.mark.parametrize("where", [0.0, 0.5, 1.0])
 def test_a_damaged_byte_in_any_chunk_is_refused_with_nothing_published(tmp_path, monkeypatch,
@@ -240,9 +226,10 @@ def test_a_damaged_byte_in_any_chunk_is_refused_with_nothing_published(tmp_path,
     monkeypatch.setattr(_rows, "GROUP_BLOCK", 3 * 30 * 4)
     folder = write_dcp(tmp_path / "ckpt", {"a": (torch.randn(20, 30), split([0])),
                                            "w": (torch.randn(40, 30), split([1], 3))})
-    _flip(folder, "w", member, where)
-    with pytest.raises(ChecksumError, match="does not match the CRC-32"):
+    flip_stored_byte(folder, 1, member, where=where)  # tensor "w", after "a"
+    with pytest.raises(ChecksumError, match="does not match the CRC-32") as caught:
         fsdpckpt.merge(folder, tmp_path / "out")
+    assert "tensor 'model.w' chunk at" in str(caught.value)
     assert not (tmp_path / "out").exists()
     assert not [c for c in spy["chunks"] if c[0].endswith("w")]  # refused by the group path
 

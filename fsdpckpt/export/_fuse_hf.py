@@ -138,7 +138,6 @@ def plan_fused(checkpoint: Any, source: ModelSource, *, dtype: str | None,
                         exported, dtype, lookup, copied, frozenset(read))
 
 
-
 def _fused_specs(source: ModelSource, layout: LoraLayout, adapter: str,
                  dtype: str | None) -> list[TensorSpec]:
     # Each plain name, in stored order, with its shape and its dtype after the cast to

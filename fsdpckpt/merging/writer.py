@@ -230,7 +230,7 @@ def _write_computed(plan: MergePlan, files: list[PlannedFile], stage: Path,
                 else:
                     where[t.spec.name] = (fd, layout.starts[t.spec.name], t.spec)
         tensors = plan.fuser()  # called first: what it looks up fails before any copy
-        if copies:  # the stored ones first: a fuser that imports torch does it meanwhile
+        if copies:  # the stored ones first, by the merge's copy: no tensor of theirs in memory
             sources = opened.enter_context(DataFiles(plan.folder.path))
             sources.prefetch((c.file, c.offset, c.length) for _, _, t in copies
                              for c in t.source.chunks)

@@ -55,3 +55,28 @@ def test_a_saved_manifest_holds_each_files_real_crc(tmp_path):
     for name, info in files.items():
         data = (tmp_path / "ckpt" / name).read_bytes()
         assert (info["size"], info["crc32"]) == (len(data), zlib.crc32(data)), name
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=70_000), st.integers(0, 2**32 - 1), st.integers(0, 64))
+def test_the_fast_crc_is_zlibs_crc(data, start, skip):
+    """ISA-L's CRC-32 (fsdpckpt[fast]) gives zlib's sums, from any start value, over any
+    slice of a buffer: the sums zip archives record."""
+    from fsdpckpt._io.checksums import crc32
+
+    view = memoryview(data)[min(skip, len(data)):]
+    assert crc32(view, start) == zlib.crc32(view, start)
+    assert crc32(view) == zlib.crc32(view)
+
+
+def test_without_isal_the_crc_is_zlibs():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, zlib; sys.modules['isal'] = None\n"  # as if not installed
+            "from fsdpckpt._io.checksums import crc32\n"
+            "assert crc32 is zlib.crc32, crc32")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
+                   env=dict(os.environ, PYTHONPATH=root))

@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-import zlib
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from fsdpckpt._io.rawio import ReadAt, pread_into, scratch
 from fsdpckpt.errors import OptionError
 
-__all__ = ["DIGESTS", "ChecksumStream", "Pieces", "crc32_combine", "crc32_range",
+try:  # ISA-L's CRC-32: the same sums as zlib's, 4-5x as fast (10 GB/s a core here, 2.1)
+    from isal.isal_zlib import crc32
+except ImportError:  # an optional speed-up (fsdpckpt[fast])
+    from zlib import crc32
+
+__all__ = ["DIGESTS", "ChecksumStream", "Pieces", "crc32", "crc32_combine", "crc32_range",
            "file_checksums", "new_digest", "resolve_pieces"]
 
 #: The cryptographic digests a manifest can carry per file (``save_state(digest=...)``).
@@ -97,9 +101,9 @@ class ChecksumStream:
             self.pieces.append([self.size, count, None])
         elif self.pieces and self.pieces[-1][2] is not None:  # extend the run of small writes
             self.pieces[-1][1] += count
-            self.pieces[-1][2] = zlib.crc32(view, self.pieces[-1][2])
+            self.pieces[-1][2] = crc32(view, self.pieces[-1][2])
         else:
-            self.pieces.append([self.size, count, zlib.crc32(view)])
+            self.pieces.append([self.size, count, crc32(view)])
         self.size += count
         return count
 
@@ -141,7 +145,7 @@ def crc32_range(fd: int | ReadAt, start: int, count: int, progress: Any = None,
     while count > 0:
         data = buffer[:min(count, len(buffer))]
         pread_into(fd, data, start, source=source)
-        crc = zlib.crc32(data, crc)
+        crc = crc32(data, crc)
         if hasher is not None:
             hasher.update(data)
         start, count = start + len(data), count - len(data)

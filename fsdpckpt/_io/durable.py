@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
+
+from fsdpckpt._io.checksums import crc32
 
 __all__ = ["fsync_dir", "write_bytes"]
 
@@ -25,4 +26,4 @@ def write_bytes(path: Path, data: bytes, *, sync: bool = True) -> tuple[int, int
         if sync:
             handle.flush()
             os.fsync(handle.fileno())
-    return len(data), zlib.crc32(data)
+    return len(data), crc32(data)

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import zlib
 from collections.abc import Iterator
 from typing import Any, cast
 
 from fsdpckpt._io import multipart
+from fsdpckpt._io.checksums import crc32
 from fsdpckpt._io.publish_remote import check_remote_output, delete, refuse_held
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt._io.spread_rounds import (
@@ -224,7 +224,7 @@ class _Target:
                     ids.add(dest, 0, upload.upload_id.encode())
             except Exception as exc:  # noqa: BLE001 - raised on every rank by the round
                 error = exc
-        check = zlib.crc32(f"{name}\0{size}".encode())
+        check = crc32(f"{name}\0{size}".encode())
         got = self.ranks.round(OPEN, check, error=error, send=ids)
         if upload is None:
             upload = multipart.Upload(path, bytes(got[0][0][1]).decode())

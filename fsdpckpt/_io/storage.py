@@ -322,11 +322,11 @@ def put_bytes(file: Place, data: bytes, *, sync: bool = True,
     replaced, a manifest) written beside it as ``<name>.tmp`` and renamed over it instead.
     """
     if is_remote(file):
-        import zlib
+        from fsdpckpt._io.checksums import crc32
 
         remote = cast("RemotePath", file)
         remote.fs.pipe_file(remote.path, data)
-        return len(data), zlib.crc32(data)
+        return len(data), crc32(data)
     local = cast(Path, file)
     if not atomic:
         return write_bytes(local, data, sync=sync)

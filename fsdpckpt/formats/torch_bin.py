@@ -14,10 +14,10 @@ import collections
 import io
 import pickle
 import struct
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fsdpckpt._io.checksums import crc32
 from fsdpckpt._io.rawio import pwrite_all
 from fsdpckpt._torch import REBUILD_TENSOR_V2, REBUILD_TENSOR_V3, PurePythonPickler
 from fsdpckpt.dcp._nesting import unflatten
@@ -139,7 +139,7 @@ def _pickle_with_storages(tensors: Sequence[TensorSpec], objects: Sequence[Objec
 class _Entry:
     def __init__(self, name: str, offset: int, size: int, data: bytes | None) -> None:
         self.name, self.offset, self.size, self.data = name.encode(), offset, size, data
-        self.crc = zlib.crc32(data) if data is not None else 0
+        self.crc = crc32(data) if data is not None else 0
         self.zip64 = size >= _U32 or offset >= _U32
 
     def local_header(self, pad_to: int | None) -> bytes:

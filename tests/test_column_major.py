@@ -54,6 +54,19 @@ def transposer(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["tiles", "whole"])
+def column_path(request, monkeypatch):
+    """Both ways of placing a column-major chunk: square tiles read out of storage order (a
+    chunk too large to hold whole), or held whole and read in storage order, here in bands
+    of a few rows (several bands, the last one short)."""
+    if request.param == "tiles":
+        monkeypatch.setattr(_transpose, "WHOLE", 0)
+    else:
+        monkeypatch.setattr(_transpose, "_BAND", 64)
+        monkeypatch.setattr(_transpose, "_BAND_ROWS", 5)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", WIDTHS, ids=str)
 @pytest.mark.parametrize("shape", [(7, 5), (1, 9), (9, 1), (1, 1), (16, 16)])
 def test_a_tile_is_transposed_bit_for_bit(transposer, dtype, shape):
@@ -92,7 +105,8 @@ def _place(tmp_path, value: torch.Tensor, shape, offsets, out: torch.dtype) -> b
 
 @pytest.mark.parametrize("dtype", WIDTHS, ids=str)
 @pytest.mark.parametrize("where", ["whole", "rows", "columns", "short"])
-def test_a_column_major_chunk_lands_bit_for_bit(tmp_path, monkeypatch, transposer, dtype, where):
+def test_a_column_major_chunk_lands_bit_for_bit(tmp_path, monkeypatch, transposer, column_path,
+                                                dtype, where):
     # Tiles of 8 x 8 over 37 x 29 elements: partial tiles on both edges; a chunk of 7 rows
     # (short) is read in whole stored columns, one preadv for many.
     size = torch.empty((), dtype=dtype).element_size()
@@ -109,7 +123,8 @@ def test_a_column_major_chunk_lands_bit_for_bit(tmp_path, monkeypatch, transpose
 
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float16, torch.float64])
 def test_a_column_major_chunk_cast_is_torch_to_of_the_contiguous_tensor(tmp_path, monkeypatch,
-                                                                         transposer, out):
+                                                                         transposer, column_path,
+                                                                         out):
     # NaN payloads of both signs, infinities, subnormals, ties: cast as .to() casts the
     # contiguous tensor torch loads.
     monkeypatch.setattr(engine, "_SPAN", 64)
@@ -152,7 +167,7 @@ def _damage(folder, where: float) -> None:
 
 @pytest.mark.parametrize("where", [0.0, 0.5, 1.0])
 def test_a_damaged_byte_in_a_column_major_chunk_is_refused_before_anything_is_published(
-        tmp_path, monkeypatch, where):
+        tmp_path, monkeypatch, column_path, where):
     monkeypatch.setattr(engine, "_SPAN", 4096)
     monkeypatch.setattr(engine, "_TILE", 32 * 32 * 4)
     folder = write_dcp(tmp_path / "ckpt", {"w": (torch.randn(130, 70), split([0], transpose=True))})
@@ -163,7 +178,8 @@ def test_a_damaged_byte_in_a_column_major_chunk_is_refused_before_anything_is_pu
                         lambda *a, **k: (beside.append(a[1]), original(*a, **k))[1])
     with pytest.raises(ChecksumError, match="does not match the CRC-32"):
         fsdpckpt.merge(folder, tmp_path / "out")
-    assert beside  # checked beside the tiles, not before them
+    # Tiles: checked beside them, not before; held whole: checked as read, in storage order.
+    assert bool(beside) == (column_path == "tiles")
     assert not (tmp_path / "out").exists()
 
 
@@ -191,7 +207,8 @@ def test_the_check_beside_the_tiles_passes_once_per_entry_and_lets_the_reader_er
         os.close(fd)
 
 
-def test_a_merge_of_a_large_column_major_folder_is_bit_exact(tmp_path, monkeypatch):
+def test_a_merge_of_a_large_column_major_folder_is_bit_exact(tmp_path, monkeypatch,
+                                                             column_path):
     monkeypatch.setattr(engine, "_SPAN", 4096)
     monkeypatch.setattr(engine, "_TILE", 32 * 32 * 4)
     tensors = {"a": torch.randn(130, 70), "b": torch.randn(1, 300), "c": torch.randn(300, 1),
@@ -224,3 +241,61 @@ def test_scattered_reads_fill_each_view_in_order_whatever_iov_max(tmp_path, monk
             pread_scattered(fd, [memoryview(bytearray(10))], 995, source="data")
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("rows", [1024, 33], ids=["padded-columns", "contiguous"])
+@pytest.mark.parametrize("out", [None, "bfloat16"])
+def test_a_column_major_chunk_held_whole_is_read_once_and_checked_as_read(
+        tmp_path, monkeypatch, rows, out):
+    """Read in storage order, its CRC-32 computed on the way: no second pass over its bytes
+    (1024 float32 rows: 4 KiB columns, read into a buffer a cache line apart each)."""
+    monkeypatch.setattr(_transpose, "_BAND", 4096)  # several bands
+    value = _values(torch.float32, (2 * rows, 40), seed=4).nan_to_num()
+    folder = write_dcp(tmp_path / "ckpt", {"w": (value, split([0], transpose=True))})
+    passes = []
+    original = _checked.crc32_range
+    monkeypatch.setattr(_checked, "crc32_range",
+                        lambda src, at, count, *a, **k: (passes.append(count),
+                                                         original(src, at, count, *a, **k))[1])
+    (result,) = fsdpckpt.merge(folder, tmp_path / "out", dtype=out)
+    assert sum(passes) == 0, passes  # every byte summed as read: nothing read again
+    got = load_file(result.path)["w"]
+    want = value if out is None else value.to(torch.bfloat16)
+    assert _bytes(got) == _bytes(want)
+
+
+def test_a_damaged_byte_in_padded_columns_held_whole_is_refused(tmp_path):
+    value = torch.randn(2048, 24)  # chunks of 1024 rows: 4 KiB columns, read scattered
+    folder = write_dcp(tmp_path / "ckpt", {"w": (value, split([0], transpose=True))})
+    _damage(folder, 0.7)
+    with pytest.raises(ChecksumError, match="does not match the CRC-32"):
+        fsdpckpt.merge(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("path", ["whole", "tiles"])
+def test_a_transpose_that_fails_on_its_thread_fails_the_merge(tmp_path, monkeypatch, path):
+    """The transpose thread's error reaches the merge, which publishes nothing; no transpose
+    is left running into a buffer the next chunk takes."""
+    if path == "tiles":
+        monkeypatch.setattr(_transpose, "WHOLE", 0)
+        monkeypatch.setattr(engine, "_SPAN", 4096)
+        monkeypatch.setattr(engine, "_TILE", 32 * 32 * 4)
+    else:
+        monkeypatch.setattr(_transpose, "_BAND", 1024)
+    calls = []
+    original = _transpose.transpose_tile
+
+    def fails_third(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 3:
+            raise MemoryError("the third transpose")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_transpose, "transpose_tile", fails_third)
+    folder = write_dcp(tmp_path / "ckpt", {"w": (torch.randn(200, 90),
+                                                 split([0], transpose=True))})
+    with pytest.raises(MemoryError, match="the third transpose"):
+        fsdpckpt.merge(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert all(name.startswith("fsdpckpt-transpose") for name in calls)  # beside this thread

@@ -92,3 +92,22 @@ def test_load_full_state_dict_holds_the_tensors_and_nothing_more(layouts):
                          f"{str(layouts)!r})")
     tensors = 4 * 256  # MiB: what it returns
     assert peak - baseline < tensors + GROWTH_LIMIT_MIB, (peak, baseline)
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_column_major_chunks_held_whole_stay_within_their_bound(tmp_path, dtype):
+    """Column-major chunks of up to 64 MiB, stored and made (here 32 MiB stored, many of
+    them), are held whole to be read in storage order: the growth is that bound plus a band,
+    never a tensor or the folder."""
+    import torch
+
+    from fsdpckpt.merging._transpose import WHOLE
+
+    value = torch.arange(4096 * 4096, dtype=torch.float32).reshape(4096, 4096)
+    folder = write_dcp(tmp_path / "ckpt", {f"{i}": (value + i, split([0], transpose=True))
+                                           for i in range(3)})  # 6 chunks of 32 MiB
+    baseline = _baseline("import torch, fsdpckpt.merging.merger")
+    peak = peak_rss_mib(f"import torch, fsdpckpt\nfsdpckpt.merge({str(folder)!r}, "
+                        f"{str(tmp_path / 'out')!r}, dtype={dtype!r})")
+    assert peak - baseline < WHOLE / 2**20 + 16, (dtype, peak, baseline)
+    assert peak < PEAK_LIMIT_MIB, (dtype, peak)

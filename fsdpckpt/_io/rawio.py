@@ -22,7 +22,8 @@ from typing import Protocol, runtime_checkable
 from fsdpckpt.errors import CorruptCheckpointError
 
 __all__ = ["ReadAt", "ReadAtFile", "SizedReader", "pread_into", "pread_scattered", "read_exact",
-           "pwrite_all", "pwrite_gathered", "iov_max", "copy_range", "scratch", "reusing_scratch"]
+           "pwrite_all", "pwrite_gathered", "iov_max", "copy_range", "scratch", "reusing_scratch",
+           "keep_scratch"]
 
 _BLOCK = 16 * 2**20
 # copy_file_range is refused for these reasons (another file system, an old kernel,
@@ -116,6 +117,14 @@ class SizedReader(io.RawIOBase):
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._extent()}[whence]
         self._pos = max(0, base + pos)
         return self._pos
+
+
+def keep_scratch() -> None:
+    """Reuse :func:`scratch` slots on this thread for as long as it lives: a background
+    thread's small work buffers (a cast's, at most a few hundred KiB), which would otherwise
+    be mapped and faulted in again for every block it works on."""
+    if getattr(_pool, "buffers", None) is None:
+        _pool.buffers = {}
 
 
 def pread_into(fd: int | ReadAt, view: memoryview, offset: int, *, source: str) -> None:

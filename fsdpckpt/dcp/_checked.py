@@ -26,15 +26,14 @@ nothing else sets it.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
-import zlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import IO, Any
 
-from fsdpckpt._io.checksums import crc32_range
-from fsdpckpt._io.rawio import ReadAt, pread_into, scratch
+from fsdpckpt._io import background
+from fsdpckpt._io.checksums import crc32, crc32_range
+from fsdpckpt._io.rawio import ReadAt, pread_into, pread_scattered, scratch
 from fsdpckpt._printable import printable
 from fsdpckpt.errors import ChecksumError
 
@@ -182,7 +181,7 @@ class CheckedRead:
         the checked bytes.
 
         With ``later``, the CRC of these bytes is computed on the other core while the caller
-        writes them out (``zlib.crc32`` releases the GIL), and the caller must leave ``view``
+        writes them out (the CRC releases the GIL), and the caller must leave ``view``
         as it is until its next call here (or :meth:`settle`, :meth:`finish`) returns: the
         reader reads the next block into another buffer, then this waits for the previous
         block's CRC. On two cores the check then costs about nothing beside the copy (issue 21).
@@ -192,10 +191,32 @@ class CheckedRead:
         if offset <= self._at < offset + len(view) and self._at < self._end:
             take = view.cast("B")[self._at - offset : min(len(view), self._end - offset)]
             if later:
-                self._pending = _submit(zlib.crc32, take, self._crc)
+                self._pending = _submit(crc32, take, self._crc)
             else:
-                self._crc = zlib.crc32(take, self._crc)
+                self._crc = crc32(take, self._crc)
             self._at += len(take)
+
+    def read_scattered(self, views: list[memoryview], offset: int, *,
+                       later: bool = False) -> None:
+        """Fill ``views``, in order, with the consecutive bytes from ``offset`` (a column-major
+        chunk's stored columns, each put at its own place in a buffer), extending the CRC
+        over them as :meth:`read_at` does, ``later`` included; from a local descriptor in one
+        ``preadv`` per ``IOV_MAX`` views, from anything else one view at a time.
+        """
+        if not isinstance(self._src, int):
+            for view in views:
+                self.read_at(view, offset, later=later)
+                offset += len(view)
+            return
+        pread_scattered(self._src, views, offset, source=self._source)
+        self.settle()
+        total = sum(map(len, views))
+        if offset == self._at and self._at + total <= self._end:  # else finish() reads them
+            if later:
+                self._pending = _submit(_crc32_of, views, self._crc)
+            else:
+                self._crc = _crc32_of(views, self._crc)
+            self._at += total
 
     def settle(self) -> None:
         """Wait for the CRC of the block last read with ``later``: its buffer is free after."""
@@ -221,39 +242,15 @@ class CheckedRead:
             raise checksum_error(self._source, self._entry, self._expected, crc)
 
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _forget_pool() -> None:
-    # A forked child has the parent's pool object but not its thread: work submitted to it
-    # would wait forever. The child makes its own on first use.
-    global _POOL, _POOL_LOCK
-    _POOL, _POOL_LOCK = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _worker() -> ThreadPoolExecutor:
-    """The one thread that computes CRCs beside the reader (made on first use)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(1, thread_name_prefix="fsdpckpt-crc")
-        return _POOL
+def _crc32_of(views: list[memoryview], crc: int) -> int:
+    for view in views:
+        crc = crc32(view, crc)
+    return crc
 
 
 def _submit(fn: Callable[..., int], *args: Any, **kwargs: Any) -> Future[int]:
-    """``fn`` on the CRC thread; here and now where thread pools take no more work (atexit
-    handlers run after the interpreter shut them down: a diff or merge run from one)."""
-    try:
-        return _worker().submit(fn, *args, **kwargs)
-    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
-        done: Future[int] = Future()
-        done.set_result(fn(*args, **kwargs))
-        return done
+    """``fn`` on the CRC thread, after the CRCs submitted before it."""
+    return background.submit("crc", fn, *args, **kwargs)
 
 
 def check_saved_file(file: IO[bytes], *, source: str) -> None:
@@ -295,7 +292,7 @@ def check_archive(file: IO[bytes], start: int, length: int, *, source: str) -> N
                     got = file.readinto(block)  # type: ignore[attr-defined]
                     if not got:
                         raise EOFError(f"the entry '{info.filename}' is cut short")
-                    crc = zlib.crc32(block[:got], crc)
+                    crc = crc32(block[:got], crc)
                     left -= got
             if crc != info.CRC:
                 raise checksum_error(source, info.filename, info.CRC, crc)

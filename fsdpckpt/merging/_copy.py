@@ -37,7 +37,12 @@ from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
 from fsdpckpt.merging._casts import cast_block, fast_cast
 from fsdpckpt.merging._runs import Runs, chunk_runs, tiles
-from fsdpckpt.merging._transpose import place_column_major
+from fsdpckpt.merging._transpose import (
+    fits_whole,
+    is_column_major,
+    place_column_major,
+    place_column_major_whole,
+)
 
 __all__ = ["checked_source", "place_chunk", "place_stored_chunk", "tiles", "FileSink",
            "MemorySink"]
@@ -222,8 +227,12 @@ def column_major_past_a_span(raw: RawTensor) -> bool:
     its strides) whose storage is more than one tile's span: its output rows are its stored
     columns, and tiles of whole stored rows would write each output row in pieces of a few
     hundred bytes (a 2.4 GB one took 75 s)."""
-    return len(raw.shape) == 2 and raw.shape[0] > 1 and raw.shape[1] > 1 and \
-        tuple(raw.stride) == (1, raw.shape[0]) and raw.storage_nbytes > _SPAN
+    return is_column_major(raw) and raw.storage_nbytes > _SPAN
+
+
+def _in_square_tiles(raw: RawTensor, out: DType) -> bool:
+    # Read out of storage order: too large to hold whole, past one tile's span.
+    return column_major_past_a_span(raw) and not fits_whole(raw, out)
 
 
 def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
@@ -255,6 +264,9 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
                        raw.nbytes, source=source, progress=progress)
     elif raw.is_contiguous and (same or fast_cast(raw.dtype.name, out.name) is not None):
         _place_contiguous(src, raw, run, starts, out, sink, tensor_start, source, progress)
+    elif is_column_major(raw) and fits_whole(raw, out):
+        place_column_major_whole(src, raw, runs, out, sink.write, tensor_start, source=source,
+                                 progress=progress)
     elif column_major_past_a_span(raw) and not isinstance(src, _checked.CheckedRead):
         place_column_major(src, raw, runs, out, sink.write, tensor_start, _TILE, source=source,
                            progress=progress)
@@ -323,7 +335,7 @@ def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs
             so before the caller commits anything made from them.
     """
     raw, src, source = locate_stored_chunk(files, tensor, chunk, verify=False)
-    if column_major_past_a_span(raw) and isinstance(src, int):
+    if _in_square_tiles(raw, out) and isinstance(src, int):
         # Read out of storage order (in tiles): its storage is read whole against its CRC
         # on the other core meanwhile (2.4 GB: 1 s of the 8-10 s this merge took).
         with _checked.verify_entry_beside(files.checked, (chunk.file, chunk.offset,
@@ -335,8 +347,7 @@ def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs
         return
     # A large column-major chunk of a decoder or a remote file is read out of storage order
     # (below): checked whole first.
-    read = checked_source(files, chunk, raw, src, source,
-                          in_order=not column_major_past_a_span(raw))
+    read = checked_source(files, chunk, raw, src, source, in_order=not _in_square_tiles(raw, out))
     place_chunk(read, raw, chunk, runs, out, dst, tensor_start, source=source,
                 progress=progress)
     if isinstance(read, _checked.CheckedRead):

@@ -1,35 +1,59 @@
-"""A large column-major chunk (a transposed view ``torch.save`` kept with its strides) placed
-in square tiles, transposed without importing torch.
+"""A column-major chunk (a transposed view ``torch.save`` kept with its strides) placed
+without importing torch, its transposes on the transpose thread while this one reads and
+writes (:mod:`fsdpckpt._io.background`).
 
 Its output rows are its stored columns: tiles of whole stored rows would write each output
-row in pieces of a few hundred bytes (a 2.4 GB one took 75 s). So each square tile's stored
-columns are read, one piece per column (whole columns in one ``preadv``), into a buffer,
-transposed there into output rows, cast if asked, and written one piece per output row
-(rows that follow each other in the output in one write). With torch the transpose cost
-``import torch`` (about 1.5 s here, longer than merging a 1.6 GB model) and its transposing
-copy ran at 1.5 GB/s on one core (``benchmarks/floor.py``). numpy, where it is installed,
-copies blocks of 256 x 256 elements that fit a core's cache, at 3-6 GB/s for
-4-byte elements. The elements are copied as unsigned integers of their width (bytes, never
-values), so every dtype comes out bit for bit, NaN payloads included. Without numpy (an
-optional speed-up) torch does it.
+row in pieces of a few hundred bytes (a 2.4 GB one took 75 s). Two ways, by size:
+
+- held whole (:func:`place_column_major_whole`, up to :data:`WHOLE` bytes stored and made,
+  the usual FSDP or tensor-parallel chunk of a transposed weight): read in storage order,
+  so its CRC-32 is computed as it is read, then transposed in bands of whole output rows,
+  each band one write while the next is made;
+- larger (:func:`place_column_major`): square tiles, each tile's stored columns read one
+  piece per column (whole columns in one ``preadv``), transposed into output rows, cast if
+  asked, and written one piece per output row (rows that follow each other in one write);
+  the caller checks the storage whole beside them.
+
+With torch the transpose cost ``import torch`` (about 1.5 s here, longer than merging a
+1.6 GB model) and its transposing copy ran at 1.5 GB/s on one core
+(``benchmarks/floor.py``). numpy, where it is installed, copies blocks of 256 x 256 elements
+that fit a core's cache, at 3-6 GB/s for 4-byte elements. The elements are copied as
+unsigned integers of their width (bytes, never values), so every dtype comes out bit for
+bit, NaN payloads included. Without numpy (an optional speed-up) torch does it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 
+from fsdpckpt._io import background
 from fsdpckpt._io.rawio import ReadAt, pread_into, pread_scattered, scratch
 from fsdpckpt.dcp._archive import RawTensor
+from fsdpckpt.dcp._checked import CheckedRead
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.merging import _casts
 from fsdpckpt.merging._runs import Runs, row_starts
 
-__all__ = ["column_pitch", "place_column_major", "transpose_tile"]
+__all__ = ["WHOLE", "column_pitch", "fits_whole", "is_column_major", "place_column_major",
+           "place_column_major_whole", "transpose_tile"]
 
 #: Elements per side of the block numpy copies at once: a block of 256 x 256 float32 read
 #: and written (512 KiB) stays in the cache; 128 ran at half the speed, whole tiles at a tenth.
 _BLOCK = 256
+#: The most bytes of a column-major chunk held whole, stored and made together: such a chunk
+#: is read in storage order, its CRC-32 computed on the way (no second pass over it), and
+#: written in bands of whole output rows, not in pieces of rows (1.6 GB of 32 MiB chunks:
+#: measured in docs/benchmarks.md).
+WHOLE = 64 * 2**20
+#: Output bytes made per band, and the most rows in one (a narrow chunk's bands stay short
+#: lists of row starts): each band is written while the next one is transposed. A band
+#: the transpose thread just made is still in its core's cache when this thread writes it:
+#: 1.6 GB of 32 MiB chunks wrote in 0.4 s with bands of 1.5-2 MiB, in 1-2.2 s with 2.5-4 MiB
+#: (2 MiB of L2 a core here).
+_BAND = 2 * 2**20
+_BAND_ROWS = 4096
 #: numpy types that copy an element's bytes as they are, by width.
 _UNSIGNED = {1: "u1", 2: "u2", 4: "u4", 8: "u8", 16: "V16"}
 
@@ -43,24 +67,25 @@ def column_pitch(side: int, itemsize: int) -> int:
 
 
 def transpose_tile(stored: memoryview, pitch: int, width: int, height: int, dtype: DType,
-                   target: memoryview) -> None:
+                   target: memoryview, *, skip: int = 0) -> None:
     """Fill ``target`` with the row-major ``height x width`` matrix whose column ``k`` is the
-    run of ``height`` elements at element ``k * pitch`` of ``stored``.
+    run of ``height`` elements at element ``k * pitch + skip`` of ``stored``.
 
     Args:
         stored: the tile's stored columns, ``pitch`` elements apart (at least ``width * pitch``).
-        pitch: elements from one column's start to the next's (at least ``height``).
+        pitch: elements from one column's start to the next's (at least ``skip + height``).
         width, height: the tile's output columns and rows, at least 1 each.
         dtype: the elements' dtype (only its width matters to numpy).
         target: at least ``width * height`` elements, filled row by row.
+        skip: elements of each stored column before the tile's first row.
     """
     np = _casts._numpy()
     if np is None or dtype.itemsize not in _UNSIGNED:
-        _transpose_torch(stored, pitch, width, height, dtype, target)
+        _transpose_torch(stored, pitch, width, height, dtype, target, skip)
         return
     element = np.dtype(_UNSIGNED[dtype.itemsize])
     columns = np.frombuffer(stored, dtype=element, count=width * pitch).reshape(
-        width, pitch)[:, :height]
+        width, pitch)[:, skip:skip + height]
     rows = np.frombuffer(target, dtype=element, count=width * height).reshape(height, width)
     for top in range(0, height, _BLOCK):
         band, source = rows[top:top + _BLOCK], columns[:, top:top + _BLOCK]
@@ -69,19 +94,109 @@ def transpose_tile(stored: memoryview, pitch: int, width: int, height: int, dtyp
 
 
 def _transpose_torch(stored: memoryview, pitch: int, width: int, height: int, dtype: DType,
-                     target: memoryview) -> None:
+                     target: memoryview, skip: int) -> None:
     import torch
 
     kind = getattr(torch, dtype.name)
-    columns = torch.frombuffer(stored, dtype=kind, count=(width - 1) * pitch + height)
+    columns = torch.frombuffer(stored, dtype=kind, count=(width - 1) * pitch + skip + height)
     rows = torch.frombuffer(target, dtype=kind, count=width * height).view(height, width)
-    rows.copy_(columns.as_strided((height, width), (1, pitch)))
+    rows.copy_(columns.as_strided((height, width), (1, pitch), skip))
+
+
+def is_column_major(raw: RawTensor) -> bool:
+    """Whether ``raw`` is a column-major matrix (a transposed view ``torch.save`` kept with
+    its strides): its output rows are its stored columns."""
+    return len(raw.shape) == 2 and raw.shape[0] > 1 and raw.shape[1] > 1 and \
+        tuple(raw.stride) == (1, raw.shape[0])
+
+
+def fits_whole(raw: RawTensor, out: DType) -> bool:
+    """Whether the column-major chunk ``raw`` is small enough to be held whole, stored and
+    made (:func:`place_column_major_whole`)."""
+    return math.prod(raw.shape) * (raw.dtype.itemsize + out.itemsize) <= WHOLE
+
+
+def place_column_major_whole(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType,
+                             write: Callable[[memoryview, int], None], tensor_start: int, *,
+                             source: str, progress: Callable[[int], None] | None) -> None:
+    """Place a column-major matrix chunk that :func:`fits_whole`: read whole, in storage order
+    (through a :class:`~fsdpckpt.dcp._checked.CheckedRead`, its CRC-32 computed on the CRC
+    thread on the way: no second pass), transposed in bands of whole output rows on the
+    transpose thread, each band written (one write where the chunk's rows follow each other
+    in the output) while the next is transposed.
+
+    Args:
+        src: the data file's descriptor, a checked read of the chunk's storage, or what reads
+            its bytes by offset.
+        raw, runs, out, write, tensor_start, source, progress: as for
+            :func:`place_column_major`.
+    """
+    in_size, out_size = raw.dtype.itemsize, out.itemsize
+    rows, cols = raw.shape
+    local = isinstance(src, int) or isinstance(src, CheckedRead) and src.local
+    pitch = column_pitch(rows, in_size) if local else rows
+    stored = scratch(cols * pitch * in_size, "stored")
+    at = raw.storage_start + raw.storage_offset * in_size
+    if pitch == rows:
+        if isinstance(src, CheckedRead):
+            src.read_at(stored, at, later=True)
+        else:
+            pread_into(src, stored, at, source=source)
+    else:  # a padded pitch only where a column is 4 KiB or more: a few thousand views at most
+        pieces = [stored[k * pitch * in_size:(k * pitch + rows) * in_size] for k in range(cols)]
+        if isinstance(src, CheckedRead):
+            src.read_scattered(pieces, at, later=True)
+        else:
+            pread_scattered(src, pieces, at, source=source)  # type: ignore[arg-type]
+    made = scratch(rows * cols * out_size, "made")
+    height = max(1, min(_BAND_ROWS, _BAND // (cols * max(in_size, out_size))))
+    staged = scratch(height * cols * in_size, "staged") if raw.dtype.name != out.name else None
+    row = cols * out_size
+    bands = [(first, min(height, rows - first)) for first in range(0, rows, height)]
+    jobs = [background.submit("transpose", _make, stored, pitch, cols, tall, raw.dtype, out,
+                              made[first * row:(first + tall) * row], staged, first)
+            for first, tall in bands]
+    try:
+        for (first, tall), job in zip(bands, jobs):
+            job.result()
+            _write_rows(made[first * row:(first + tall) * row], row_starts(runs, cols, first,
+                                                                            tall),
+                        cols, 0, out_size, tensor_start, write)
+            if progress:
+                progress(tall * row)
+    finally:
+        wait(jobs)  # no transpose may still fill a buffer that is handed out again
+
+
+def _make(stored: memoryview, pitch: int, width: int, height: int, dtype: DType, out: DType,
+          target: memoryview, staged: memoryview | None, skip: int = 0) -> None:
+    """On the transpose thread: transpose (:func:`transpose_tile`), then cast if asked."""
+    if staged is None:
+        transpose_tile(stored, pitch, width, height, dtype, target, skip=skip)
+        return
+    # Reordered first, then cast contiguous to contiguous as .to() does.
+    part = staged[:width * height * dtype.itemsize]
+    transpose_tile(stored, pitch, width, height, dtype, part, skip=skip)
+    _casts.cast_block(dtype.name, out.name, part, target)  # work buffers: this thread's own
+
+
+def _write_rows(made: memoryview, lines: list[int], width: int, first_col: int, out_size: int,
+                tensor_start: int, write: Callable[[memoryview, int], None]) -> None:
+    """Write the rows of ``made`` (``width`` elements each) at columns ``first_col`` onwards
+    of the output rows starting at ``lines``: rows that follow each other in one write."""
+    row, begin = width * out_size, 0
+    for end in range(1, len(lines) + 1):
+        if end == len(lines) or lines[end] != lines[end - 1] + width:
+            write(made[begin * row:end * row], tensor_start + (lines[begin] + first_col) * out_size)
+            begin = end
 
 
 def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType,
                        write: Callable[[memoryview, int], None], tensor_start: int, tile: int,
                        *, source: str, progress: Callable[[int], None] | None) -> None:
-    """Place the column-major matrix chunk ``raw`` in square tiles of at most ``tile`` bytes.
+    """Place the column-major matrix chunk ``raw`` in square tiles of at most ``tile`` bytes:
+    this thread reads a tile, then writes the one before while the transpose thread makes
+    this one (two made tiles take turns).
 
     The reads leave storage order, so the caller checks the storage whole, beside the tiles
     (:func:`fsdpckpt.dcp._checked.verify_entry_beside`).
@@ -102,32 +217,43 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
     pitch = column_pitch(side, in_size)
     rows, cols = raw.shape
     stored = scratch(side * pitch * in_size, "stored")
+    made = [scratch(side * side * out_size, slot) for slot in ("made", "made-2")]
     staged = scratch(side * side * in_size, "staged") if raw.dtype.name != out.name else None
-    made = scratch(side * side * out_size, "made")
-    for first_row in range(0, rows, side):
-        height = min(side, rows - first_row)
-        lines = row_starts(runs, cols, first_row, height)  # where each output row goes
-        for first_col in range(0, cols, side):
-            width = min(side, cols - first_col)
-            pieces = [stored[k * pitch * in_size:(k * pitch + height) * in_size]
-                      for k in range(width)]  # stored column first_col + k: output rows of it
-            at = raw.storage_start + (raw.storage_offset + first_col * rows + first_row) * in_size
-            if height == rows and isinstance(src, int):  # whole columns, one after another
-                pread_scattered(src, pieces, at, source=source)
-            else:
-                for k, piece in enumerate(pieces):
-                    pread_into(src, piece, at + k * rows * in_size, source=source)
-            # Reordered first, then cast contiguous to contiguous as .to() does.
-            transpose_tile(stored, pitch, width, height, raw.dtype,
-                           made if staged is None else staged)
-            if staged is not None:
-                _casts.cast_block(raw.dtype.name, out.name, staged[:width * height * in_size],
-                                  made[:width * height * out_size])
-            row, begin = width * out_size, 0  # rows that follow each other go out in one write
-            for end in range(1, height + 1):
-                if end == height or lines[end] != lines[end - 1] + width:
-                    write(made[begin * row:end * row],
-                          tensor_start + (lines[begin] + first_col) * out_size)
-                    begin = end
-            if progress:
-                progress(width * height * out_size)
+    pending: tuple[Future[None], memoryview, list[int], int, int] | None = None
+
+    def write_made(target: memoryview, lines: list[int], first_col: int, width: int) -> None:
+        _write_rows(target, lines, width, first_col, out_size, tensor_start, write)
+        if progress:
+            progress(len(target))
+
+    try:
+        turn = 0
+        for first_row in range(0, rows, side):
+            height = min(side, rows - first_row)
+            lines = row_starts(runs, cols, first_row, height)  # where each output row goes
+            for first_col in range(0, cols, side):
+                width = min(side, cols - first_col)
+                if pending is not None:
+                    pending[0].result()  # the tile before is made: its stored bytes are free
+                pieces = [stored[k * pitch * in_size:(k * pitch + height) * in_size]
+                          for k in range(width)]  # stored column first_col + k
+                at = raw.storage_start + (raw.storage_offset + first_col * rows + first_row) * \
+                    in_size
+                if height == rows and isinstance(src, int):  # whole columns, one after another
+                    pread_scattered(src, pieces, at, source=source)
+                else:
+                    for k, piece in enumerate(pieces):
+                        pread_into(src, piece, at + k * rows * in_size, source=source)
+                target = made[turn % 2][:width * height * out_size]
+                job = background.submit("transpose", _make, stored, pitch, width, height,
+                                        raw.dtype, out, target, staged)
+                if pending is not None:  # written while this tile is transposed
+                    write_made(*pending[1:])
+                pending, turn = (job, target, lines, first_col, width), turn + 1
+        if pending is not None:
+            last, pending = pending, None
+            last[0].result()
+            write_made(*last[1:])
+    finally:
+        if pending is not None:
+            wait([pending[0]])  # no transpose may still fill a buffer handed out again

@@ -1,0 +1,62 @@
+"""Named background threads that work beside the main one: the CRC-32 of what was just read
+(:mod:`fsdpckpt.dcp._checked`), the transposes of a column-major chunk
+(:mod:`fsdpckpt.merging._transpose`).
+
+Each name is one thread, so what is submitted under a name runs in order. The work handed to
+them releases the GIL for most of its time (``zlib.crc32``, numpy's copies), so on two cores
+it runs while the main thread reads or writes. Two names, not one shared thread: a pass that
+checks a 2.4 GB entry must not hold up the transposes queued behind it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from fsdpckpt._io.rawio import keep_scratch
+
+__all__ = ["submit"]
+
+T = TypeVar("T")
+
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+_LOCK = threading.Lock()
+
+
+def _forget_pools() -> None:
+    # A forked child has the parent's pool objects but not their threads: work submitted to
+    # them would wait forever. The child makes its own on first use.
+    global _LOCK
+    _POOLS.clear()
+    _LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
+
+
+def submit(name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+    """Run ``fn(*args, **kwargs)`` on the thread called ``name`` (made on first use), after
+    what was submitted to it before; here and now where thread pools take no more work
+    (atexit handlers run after the interpreter shut them down: a merge run from one).
+
+    Returns:
+        The future of its result; its exception is raised by ``result()``.
+    """
+    with _LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = ThreadPoolExecutor(1, thread_name_prefix=f"fsdpckpt-{name}",
+                                                     initializer=keep_scratch)
+    try:
+        return pool.submit(fn, *args, **kwargs)
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        done: Future[T] = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except Exception as error:  # noqa: BLE001 - handed to result(), as a pool does
+            done.set_exception(error)
+        return done

@@ -26,6 +26,11 @@ __all__ = ["ReadAt", "ReadAtFile", "SizedReader", "pread_into", "pread_scattered
            "keep_scratch"]
 
 _BLOCK = 16 * 2**20
+#: The most bytes one ``pwrite`` is given. A larger write has the kernel look for page-cache
+#: pages in larger pieces, which on a machine whose memory is fragmented costs far more than
+#: the copy: 1.6 GB of column-major chunks written in 2 MiB calls took 2.77 s, in 256 KiB
+#: calls of the same bands 1.69 s (alternated runs; the plain merge writes 256 KiB blocks).
+_WRITE_MAX = 256 * 2**10
 # copy_file_range is refused for these reasons (another file system, an old kernel,
 # a special file); the block copy then does the job instead.
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF,
@@ -191,7 +196,7 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> No
     view = memoryview(data).cast("B")
     done, count = 0, len(view)
     while done < count:
-        wrote = os.pwrite(fd, view[done:], offset + done)
+        wrote = os.pwrite(fd, view[done:done + _WRITE_MAX], offset + done)
         if wrote <= 0:  # never returned for a real write; looping on it would never end
             raise OSError(errno.EIO, f"a write at byte {offset + done} wrote nothing")
         done += wrote

@@ -12,7 +12,8 @@ so a path's time over its bytes divided by the sum of its steps' times says how 
 its floor it is:
 
   - ``copy``: a memory-to-memory copy (``memoryview`` slice assignment, a ``memcpy``);
-  - ``crc32``: ``zlib.crc32`` over 1 MiB blocks (the check of every byte read);
+  - ``crc32``: ``zlib.crc32`` over 1 MiB blocks (the check of every byte read), and the
+    CRC-32 fsdpckpt uses (ISA-L's where ``isal`` is installed: ``fsdpckpt[fast]``);
   - ``read (page cache)``: ``os.preadv`` of a warm file into a reused buffer;
   - ``write (page cache)``: ``os.pwrite`` into a fresh file (no ``fsync``);
   - ``copy_file_range``: the kernel's file-to-file copy (the unchecked dim-0 merge);
@@ -56,6 +57,7 @@ def measure(mib: int, rounds: int) -> dict[str, float]:
     """Every floor figure, in GB/s of the input bytes."""
     import torch
 
+    from fsdpckpt._io.checksums import crc32 as fast_crc32
     from fsdpckpt.merging._casts import cast_block
 
     size = mib * 2**20
@@ -73,6 +75,11 @@ def measure(mib: int, rounds: int) -> dict[str, float]:
         value = 0
         for at in range(0, size, _CHECK):
             value = zlib.crc32(src[at:at + _CHECK], value)
+
+    def crc_fast() -> None:
+        value = 0
+        for at in range(0, size, _CHECK):
+            value = fast_crc32(src[at:at + _CHECK], value)
 
     def cast_numpy() -> None:
         out = memoryview(half)
@@ -98,6 +105,8 @@ def measure(mib: int, rounds: int) -> dict[str, float]:
     torch.set_num_threads(1)
     figures["copy"] = _rate(size, copy, rounds)
     figures["crc32"] = _rate(size, crc, rounds)
+    if fast_crc32 is not zlib.crc32:
+        figures["crc32 (ISA-L, fsdpckpt's with [fast])"] = _rate(size, crc_fast, rounds)
     figures["bf16 cast (numpy)"] = _rate(size, cast_numpy, rounds)
     figures["bf16 cast (torch)"] = _rate(size, cast_torch, rounds)
     figures["strided gather (torch)"] = _rate(4096 * 4096 * 4, gather, rounds)
@@ -117,11 +126,11 @@ def _files(src: memoryview, size: int, rounds: int) -> dict[str, float]:
             for at in range(0, size, _BLOCK):
                 os.preadv(fd, [buffer], at)
 
-        def write() -> None:
+        def write(call: int = _BLOCK) -> None:
             out = os.open(second, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
-                for at in range(0, size, _BLOCK):
-                    os.pwrite(out, src[at:at + _BLOCK], at)
+                for at in range(0, size, call):
+                    os.pwrite(out, src[at:at + call], at)
             finally:
                 os.close(out)
 
@@ -146,6 +155,8 @@ def _files(src: memoryview, size: int, rounds: int) -> dict[str, float]:
         try:
             figures = {"read (page cache)": _rate(size, read, rounds),
                        "write (page cache)": _rate(size, write, rounds),
+                       "write (page cache, 256 KiB calls as fsdpckpt's)":
+                           _rate(size, lambda: write(256 * 2**10), rounds),
                        "copy_file_range": _rate(size, kernel_copy, rounds)}
             for _ in range(rounds):
                 durable()

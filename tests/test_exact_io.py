@@ -128,8 +128,7 @@ def test_a_write_that_writes_nothing_fails_instead_of_looping(tmp_path, monkeypa
 
 def test_a_large_write_goes_out_in_calls_of_at_most_256_kib_and_all_of_it(tmp_path,
                                                                           monkeypatch):
-    # Larger calls had the kernel look for page-cache pages in larger pieces: 1.6x slower
-    # on a machine whose memory is fragmented (rawio._WRITE_MAX).
+    # Larger calls measured 1.6x slower in a column-major merge (rawio._WRITE_MAX).
     sizes = []
     real = os.pwrite
     monkeypatch.setattr(os, "pwrite", lambda fd, data, at: (sizes.append(len(data)),

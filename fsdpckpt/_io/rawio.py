@@ -26,10 +26,11 @@ __all__ = ["ReadAt", "ReadAtFile", "SizedReader", "pread_into", "pread_scattered
            "keep_scratch"]
 
 _BLOCK = 16 * 2**20
-#: The most bytes one ``pwrite`` is given. A larger write has the kernel look for page-cache
-#: pages in larger pieces, which on a machine whose memory is fragmented costs far more than
-#: the copy: 1.6 GB of column-major chunks written in 2 MiB calls took 2.77 s, in 256 KiB
-#: calls of the same bands 1.69 s (alternated runs; the plain merge writes 256 KiB blocks).
+#: The most bytes one ``pwrite`` is given. Measured, not explained: 1.6 GB of column-major
+#: chunks written in 2 MiB calls took 2.77 s, the same bands in 256 KiB calls 1.69 s
+#: (alternated runs, the transpose thread busy beside; the plain merge writes 256 KiB
+#: blocks). Alone, ``benchmarks/floor.py`` writes a new file as fast either way; the likely
+#: cause is the kernel's page-cache allocation for large writes on fragmented memory.
 _WRITE_MAX = 256 * 2**10
 # copy_file_range is refused for these reasons (another file system, an old kernel,
 # a special file); the block copy then does the job instead.

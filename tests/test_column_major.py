@@ -136,13 +136,14 @@ def test_a_column_major_chunk_cast_is_torch_to_of_the_contiguous_tensor(tmp_path
     assert _place(tmp_path, value, (23, 19), (0, 0), out) == _bytes(value.to(out))
 
 
-def test_a_numpy_transpose_never_imports_torch(tmp_path):
+@pytest.mark.parametrize("whole", [_transpose.WHOLE, 0], ids=["held-whole", "tiles"])
+def test_a_numpy_transpose_never_imports_torch(tmp_path, whole):
     """The whole merge of a large column-major tensor, torch-free where numpy is installed
-    (``import torch`` costs more than merging 1.6 GB)."""
+    (``import torch`` costs more than merging 1.6 GB), either way it is placed."""
     value = torch.randn(300, 200)
     folder = write_dcp(tmp_path / "ckpt", {"w": (value, split([], transpose=True))})
-    code = ("import sys; from fsdpckpt.merging import _copy; _copy._SPAN = 4096; "
-            "_copy._TILE = 4096; import fsdpckpt; "
+    code = ("import sys; from fsdpckpt.merging import _copy, _transpose; _copy._SPAN = 4096; "
+            f"_copy._TILE = 4096; _transpose.WHOLE = {whole}; import fsdpckpt; "
             f"fsdpckpt.merge({str(folder)!r}, {str(tmp_path / 'out')!r}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     import subprocess

@@ -45,6 +45,13 @@ def _bytes(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
+@pytest.fixture(autouse=True)
+def tiles_as_the_test_sets_them(monkeypatch):
+    """The tests size square tiles themselves (``engine._TILE``): the room the process's
+    memory leaves would otherwise grow them past it (:func:`_transpose.tile_bytes`)."""
+    monkeypatch.setattr(_transpose, "_TILE_MAX", 0)
+
+
 @pytest.fixture(params=["numpy", "torch"])
 def transposer(request, monkeypatch):
     """Both ways of transposing a tile: numpy's blocks, or torch where numpy is missing."""
@@ -143,7 +150,8 @@ def test_a_numpy_transpose_never_imports_torch(tmp_path, whole):
     value = torch.randn(300, 200)
     folder = write_dcp(tmp_path / "ckpt", {"w": (value, split([], transpose=True))})
     code = ("import sys; from fsdpckpt.merging import _copy, _transpose; _copy._SPAN = 4096; "
-            f"_copy._TILE = 4096; _transpose.WHOLE = {whole}; import fsdpckpt; "
+            f"_copy._TILE = 4096; _transpose._TILE_MAX = 0; _transpose.WHOLE = {whole}; "
+            "import fsdpckpt; "
             f"fsdpckpt.merge({str(folder)!r}, {str(tmp_path / 'out')!r}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     import subprocess
@@ -300,3 +308,34 @@ def test_a_transpose_that_fails_on_its_thread_fails_the_merge(tmp_path, monkeypa
         fsdpckpt.merge(folder, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert all(name.startswith("fsdpckpt-transpose") for name in calls)  # beside this thread
+
+
+def test_square_tiles_grow_to_what_the_memory_goal_leaves_room_for(monkeypatch):
+    monkeypatch.setattr(_transpose, "_TILE_MAX", 64 * 2**20)
+    small = 16 * 2**20
+    monkeypatch.setattr(_transpose, "_resident_bytes", lambda: 25 * 10**6)  # the CLI alone
+    assert _transpose.tile_bytes(small) == 64 * 2**20  # three of them: under 300 MB still
+    monkeypatch.setattr(_transpose, "_resident_bytes", lambda: 222 * 10**6)  # torch imported
+    assert _transpose.tile_bytes(small) == small
+    monkeypatch.setattr(_transpose, "_resident_bytes", lambda: 10**12)  # a training process
+    assert _transpose.tile_bytes(small) == small
+    monkeypatch.setattr(_transpose, "_resident_bytes", lambda: None)  # the system does not say
+    assert _transpose.tile_bytes(small) == small
+    assert _transpose._resident_bytes() is None or _transpose._resident_bytes() > 0
+
+
+def test_grown_tiles_place_a_column_major_chunk_bit_for_bit(tmp_path, monkeypatch):
+    monkeypatch.setattr(_transpose, "WHOLE", 0)
+    monkeypatch.setattr(engine, "_SPAN", 4096)
+    monkeypatch.setattr(engine, "_TILE", 16 * 16 * 4)
+    monkeypatch.setattr(_transpose, "_TILE_MAX", 48 * 48 * 4)  # grown: partial tiles still
+    monkeypatch.setattr(_transpose, "_resident_bytes", lambda: 0)
+    sides = []
+    original = _transpose.column_pitch
+    monkeypatch.setattr(_transpose, "column_pitch",
+                        lambda side, size: (sides.append(side), original(side, size))[1])
+    value = _values(torch.float32, (130, 70), seed=5)
+    folder = write_dcp(tmp_path / "ckpt", {"w": (value, split([0], transpose=True))})
+    (result,) = fsdpckpt.merge(folder, tmp_path / "out")
+    assert sides and set(sides) == {48}
+    assert _bytes(load_file(result.path)["w"]) == _bytes(value)

@@ -42,6 +42,7 @@ from fsdpckpt.merging._transpose import (
     is_column_major,
     place_column_major,
     place_column_major_whole,
+    tile_bytes,
 )
 
 __all__ = ["checked_source", "place_chunk", "place_stored_chunk", "tiles", "FileSink",
@@ -268,7 +269,8 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
         place_column_major_whole(src, raw, runs, out, sink.write, tensor_start, source=source,
                                  progress=progress)
     elif column_major_past_a_span(raw) and not isinstance(src, _checked.CheckedRead):
-        place_column_major(src, raw, runs, out, sink.write, tensor_start, _TILE, source=source,
+        place_column_major(src, raw, runs, out, sink.write, tensor_start, tile_bytes(_TILE),
+                           source=source,
                            progress=progress)
     else:
         _place_tiled(src, raw, chunk, run, starts, out, sink, tensor_start, source, progress)

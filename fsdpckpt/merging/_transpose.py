@@ -25,6 +25,7 @@ bit, NaN payloads included. Without numpy (an optional speed-up) torch does it.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 
@@ -37,7 +38,7 @@ from fsdpckpt.merging import _casts
 from fsdpckpt.merging._runs import Runs, row_starts
 
 __all__ = ["WHOLE", "column_pitch", "fits_whole", "is_column_major", "place_column_major",
-           "place_column_major_whole", "transpose_tile"]
+           "place_column_major_whole", "tile_bytes", "transpose_tile"]
 
 #: Elements per side of the block numpy copies at once: a block of 256 x 256 float32 read
 #: and written (512 KiB) stays in the cache; 128 ran at half the speed, whole tiles at a tenth.
@@ -53,6 +54,11 @@ WHOLE = 64 * 2**20
 #: 1.64 s with 4, 1.69 s with 8).
 _BAND = 4 * 2**20
 _BAND_ROWS = 4096
+#: The most bytes of one square tile (:func:`tile_bytes`), and the memory goal of a whole
+#: merge process that bounds it (issue 8: peak RSS at most 300 MB on every path), less a
+#: margin for what else the process allocates meanwhile.
+_TILE_MAX = 64 * 2**20
+_BUDGET = 300 * 10**6 - 32 * 2**20
 #: numpy types that copy an element's bytes as they are, by width.
 _UNSIGNED = {1: "u1", 2: "u2", 4: "u4", 8: "u8", 16: "V16"}
 
@@ -188,6 +194,31 @@ def _write_rows(made: memoryview, lines: list[int], width: int, first_col: int, 
         if end == len(lines) or lines[end] != lines[end - 1] + width:
             write(made[begin * row:end * row], tensor_start + (lines[begin] + first_col) * out_size)
             begin = end
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident memory now, or None where the system does not say (Linux's
+    ``/proc/self/statm``: its second field, in pages)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def tile_bytes(smallest: int) -> int:
+    """Bytes of one square tile of a column-major chunk too large to hold whole: as large as
+    the process's memory goal leaves room for three (one read, two made), from ``smallest``
+    up to 64 MiB. Larger tiles read and write larger pieces, and those calls are what such a
+    merge waits on: a 2.4 GB tensor merged in 5.2 s with 16 MiB tiles (8 KiB pieces, 300,000
+    reads and as many writes), 4.3 s with 64 MiB ones (16 KiB pieces); the plain merge of the
+    same bytes took 2.9 s. A process that holds more (torch imported: about 220 MB) gets
+    ``smallest``.
+    """
+    resident = _resident_bytes()
+    if resident is None:
+        return smallest
+    return max(smallest, min(_TILE_MAX, (_BUDGET - resident) // 3))
 
 
 def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType,

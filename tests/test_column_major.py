@@ -6,6 +6,7 @@ element width, and their storage is checked beside the tiles, before anything is
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import zlib
 
@@ -310,18 +311,87 @@ def test_a_transpose_that_fails_on_its_thread_fails_the_merge(tmp_path, monkeypa
     assert all(name.startswith("fsdpckpt-transpose") for name in calls)  # beside this thread
 
 
+def _column_major_raw(dtype: str, rows: int = 8192, cols: int = 8192) -> RawTensor:
+    return RawTensor(0, rows * cols * DTYPES[dtype].itemsize, DTYPES[dtype], 0, (rows, cols),
+                     (1, rows))
+
+
 def test_square_tiles_grow_to_what_the_memory_goal_leaves_room_for(monkeypatch):
     monkeypatch.setattr(_transpose, "_TILE_MAX", 64 * 2**20)
-    small = 16 * 2**20
+    small, raw, fp32 = 16 * 2**20, _column_major_raw("float32"), DTYPES["float32"]
     monkeypatch.setattr(_transpose, "_resident_bytes", lambda: 25 * 10**6)  # the CLI alone
-    assert _transpose.tile_bytes(small) == 64 * 2**20  # three of them: under 300 MB still
+    assert _transpose.tile_bytes(small, raw, fp32) == 64 * 2**20  # three: under 300 MB still
     monkeypatch.setattr(_transpose, "_resident_bytes", lambda: 222 * 10**6)  # torch imported
-    assert _transpose.tile_bytes(small) == small
+    assert _transpose.tile_bytes(small, raw, fp32) == small
     monkeypatch.setattr(_transpose, "_resident_bytes", lambda: 10**12)  # a training process
-    assert _transpose.tile_bytes(small) == small
+    assert _transpose.tile_bytes(small, raw, fp32) == small
     monkeypatch.setattr(_transpose, "_resident_bytes", lambda: None)  # the system does not say
-    assert _transpose.tile_bytes(small) == small
+    assert _transpose.tile_bytes(small, raw, fp32) == small
     assert _transpose._resident_bytes() is None or _transpose._resident_bytes() > 0
+
+
+def test_tiles_stay_small_where_placing_them_may_import_torch(monkeypatch):
+    """A cast (torch casts what numpy does not, and pieces holding NaN) or a transpose numpy
+    cannot do may import torch (220 MB) after the tiles were sized."""
+    monkeypatch.setattr(_transpose, "_TILE_MAX", 64 * 2**20)
+    monkeypatch.setattr(_transpose, "_resident_bytes", lambda: 25 * 10**6)
+    monkeypatch.delitem(sys.modules, "torch")  # as in the CLI, which never imported it
+    small, raw = 16 * 2**20, _column_major_raw("float32")
+    assert _transpose.tile_bytes(small, raw, DTYPES["bfloat16"]) == small
+    assert not _transpose.fits_whole(_column_major_raw("float16", 4096, 4096),
+                                     DTYPES["bfloat16"])  # 64 MiB: held whole without a cast
+    assert _transpose.fits_whole(_column_major_raw("float16", 4096, 4096), DTYPES["float16"])
+    assert _transpose.fits_whole(_column_major_raw("float32", 2048, 4096), DTYPES["bfloat16"])
+    monkeypatch.setattr(_casts, "_numpy", lambda: None)
+    assert _transpose.tile_bytes(small, raw, DTYPES["float32"]) == small
+    assert not _transpose.fits_whole(_column_major_raw("float16", 4096, 4096),
+                                     DTYPES["float16"])
+
+
+def test_a_failed_write_leaves_no_transpose_running(tmp_path, monkeypatch):
+    """The write of one tile fails while the next is transposed: the merge waits for that
+    transpose before it raises, so none fills a buffer the caller hands out again."""
+    import errno
+    import time
+
+    monkeypatch.setattr(_transpose, "WHOLE", 0)
+    monkeypatch.setattr(engine, "_SPAN", 4096)
+    monkeypatch.setattr(engine, "_TILE", 32 * 32 * 4)
+    running = threading.Event()
+    original = _transpose._make
+
+    def slow_make(*args, **kwargs):
+        running.set()
+        time.sleep(0.2)
+        original(*args, **kwargs)
+        running.clear()
+
+    monkeypatch.setattr(_transpose, "_make", slow_make)
+    monkeypatch.setattr(engine.FileSink, "write", lambda self, data, at: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    folder = write_dcp(tmp_path / "ckpt", {"w": (torch.randn(200, 90),
+                                                 split([0], transpose=True))})
+    with pytest.raises(OSError, match="No space left"):
+        fsdpckpt.merge(folder, tmp_path / "out")
+    assert not running.is_set()
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_first_torch_import_gives_kept_buffers_back(tmp_path):
+    import subprocess
+
+    code = ("import sys\n"
+            "from fsdpckpt._io import rawio\n"
+            "from fsdpckpt.merging import _casts\n"
+            "with rawio.reusing_scratch():\n"
+            "    held = rawio.scratch(4 * 2**20, 'made')\n"
+            "    assert rawio.scratch(4 * 2**20, 'made').obj is held.obj  # kept\n"
+            "    assert 'torch' not in sys.modules\n"
+            "    _casts.import_torch()\n"
+            "    assert rawio.scratch(4 * 2**20, 'made').obj is not held.obj  # a new one\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
+                   env=dict(os.environ, PYTHONPATH=root))
 
 
 def test_grown_tiles_place_a_column_major_chunk_bit_for_bit(tmp_path, monkeypatch):

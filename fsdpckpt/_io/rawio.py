@@ -23,7 +23,7 @@ from fsdpckpt.errors import CorruptCheckpointError
 
 __all__ = ["ReadAt", "ReadAtFile", "SizedReader", "pread_into", "pread_scattered", "read_exact",
            "pwrite_all", "pwrite_gathered", "iov_max", "copy_range", "scratch", "reusing_scratch",
-           "keep_scratch"]
+           "keep_scratch", "release_scratch"]
 
 _BLOCK = 16 * 2**20
 #: The most bytes one ``pwrite`` is given. Measured, not explained: 1.6 GB of column-major
@@ -123,6 +123,15 @@ class SizedReader(io.RawIOBase):
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._extent()}[whence]
         self._pos = max(0, base + pos)
         return self._pos
+
+
+def release_scratch() -> None:
+    """Give the buffers this thread's :func:`scratch` slots keep back to the system (the next
+    call for a slot takes a new one): before a large import (torch: about 220 MB), so that
+    the process does not hold both."""
+    buffers = getattr(_pool, "buffers", None)
+    if buffers:
+        buffers.clear()
 
 
 def keep_scratch() -> None:

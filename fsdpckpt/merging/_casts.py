@@ -13,13 +13,14 @@ all 2^32 float32 bit patterns against torch.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
-from fsdpckpt._io.rawio import scratch
+from fsdpckpt._io.rawio import release_scratch, scratch
 from fsdpckpt.dcp.dtypes import DTYPES
 
-__all__ = ["fast_cast", "cast_block"]
+__all__ = ["fast_cast", "cast_block", "import_torch"]
 
 _Cast = Callable[[memoryview, memoryview], bool]
 
@@ -156,8 +157,19 @@ def cast_block(source: str, target: str, src: memoryview, dst: memoryview) -> No
 _PIECE = 65536  # elements: 256 KiB of float32, the size of a core's L2 cache here
 
 
-def _torch_cast(source: str, target: str, src: memoryview, dst: memoryview) -> None:
+def import_torch() -> Any:
+    """torch, for the work numpy does not do; the first time, after this thread's kept
+    scratch buffers went back to the system (a merge that kept 64 MiB of them would
+    otherwise hold them and torch's 220 MB together)."""
+    if "torch" not in sys.modules:
+        release_scratch()
     import torch
+
+    return torch
+
+
+def _torch_cast(source: str, target: str, src: memoryview, dst: memoryview) -> None:
+    torch = import_torch()
 
     out = torch.frombuffer(dst, dtype=getattr(torch, target))
     out.copy_(torch.frombuffer(src, dtype=getattr(torch, source)))

@@ -35,7 +35,7 @@ from fsdpckpt.dcp._zstd import ZstdEntry, chunk_limit, open_entry
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
-from fsdpckpt.merging._casts import cast_block, fast_cast
+from fsdpckpt.merging._casts import cast_block, fast_cast, import_torch
 from fsdpckpt.merging._runs import Runs, chunk_runs, tiles
 from fsdpckpt.merging._transpose import (
     fits_whole,
@@ -190,7 +190,7 @@ def _place_tiled(src: Source, raw: RawTensor, chunk: Chunk, run: int, starts: Se
                  out: DType, sink: Sink, tensor_start: int, source: str,
                  progress: Callable[[int], None] | None) -> None:
     """Reorder and/or convert with torch, one bounded tile at a time."""
-    import torch
+    torch = import_torch()
 
     in_size, out_size = raw.dtype.itemsize, out.itemsize
     in_dtype, out_dtype = getattr(torch, raw.dtype.name), getattr(torch, out.name)
@@ -269,7 +269,8 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
         place_column_major_whole(src, raw, runs, out, sink.write, tensor_start, source=source,
                                  progress=progress)
     elif column_major_past_a_span(raw) and not isinstance(src, _checked.CheckedRead):
-        place_column_major(src, raw, runs, out, sink.write, tensor_start, tile_bytes(_TILE),
+        place_column_major(src, raw, runs, out, sink.write, tensor_start,
+                           tile_bytes(_TILE, raw, out),
                            source=source,
                            progress=progress)
     else:

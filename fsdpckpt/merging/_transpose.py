@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 
@@ -48,6 +49,7 @@ _BLOCK = 256
 #: written in bands of whole output rows, not in pieces of rows (1.6 GB of 32 MiB chunks:
 #: measured in docs/benchmarks.md).
 WHOLE = 64 * 2**20
+_WHOLE_WITH_TORCH = 48 * 2**20
 #: Output bytes made per band, and the most rows in one (a narrow chunk's bands stay short
 #: lists of row starts): each band is written while the next one is transposed. Taller
 #: bands transpose faster (1.6 GB of 32 MiB chunks: 1.96 s with 1 MiB bands, 1.71 s with 2,
@@ -58,6 +60,7 @@ _BAND_ROWS = 4096
 #: merge process that bounds it (issue 8: peak RSS at most 300 MB on every path), less a
 #: margin for what else the process allocates meanwhile.
 _TILE_MAX = 64 * 2**20
+_KEPT_TILE = 16 * 2**20
 _BUDGET = 300 * 10**6 - 32 * 2**20
 #: numpy types that copy an element's bytes as they are, by width.
 _UNSIGNED = {1: "u1", 2: "u2", 4: "u4", 8: "u8", 16: "V16"}
@@ -100,7 +103,7 @@ def transpose_tile(stored: memoryview, pitch: int, width: int, height: int, dtyp
 
 def _transpose_torch(stored: memoryview, pitch: int, width: int, height: int, dtype: DType,
                      target: memoryview, skip: int) -> None:
-    import torch
+    torch = _casts.import_torch()
 
     kind = getattr(torch, dtype.name)
     columns = torch.frombuffer(stored, dtype=kind, count=(width - 1) * pitch + skip + height)
@@ -115,10 +118,22 @@ def is_column_major(raw: RawTensor) -> bool:
         tuple(raw.stride) == (1, raw.shape[0])
 
 
+def torch_may_come(raw: RawTensor, out: DType) -> bool:
+    """Whether placing ``raw`` as ``out`` may import torch (about 220 MB): a cast (torch casts
+    what numpy does not, and any piece holding NaN), or a transpose numpy cannot do."""
+    return "torch" not in sys.modules and (
+        raw.dtype.name != out.name or _casts._numpy() is None
+        or raw.dtype.itemsize not in _UNSIGNED)
+
+
 def fits_whole(raw: RawTensor, out: DType) -> bool:
     """Whether the column-major chunk ``raw`` is small enough to be held whole, stored and
-    made (:func:`place_column_major_whole`)."""
-    return math.prod(raw.shape) * (raw.dtype.itemsize + out.itemsize) <= WHOLE
+    made (:func:`place_column_major_whole`): :data:`WHOLE` bytes, or what three 16 MiB
+    tiles held before where a cast is asked or torch may be imported meanwhile (the
+    process then stays within 300 MB with torch in it)."""
+    limit = WHOLE if raw.dtype.name == out.name and not torch_may_come(raw, out) else \
+        _WHOLE_WITH_TORCH
+    return math.prod(raw.shape) * (raw.dtype.itemsize + out.itemsize) <= limit
 
 
 def place_column_major_whole(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType,
@@ -158,10 +173,12 @@ def place_column_major_whole(src: int | ReadAt, raw: RawTensor, runs: Runs, out:
     staged = scratch(height * cols * in_size, "staged") if raw.dtype.name != out.name else None
     row = cols * out_size
     bands = [(first, min(height, rows - first)) for first in range(0, rows, height)]
-    jobs = [background.submit("transpose", _make, stored, pitch, cols, tall, raw.dtype, out,
-                              made[first * row:(first + tall) * row], staged, first)
-            for first, tall in bands]
+    jobs: list[Future[None]] = []
     try:
+        for first, tall in bands:
+            jobs.append(background.submit("transpose", _make, stored, pitch, cols, tall,
+                                          raw.dtype, out, made[first * row:(first + tall) * row],
+                                          staged, first))
         for (first, tall), job in zip(bands, jobs):
             job.result()
             _write_rows(made[first * row:(first + tall) * row], row_starts(runs, cols, first,
@@ -206,17 +223,18 @@ def _resident_bytes() -> int | None:
         return None
 
 
-def tile_bytes(smallest: int) -> int:
-    """Bytes of one square tile of a column-major chunk too large to hold whole: as large as
-    the process's memory goal leaves room for three (one read, two made), from ``smallest``
-    up to 64 MiB. Larger tiles read and write larger pieces, and those calls are what such a
-    merge waits on: a 2.4 GB tensor merged in 5.2 s with 16 MiB tiles (8 KiB pieces, 300,000
-    reads and as many writes), 4.3 s with 64 MiB ones (16 KiB pieces); the plain merge of the
-    same bytes took 2.9 s. A process that holds more (torch imported: about 220 MB) gets
+def tile_bytes(smallest: int, raw: RawTensor, out: DType) -> int:
+    """Bytes of one square tile of the column-major chunk ``raw``, too large to hold whole:
+    as large as the process's memory goal leaves room for three (one read, two made), from
+    ``smallest`` up to 64 MiB. Larger tiles read and write larger pieces, and those calls
+    are what such a merge waits on: a 2.4 GB tensor merged in 5.2 s with 16 MiB tiles (8 KiB
+    pieces, 300,000 reads and as many writes), 4.3 s with 64 MiB ones (16 KiB pieces); the
+    plain merge of the same bytes took 2.9 s. A process that holds more (torch imported:
+    about 220 MB), or a chunk whose placing may import torch (:func:`torch_may_come`), gets
     ``smallest``.
     """
     resident = _resident_bytes()
-    if resident is None:
+    if resident is None or torch_may_come(raw, out) or raw.dtype.name != out.name:
         return smallest
     return max(smallest, min(_TILE_MAX, (_BUDGET - resident) // 3))
 
@@ -246,10 +264,16 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
     side = max(1, math.isqrt(max(1, tile // max(in_size, out_size))))
     pitch = column_pitch(side, in_size)
     rows, cols = raw.shape
-    stored = scratch(side * pitch * in_size, "stored")
-    made = [scratch(side * side * out_size, slot) for slot in ("made", "made-2")]
-    staged = scratch(side * side * in_size, "staged") if raw.dtype.name != out.name else None
-    pending: tuple[Future[None], memoryview, list[int], int, int] | None = None
+    # Tiles grown past what a merge keeps between chunks are its own, freed when it ends: a
+    # later chunk that imports torch does not stack on them.
+    kept = side * side * max(in_size, out_size) <= _KEPT_TILE
+    stored = scratch(side * pitch * in_size, "stored" if kept else None)
+    made = [scratch(side * side * out_size, slot if kept else None)
+            for slot in ("made", "made-2")]
+    staged = scratch(side * side * in_size, "staged" if kept else None) \
+        if raw.dtype.name != out.name else None
+    running: Future[None] | None = None  # the last tile submitted (they run in order)
+    previous: tuple[memoryview, list[int], int, int] | None = None  # what it makes, and where
 
     def write_made(target: memoryview, lines: list[int], first_col: int, width: int) -> None:
         _write_rows(target, lines, width, first_col, out_size, tensor_start, write)
@@ -263,8 +287,8 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
             lines = row_starts(runs, cols, first_row, height)  # where each output row goes
             for first_col in range(0, cols, side):
                 width = min(side, cols - first_col)
-                if pending is not None:
-                    pending[0].result()  # the tile before is made: its stored bytes are free
+                if running is not None:
+                    running.result()  # the tile before is made: its stored bytes are free
                 pieces = [stored[k * pitch * in_size:(k * pitch + height) * in_size]
                           for k in range(width)]  # stored column first_col + k
                 at = raw.storage_start + (raw.storage_offset + first_col * rows + first_row) * \
@@ -275,15 +299,15 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
                     for k, piece in enumerate(pieces):
                         pread_into(src, piece, at + k * rows * in_size, source=source)
                 target = made[turn % 2][:width * height * out_size]
-                job = background.submit("transpose", _make, stored, pitch, width, height,
-                                        raw.dtype, out, target, staged)
-                if pending is not None:  # written while this tile is transposed
-                    write_made(*pending[1:])
-                pending, turn = (job, target, lines, first_col, width), turn + 1
-        if pending is not None:
-            last, pending = pending, None
-            last[0].result()
-            write_made(*last[1:])
+                running = background.submit("transpose", _make, stored, pitch, width, height,
+                                            raw.dtype, out, target, staged)
+                before, previous = previous, (target, lines, first_col, width)
+                if before is not None:  # written while this tile is transposed
+                    write_made(*before)
+                turn += 1
+        if running is not None and previous is not None:
+            running.result()
+            write_made(*previous)
     finally:
-        if pending is not None:
-            wait([pending[0]])  # no transpose may still fill a buffer handed out again
+        if running is not None:
+            wait([running])  # no transpose may still fill a buffer handed out again

@@ -25,11 +25,11 @@ from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.errors import CorruptCheckpointError
 from fsdpckpt.export._lora_base import with_base
 from fsdpckpt.export._lora_fuse import (
+    checked_dtype,
     computed_names,
     find_adapter_config,
     fused_from,
     pick_adapter,
-    torch_dtype,
 )
 from fsdpckpt.export._lora_keys import LoraLayout, find_lora
 from fsdpckpt.export._lora_read import ModelSource
@@ -110,7 +110,7 @@ def plan_fused(checkpoint: Any, source: ModelSource, *, dtype: str | None,
             is named). OptionError: an unknown ``dtype``. CorruptCheckpointError: a stored
             dtype the output cannot hold.
     """
-    torch_dtype(dtype)  # a wrong name fails before anything is read or written
+    checked_dtype(dtype)  # a wrong name fails before anything is read or written
     layout = find_lora(source.names)
     name = pick_adapter(layout, adapter, source.path)
     joined = with_base(source, layout, None if base is None else

@@ -227,7 +227,7 @@ def fuse_into(checkpoint: _Where, output: str | os.PathLike[str],
     from fsdpckpt.merging.merger import write_job
     from fsdpckpt.merging.writer import staging
 
-    torch_dtype(dtype)  # a wrong name fails before anything is read or written
+    checked_dtype(dtype)  # a wrong name fails before anything is read or written
     _require_local(output)
     source = open_model_source(checkpoint, storage_options=storage_options)
     fused = plan_fused(checkpoint, source, dtype=dtype, adapter=adapter,

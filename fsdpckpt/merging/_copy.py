@@ -270,9 +270,7 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
                                  progress=progress)
     elif column_major_past_a_span(raw) and not isinstance(src, _checked.CheckedRead):
         place_column_major(src, raw, runs, out, sink.write, tensor_start,
-                           tile_bytes(_TILE, raw, out),
-                           source=source,
-                           progress=progress)
+                           tile_bytes(_TILE, raw, out), source=source, progress=progress)
     else:
         _place_tiled(src, raw, chunk, run, starts, out, sink, tensor_start, source, progress)
 

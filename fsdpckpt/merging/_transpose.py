@@ -230,11 +230,11 @@ def tile_bytes(smallest: int, raw: RawTensor, out: DType) -> int:
     are what such a merge waits on: a 2.4 GB tensor merged in 5.2 s with 16 MiB tiles (8 KiB
     pieces, 300,000 reads and as many writes), 4.3 s with 64 MiB ones (16 KiB pieces); the
     plain merge of the same bytes took 2.9 s. A process that holds more (torch imported:
-    about 220 MB), or a chunk whose placing may import torch (:func:`torch_may_come`), gets
-    ``smallest``.
+    about 220 MB), a chunk whose placing may import torch (:func:`torch_may_come`), or a
+    cast (a fourth buffer, the reordered tile before its cast) gets ``smallest``.
     """
     resident = _resident_bytes()
-    if resident is None or torch_may_come(raw, out) or raw.dtype.name != out.name:
+    if resident is None or raw.dtype.name != out.name or torch_may_come(raw, out):
         return smallest
     return max(smallest, min(_TILE_MAX, (_BUDGET - resident) // 3))
 

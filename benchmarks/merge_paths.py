@@ -64,13 +64,29 @@ write_dcp(Path({str(work)!r}) / "big_transposed", {{"w": (big, split([], transpo
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def _merge(src: Path, out: Path, *extra: str, tree: Path = ROOT) -> list[str]:
+#: The CLI in a process that imported torch first, as a training script calling merge() is.
+_WITH_TORCH = ("import sys, torch\nfrom fsdpckpt.__main__ import run\n"
+               "sys.argv[0] = 'fsdpckpt'\nrun()")
+
+
+def _merge(src: Path, out: Path, *extra: str, tree: Path = ROOT, torch: bool = False
+           ) -> list[str]:
     # Run from the tree (python -m puts the working folder first on sys.path).
-    return ["env", "-C", str(tree), f"PYTHONPATH={tree}", sys.executable, "-m", "fsdpckpt",
+    how = ["-c", _WITH_TORCH] if torch else ["-m", "fsdpckpt"]
+    return ["env", "-C", str(tree), f"PYTHONPATH={tree}", sys.executable, *how,
             "merge", str(src), str(out), "--quiet", *extra]
 
 
 _ANCHORS = ("merge (dim0, plain)", "merge (one big tensor, plain)")
+_TORCH = ", torch imported"
+
+
+def _anchor(name: str, tree: str) -> str:
+    # The big tensor against the plain merge of the same bytes (in a process that holds
+    # torch too, where this one does), the rest against dim0's.
+    if "big" not in name:
+        return _ANCHORS[0] + tree
+    return _ANCHORS[1].replace(")", _TORCH + ")" if _TORCH in name else ")") + tree
 BEFORE = " [before]"
 
 
@@ -90,16 +106,20 @@ def measure(work: Path, rounds: int, only: list[str] | None = None,
                                            f"'{out / 'copy'}' && sync"],
         "merge (one big tensor, plain)": _merge(work / "big_plain", out),
         "merge (one big tensor, column-major)": _merge(work / "big_transposed", out),
+        f"merge (one big tensor, plain{_TORCH})": _merge(work / "big_plain", out, torch=True),
+        f"merge (one big tensor, column-major{_TORCH})": _merge(work / "big_transposed", out,
+                                                               torch=True),
     }
     if only:
         cases = {name: cmd for name, cmd in cases.items()
-                 if name in _ANCHORS or name.startswith("cp") or any(word in name for word in only)}
+                 if name in _ANCHORS or name.startswith("cp") or any(word in name for word in only)
+                 or (_TORCH in name and "big" in only)}
     if before is not None:
         for name, cmd in list(cases.items()):
             if name.startswith("merge"):
-                at = cmd.index("-m")
+                at = cmd.index(sys.executable)
                 cases[name + BEFORE] = ["env", "-C", str(before), f"PYTHONPATH={before}",
-                                        *cmd[at - 1:]]
+                                        *cmd[at:]]
     # Warm the page cache once.
     for folder in ("dim0", "dim1", "grid", "transposed", "big_plain", "big_transposed"):
         subprocess.run(["cat", *map(str, (work / folder).iterdir())], stdout=subprocess.DEVNULL,
@@ -131,8 +151,7 @@ def report(results: dict[str, dict[str, float]], size_gb: float) -> None:
           f"{'peak RSS MB':>12}")
     for name, r in results.items():
         tree = BEFORE if name.endswith(BEFORE) else ""
-        # The big tensor against the plain merge of the same bytes, the rest against dim0's.
-        anchor = results[_ANCHORS["big" in name] + tree]["seconds"]
+        anchor = results[_anchor(name, tree)]["seconds"]
         print(f"{name:47} {r['seconds']:7.2f} {r['cpu']:6.2f} {r['seconds'] / anchor:8.2f} "
               f"{r['seconds'] / durable:10.2f} {r['peak_mb']:12.0f}")
     anchor = results[_ANCHORS[0]]["seconds"]
@@ -141,8 +160,12 @@ def report(results: dict[str, dict[str, float]], size_gb: float) -> None:
     bf16 = results.get("merge --dtype bf16 (dim0)", {}).get("seconds", float("nan")) / anchor
     big = results.get("merge (one big tensor, column-major)", {}).get("seconds", float("nan")) \
         / results[_ANCHORS[1]]["seconds"]
+    torch_big = results.get(f"merge (one big tensor, column-major{_TORCH})", {}).get(
+        "seconds", float("nan")) / results.get(_anchor(_TORCH + "big", ""), {}).get(
+        "seconds", float("nan"))
     print(f"targets: every path <= 1.5x plain (--dtype bf16: {bf16:.2f}x; the big column-major "
-          f"tensor: {big:.2f}x its plain merge); plain <= 1.3x cp+sync: {anchor / durable:.2f}x; "
+          f"tensor: {big:.2f}x its plain merge, {torch_big:.2f}x with torch imported); "
+          f"plain <= 1.3x cp+sync: {anchor / durable:.2f}x; "
           f"peak RSS <= 300 MB on every path: {worst:.0f} MB")
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import fsdpckpt
 from fsdpckpt import ChecksumError
+from fsdpckpt._io import batched
 from fsdpckpt.dcp import _checked
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp.dtypes import DTYPES
@@ -46,13 +47,6 @@ def _bytes(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
-@pytest.fixture(autouse=True)
-def tiles_as_the_test_sets_them(monkeypatch):
-    """The tests size square tiles themselves (``engine._TILE``): the room the process's
-    memory leaves would otherwise grow them past it (:func:`_transpose.tile_bytes`)."""
-    monkeypatch.setattr(_transpose, "_TILE_MAX", 0)
-
-
 @pytest.fixture(params=["numpy", "torch"])
 def transposer(request, monkeypatch):
     """Both ways of transposing a tile: numpy's blocks, or torch where numpy is missing."""
@@ -62,13 +56,16 @@ def transposer(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["tiles", "whole"])
+@pytest.fixture(params=["tiles", "tiles-unbatched", "whole"])
 def column_path(request, monkeypatch):
-    """Both ways of placing a column-major chunk: square tiles read out of storage order (a
-    chunk too large to hold whole), or held whole and read in storage order, here in bands
-    of a few rows (several bands, the last one short)."""
-    if request.param == "tiles":
+    """Every way of placing a column-major chunk: square tiles read out of storage order (a
+    chunk too large to hold whole), their reads and writes batched (Linux AIO, the reads
+    beside) or one call each (where AIO is missing); or held whole and read in storage
+    order, here in bands of a few rows (several bands, the last one short)."""
+    if request.param.startswith("tiles"):
         monkeypatch.setattr(_transpose, "WHOLE", 0)
+        if request.param == "tiles-unbatched":
+            monkeypatch.setattr(batched, "available", lambda: False)
     else:
         monkeypatch.setattr(_transpose, "_BAND", 64)
         monkeypatch.setattr(_transpose, "_BAND_ROWS", 5)
@@ -151,7 +148,7 @@ def test_a_numpy_transpose_never_imports_torch(tmp_path, whole):
     value = torch.randn(300, 200)
     folder = write_dcp(tmp_path / "ckpt", {"w": (value, split([], transpose=True))})
     code = ("import sys; from fsdpckpt.merging import _copy, _transpose; _copy._SPAN = 4096; "
-            f"_copy._TILE = 4096; _transpose._TILE_MAX = 0; _transpose.WHOLE = {whole}; "
+            f"_copy._TILE = 4096; _transpose.WHOLE = {whole}; "
             "import fsdpckpt; "
             f"fsdpckpt.merge({str(folder)!r}, {str(tmp_path / 'out')!r}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
@@ -189,7 +186,7 @@ def test_a_damaged_byte_in_a_column_major_chunk_is_refused_before_anything_is_pu
     with pytest.raises(ChecksumError, match="does not match the CRC-32"):
         fsdpckpt.merge(folder, tmp_path / "out")
     # Tiles: checked beside them, not before; held whole: checked as read, in storage order.
-    assert bool(beside) == (column_path == "tiles")
+    assert bool(beside) == column_path.startswith("tiles")
     assert not (tmp_path / "out").exists()
 
 
@@ -316,34 +313,15 @@ def _column_major_raw(dtype: str, rows: int = 8192, cols: int = 8192) -> RawTens
                      (1, rows))
 
 
-def test_square_tiles_grow_to_what_the_memory_goal_leaves_room_for(monkeypatch):
-    monkeypatch.setattr(_transpose, "_TILE_MAX", 64 * 2**20)
-    small, raw, fp32 = 16 * 2**20, _column_major_raw("float32"), DTYPES["float32"]
-    monkeypatch.setattr(_transpose, "_resident_bytes", lambda: 25 * 10**6)  # the CLI alone
-    assert _transpose.tile_bytes(small, raw, fp32) == 64 * 2**20  # three: under 300 MB still
-    monkeypatch.setattr(_transpose, "_resident_bytes", lambda: 222 * 10**6)  # torch imported
-    assert _transpose.tile_bytes(small, raw, fp32) == small
-    monkeypatch.setattr(_transpose, "_resident_bytes", lambda: 10**12)  # a training process
-    assert _transpose.tile_bytes(small, raw, fp32) == small
-    monkeypatch.setattr(_transpose, "_resident_bytes", lambda: None)  # the system does not say
-    assert _transpose.tile_bytes(small, raw, fp32) == small
-    assert _transpose._resident_bytes() is None or _transpose._resident_bytes() > 0
-
-
-def test_tiles_stay_small_where_placing_them_may_import_torch(monkeypatch):
+def test_chunks_held_whole_stay_smaller_where_placing_them_may_import_torch(monkeypatch):
     """A cast (torch casts what numpy does not, and pieces holding NaN) or a transpose numpy
-    cannot do may import torch (220 MB) after the tiles were sized."""
-    monkeypatch.setattr(_transpose, "_TILE_MAX", 64 * 2**20)
-    monkeypatch.setattr(_transpose, "_resident_bytes", lambda: 25 * 10**6)
+    cannot do may import torch (220 MB) after the chunk was read."""
     monkeypatch.delitem(sys.modules, "torch")  # as in the CLI, which never imported it
-    small, raw = 16 * 2**20, _column_major_raw("float32")
-    assert _transpose.tile_bytes(small, raw, DTYPES["bfloat16"]) == small
     assert not _transpose.fits_whole(_column_major_raw("float16", 4096, 4096),
                                      DTYPES["bfloat16"])  # 64 MiB: held whole without a cast
     assert _transpose.fits_whole(_column_major_raw("float16", 4096, 4096), DTYPES["float16"])
     assert _transpose.fits_whole(_column_major_raw("float32", 2048, 4096), DTYPES["bfloat16"])
     monkeypatch.setattr(_casts, "_numpy", lambda: None)
-    assert _transpose.tile_bytes(small, raw, DTYPES["float32"]) == small
     assert not _transpose.fits_whole(_column_major_raw("float16", 4096, 4096),
                                      DTYPES["float16"])
 
@@ -367,8 +345,11 @@ def test_a_failed_write_leaves_no_transpose_running(tmp_path, monkeypatch):
         running.clear()
 
     monkeypatch.setattr(_transpose, "_make", slow_make)
-    monkeypatch.setattr(engine.FileSink, "write", lambda self, data, at: (_ for _ in ()).throw(
-        OSError(errno.ENOSPC, "No space left on device")))
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(engine.FileSink, "write", full)
+    monkeypatch.setattr(engine.FileSink, "write_pieces", full)
     folder = write_dcp(tmp_path / "ckpt", {"w": (torch.randn(200, 90),
                                                  split([0], transpose=True))})
     with pytest.raises(OSError, match="No space left"):
@@ -392,20 +373,3 @@ def test_the_first_torch_import_gives_kept_buffers_back(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
                    env=dict(os.environ, PYTHONPATH=root))
-
-
-def test_grown_tiles_place_a_column_major_chunk_bit_for_bit(tmp_path, monkeypatch):
-    monkeypatch.setattr(_transpose, "WHOLE", 0)
-    monkeypatch.setattr(engine, "_SPAN", 4096)
-    monkeypatch.setattr(engine, "_TILE", 16 * 16 * 4)
-    monkeypatch.setattr(_transpose, "_TILE_MAX", 48 * 48 * 4)  # grown: partial tiles still
-    monkeypatch.setattr(_transpose, "_resident_bytes", lambda: 0)
-    sides = []
-    original = _transpose.column_pitch
-    monkeypatch.setattr(_transpose, "column_pitch",
-                        lambda side, size: (sides.append(side), original(side, size))[1])
-    value = _values(torch.float32, (130, 70), seed=5)
-    folder = write_dcp(tmp_path / "ckpt", {"w": (value, split([0], transpose=True))})
-    (result,) = fsdpckpt.merge(folder, tmp_path / "out")
-    assert sides and set(sides) == {48}
-    assert _bytes(load_file(result.path)["w"]) == _bytes(value)

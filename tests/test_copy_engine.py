@@ -22,15 +22,6 @@ from fsdpckpt.merging.plan import chunk_runs
 from chunked import place_stored, split, write_dcp
 
 
-@pytest.fixture(autouse=True)
-def tiles_as_the_test_sets_them(monkeypatch):
-    """The tests size tiles themselves (``engine._TILE``): the room the process's memory
-    leaves would otherwise grow a column-major chunk's square tiles past it."""
-    from fsdpckpt.merging import _transpose
-
-    monkeypatch.setattr(_transpose, "_TILE_MAX", 0)
-
-
 @st.composite
 def _strided(draw):
     """A shape and the strides of some permutation of a contiguous layout (maybe expanded)."""

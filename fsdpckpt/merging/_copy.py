@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
+from fsdpckpt._io import batched
 from fsdpckpt._io.rawio import ReadAt, copy_range, pread_into, pwrite_all, scratch
 from fsdpckpt.dcp import _checked
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
@@ -42,7 +43,6 @@ from fsdpckpt.merging._transpose import (
     is_column_major,
     place_column_major,
     place_column_major_whole,
-    tile_bytes,
 )
 
 __all__ = ["checked_source", "place_chunk", "place_stored_chunk", "tiles", "FileSink",
@@ -70,6 +70,9 @@ class Sink(Protocol):
     def write(self, data: memoryview, offset: int) -> None:
         """Put all of ``data`` at byte ``offset``."""
 
+    def write_pieces(self, data: memoryview, starts: Any, lengths: Any, offsets: Any) -> None:
+        """Put ``data[starts[i]:starts[i] + lengths[i]]`` at byte ``offsets[i]``, every ``i``."""
+
     def copy_from(self, src: int, src_offset: int, offset: int, count: int, *, source: str,
                   progress: Callable[[int], None] | None) -> None:
         """Put ``count`` bytes of the file ``src`` from ``src_offset`` at byte ``offset``."""
@@ -84,6 +87,9 @@ class FileSink:
     def write(self, data: memoryview, offset: int) -> None:
         pwrite_all(self.fd, data, offset)
 
+    def write_pieces(self, data: memoryview, starts: Any, lengths: Any, offsets: Any) -> None:
+        batched.write_pieces(self.fd, data, starts, lengths, offsets)
+
     def copy_from(self, src: int, src_offset: int, offset: int, count: int, *, source: str,
                   progress: Callable[[int], None] | None) -> None:
         copy_range(src, src_offset, self.fd, offset, count, source=source, progress=progress)
@@ -97,6 +103,12 @@ class MemorySink:
 
     def write(self, data: memoryview, offset: int) -> None:
         self.view[offset:offset + len(data)] = data
+
+    def write_pieces(self, data: memoryview, starts: Any, lengths: Any, offsets: Any) -> None:
+        data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        for start, length, offset in zip(starts, lengths, offsets):
+            start, length, offset = int(start), int(length), int(offset)
+            self.view[offset:offset + length] = data[start:start + length]
 
     def copy_from(self, src: int, src_offset: int, offset: int, count: int, *, source: str,
                   progress: Callable[[int], None] | None) -> None:
@@ -269,8 +281,8 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
         place_column_major_whole(src, raw, runs, out, sink.write, tensor_start, source=source,
                                  progress=progress)
     elif column_major_past_a_span(raw) and not isinstance(src, _checked.CheckedRead):
-        place_column_major(src, raw, runs, out, sink.write, tensor_start,
-                           tile_bytes(_TILE, raw, out), source=source, progress=progress)
+        place_column_major(src, raw, runs, out, sink.write_pieces, tensor_start, _TILE,
+                           source=source, progress=progress)
     else:
         _place_tiled(src, raw, chunk, run, starts, out, sink, tensor_start, source, progress)
 

@@ -10,9 +10,9 @@ row in pieces of a few hundred bytes (a 2.4 GB one took 75 s). Two ways, by size
   so its CRC-32 is computed as it is read, then transposed in bands of whole output rows,
   each band one write while the next is made;
 - larger (:func:`place_column_major`): square tiles, each tile's stored columns read one
-  piece per column (whole columns in one ``preadv``), transposed into output rows, cast if
-  asked, and written one piece per output row (rows that follow each other in one write);
-  the caller checks the storage whole beside them.
+  piece per column and written one piece per output row, those calls batched
+  (:mod:`fsdpckpt._io.batched`) and the reads and transposes on the transpose thread while
+  this one writes; the caller checks the storage whole beside them.
 
 With torch the transpose cost ``import torch`` (about 1.5 s here, longer than merging a
 1.6 GB model) and its transposing copy ran at 1.5 GB/s on one core
@@ -25,12 +25,12 @@ bit, NaN payloads included. Without numpy (an optional speed-up) torch does it.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Callable
 from concurrent.futures import Future, wait
+from typing import Any
 
-from fsdpckpt._io import background
+from fsdpckpt._io import background, batched
 from fsdpckpt._io.rawio import ReadAt, pread_into, pread_scattered, scratch
 from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._checked import CheckedRead
@@ -39,7 +39,7 @@ from fsdpckpt.merging import _casts
 from fsdpckpt.merging._runs import Runs, row_starts
 
 __all__ = ["WHOLE", "column_pitch", "fits_whole", "is_column_major", "place_column_major",
-           "place_column_major_whole", "tile_bytes", "transpose_tile"]
+           "place_column_major_whole", "transpose_tile"]
 
 #: Elements per side of the block numpy copies at once: a block of 256 x 256 float32 read
 #: and written (512 KiB) stays in the cache; 128 ran at half the speed, whole tiles at a tenth.
@@ -56,12 +56,6 @@ _WHOLE_WITH_TORCH = 48 * 2**20
 #: 1.64 s with 4, 1.69 s with 8).
 _BAND = 4 * 2**20
 _BAND_ROWS = 4096
-#: The most bytes of one square tile (:func:`tile_bytes`), and the memory goal of a whole
-#: merge process that bounds it (issue 8: peak RSS at most 300 MB on every path), less a
-#: margin for what else the process allocates meanwhile.
-_TILE_MAX = 64 * 2**20
-_KEPT_TILE = 16 * 2**20
-_BUDGET = 300 * 10**6 - 32 * 2**20
 #: numpy types that copy an element's bytes as they are, by width.
 _UNSIGNED = {1: "u1", 2: "u2", 4: "u4", 8: "u8", 16: "V16"}
 
@@ -213,38 +207,37 @@ def _write_rows(made: memoryview, lines: list[int], width: int, first_col: int, 
             begin = end
 
 
-def _resident_bytes() -> int | None:
-    """This process's resident memory now, or None where the system does not say (Linux's
-    ``/proc/self/statm``: its second field, in pages)."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def tile_bytes(smallest: int, raw: RawTensor, out: DType) -> int:
-    """Bytes of one square tile of the column-major chunk ``raw``, too large to hold whole:
-    as large as the process's memory goal leaves room for three (one read, two made), from
-    ``smallest`` up to 64 MiB. Larger tiles read and write larger pieces, and those calls
-    are what such a merge waits on: a 2.4 GB tensor merged in 5.2 s with 16 MiB tiles (8 KiB
-    pieces, 300,000 reads and as many writes), 4.3 s with 64 MiB ones (16 KiB pieces); the
-    plain merge of the same bytes took 2.9 s. A process that holds more (torch imported:
-    about 220 MB), a chunk whose placing may import torch (:func:`torch_may_come`), or a
-    cast (a fourth buffer, the reordered tile before its cast) gets ``smallest``.
-    """
-    resident = _resident_bytes()
-    if resident is None or raw.dtype.name != out.name or torch_may_come(raw, out):
-        return smallest
-    return max(smallest, min(_TILE_MAX, (_BUDGET - resident) // 3))
+def _row_pieces(lines: list[int], width: int, first_col: int, out_size: int,
+                tensor_start: int, cols: int) -> tuple[Any, Any, Any]:
+    """Where each of a made tile's rows goes, as :func:`fsdpckpt._io.batched.write_pieces`
+    takes them: ``(starts in the tile, lengths, output offsets)``; a tile of whole output
+    rows that follow each other is one piece."""
+    row = width * out_size
+    if width == cols and lines == list(range(lines[0], lines[0] + len(lines))):
+        return [0], [row * len(lines)], [tensor_start + (lines[0] + first_col) * out_size]
+    np = _casts._numpy()
+    if np is None:
+        return ([k * row for k in range(len(lines))], [row] * len(lines),
+                [tensor_start + (line + first_col) * out_size for line in lines])
+    count = len(lines)
+    return (np.arange(count, dtype=np.int64) * row, np.full(count, row, dtype=np.int64),
+            tensor_start + (np.asarray(lines, dtype=np.int64) + first_col) * out_size)
 
 
 def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType,
-                       write: Callable[[memoryview, int], None], tensor_start: int, tile: int,
-                       *, source: str, progress: Callable[[int], None] | None) -> None:
-    """Place the column-major matrix chunk ``raw`` in square tiles of at most ``tile`` bytes:
-    this thread reads a tile, then writes the one before while the transpose thread makes
-    this one (two made tiles take turns).
+                       write_pieces: Callable[[memoryview, Any, Any, Any], None],
+                       tensor_start: int, tile: int, *, source: str,
+                       progress: Callable[[int], None] | None) -> None:
+    """Place the column-major matrix chunk ``raw`` in square tiles of at most ``tile`` bytes.
+
+    Each tile is one piece per stored column read and one piece per output row written, so
+    the calls are batched (:mod:`fsdpckpt._io.batched`: a few ``io_submit`` a tile, the GIL
+    released for each batch). Batched, a tile is read and transposed on the transpose thread
+    while this one writes the tile before: two made buffers take turns (a
+    2.4 GB tensor in 16 MiB tiles: 3.4 s against 4.5 s read here in 8 KiB calls and 2.6 s
+    for its plain merge; 64 MiB tiles were slower either way batched, 8 MiB ones too). Where
+    calls are not batched (a remote file, no Linux AIO or numpy) reads stay on this thread:
+    from two threads each call's return waits for the GIL the other holds.
 
     The reads leave storage order, so the caller checks the storage whole, beside the tiles
     (:func:`fsdpckpt.dcp._checked.verify_entry_beside`).
@@ -254,7 +247,8 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
         raw: the chunk's storage: 2-D, strides ``(1, rows)``.
         runs: :func:`fsdpckpt.merging._runs.chunk_runs` of the chunk in its output tensor.
         out: the output dtype (a cast is done on the contiguous tile, as ``.to()`` does).
-        write: puts bytes at a byte offset of the output.
+        write_pieces: puts pieces of a buffer at byte offsets of the output, as
+            :func:`fsdpckpt._io.batched.write_pieces` takes them.
         tensor_start: byte offset of the output tensor's first element.
         tile: the most bytes of one tile, stored or made.
         source: how to name the chunk in messages.
@@ -264,22 +258,36 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
     side = max(1, math.isqrt(max(1, tile // max(in_size, out_size))))
     pitch = column_pitch(side, in_size)
     rows, cols = raw.shape
-    # Tiles grown past what a merge keeps between chunks are its own, freed when it ends: a
-    # later chunk that imports torch does not stack on them.
-    kept = side * side * max(in_size, out_size) <= _KEPT_TILE
-    stored = scratch(side * pitch * in_size, "stored" if kept else None)
-    made = [scratch(side * side * out_size, slot if kept else None)
-            for slot in ("made", "made-2")]
-    staged = scratch(side * side * in_size, "staged" if kept else None) \
-        if raw.dtype.name != out.name else None
+    aside = isinstance(src, int) and batched.available()  # reads on the transpose thread
+    # One stored buffer: the transpose thread reads a tile only once it has made the one
+    # before; this thread reads one only once that tile is made.
+    stored = scratch(side * pitch * in_size, "stored")
+    made = [scratch(side * side * out_size, slot) for slot in ("made", "made-2")]
+    staged = scratch(side * side * in_size, "staged") if raw.dtype.name != out.name else None
+
+    def read(buffer: memoryview, first_row: int, height: int, first_col: int,
+             width: int) -> None:
+        at = raw.storage_start + (raw.storage_offset + first_col * rows + first_row) * in_size
+        if height == rows and isinstance(src, int):  # whole columns, one after another
+            pread_scattered(src, [buffer[k * pitch * in_size:(k * pitch + height) * in_size]
+                                  for k in range(width)], at, source=source)
+        elif isinstance(src, int):
+            batched.read_pieces(src, buffer, range(0, width * pitch * in_size, pitch * in_size),
+                                [height * in_size] * width,
+                                range(at, at + width * rows * in_size, rows * in_size),
+                                source=source)
+        else:
+            for k in range(width):
+                pread_into(src, buffer[k * pitch * in_size:(k * pitch + height) * in_size],
+                           at + k * rows * in_size, source=source)
+
+    def read_and_make(buffer: memoryview, first_row: int, height: int, first_col: int,
+                      width: int, target: memoryview) -> None:
+        read(buffer, first_row, height, first_col, width)
+        _make(buffer, pitch, width, height, raw.dtype, out, target, staged)
+
     running: Future[None] | None = None  # the last tile submitted (they run in order)
-    previous: tuple[memoryview, list[int], int, int] | None = None  # what it makes, and where
-
-    def write_made(target: memoryview, lines: list[int], first_col: int, width: int) -> None:
-        _write_rows(target, lines, width, first_col, out_size, tensor_start, write)
-        if progress:
-            progress(len(target))
-
+    previous: tuple[Future[None], memoryview, list[int], int, int] | None = None
     try:
         turn = 0
         for first_row in range(0, rows, side):
@@ -287,27 +295,34 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
             lines = row_starts(runs, cols, first_row, height)  # where each output row goes
             for first_col in range(0, cols, side):
                 width = min(side, cols - first_col)
-                if running is not None:
-                    running.result()  # the tile before is made: its stored bytes are free
-                pieces = [stored[k * pitch * in_size:(k * pitch + height) * in_size]
-                          for k in range(width)]  # stored column first_col + k
-                at = raw.storage_start + (raw.storage_offset + first_col * rows + first_row) * \
-                    in_size
-                if height == rows and isinstance(src, int):  # whole columns, one after another
-                    pread_scattered(src, pieces, at, source=source)
-                else:
-                    for k, piece in enumerate(pieces):
-                        pread_into(src, piece, at + k * rows * in_size, source=source)
                 target = made[turn % 2][:width * height * out_size]
-                running = background.submit("transpose", _make, stored, pitch, width, height,
-                                            raw.dtype, out, target, staged)
-                before, previous = previous, (target, lines, first_col, width)
-                if before is not None:  # written while this tile is transposed
-                    write_made(*before)
+                # Its made buffer last held the tile two before, written by this thread
+                # before the tile before was submitted.
+                if aside:
+                    running = background.submit("transpose", read_and_make, stored, first_row,
+                                                height, first_col, width, target)
+                else:
+                    if running is not None:
+                        running.result()  # the tile before is made: its stored bytes are free
+                    read(stored, first_row, height, first_col, width)
+                    running = background.submit("transpose", _make, stored, pitch, width,
+                                                height, raw.dtype, out, target, staged)
+                before, previous = previous, (running, target, lines, first_col, width)
+                if before is not None:  # written while this tile is read and made
+                    _write_made(before, write_pieces, out_size, tensor_start, cols, progress)
                 turn += 1
-        if running is not None and previous is not None:
-            running.result()
-            write_made(*previous)
+        if previous is not None:
+            _write_made(previous, write_pieces, out_size, tensor_start, cols, progress)
     finally:
         if running is not None:
-            wait([running])  # no transpose may still fill a buffer handed out again
+            wait([running])  # no read or transpose may still fill a buffer handed out again
+
+
+def _write_made(tile: tuple[Future[None], memoryview, list[int], int, int],
+                write_pieces: Callable[[memoryview, Any, Any, Any], None], out_size: int,
+                tensor_start: int, cols: int, progress: Callable[[int], None] | None) -> None:
+    made, target, lines, first_col, width = tile
+    made.result()
+    write_pieces(target, *_row_pieces(lines, width, first_col, out_size, tensor_start, cols))
+    if progress:
+        progress(len(target))

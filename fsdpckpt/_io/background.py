@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from fsdpckpt._io.rawio import keep_scratch
 
-__all__ = ["submit"]
+__all__ = ["alternate", "submit"]
 
 T = TypeVar("T")
 
@@ -60,3 +60,38 @@ def submit(name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future
         except Exception as error:  # noqa: BLE001 - handed to result(), as a pool does
             done.set_exception(error)
         return done
+
+
+def alternate(turns: int, read: Callable[[int], None], work: Callable[[int], None],
+              write: Callable[[int], None], *, name: str) -> None:
+    """Run ``turns`` turns of read, work, write: each turn read here, worked on the thread
+    ``name``, then written here while the next turn is read and worked on. Two sets of
+    buffers take turns (``turn % 2``): a turn's read waits for nothing, since the work of
+    the turn two before was done before that turn was written.
+
+    The work of one turn (a cast, 0.5-1.2 s of one core for 1.6 GB) then runs on the other
+    core while this one reads and writes, not between them.
+
+    Args:
+        turns: how many.
+        read, work, write: called with the turn's number.
+        name: the thread :func:`submit` runs ``work`` on.
+
+    Raises:
+        Whatever a call raises; no work is left running into a buffer after this returns
+        or raises.
+    """
+    running: Future[None] | None = None
+    try:
+        for turn in range(turns):
+            read(turn)
+            before, running = running, submit(name, work, turn)
+            if before is not None:
+                before.result()
+                write(turn - 1)
+        if running is not None:
+            running.result()
+            write(turns - 1)
+    finally:
+        if running is not None:
+            wait([running])

@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from fsdpckpt._io import background
 from fsdpckpt._io.rawio import iov_max, pread_into, pwrite_gathered, scratch
 from fsdpckpt.dcp._checked import CheckedRead
 from fsdpckpt.dcp._datafiles import DataFiles
@@ -170,17 +171,22 @@ def place_row_group(files: DataFiles, tensor: TensorEntry, group: RowGroup, out:
     step = min(group.rows, max(1, turn_bytes // (row * max(in_size, out_size))),
                max(1, iov_max() // len(group.pieces)))  # rows per turn
     # Each member's rows of a turn: two stored buffers taking turns (the CRC of one is
-    # summed while the other is read), and its cast (written out before the next cast).
+    # summed while the other is read), and two made ones for their cast (made on the other
+    # core while this one reads the next turn and writes the one before).
     stored = scratch(2 * step * row * in_size, "rows-stored")
     turns = [_split(stored[parity * step * row * in_size:], widths, step * in_size)
              for parity in (0, 1)]
-    made = _split(scratch(step * row * out_size, "rows-made"), widths, step * out_size) \
-        if cast else None
+    made = [_split(scratch(step * row * out_size, slot), widths, step * out_size)
+            for slot in ("rows-made", "rows-made-2")] if cast else None
     # The buffers of a turn's output rows are the same every turn of a parity: made once.
     gathers = [_gather(views, widths, group.pieces, step, out_size)
-               for views in ([made] if made is not None else turns)]
-    for turn, done in enumerate(range(0, group.rows, step)):  # done: rows written so far
-        count = min(step, group.rows - done)
+               for views in (made if made is not None else turns)]
+
+    def count_of(turn: int) -> int:
+        return min(step, group.rows - turn * step)
+
+    def read_turn(turn: int) -> None:
+        count, done = count_of(turn), turn * step  # done: rows before this turn
         for member, ((_, raw, _, source), read) in enumerate(zip(located, reads)):
             block = turns[turn % 2][member][:count * widths[member] * in_size]
             at = raw.data_start + done * widths[member] * in_size
@@ -188,14 +194,30 @@ def place_row_group(files: DataFiles, tensor: TensorEntry, group: RowGroup, out:
                 read.read_at(block, at, later=True)
             else:  # checked whole already (checked_source)
                 pread_into(read, block, at, source=source)
-            if made is not None:
-                cast_block(tensor.dtype.name, out.name, block,
-                           made[member][:count * widths[member] * out_size])
-        views = gathers[turn % len(gathers)]
+
+    def cast_turn(turn: int) -> None:
+        count = count_of(turn)
+        for member, width in enumerate(widths):
+            cast_block(tensor.dtype.name, out.name,
+                       turns[turn % 2][member][:count * width * in_size],
+                       casts[turn % 2][member][:count * width * out_size])
+
+    def write_turn(turn: int) -> None:
+        count = count_of(turn)
+        views = gathers[turn % 2]
         pwrite_gathered(fd, views if count == step else views[:count * len(group.pieces)],
-                        tensor_start + (group.first + done) * row * out_size)
+                        tensor_start + (group.first + turn * step) * row * out_size)
         if progress:
             progress(count * row * out_size)
+
+    total = -(-group.rows // step)
+    casts = made or []
+    if made is not None:
+        background.alternate(total, read_turn, cast_turn, write_turn, name="cast")
+    else:
+        for turn in range(total):
+            read_turn(turn)
+            write_turn(turn)
     for read in reads:
         if isinstance(read, CheckedRead):
             read.finish()

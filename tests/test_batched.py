@@ -106,6 +106,15 @@ def test_a_piece_outside_its_buffer_is_refused_before_any_call(tmp_path, mode):
     assert buffer == bytearray(128)
 
 
+def test_a_read_into_a_read_only_buffer_is_refused(tmp_path, mode):
+    _file(tmp_path / "f", 4096)
+    held = bytes(128)
+    with open(tmp_path / "f", "rb") as f, pytest.raises(ValueError, match="writable"):
+        batched.read_pieces(f.fileno(), memoryview(held), [0, 64], [64, 64], [0, 512],
+                            source="f")
+    assert held == bytes(128)
+
+
 def test_a_refused_write_raises_the_systems_error(tmp_path, mode):
     _file(tmp_path / "f", 4096)
     with open(tmp_path / "f", "rb") as f, pytest.raises(OSError) as raised:

@@ -166,6 +166,8 @@ def _run(op: int, fd: int, buffer: memoryview, starts: Any, lengths: Any, offset
     count = len(starts)
     if not (count == len(lengths) == len(offsets)):
         raise ValueError("starts, lengths and offsets differ in length")
+    if op == _READ and view.readonly:  # the kernel would write into immutable bytes
+        raise ValueError("read_pieces needs a writable buffer")
     if not count:
         return
     context = _context() if available() else None

@@ -98,3 +98,31 @@ def test_a_cast_merge_casts_on_the_cast_thread_bit_for_bit(tmp_path, monkeypatch
     want = value.to(torch.bfloat16 if dtype == "bf16" else torch.float16)
     assert torch.equal(load_file(result.path)["w"].view(torch.int16), want.view(torch.int16))
     assert threads and all(name.startswith("fsdpckpt-cast") for name in threads)
+
+
+@pytest.mark.parametrize("layout", [[0], [1]], ids=["dim0", "dim1"])
+def test_a_block_torch_must_cast_is_cast_on_the_main_thread(tmp_path, monkeypatch, layout):
+    """A block holding NaN needs torch's cast; torch is imported where the kept buffers it
+    would stack on are given back first, the main thread's, never on the cast thread."""
+    importing: list[str] = []
+    original = _casts.import_torch
+
+    def recording():
+        importing.append(threading.current_thread().name)
+        return original()
+
+    monkeypatch.setattr(_casts, "import_torch", recording)
+    value = torch.randn(96, 80)
+    value[50, 7] = float("nan")
+    folder = write_dcp(tmp_path / "ckpt", {"w": (value, split(layout))})
+    (result,) = fsdpckpt.merge(folder, tmp_path / "out", dtype="fp16")
+    assert torch.equal(load_file(result.path)["w"].view(torch.int16),
+                       value.to(torch.float16).view(torch.int16))
+    assert importing and set(importing) == {threading.current_thread().name}
+
+
+def test_drain_waits_for_a_job_whose_future_was_dropped():
+    done = threading.Event()
+    background.submit("test-work", lambda: (time.sleep(0.05), done.set()))
+    background.drain("test-work")
+    assert done.is_set()

@@ -4,6 +4,7 @@ not, with the same errors either way (issue 21)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
@@ -104,6 +105,27 @@ def test_a_piece_outside_its_buffer_is_refused_before_any_call(tmp_path, mode):
                 batched.read_pieces(f.fileno(), memoryview(buffer), starts, lengths, offsets,
                                     source="f")
     assert buffer == bytearray(128)
+
+
+def test_every_context_taken_is_given_back_or_destroyed_whatever_the_call_raises(
+        tmp_path, monkeypatch):
+    """An AIO context holds a share of the system-wide aio-max-nr until it is destroyed: one
+    lost to a bad argument or an error would be lost until the process ends."""
+    if not batched.available():
+        pytest.skip("no Linux AIO here")
+    taken, returned = [], []
+    take, give, destroy = batched._context, batched._release, batched._destroy
+    monkeypatch.setattr(batched, "_context", lambda: taken.append(1) or take())
+    monkeypatch.setattr(batched, "_release", lambda c: returned.append(1) or give(c))
+    monkeypatch.setattr(batched, "_destroy", lambda c: returned.append(1) or destroy(c))
+    _file(tmp_path / "f", 4096)
+    buffer = bytearray(128)
+    with open(tmp_path / "f", "rb") as f:
+        for lengths in (["x", 1], [64, 64], [64, 9999]):
+            with contextlib.suppress(ValueError, TypeError, CorruptCheckpointError):
+                batched.read_pieces(f.fileno(), memoryview(buffer), [0, 64], lengths,
+                                    [0, 4090], source="f")
+    assert len(taken) == len(returned) > 0
 
 
 def test_a_read_into_a_read_only_buffer_is_refused(tmp_path, mode):

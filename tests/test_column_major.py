@@ -373,3 +373,12 @@ def test_the_first_torch_import_gives_kept_buffers_back(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
                    env=dict(os.environ, PYTHONPATH=root))
+
+
+def test_a_tile_of_whole_consecutive_output_rows_is_one_write():
+    assert _transpose._row_pieces([0, 5, 10], 5, 0, 4, 100, 5) == ([0], [60], [100])
+    starts, lengths, offsets = _transpose._row_pieces([0, 5, 20], 5, 0, 4, 100, 5)
+    assert list(starts) == [0, 20, 40] and list(lengths) == [20] * 3
+    assert list(offsets) == [100, 120, 180]
+    starts, lengths, offsets = _transpose._row_pieces([0, 8, 16], 4, 2, 4, 0, 8)  # a part
+    assert list(offsets) == [8, 40, 72] and list(lengths) == [16] * 3

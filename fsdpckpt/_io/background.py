@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from fsdpckpt._io.rawio import keep_scratch
 
-__all__ = ["alternate", "submit"]
+__all__ = ["alternate", "drain", "submit"]
 
 T = TypeVar("T")
 
@@ -62,6 +62,17 @@ def submit(name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future
         return done
 
 
+def drain(name: str) -> None:
+    """Wait until everything submitted to the thread ``name`` so far has run: a job whose
+    future was never kept (Ctrl-C between ``submit`` returning and its result being stored)
+    included, since the thread runs its jobs in order."""
+    wait([submit(name, _nothing)])
+
+
+def _nothing() -> None:
+    return None
+
+
 def alternate(turns: int, read: Callable[[int], None], work: Callable[[int], None],
               write: Callable[[int], None], *, name: str) -> None:
     """Run ``turns`` turns of read, work, write: each turn read here, worked on the thread
@@ -94,4 +105,4 @@ def alternate(turns: int, read: Callable[[int], None], work: Callable[[int], Non
             write(turns - 1)
     finally:
         if running is not None:
-            wait([running])
+            drain(name)

@@ -46,8 +46,11 @@ _state: dict[str, Any] = {}  # "libc", "np", "calls", "iocb", "event"; "off" onc
 
 
 def _forget() -> None:
-    # A forked child has no share of its parent's AIO contexts: it makes its own.
+    # A forked child has no share of its parent's AIO contexts: it makes its own (and a lock
+    # another thread of the parent held at the fork would never be let go).
+    global _lock
     _free.clear()
+    _lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -107,7 +110,8 @@ def _context() -> _Context | None:
     handle = ctypes.c_ulong(0)
     setup = _state["calls"][0]
     if _state["libc"].syscall(setup, _DEPTH, ctypes.byref(handle)) != 0:
-        _off()  # ENOSYS, EPERM (a sandbox), EAGAIN (the system's aio-max-nr spent)
+        if ctypes.get_errno() not in (errno.EAGAIN, errno.ENOMEM):
+            _off()  # ENOSYS, EPERM (a sandbox): for good; a shortage only for this call
         return None
     return _Context(handle)
 
@@ -170,8 +174,7 @@ def _run(op: int, fd: int, buffer: memoryview, starts: Any, lengths: Any, offset
         raise ValueError("read_pieces needs a writable buffer")
     if not count:
         return
-    context = _context() if available() else None
-    np: Any = _state.get("np")
+    np: Any = _state.get("np") if available() else None
     if np is not None:
         starts, lengths, offsets = (np.asarray(starts, dtype=np.int64),
                                     np.asarray(lengths, dtype=np.int64),
@@ -183,15 +186,16 @@ def _run(op: int, fd: int, buffer: memoryview, starts: Any, lengths: Any, offset
         ends = max(int(a) + int(n) for a, n in zip(starts, lengths))
     # The kernel writes wherever it is told: every piece must lie inside the buffer.
     if low < 0 or ends > len(view):
-        if context is not None:
-            _release(context)
         raise ValueError("a piece lies outside its buffer or before the file's start")
+    # Taken only now, and given back or destroyed whatever happens from here: a context lost
+    # to an error would hold its share of the system-wide aio-max-nr until the process ends.
+    context = _context() if np is not None else None
     if context is None:
         for start, length, offset in zip(starts, lengths, offsets):
             _finish(op, fd, view, int(start), int(length), int(offset), source)
         return
-    base = np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
     try:
+        base = np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
         for first in range(0, count, _DEPTH):
             last = min(count, first + _DEPTH)
             _batch(context, op, fd, view, base, starts[first:last], lengths[first:last],

@@ -113,11 +113,20 @@ def fast_cast(source: str, target: str) -> _Cast | None:
     return maker(numpy) if maker and numpy is not None else None
 
 
-def cast_block(source: str, target: str, src: memoryview, dst: memoryview) -> None:
+def cast_block(source: str, target: str, src: memoryview, dst: memoryview, *,
+               with_torch: bool = True) -> bool:
     """Cast a contiguous block, torch-free where :func:`fast_cast` can, else with torch.
 
     The fast cast runs over cache-sized pieces (its several passes then stay in the CPU
     cache: 40% faster than over a 16 MiB block); a piece holding NaN goes to torch.
+
+    Args:
+        with_torch: False on a thread beside the main one: a piece torch must cast is left,
+            and the block is for the caller to cast again on its own thread (torch's first
+            import gives that thread's kept buffers back first; see :func:`import_torch`).
+
+    Returns:
+        Whether the whole block was cast (always, ``with_torch``).
     """
     fast = fast_cast(source, target)
     in_size, out_size = DTYPES[source].itemsize, DTYPES[target].itemsize
@@ -127,7 +136,10 @@ def cast_block(source: str, target: str, src: memoryview, dst: memoryview) -> No
         piece_in = src[first * in_size:end * in_size]
         piece_out = dst[first * out_size:end * out_size]
         if fast is None or not fast(piece_in, piece_out):
+            if not with_torch:
+                return False
             _torch_cast(source, target, piece_in, piece_out)
+    return True
 
 
 _PIECE = 65536  # elements: 256 KiB of float32, the size of a core's L2 cache here

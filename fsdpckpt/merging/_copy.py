@@ -192,13 +192,20 @@ def _place_contiguous(src: Source, raw: RawTensor, run: int, starts: Sequence[in
         else:
             _read(src, stored, raw.data_start + turn * per_block * in_size, source)
 
+    # Whether each parity's cast was done on the cast thread: one that needs torch (a block
+    # holding NaN) is cast again here, where torch's import gives this thread's buffers back.
+    cast_done = [True, True]
+
     def cast_turn(turn: int) -> None:
         count, stored = block(turn)
-        cast_block(raw.dtype.name, out.name, stored, made[turn % 2][:count * out_size])
+        cast_done[turn % 2] = cast_block(raw.dtype.name, out.name, stored,
+                                         made[turn % 2][:count * out_size], with_torch=False)
 
     def write(turn: int) -> None:
         count, stored = block(turn)
         written = made[turn % 2][:count * out_size] if cast else stored
+        if not cast_done[turn % 2]:
+            cast_block(raw.dtype.name, out.name, stored, written)
         done, at = turn * per_block, 0  # done: elements placed before this turn
         while at < count:
             index, within = divmod(done + at, run)

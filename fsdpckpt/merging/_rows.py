@@ -195,15 +195,22 @@ def place_row_group(files: DataFiles, tensor: TensorEntry, group: RowGroup, out:
             else:  # checked whole already (checked_source)
                 pread_into(read, block, at, source=source)
 
-    def cast_turn(turn: int) -> None:
+    # Whether each parity's casts were done on the cast thread: a turn that needs torch (a
+    # block holding NaN) is cast again here, where torch's import gives this thread's buffers
+    # back first.
+    cast_done = [True, True]
+
+    def cast_turn(turn: int, with_torch: bool = False) -> None:
         count = count_of(turn)
-        for member, width in enumerate(widths):
-            cast_block(tensor.dtype.name, out.name,
-                       turns[turn % 2][member][:count * width * in_size],
-                       casts[turn % 2][member][:count * width * out_size])
+        cast_done[turn % 2] = all([cast_block(
+            tensor.dtype.name, out.name, turns[turn % 2][member][:count * width * in_size],
+            casts[turn % 2][member][:count * width * out_size], with_torch=with_torch)
+            for member, width in enumerate(widths)])
 
     def write_turn(turn: int) -> None:
         count = count_of(turn)
+        if not cast_done[turn % 2]:
+            cast_turn(turn, with_torch=True)
         views = gathers[turn % 2]
         pwrite_gathered(fd, views if count == step else views[:count * len(group.pieces)],
                         tensor_start + (group.first + turn * step) * row * out_size)

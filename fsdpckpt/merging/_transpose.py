@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from typing import Any
 
 from fsdpckpt._io import background, batched
@@ -181,7 +181,8 @@ def place_column_major_whole(src: int | ReadAt, raw: RawTensor, runs: Runs, out:
             if progress:
                 progress(tall * row)
     finally:
-        wait(jobs)  # no transpose may still fill a buffer that is handed out again
+        if jobs:  # no transpose may still fill a buffer that is handed out again
+            background.drain("transpose")
 
 
 def _make(stored: memoryview, pitch: int, width: int, height: int, dtype: DType, out: DType,
@@ -213,7 +214,7 @@ def _row_pieces(lines: list[int], width: int, first_col: int, out_size: int,
     takes them: ``(starts in the tile, lengths, output offsets)``; a tile of whole output
     rows that follow each other is one piece."""
     row = width * out_size
-    if width == cols and lines == list(range(lines[0], lines[0] + len(lines))):
+    if width == cols and all(b - a == width for a, b in zip(lines, lines[1:])):
         return [0], [row * len(lines)], [tensor_start + (lines[0] + first_col) * out_size]
     np = _casts._numpy()
     if np is None:
@@ -314,8 +315,8 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
         if previous is not None:
             _write_made(previous, write_pieces, out_size, tensor_start, cols, progress)
     finally:
-        if running is not None:
-            wait([running])  # no read or transpose may still fill a buffer handed out again
+        if running is not None:  # no read or transpose may still fill a buffer handed out again
+            background.drain("transpose")
 
 
 def _write_made(tile: tuple[Future[None], memoryview, list[int], int, int],

@@ -297,8 +297,8 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
             for first_col in range(0, cols, side):
                 width = min(side, cols - first_col)
                 target = made[turn % 2][:width * height * out_size]
-                # Its made buffer last held the tile two before, written by this thread
-                # before the tile before was submitted.
+                # Its made buffer last held the tile two before, which this thread wrote
+                # after submitting the tile before and before this one.
                 if aside:
                     running = background.submit("transpose", read_and_make, stored, first_row,
                                                 height, first_col, width, target)

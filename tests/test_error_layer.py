@@ -24,10 +24,12 @@ PACKAGE = Path(fsdpckpt.__path__[0])
 
 #: Modules whose ``raise ValueError`` is an internal signal, caught a few lines up the stack
 #: and raised again as an fsdpckpt error naming the file (or, for ``rawio``, Python's own
-#: file protocol). Nothing else raises a bare ``ValueError``.
+#: file protocol; for ``batched``, a caller inside fsdpckpt handing it pieces outside their
+#: buffer, a bug no input reaches, refused before the kernel writes there). Nothing else
+#: raises a bare ``ValueError``.
 INTERNAL_VALUE_ERRORS = {"_io/jsonio.py", "_io/rawio.py", "dcp/_zstd.py",
                          "merging/_convert_source.py", "merging/to_dcp.py",
-                         "merging/_distributed.py", "export/_config.py"}
+                         "merging/_distributed.py", "export/_config.py", "_io/batched.py"}
 
 
 # --- no bare ValueError for user input ----------------------------------------------------

@@ -264,6 +264,8 @@ def test_damaged_rank_file_cli_prints_one_error_line_never_unexpected(scratch, d
         result = runner.invoke(main, args)
         assert result.exit_code in (0, 1), result.output
         errors = [line for line in result.stderr.splitlines() if line.startswith("fsdpckpt:")]
-        assert "unexpected" not in result.stderr, result.stderr
+        # The CLI's boundary of last resort says "error: unexpected <type>"; a message may
+        # quote a decoder's own words ("unexpected end of data") and be a fine one.
+        assert "error: unexpected " not in result.stderr, result.stderr
         if result.exit_code:
             assert len(errors) == 1, result.stderr

@@ -64,6 +64,26 @@ def test_write_pieces_puts_every_piece_at_its_offset(tmp_path, mode):
         assert written[offset:offset + 64] == source[k * 64:(k + 1) * 64]
 
 
+def test_a_write_piece_past_the_write_cap_goes_out_in_capped_calls(tmp_path, monkeypatch):
+    """rawio writes at most 256 KiB a call (measured faster than larger writes); a large
+    piece handed to write_pieces is written the same way, batched or not."""
+    if not batched.available():
+        pytest.skip("no Linux AIO here")
+    from fsdpckpt._io import rawio
+
+    sizes = []
+    original = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, at: (sizes.append(len(data)),
+                                                             original(fd, data, at))[1])
+    source = random.Random(4).randbytes(rawio._WRITE_MAX * 3 + 64 * 4)
+    large = rawio._WRITE_MAX * 3
+    with open(tmp_path / "out", "wb") as f:
+        batched.write_pieces(f.fileno(), memoryview(source), [0, large, large + 64, large + 128],
+                             [large, 64, 64, 128], [0, large, large + 64, large + 128])
+    assert (tmp_path / "out").read_bytes() == source[:large + 256]
+    assert sizes == [rawio._WRITE_MAX] * 3  # the large piece; the small ones in one batch
+
+
 def test_batched_calls_do_every_piece_in_the_batch(tmp_path, monkeypatch):
     """Where AIO is there it does the work: no piece falls back to a call of its own (a
     wrong control block would leave every piece to the fallback, correct but slow)."""

@@ -375,10 +375,20 @@ def test_the_first_torch_import_gives_kept_buffers_back(tmp_path):
                    env=dict(os.environ, PYTHONPATH=root))
 
 
-def test_a_tile_of_whole_consecutive_output_rows_is_one_write():
-    assert _transpose._row_pieces([0, 5, 10], 5, 0, 4, 100, 5) == ([0], [60], [100])
-    starts, lengths, offsets = _transpose._row_pieces([0, 5, 20], 5, 0, 4, 100, 5)
-    assert list(starts) == [0, 20, 40] and list(lengths) == [20] * 3
-    assert list(offsets) == [100, 120, 180]
-    starts, lengths, offsets = _transpose._row_pieces([0, 8, 16], 4, 2, 4, 0, 8)  # a part
+def test_rows_that_follow_each_other_in_the_output_are_one_write():
+    assert [list(x) for x in _transpose._row_pieces([0, 5, 10], 5, 0, 4, 100)] == \
+        [[0], [60], [100]]
+    starts, lengths, offsets = _transpose._row_pieces([0, 5, 20], 5, 0, 4, 100)
+    assert list(starts) == [0, 40] and list(lengths) == [40, 20]
+    assert list(offsets) == [100, 180]
+    starts, lengths, offsets = _transpose._row_pieces([0, 8, 16], 4, 2, 4, 0)  # a part
     assert list(offsets) == [8, 40, 72] and list(lengths) == [16] * 3
+
+
+def test_row_pieces_are_the_same_without_numpy(monkeypatch):
+    cases = [([0, 5, 10], 5, 0), ([0, 5, 20, 25, 40], 5, 1), ([0, 8, 16], 4, 2), ([7], 3, 0)]
+    with_numpy = [[list(x) for x in _transpose._row_pieces(lines, width, first, 4, 100)]
+                  for lines, width, first in cases]
+    monkeypatch.setattr(_casts, "_numpy", lambda: None)
+    assert with_numpy == [[list(x) for x in _transpose._row_pieces(lines, width, first, 4, 100)]
+                          for lines, width, first in cases]

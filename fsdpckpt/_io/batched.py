@@ -30,7 +30,7 @@ import sys
 import threading
 from typing import Any
 
-from fsdpckpt._io.rawio import pread_into, pwrite_all
+from fsdpckpt._io.rawio import _WRITE_MAX, pread_into, pwrite_all
 
 __all__ = ["available", "read_pieces", "write_pieces"]
 
@@ -187,9 +187,19 @@ def _run(op: int, fd: int, buffer: memoryview, starts: Any, lengths: Any, offset
     # The kernel writes wherever it is told: every piece must lie inside the buffer.
     if low < 0 or ends > len(view):
         raise ValueError("a piece lies outside its buffer or before the file's start")
+    if np is not None and op == _WRITE:
+        # A piece larger than rawio's write cap goes out in capped calls, as pwrite_all
+        # writes everything else (large writes measured slower: rawio._WRITE_MAX).
+        large = lengths > _WRITE_MAX
+        if large.any():
+            for index in np.flatnonzero(large).tolist():
+                _finish(op, fd, view, int(starts[index]), int(lengths[index]),
+                        int(offsets[index]), source)
+            starts, lengths, offsets = starts[~large], lengths[~large], offsets[~large]
+            count = len(starts)
     # Taken only now, and given back or destroyed whatever happens from here: a context lost
     # to an error would hold its share of the system-wide aio-max-nr until the process ends.
-    context = _context() if np is not None else None
+    context = _context() if np is not None and count > 1 else None
     if context is None:
         for start, length, offset in zip(starts, lengths, offsets):
             _finish(op, fd, view, int(start), int(length), int(offset), source)

@@ -107,8 +107,7 @@ class MemorySink:
     def write_pieces(self, data: memoryview, starts: Any, lengths: Any, offsets: Any) -> None:
         data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         for start, length, offset in zip(starts, lengths, offsets):
-            start, length, offset = int(start), int(length), int(offset)
-            self.view[offset:offset + length] = data[start:start + length]
+            self.write(data[int(start):int(start) + int(length)], int(offset))
 
     def copy_from(self, src: int, src_offset: int, offset: int, count: int, *, source: str,
                   progress: Callable[[int], None] | None) -> None:
@@ -305,8 +304,8 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
     elif raw.is_contiguous and (same or fast_cast(raw.dtype.name, out.name) is not None):
         _place_contiguous(src, raw, run, starts, out, sink, tensor_start, source, progress)
     elif is_column_major(raw) and fits_whole(raw, out):
-        place_column_major_whole(src, raw, runs, out, sink.write, tensor_start, source=source,
-                                 progress=progress)
+        place_column_major_whole(src, raw, runs, out, sink.write_pieces, tensor_start,
+                                 source=source, progress=progress)
     elif column_major_past_a_span(raw) and not isinstance(src, _checked.CheckedRead):
         place_column_major(src, raw, runs, out, sink.write_pieces, tensor_start, _TILE,
                            source=source, progress=progress)

@@ -131,8 +131,9 @@ def fits_whole(raw: RawTensor, out: DType) -> bool:
 
 
 def place_column_major_whole(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType,
-                             write: Callable[[memoryview, int], None], tensor_start: int, *,
-                             source: str, progress: Callable[[int], None] | None) -> None:
+                             write_pieces: Callable[[memoryview, Any, Any, Any], None],
+                             tensor_start: int, *, source: str,
+                             progress: Callable[[int], None] | None) -> None:
     """Place a column-major matrix chunk that :func:`fits_whole`: read whole, in storage order
     (through a :class:`~fsdpckpt.dcp._checked.CheckedRead`, its CRC-32 computed on the CRC
     thread on the way: no second pass), transposed in bands of whole output rows on the
@@ -142,7 +143,7 @@ def place_column_major_whole(src: int | ReadAt, raw: RawTensor, runs: Runs, out:
     Args:
         src: the data file's descriptor, a checked read of the chunk's storage, or what reads
             its bytes by offset.
-        raw, runs, out, write, tensor_start, source, progress: as for
+        raw, runs, out, write_pieces, tensor_start, source, progress: as for
             :func:`place_column_major`.
     """
     in_size, out_size = raw.dtype.itemsize, out.itemsize
@@ -175,9 +176,9 @@ def place_column_major_whole(src: int | ReadAt, raw: RawTensor, runs: Runs, out:
                                           staged, first))
         for (first, tall), job in zip(bands, jobs):
             job.result()
-            _write_rows(made[first * row:(first + tall) * row], row_starts(runs, cols, first,
-                                                                            tall),
-                        cols, 0, out_size, tensor_start, write)
+            write_pieces(made[first * row:(first + tall) * row],
+                         *_row_pieces(row_starts(runs, cols, first, tall), cols, 0, out_size,
+                                      tensor_start))
             if progress:
                 progress(tall * row)
     finally:
@@ -197,32 +198,27 @@ def _make(stored: memoryview, pitch: int, width: int, height: int, dtype: DType,
     _casts.cast_block(dtype.name, out.name, part, target)  # work buffers: this thread's own
 
 
-def _write_rows(made: memoryview, lines: list[int], width: int, first_col: int, out_size: int,
-                tensor_start: int, write: Callable[[memoryview, int], None]) -> None:
-    """Write the rows of ``made`` (``width`` elements each) at columns ``first_col`` onwards
-    of the output rows starting at ``lines``: rows that follow each other in one write."""
-    row, begin = width * out_size, 0
+def _row_pieces(lines: list[int], width: int, first_col: int, out_size: int,
+                tensor_start: int) -> tuple[Any, Any, Any]:
+    """Where the rows of a made block (``width`` elements each, from column ``first_col`` of
+    the output rows starting at element ``lines``) go, as
+    :func:`fsdpckpt._io.batched.write_pieces` takes them: ``(starts in the block, lengths,
+    output offsets)``, rows that follow each other in the output as one piece."""
+    row = width * out_size
+    np = _casts._numpy()
+    if np is not None:
+        at = np.asarray(lines, dtype=np.int64)
+        begins = np.concatenate(([0], np.flatnonzero(np.diff(at) != width) + 1))
+        ends = np.append(begins[1:], len(at))
+        return begins * row, (ends - begins) * row, tensor_start + (at[begins] + first_col) * \
+            out_size
+    runs, begin = [], 0
     for end in range(1, len(lines) + 1):
         if end == len(lines) or lines[end] != lines[end - 1] + width:
-            write(made[begin * row:end * row], tensor_start + (lines[begin] + first_col) * out_size)
+            runs.append((begin, end))
             begin = end
-
-
-def _row_pieces(lines: list[int], width: int, first_col: int, out_size: int,
-                tensor_start: int, cols: int) -> tuple[Any, Any, Any]:
-    """Where each of a made tile's rows goes, as :func:`fsdpckpt._io.batched.write_pieces`
-    takes them: ``(starts in the tile, lengths, output offsets)``; a tile of whole output
-    rows that follow each other is one piece."""
-    row = width * out_size
-    if width == cols and all(b - a == width for a, b in zip(lines, lines[1:])):
-        return [0], [row * len(lines)], [tensor_start + (lines[0] + first_col) * out_size]
-    np = _casts._numpy()
-    if np is None:
-        return ([k * row for k in range(len(lines))], [row] * len(lines),
-                [tensor_start + (line + first_col) * out_size for line in lines])
-    count = len(lines)
-    return (np.arange(count, dtype=np.int64) * row, np.full(count, row, dtype=np.int64),
-            tensor_start + (np.asarray(lines, dtype=np.int64) + first_col) * out_size)
+    return ([first * row for first, _ in runs], [(end - first) * row for first, end in runs],
+            [tensor_start + (lines[first] + first_col) * out_size for first, _ in runs])
 
 
 def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType,
@@ -310,10 +306,10 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
                                                 height, raw.dtype, out, target, staged)
                 before, previous = previous, (running, target, lines, first_col, width)
                 if before is not None:  # written while this tile is read and made
-                    _write_made(before, write_pieces, out_size, tensor_start, cols, progress)
+                    _write_made(before, write_pieces, out_size, tensor_start, progress)
                 turn += 1
         if previous is not None:
-            _write_made(previous, write_pieces, out_size, tensor_start, cols, progress)
+            _write_made(previous, write_pieces, out_size, tensor_start, progress)
     finally:
         if running is not None:  # no read or transpose may still fill a buffer handed out again
             background.drain("transpose")
@@ -321,9 +317,9 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
 
 def _write_made(tile: tuple[Future[None], memoryview, list[int], int, int],
                 write_pieces: Callable[[memoryview, Any, Any, Any], None], out_size: int,
-                tensor_start: int, cols: int, progress: Callable[[int], None] | None) -> None:
+                tensor_start: int, progress: Callable[[int], None] | None) -> None:
     made, target, lines, first_col, width = tile
     made.result()
-    write_pieces(target, *_row_pieces(lines, width, first_col, out_size, tensor_start, cols))
+    write_pieces(target, *_row_pieces(lines, width, first_col, out_size, tensor_start))
     if progress:
         progress(len(target))

@@ -44,6 +44,7 @@ from fsdpckpt.merging._transpose import (
     place_column_major,
     place_column_major_whole,
 )
+from fsdpckpt.merging._transpose_cast import in_groups, place_cast_in_groups
 
 __all__ = ["checked_source", "place_chunk", "place_stored_chunk", "tiles", "FileSink",
            "MemorySink"]
@@ -304,8 +305,9 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
     elif raw.is_contiguous and (same or fast_cast(raw.dtype.name, out.name) is not None):
         _place_contiguous(src, raw, run, starts, out, sink, tensor_start, source, progress)
     elif is_column_major(raw) and fits_whole(raw, out):
-        place_column_major_whole(src, raw, runs, out, sink.write_pieces, tensor_start,
-                                 source=source, progress=progress)
+        place = place_cast_in_groups if in_groups(raw, out) else place_column_major_whole
+        place(src, raw, runs, out, sink.write_pieces, tensor_start, source=source,
+              progress=progress)
     elif column_major_past_a_span(raw) and not isinstance(src, _checked.CheckedRead):
         place_column_major(src, raw, runs, out, sink.write_pieces, tensor_start, _TILE,
                            source=source, progress=progress)

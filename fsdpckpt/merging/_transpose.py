@@ -8,7 +8,8 @@ row in pieces of a few hundred bytes (a 2.4 GB one took 75 s). Two ways, by size
 - held whole (:func:`place_column_major_whole`, up to :data:`WHOLE` bytes stored and made,
   the usual FSDP or tensor-parallel chunk of a transposed weight): read in storage order,
   so its CRC-32 is computed as it is read, then transposed in bands of whole output rows,
-  each band one write while the next is made;
+  each band one write while the next is made (cast, it goes in groups of stored columns
+  instead: :mod:`fsdpckpt.merging._transpose_cast`);
 - larger (:func:`place_column_major`): square tiles, each tile's stored columns read one
   piece per column and written one piece per output row, those calls batched
   (:mod:`fsdpckpt._io.batched`) and the reads and transposes on the transpose thread while
@@ -69,7 +70,7 @@ def column_pitch(side: int, itemsize: int) -> int:
 
 
 def transpose_tile(stored: memoryview, pitch: int, width: int, height: int, dtype: DType,
-                   target: memoryview, *, skip: int = 0) -> None:
+                   target: memoryview, *, skip: int = 0, row_pitch: int | None = None) -> None:
     """Fill ``target`` with the row-major ``height x width`` matrix whose column ``k`` is the
     run of ``height`` elements at element ``k * pitch + skip`` of ``stored``.
 
@@ -78,17 +79,23 @@ def transpose_tile(stored: memoryview, pitch: int, width: int, height: int, dtyp
         pitch: elements from one column's start to the next's (at least ``skip + height``).
         width, height: the tile's output columns and rows, at least 1 each.
         dtype: the elements' dtype (only its width matters to numpy).
-        target: at least ``width * height`` elements, filled row by row.
+        target: filled row by row: at least ``(height - 1) * row_pitch + width`` elements.
         skip: elements of each stored column before the tile's first row.
+        row_pitch: elements from one output row's start to the next's: ``width`` (the
+            default) where the rows follow each other, more where the tile is a group of
+            columns of a wider matrix.
     """
+    row_pitch = width if row_pitch is None else row_pitch
     np = _casts._numpy()
     if np is None or dtype.itemsize not in _UNSIGNED:
-        _transpose_torch(stored, pitch, width, height, dtype, target, skip)
+        _transpose_torch(stored, pitch, width, height, dtype, target, skip, row_pitch)
         return
     element = np.dtype(_UNSIGNED[dtype.itemsize])
     columns = np.frombuffer(stored, dtype=element, count=width * pitch).reshape(
         width, pitch)[:, skip:skip + height]
-    rows = np.frombuffer(target, dtype=element, count=width * height).reshape(height, width)
+    rows = np.lib.stride_tricks.as_strided(
+        np.frombuffer(target, dtype=element, count=(height - 1) * row_pitch + width),
+        (height, width), (row_pitch * element.itemsize, element.itemsize))
     for top in range(0, height, _BLOCK):
         band, source = rows[top:top + _BLOCK], columns[:, top:top + _BLOCK]
         for left in range(0, width, _BLOCK):
@@ -96,13 +103,14 @@ def transpose_tile(stored: memoryview, pitch: int, width: int, height: int, dtyp
 
 
 def _transpose_torch(stored: memoryview, pitch: int, width: int, height: int, dtype: DType,
-                     target: memoryview, skip: int) -> None:
+                     target: memoryview, skip: int, row_pitch: int) -> None:
     torch = _casts.import_torch()
 
     kind = getattr(torch, dtype.name)
     columns = torch.frombuffer(stored, dtype=kind, count=(width - 1) * pitch + skip + height)
-    rows = torch.frombuffer(target, dtype=kind, count=width * height).view(height, width)
-    rows.copy_(columns.as_strided((height, width), (1, pitch), skip))
+    rows = torch.frombuffer(target, dtype=kind, count=(height - 1) * row_pitch + width)
+    rows.as_strided((height, width), (row_pitch, 1)).copy_(
+        columns.as_strided((height, width), (1, pitch), skip))
 
 
 def is_column_major(raw: RawTensor) -> bool:

@@ -15,6 +15,7 @@ import fsdpckpt
 from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.dcp.metadata import Chunk
+from fsdpckpt.merging import _casts
 from fsdpckpt.merging import _copy as engine
 from fsdpckpt.merging._copy import MemorySink, place_chunk, tiles
 from fsdpckpt.merging.plan import chunk_runs
@@ -60,7 +61,10 @@ def _product(ranges):
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_place_chunk_matches_torch_for_any_layout_chunk_and_cast(tmp_path, monkeypatch, data):
-    """A chunk stored with any strides lands exactly where torch puts it, cast as .to() casts."""
+    """A chunk stored with any strides lands exactly where torch puts it, cast as .to() casts:
+    reordered by numpy, or by torch where numpy is missing."""
+    if not data.draw(st.booleans()):
+        monkeypatch.setattr(_casts, "_numpy", lambda: None)
     monkeypatch.setattr(engine, "_SPAN", data.draw(st.integers(8, 64)))
     monkeypatch.setattr(engine, "_TILE", data.draw(st.integers(8, 64)))
     shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
@@ -173,3 +177,52 @@ def test_a_large_column_major_chunk_is_written_in_square_tiles(tmp_path, monkeyp
     assert torch.equal(torch.frombuffer(out, dtype=torch.float32).view(200, 300), value)
     # One write per output row of each tile: 4 tile rows x 5 tile columns x 64 rows at most.
     assert len(writes) <= 4 * 5 * 64 and min(writes) >= (300 - 4 * 64) * 4
+
+
+@pytest.mark.parametrize("numpy", [True, False], ids=["numpy", "torch"])
+@pytest.mark.parametrize("target", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_permuted_chunk_cast_is_torch_to_of_the_contiguous_tensor(tmp_path, monkeypatch,
+                                                                     numpy, target):
+    """NaN payloads, infinities, subnormals and ties in a 3-D chunk stored permuted: the same
+    bits as .to() of the contiguous tensor torch loads, however it is reordered."""
+    if not numpy:
+        monkeypatch.setattr(_casts, "_numpy", lambda: None)
+    monkeypatch.setattr(engine, "_SPAN", 64 * 4)
+    monkeypatch.setattr(engine, "_TILE", 48 * 4)
+    value = torch.cat([_specials(torch.float32).reshape(-1)] * 3)[:6 * 7 * 9].view(6, 7, 9)
+    stored = value.permute(1, 0, 2).contiguous().permute(1, 0, 2)  # strides (9, 54, 1)
+    pad = 2
+    storage = torch.cat([torch.zeros(pad), stored.permute(1, 0, 2).reshape(-1)])
+    path = tmp_path / "chunk"
+    path.write_bytes(storage.view(torch.uint8).numpy().tobytes())
+    raw = RawTensor(0, storage.numel() * 4, DTYPES["float32"], pad, (6, 7, 9),
+                    tuple(stored.stride()))
+    got = place_stored(path, raw, (0, 0, 0), (6, 7, 9), target)
+    assert bytes(got) == value.to(target).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_a_merge_of_permuted_chunks_does_not_import_torch(tmp_path):
+    """A 3-D tensor stored permuted (a view torch.save kept with its strides), merged as is
+    and cast, by numpy: torch's import alone costs more than merging 1.6 GB."""
+    import subprocess
+    import sys
+
+    value = torch.randn(40, 6, 50)
+
+    def permuted_halves(tensor):  # each chunk a view of a (6, 20, 50) storage
+        pieces = [((o, 0, 0), tensor[o:o + 20].permute(1, 0, 2).contiguous().permute(1, 0, 2))
+                  for o in (0, 20)]
+        assert all(piece.stride() == (50, 1000, 1) for _, piece in pieces)
+        return pieces
+
+    folder2 = write_dcp(tmp_path / "ckpt", {"w": (value, permuted_halves)})
+    code = ("import sys, fsdpckpt\n"
+            f"fsdpckpt.merge({str(folder2)!r}, {str(tmp_path / 'a')!r})\n"
+            f"fsdpckpt.merge({str(folder2)!r}, {str(tmp_path / 'b')!r}, dtype='bf16')\n"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
+                   env=dict(os.environ, PYTHONPATH=root))
+    assert torch.equal(load_file(tmp_path / "a" / "model.safetensors")["w"], value)
+    assert torch.equal(load_file(tmp_path / "b" / "model.safetensors")["w"],
+                       value.to(torch.bfloat16))

@@ -36,13 +36,14 @@ from fsdpckpt.dcp._zstd import ZstdEntry, chunk_limit, open_entry
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
-from fsdpckpt.merging._casts import cast_block, fast_cast, import_torch
+from fsdpckpt.merging._casts import cast_block, fast_cast
 from fsdpckpt.merging._runs import Runs, chunk_runs, tiles
 from fsdpckpt.merging._transpose import (
     fits_whole,
     is_column_major,
     place_column_major,
     place_column_major_whole,
+    reorder,
 )
 from fsdpckpt.merging._transpose_cast import in_groups, place_cast_in_groups
 
@@ -228,36 +229,35 @@ def _place_contiguous(src: Source, raw: RawTensor, run: int, starts: Sequence[in
 def _place_tiled(src: Source, raw: RawTensor, chunk: Chunk, run: int, starts: Sequence[int],
                  out: DType, sink: Sink, tensor_start: int, source: str,
                  progress: Callable[[int], None] | None) -> None:
-    """Reorder and/or convert with torch, one bounded tile at a time."""
-    torch = import_torch()
-
+    """Any other stored layout, and casts numpy does not do: one bounded tile at a time,
+    reordered (:func:`~fsdpckpt.merging._transpose.reorder`: by numpy, without torch, where
+    it is installed), then cast contiguous to contiguous as ``.to()`` of the contiguous
+    tensor torch loads casts (torch casts a strided source on another path, and the two
+    disagree on NaN bits: 0x7FC0 against 0xFFFF for bf16)."""
     in_size, out_size = raw.dtype.itemsize, out.itemsize
-    in_dtype, out_dtype = getattr(torch, raw.dtype.name), getattr(torch, out.name)
+    cast = raw.dtype.name != out.name
     span_max = max(1, _SPAN // in_size)
     numel_max = max(1, _TILE // max(in_size, out_size))
     numel_cap = min(math.prod(raw.shape), numel_max)
     stored = scratch(min(raw.storage_nbytes, span_max * in_size), "stored")
     made = scratch(numel_cap * out_size, "made")
-    staged: memoryview | None = None  # a strided tile to cast is reordered here first
+    staged = scratch(numel_cap * in_size, "staged") if cast else made  # reordered, to cast
     for offsets, sizes in tiles(raw.shape, raw.stride, span_max, numel_max):
         base = raw.storage_offset + sum(o * st for o, st in zip(offsets, raw.stride))
         low = base + sum(min(0, (s - 1) * st) for s, st in zip(sizes, raw.stride))
         high = base + sum(max(0, (s - 1) * st) for s, st in zip(sizes, raw.stride)) + 1
         numel = math.prod(sizes)
         _read(src, stored[:(high - low) * in_size], raw.storage_start + low * in_size, source)
-        view = torch.frombuffer(stored, dtype=in_dtype, count=high - low).as_strided(
-            sizes, raw.stride, base - low)
-        if in_dtype != out_dtype and not view.is_contiguous():
-            # torch casts a strided source on its scalar path and a contiguous one on its
-            # vector path, and the two disagree on NaN bits (0x7FC0 against 0xFFFF for
-            # bf16). The reference is .to() of the contiguous tensor torch loads: reorder
-            # first (exact), then cast contiguous to contiguous as .to() does.
-            staged = staged if staged is not None else scratch(numel_cap * in_size, "staged")
-            view = torch.frombuffer(staged, dtype=in_dtype, count=numel).view(sizes).copy_(view)
-        torch.frombuffer(made, dtype=out_dtype, count=numel).view(sizes).copy_(view)
-        for at, element, count in _pieces(chunk.sizes, offsets, sizes, run, starts):
-            sink.write(made[at * out_size:(at + count) * out_size],
-                       tensor_start + element * out_size)
+        reorder(stored, high - low, sizes, raw.stride, base - low, raw.dtype, staged)
+        if cast:
+            cast_block(raw.dtype.name, out.name, staged[:numel * in_size],
+                       made[:numel * out_size])
+        # Each run of the tile in the output (one per row, for some layouts: thousands), in
+        # batches (fsdpckpt._io.batched).
+        pieces = list(_pieces(chunk.sizes, offsets, sizes, run, starts))
+        sink.write_pieces(made, [at * out_size for at, _, _ in pieces],
+                          [count * out_size for _, _, count in pieces],
+                          [tensor_start + element * out_size for _, element, _ in pieces])
         if progress:
             progress(numel * out_size)
 

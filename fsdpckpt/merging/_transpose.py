@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -40,7 +40,7 @@ from fsdpckpt.merging import _casts
 from fsdpckpt.merging._runs import Runs, row_starts
 
 __all__ = ["WHOLE", "column_pitch", "fits_whole", "is_column_major", "place_column_major",
-           "place_column_major_whole", "transpose_tile"]
+           "place_column_major_whole", "reorder", "transpose_tile"]
 
 #: Elements per side of the block numpy copies at once: a block of 256 x 256 float32 read
 #: and written (512 KiB) stays in the cache; 128 ran at half the speed, whole tiles at a tenth.
@@ -100,6 +100,30 @@ def transpose_tile(stored: memoryview, pitch: int, width: int, height: int, dtyp
         band, source = rows[top:top + _BLOCK], columns[:, top:top + _BLOCK]
         for left in range(0, width, _BLOCK):
             np.copyto(band[:, left:left + _BLOCK], source[left:left + _BLOCK].T)
+
+
+def reorder(stored: memoryview, count: int, sizes: Sequence[int], stride: Sequence[int],
+            offset: int, dtype: DType, target: memoryview) -> None:
+    """Fill ``target`` with the elements, in row-major order, of the view of ``sizes`` and
+    ``stride`` (elements) from element ``offset`` of the ``count`` elements of ``stored``:
+    any stored layout (a permuted or expanded tensor ``torch.save`` kept with its strides).
+    numpy copies the bytes as unsigned integers of the element's width; torch where numpy
+    is missing."""
+    np = _casts._numpy()
+    numel = math.prod(sizes)
+    if np is None or dtype.itemsize not in _UNSIGNED:
+        torch = _casts.import_torch()
+
+        kind = getattr(torch, dtype.name)
+        torch.frombuffer(target, dtype=kind, count=numel).view(tuple(sizes)).copy_(
+            torch.frombuffer(stored, dtype=kind, count=count).as_strided(
+                tuple(sizes), tuple(stride), offset))
+        return
+    element = np.dtype(_UNSIGNED[dtype.itemsize])
+    view = np.lib.stride_tricks.as_strided(
+        np.frombuffer(stored, dtype=element, count=count)[offset:], tuple(sizes),
+        tuple(step * element.itemsize for step in stride), writeable=False)
+    np.copyto(np.frombuffer(target, dtype=element, count=numel).reshape(tuple(sizes)), view)
 
 
 def _transpose_torch(stored: memoryview, pitch: int, width: int, height: int, dtype: DType,

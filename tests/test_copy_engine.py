@@ -15,7 +15,7 @@ import fsdpckpt
 from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.dcp.metadata import Chunk
-from fsdpckpt.merging import _casts
+from fsdpckpt.merging import _casts, _gather
 from fsdpckpt.merging import _copy as engine
 from fsdpckpt.merging._copy import MemorySink, place_chunk, tiles
 from fsdpckpt.merging.plan import chunk_runs
@@ -65,8 +65,10 @@ def test_place_chunk_matches_torch_for_any_layout_chunk_and_cast(tmp_path, monke
     reordered by numpy, or by torch where numpy is missing."""
     if not data.draw(st.booleans()):
         monkeypatch.setattr(_casts, "_numpy", lambda: None)
+    # Runs of any length gathered into boxes of whole rows (another dim order), or tiles.
+    monkeypatch.setattr(_gather, "_MIN_RUN", data.draw(st.sampled_from([1, 4096])))
     monkeypatch.setattr(engine, "_SPAN", data.draw(st.integers(8, 64)))
-    monkeypatch.setattr(engine, "_TILE", data.draw(st.integers(8, 64)))
+    monkeypatch.setattr(engine, "_TILE", data.draw(st.integers(8, 64) | st.integers(200, 2000)))
     shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
     offsets = tuple(data.draw(st.integers(0, s - 1)) for s in shape)
     sizes = tuple(data.draw(st.integers(1, s - o)) for s, o in zip(shape, offsets))
@@ -226,3 +228,79 @@ def test_a_merge_of_permuted_chunks_does_not_import_torch(tmp_path):
     assert torch.equal(load_file(tmp_path / "a" / "model.safetensors")["w"], value)
     assert torch.equal(load_file(tmp_path / "b" / "model.safetensors")["w"],
                        value.to(torch.bfloat16))
+
+
+def test_a_damaged_byte_in_a_chunk_placed_in_boxes_is_refused_before_anything_is_published(
+        tmp_path, monkeypatch):
+    """Boxes read the storage out of order: it is checked whole beside them."""
+    from fsdpckpt import ChecksumError
+    from fsdpckpt.dcp import _checked
+
+    from chunked import flip_stored_byte
+
+    value = torch.randn(40, 6, 50)
+    pieces = [((o, 0, 0), value[o:o + 20].permute(1, 0, 2).contiguous().permute(1, 0, 2))
+              for o in (0, 20)]
+    folder = write_dcp(tmp_path / "ckpt", {"w": (value, lambda _: pieces)})
+    flip_stored_byte(folder, where=0.6)
+    beside = []
+    original = _checked.verify_entry_beside
+    monkeypatch.setattr(_checked, "verify_entry_beside",
+                        lambda *a, **k: (beside.append(a[1]), original(*a, **k))[1])
+    boxes = []
+    original_read = engine.read_box
+    monkeypatch.setattr(engine, "read_box",
+                        lambda *a, **k: (boxes.append(1), original_read(*a, **k))[1])
+    with pytest.raises(ChecksumError, match="does not match the CRC-32"):
+        fsdpckpt.merge(folder, tmp_path / "out")
+    assert beside and boxes
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("order", [(1, 0, 2), (2, 0, 1), (1, 2, 0), (2, 1, 0), (0, 2, 1),
+                                   (3, 1, 0, 2), (1, 3, 2, 0)], ids=str)
+@pytest.mark.parametrize("budget", [40 * 8, 10**6], ids=["boxes-of-rows", "one-box"])
+@pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
+def test_a_chunk_in_another_dim_order_lands_bit_for_bit_in_boxes_of_rows(tmp_path, monkeypatch,
+                                                                          order, budget, out):
+    """Stored in the dim order ``order`` (outermost first), placed at an offset of a larger
+    tensor: boxes of whole rows of dim 0 (the last one short), their stored runs gathered."""
+    monkeypatch.setattr(_gather, "_MIN_RUN", 1)
+    monkeypatch.setattr(engine, "_TILE", budget)
+    sizes = (7, 3, 5, 2)[:len(order)]
+    shape = tuple(s + 2 for s in sizes)
+    offsets = (1,) * len(sizes)
+    value = _specials(torch.float32).reshape(-1)[:math.prod(sizes)].reshape(sizes)
+    stored = value.permute(*order).contiguous().permute(*_inverse(order))
+    pad = 3
+    storage = torch.cat([torch.zeros(pad), stored.permute(*order).reshape(-1)])
+    path = tmp_path / "chunk"
+    path.write_bytes(storage.view(torch.uint8).numpy().tobytes())
+    raw = RawTensor(0, storage.numel() * 4, DTYPES["float32"], pad, sizes, tuple(stored.stride()))
+    expect_boxes = order[0] != 0
+    assert (_gather.box_rows(raw, DTYPES[str(out)[6:]], budget) > 0) == expect_boxes
+    full = torch.zeros(shape, dtype=out)
+    full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = value.to(out)
+    got = place_stored(path, raw, offsets, shape, out)
+    assert bytes(got) == full.view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_a_box_is_read_run_by_run_from_a_file_that_is_not_local():
+    """From a remote file or a decoder (anything with ``read_at``), one read per run."""
+    data = bytes(range(256)) * 4
+    reads = []
+
+    class Remote:
+        def read_at(self, view, offset):
+            reads.append((offset, len(view)))
+            view[:] = data[offset:offset + len(view)]
+
+    raw = RawTensor(16, 1024, DTYPES["float32"], 2, (4, 3, 5), (5, 20, 1))
+    order = _gather.dense_order(raw.shape, raw.stride)
+    run, firsts = _gather.box_runs(raw.shape, raw.stride, 1, 2, order)
+    assert (run, list(firsts)) == (10, [5, 25, 45])  # rows 1-2 of each of 3 stored blocks
+    buffer = bytearray(3 * run * 4)
+    _gather.read_box(Remote(), raw, memoryview(buffer), run, firsts, source="remote")
+    assert reads == [(16 + (2 + f) * 4, 40) for f in (5, 25, 45)]
+    assert bytes(buffer) == b"".join(data[16 + (2 + f) * 4:16 + (2 + f) * 4 + 40]
+                                     for f in (5, 25, 45))

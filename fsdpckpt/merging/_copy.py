@@ -23,7 +23,7 @@ column-major chunk's on the CRC thread, beside its tiles).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from fsdpckpt._io import background, batched
@@ -37,6 +37,7 @@ from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
 from fsdpckpt.merging._casts import cast_block, fast_cast
+from fsdpckpt.merging._gather import box_rows, box_runs, compact_strides, dense_order, read_box
 from fsdpckpt.merging._runs import Runs, chunk_runs, tiles
 from fsdpckpt.merging._transpose import (
     fits_whole,
@@ -239,16 +240,34 @@ def _place_tiled(src: Source, raw: RawTensor, chunk: Chunk, run: int, starts: Se
     span_max = max(1, _SPAN // in_size)
     numel_max = max(1, _TILE // max(in_size, out_size))
     numel_cap = min(math.prod(raw.shape), numel_max)
-    stored = scratch(min(raw.storage_nbytes, span_max * in_size), "stored")
+    # Boxes of whole output rows, their stored runs gathered, where the layout is another
+    # dim order (_gather); else tiles whose stored bytes are one span.
+    rows = box_rows(raw, out, _TILE)
+    if rows:
+        order = dense_order(raw.shape, raw.stride) or []
+        boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]] = [
+            ((first,) + (0,) * (len(raw.shape) - 1),
+             (min(rows, raw.shape[0] - first),) + tuple(raw.shape[1:]))
+            for first in range(0, raw.shape[0], rows)]
+        stored = scratch(numel_cap * in_size, "stored")
+    else:
+        boxes = tiles(raw.shape, raw.stride, span_max, numel_max)
+        stored = scratch(min(raw.storage_nbytes, span_max * in_size), "stored")
     made = scratch(numel_cap * out_size, "made")
     staged = scratch(numel_cap * in_size, "staged") if cast else made  # reordered, to cast
-    for offsets, sizes in tiles(raw.shape, raw.stride, span_max, numel_max):
-        base = raw.storage_offset + sum(o * st for o, st in zip(offsets, raw.stride))
-        low = base + sum(min(0, (s - 1) * st) for s, st in zip(sizes, raw.stride))
-        high = base + sum(max(0, (s - 1) * st) for s, st in zip(sizes, raw.stride)) + 1
+    for offsets, sizes in boxes:
         numel = math.prod(sizes)
-        _read(src, stored[:(high - low) * in_size], raw.storage_start + low * in_size, source)
-        reorder(stored, high - low, sizes, raw.stride, base - low, raw.dtype, staged)
+        if rows:
+            length, firsts = box_runs(raw.shape, raw.stride, offsets[0], sizes[0], order)
+            read_box(src, raw, stored, length, firsts, source=source)
+            reorder(stored, numel, sizes, compact_strides(sizes, order), 0, raw.dtype, staged)
+        else:
+            base = raw.storage_offset + sum(o * st for o, st in zip(offsets, raw.stride))
+            low = base + sum(min(0, (s - 1) * st) for s, st in zip(sizes, raw.stride))
+            high = base + sum(max(0, (s - 1) * st) for s, st in zip(sizes, raw.stride)) + 1
+            _read(src, stored[:(high - low) * in_size], raw.storage_start + low * in_size,
+                  source)
+            reorder(stored, high - low, sizes, raw.stride, base - low, raw.dtype, staged)
         if cast:
             cast_block(raw.dtype.name, out.name, staged[:numel * in_size],
                        made[:numel * out_size])
@@ -268,6 +287,11 @@ def column_major_past_a_span(raw: RawTensor) -> bool:
     columns, and tiles of whole stored rows would write each output row in pieces of a few
     hundred bytes (a 2.4 GB one took 75 s)."""
     return is_column_major(raw) and raw.storage_nbytes > _SPAN
+
+
+def _in_boxes(raw: RawTensor, out: DType) -> bool:
+    # Another dim order, placed in boxes of whole rows whose stored runs are gathered.
+    return not raw.is_contiguous and not is_column_major(raw) and box_rows(raw, out, _TILE) > 0
 
 
 def _in_square_tiles(raw: RawTensor, out: DType) -> bool:
@@ -376,9 +400,10 @@ def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs
             so before the caller commits anything made from them.
     """
     raw, src, source = locate_stored_chunk(files, tensor, chunk, verify=False)
-    if _in_square_tiles(raw, out) and isinstance(src, int):
-        # Read out of storage order (in tiles): its storage is read whole against its CRC
-        # on the other core meanwhile (2.4 GB: 1 s of the 8-10 s this merge took).
+    out_of_order = _in_square_tiles(raw, out) or _in_boxes(raw, out)
+    if out_of_order and isinstance(src, int):
+        # Read out of storage order (in tiles or boxes): its storage is read whole against
+        # its CRC on the other core meanwhile (2.4 GB: 1 s of the 8-10 s this merge took).
         with _checked.verify_entry_beside(files.checked, (chunk.file, chunk.offset,
                                                           raw.storage_start),
                                           src, raw.storage_start, raw.storage_nbytes,
@@ -386,9 +411,9 @@ def place_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, runs
             place_chunk(src, raw, chunk, runs, out, dst, tensor_start, source=source,
                         progress=progress)
         return
-    # A large column-major chunk of a decoder or a remote file is read out of storage order
-    # (below): checked whole first.
-    read = checked_source(files, chunk, raw, src, source, in_order=not _in_square_tiles(raw, out))
+    # A chunk of a decoder or a remote file read out of storage order (large column-major,
+    # or in boxes) is checked whole first.
+    read = checked_source(files, chunk, raw, src, source, in_order=not out_of_order)
     place_chunk(read, raw, chunk, runs, out, dst, tensor_start, source=source,
                 progress=progress)
     if isinstance(read, _checked.CheckedRead):

@@ -6,12 +6,14 @@ Run by hand (not in CI):
     python benchmarks/merge_paths.py --layers 48 --rounds 5
     python benchmarks/merge_paths.py --before /work/main --cases transposed,big  # vs a tree
 
-Three model folders of the same tensors (N layers of 4096x4096 fp32):
+Model folders of the same bytes (N layers of 4096x4096 fp32):
   - dim0: written by a real 2-rank FSDP2 run (each weight split on dim 0), as FSDP saves;
   - dim1: each weight in two dim-1 chunks, as tensor parallelism saves;
   - grid: each weight in a 2x2 grid of chunks (dim 0 and dim 1);
   - transposed: each weight in two dim-0 chunks stored column-major (a transposed view
     that torch.save kept with its strides);
+  - permuted: N 3-D weights of 1024x16x1024 fp32 (the same bytes), each in two dim-0 chunks
+    stored in another dim order (a view of a contiguous (16, 512, 1024) tensor);
   - big_plain, big_transposed: one square tensor of --big GB, whole, row-major and
     column-major (the plain merge of the same bytes is the second's anchor).
 Each merge is a whole `fsdpckpt merge` process; tools alternate within each round; median
@@ -51,15 +53,23 @@ sys.path.insert(0, {str(ROOT / 'tests')!r})
 from chunked import split, write_dcp
 from pathlib import Path
 g = torch.Generator().manual_seed(0)
-for name, layout in [("dim1", split([1])), ("grid", split([0, 1])),
-                     ("transposed", split([0], transpose=True))]:
-    tensors = {{f"{{i}}.weight": (torch.randn(4096, 4096, generator=g), layout)
-               for i in range({layers})}}
-    write_dcp(Path({str(work)!r}) / name, tensors)
+work = Path({str(work)!r})
+
+def permuted(tensor):  # dim-0 chunks, each stored as a view of its (16, rows, 1024) permute
+    return [(o, p.permute(1, 0, 2).contiguous().permute(1, 0, 2)) for o, p in split([0])(tensor)]
+
+for name, layout, shape in [("dim1", split([1]), (4096, 4096)),
+                            ("grid", split([0, 1]), (4096, 4096)),
+                            ("transposed", split([0], transpose=True), (4096, 4096)),
+                            ("permuted", permuted, (1024, 16, 1024))]:
+    if not (work / name / ".metadata").exists():
+        write_dcp(work / name, {{f"{{i}}.weight": (torch.randn(*shape, generator=g), layout)
+                                for i in range({layers})}})
 side = int(({big_gb} * 1e9 / 4) ** 0.5)
-big = torch.randn(side, side, generator=g)
-write_dcp(Path({str(work)!r}) / "big_plain", {{"w": (big, split([]))}})
-write_dcp(Path({str(work)!r}) / "big_transposed", {{"w": (big, split([], transpose=True))}})
+if not (work / "big_transposed" / ".metadata").exists():
+    big = torch.randn(side, side, generator=g)
+    write_dcp(work / "big_plain", {{"w": (big, split([]))}})
+    write_dcp(work / "big_transposed", {{"w": (big, split([], transpose=True))}})
 """
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -104,6 +114,8 @@ def measure(work: Path, rounds: int, only: list[str] | None = None,
         "merge (transposed chunks)": _merge(work / "transposed", out),
         "merge --dtype bf16 (transposed)": _merge(work / "transposed", out, "--dtype", "bf16"),
         "merge --dtype fp16 (transposed)": _merge(work / "transposed", out, "--dtype", "fp16"),
+        "merge (3-D chunks stored permuted)": _merge(work / "permuted", out),
+        "merge --dtype bf16 (permuted)": _merge(work / "permuted", out, "--dtype", "bf16"),
         "cp -r (dim0, the I/O floor)": ["cp", "-r", str(work / "dim0"), str(out / "copy")],
         "cp -r && sync (a durable copy)": ["sh", "-c", f"cp -r '{work / 'dim0'}' "
                                            f"'{out / 'copy'}' && sync"],
@@ -124,7 +136,8 @@ def measure(work: Path, rounds: int, only: list[str] | None = None,
                 cases[name + BEFORE] = ["env", "-C", str(before), f"PYTHONPATH={before}",
                                         *cmd[at:]]
     # Warm the page cache once.
-    for folder in ("dim0", "dim1", "grid", "transposed", "big_plain", "big_transposed"):
+    for folder in ("dim0", "dim1", "grid", "transposed", "permuted", "big_plain",
+                   "big_transposed"):
         subprocess.run(["cat", *map(str, (work / folder).iterdir())], stdout=subprocess.DEVNULL,
                        check=True)
     times: dict[str, list[float]] = {}
@@ -190,10 +203,11 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     print(f"cpus: {os.cpu_count()}, workdir: {work}")
     try:
-        if not (work / "dim0" / ".metadata").exists():
+        if not (work / "permuted" / ".metadata").exists():
             start = time.perf_counter()
-            build(work / "dim0", args.layers)
-            _build_layouts(work, args.layers, args.big)
+            if not (work / "dim0" / ".metadata").exists():
+                build(work / "dim0", args.layers)
+            _build_layouts(work, args.layers, args.big)  # those still missing
             print(f"built the folders in {time.perf_counter() - start:.1f} s")
         size_gb = sum(p.stat().st_size for p in (work / "dim0").iterdir()) / 1e9
         only = args.cases.split(",") if args.cases else None

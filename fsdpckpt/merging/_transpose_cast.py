@@ -13,11 +13,11 @@ by element, so its order changes no bit), and the groups are transposed into the
 - the reads overlap the transposes, no longer waiting for them chunk by chunk;
 - the cast, the costly step (fp16: 1.1 s of one core for 1.6 GB), is done by whichever
   thread is free: here, or on the transpose thread with the group's transpose where that
-  thread has run out of work. The memory-bound transposes do not speed up on two cores
-  (each runs at half speed beside the other), the cast does.
+  thread has fewer than :data:`_QUEUE` groups waiting. The memory-bound transposes do not
+  speed up on two cores (each runs at half speed beside the other), the cast does.
 
-Measured in alternated whole merges (``benchmarks/merge_paths.py``): bf16 1.56x to 1.3x, fp16
-1.95x to 1.5x, peak 90 MB to 75 MB.
+Measured in alternated whole merges (``benchmarks/merge_paths.py``, docs/benchmarks.md): bf16
+1.61x the plain merge to 1.23x, fp16 2.01x to 1.42x, peak 91 MB to 76 MB.
 """
 
 from __future__ import annotations

@@ -304,3 +304,25 @@ def test_a_box_is_read_run_by_run_from_a_file_that_is_not_local():
     assert reads == [(16 + (2 + f) * 4, 40) for f in (5, 25, 45)]
     assert bytes(buffer) == b"".join(data[16 + (2 + f) * 4:16 + (2 + f) * 4 + 40]
                                      for f in (5, 25, 45))
+
+
+def test_an_empty_chunk_stored_permuted_is_not_placed_in_boxes():
+    raw = RawTensor(0, 0, DTYPES["float32"], 0, (2, 0, 3), (1, 2, 2))  # empty(3,0,2).permute
+    assert _gather.box_rows(raw, DTYPES["float32"], 2**24) == 0
+    assert not engine._in_boxes(raw, DTYPES["float32"])
+
+
+def test_deciding_against_boxes_builds_no_list_of_runs():
+    """Runs of one element (dim 0 innermost in storage): boxes do not pay, and finding that
+    out costs no memory whatever the chunk (a list of its runs would be 64 MB here)."""
+    import tracemalloc
+
+    raw = RawTensor(0, 3 * 1024 * 4096 * 4, DTYPES["float32"], 0, (3, 1024, 4096),
+                    (1, 12288, 3))
+    tracemalloc.start()
+    try:
+        assert _gather.box_rows(raw, DTYPES["float32"], 16 * 2**20) == 0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20

@@ -187,3 +187,22 @@ def test_a_group_that_fails_on_the_transpose_thread_fails_the_merge(tmp_path, mo
     assert not running.is_set()
     assert not (tmp_path / "out").exists()
     assert "fsdpckpt-transpose_0" in calls
+
+
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float16])
+def test_a_group_holding_nan_is_cast_by_torch_on_this_thread_only(tmp_path, monkeypatch, out):
+    """torch's first import gives back only the kept buffers of the thread it runs on: a
+    group the transpose thread cannot cast without torch is left to this one."""
+    monkeypatch.setattr(_transpose_cast, "_GROUP", 4 * 37 * 8)
+    monkeypatch.setattr(_transpose_cast, "_QUEUE", 10**9)  # every cast offered to that thread
+    threads = []
+    original = _casts.import_torch
+
+    def recording():
+        threads.append(threading.current_thread().name)
+        return original()
+
+    monkeypatch.setattr(_casts, "import_torch", recording)
+    value = _values(torch.float32, 37, 29, seed=3)  # NaN payloads in its first column
+    assert _place(tmp_path, value, (37, 29), (0, 0), out) == _bytes(value.to(out))
+    assert threads and set(threads) == {threading.main_thread().name}

@@ -51,14 +51,30 @@ def box_rows(raw: RawTensor, out: DType, budget: int) -> int:
     budget, or stored runs under :data:`_MIN_RUN` bytes."""
     shape, stride = raw.shape, raw.stride
     order = dense_order(shape, stride) if len(shape) >= 2 and _casts._numpy() is not None else None
-    if not order or order[-1] == 0 or 0 not in order:
+    if not order or order[-1] == 0 or 0 not in order or 0 in shape:
         return 0
     row = math.prod(shape[1:]) * max(raw.dtype.itemsize, out.itemsize)
     if row > budget:
         return 0
     rows = min(shape[0], budget // row)
-    run, _ = box_runs(shape, stride, 0, rows, order)
+    run, _ = _run(shape, stride, rows, order)  # its length only: no starts built to decide
     return rows if run * raw.dtype.itemsize >= _MIN_RUN else 0
+
+
+def _run(shape: Sequence[int], stride: Sequence[int], rows: int,
+         order: Sequence[int]) -> tuple[int, int]:
+    """The elements of one stored run of a box of ``rows`` rows, and how many of ``order``'s
+    dims (innermost first) it spans."""
+    run, inner = 1, 0
+    for d in order:  # innermost first: dims that continue the run
+        if stride[d] != run:
+            break
+        size = rows if d == 0 else shape[d]
+        run *= size
+        inner += 1
+        if size != shape[d]:  # a part of this dim: the next one's stride is not ``run``
+            break
+    return run, inner
 
 
 def box_runs(shape: Sequence[int], stride: Sequence[int], first: int, rows: int,
@@ -72,14 +88,7 @@ def box_runs(shape: Sequence[int], stride: Sequence[int], first: int, rows: int,
     """
     np = _casts._numpy()
     sizes = [rows if d == 0 else shape[d] for d in range(len(shape))]
-    run, inner = 1, 0
-    for d in order:  # innermost first: dims that continue the run
-        if stride[d] != run:
-            break
-        run *= sizes[d]
-        inner += 1
-        if sizes[d] != shape[d]:  # a part of this dim: the next one's stride is not ``run``
-            break
+    run, inner = _run(shape, stride, rows, order)
     starts = np.zeros(1, dtype=np.int64)
     for d in order[inner:]:  # outward: each outer dim repeats the starts inside it
         steps = np.arange(first, first + rows, dtype=np.int64) if d == 0 else \

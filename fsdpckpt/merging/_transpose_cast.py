@@ -85,33 +85,44 @@ def place_cast_in_groups(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DTy
     element = np.dtype(_UNSIGNED[out_size])
     at = raw.storage_start + raw.storage_offset * in_size
 
-    def cast_group(turn: int) -> None:  # on whichever thread: its buffers are the turn's own
+    def cast_group(turn: int, with_torch: bool) -> bool:  # its buffers are the turn's own
         first, slot = firsts[turn], turn % ring
         width = min(group, cols - first)
-        contiguous = scratch(width * rows * out_size, "cast")  # this thread's own
-        _casts.cast_block(raw.dtype.name, out.name, stored[slot][:width * rows * in_size],
-                          contiguous)
+        contiguous = scratch(width * rows * out_size, "cast")  # the calling thread's own
+        if not _casts.cast_block(raw.dtype.name, out.name, stored[slot][:width * rows * in_size],
+                                 contiguous, with_torch=with_torch):
+            return False
         np.frombuffer(cast[slot], dtype=element, count=width * pitch).reshape(
             width, pitch)[:, :rows] = np.frombuffer(contiguous, dtype=element,
                                                     count=width * rows).reshape(width, rows)
+        return True
 
-    def make(turn: int, cast_too: bool) -> None:
-        if cast_too:
-            cast_group(turn)
+    def make(turn: int, cast_too: bool, here: bool = False) -> bool:
+        """Cast (if asked) and transpose the turn's group; False, with nothing made, where
+        the cast needs torch and this is the transpose thread: torch is imported on this
+        one only, whose kept buffers its first import gives back (_casts.import_torch)."""
+        if cast_too and not cast_group(turn, with_torch=here):
+            return False
         first = firsts[turn]
         transpose_tile(cast[turn % ring], pitch, min(group, cols - first), rows, out,
                        made[first * out_size:], row_pitch=cols)
+        return True
 
-    jobs: list[tuple[Future[None], bool]] = []  # each group's, and whether it casts too
+    def settle(turn: int) -> None:  # here: the turn's group is made once this returns
+        if settled[turn]:
+            return
+        job, cast_too = jobs[turn]
+        if job.cancel() or not job.result():  # not started there, or its cast left for torch
+            make(turn, cast_too, here=True)
+        settled[turn] = True
+
+    jobs: list[tuple[Future[bool], bool]] = []  # each group's, and whether it casts too
+    settled: list[bool] = []
     submitted = 0
     try:
         for turn, first in enumerate(firsts):
-            if turn >= ring:  # the group that last held these buffers is made: here if the
-                before, cast_too = jobs[turn - ring]  # transpose thread has not started it
-                if before.cancel():
-                    make(turn - ring, cast_too)
-                else:
-                    before.result()
+            if turn >= ring:  # the group that last held these buffers is made
+                settle(turn - ring)
             view = stored[turn % ring][:min(group, cols - first) * rows * in_size]
             if isinstance(src, CheckedRead):
                 src.read_at(view, at + first * rows * in_size, later=True)
@@ -120,21 +131,17 @@ def place_cast_in_groups(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DTy
             waiting = sum(not job.done() for job, _ in jobs[-_QUEUE:]) if _QUEUE else 0
             beside = waiting < _QUEUE
             if not beside:
-                cast_group(turn)
+                cast_group(turn, with_torch=True)
             submitted = turn + 1  # before: a job whose future Ctrl-C keeps from the list
             jobs.append((background.submit("transpose", make, turn, beside), beside))
-        # The groups the transpose thread has not started are made here, from the last (a
-        # cancelled one was made here already: cancel() says True again).
+            settled.append(False)
+        # The groups the transpose thread has not started are made here, from the last.
         for turn in reversed(range(len(jobs))):
-            job, cast_too = jobs[turn]
-            if job.cancelled():
-                continue
-            if not job.cancel():
+            if not settled[turn] and not jobs[turn][0].cancel():
                 break
-            make(turn, cast_too)
-        for job, _ in jobs:
-            if not job.cancelled():
-                job.result()
+            settle(turn)
+        for turn in range(len(jobs)):
+            settle(turn)
     finally:
         # No cast or transpose may still fill a buffer that is handed out again. (Not a
         # drain where every group is made: work of others may be queued on that thread.)

@@ -81,6 +81,17 @@ def reference_state_dict(folder: Path) -> dict:
     return _REFERENCE[key]
 
 
+def run_fresh(code: str) -> None:
+    """Run ``code`` in a fresh interpreter on this checkout: what it imports is its own (the
+    torch-free paths are checked this way)."""
+    import os
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
+                   env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
 def run_cli(*args):
     """Run the CLI in-process; stdout and stderr stay apart."""
     from click.testing import CliRunner

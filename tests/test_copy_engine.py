@@ -21,6 +21,7 @@ from fsdpckpt.merging._copy import MemorySink, place_chunk, tiles
 from fsdpckpt.merging.plan import chunk_runs
 
 from chunked import place_stored, split, write_dcp
+from conftest import run_fresh
 
 
 @st.composite
@@ -206,9 +207,6 @@ def test_a_permuted_chunk_cast_is_torch_to_of_the_contiguous_tensor(tmp_path, mo
 def test_a_merge_of_permuted_chunks_does_not_import_torch(tmp_path):
     """A 3-D tensor stored permuted (a view torch.save kept with its strides), merged as is
     and cast, by numpy: torch's import alone costs more than merging 1.6 GB."""
-    import subprocess
-    import sys
-
     value = torch.randn(40, 6, 50)
 
     def permuted_halves(tensor):  # each chunk a view of a (6, 20, 50) storage
@@ -222,9 +220,7 @@ def test_a_merge_of_permuted_chunks_does_not_import_torch(tmp_path):
             f"fsdpckpt.merge({str(folder2)!r}, {str(tmp_path / 'a')!r})\n"
             f"fsdpckpt.merge({str(folder2)!r}, {str(tmp_path / 'b')!r}, dtype='bf16')\n"
             "assert 'torch' not in sys.modules, 'torch imported'")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
-                   env=dict(os.environ, PYTHONPATH=root))
+    run_fresh(code)
     assert torch.equal(load_file(tmp_path / "a" / "model.safetensors")["w"], value)
     assert torch.equal(load_file(tmp_path / "b" / "model.safetensors")["w"],
                        value.to(torch.bfloat16))

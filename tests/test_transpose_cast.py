@@ -5,7 +5,6 @@ each group is cast and transposed, checked as read, and nothing left running on 
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -21,6 +20,7 @@ from fsdpckpt.merging import _casts, _transpose_cast
 from fsdpckpt.merging import _copy as engine
 
 from chunked import flip_stored_byte, place_stored, split, write_dcp
+from conftest import run_fresh
 
 # NaN payloads of both signs, infinities, subnormals, ties, overflow to infinity (fp16).
 _SPECIAL = [0x7FC00001, 0xFFC00000, 0x7F800001, 0x7F800000, 0xFF800000, 0x00000001,
@@ -102,9 +102,6 @@ def test_a_chunk_cast_in_groups_is_torch_to_of_the_contiguous_tensor(tmp_path, g
 
 def test_a_merge_cast_in_groups_is_bit_exact_and_never_imports_torch_without_nan(tmp_path):
     """The whole CLI's path: fp32 to bf16 and fp16 in groups, torch-free (numpy casts it)."""
-    import subprocess
-    import sys
-
     tensors = {"a": torch.randn(1030, 70), "b": torch.randn(2048, 24), "c": torch.randn(7, 3)}
     folder = write_dcp(tmp_path / "ckpt", {k: (v, split([0], transpose=True))
                                            for k, v in tensors.items()})
@@ -113,9 +110,7 @@ def test_a_merge_cast_in_groups_is_bit_exact_and_never_imports_torch_without_nan
             f"for d in ('bf16', 'fp16'): fsdpckpt.merge({str(folder)!r}, "
             f"{str(tmp_path)!r} + '/' + d, dtype=d)\n"
             "assert 'torch' not in sys.modules, 'torch imported'")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
-                   env=dict(os.environ, PYTHONPATH=root))
+    run_fresh(code)
     for name, kind in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         got = load_file(tmp_path / name / "model.safetensors")
         for key, value in tensors.items():

@@ -43,6 +43,7 @@ __all__ = [
     "check_archive",
     "check_saved_file",
     "checksum_error",
+    "read_checked",
     "verify_entry_beside",
     "verify_entry_once",
 ]
@@ -240,6 +241,17 @@ class CheckedRead:
         self._at, self._crc = self._end, crc
         if crc != self._expected:
             raise checksum_error(self._source, self._entry, self._expected, crc)
+
+
+def read_checked(src: int | ReadAt, view: memoryview, offset: int, *, source: str) -> None:
+    """Fill ``view`` with the bytes of ``src`` from ``offset``: through a
+    :class:`CheckedRead`, its CRC-32 computed on the CRC thread while the caller goes on
+    (``read_at(later=True)``: leave ``view`` as it is until the next read returns); from
+    anything else (a source checked whole already), a plain read."""
+    if isinstance(src, CheckedRead):
+        src.read_at(view, offset, later=True)
+    else:
+        pread_into(src, view, offset, source=source)
 
 
 def _crc32_of(views: list[memoryview], crc: int) -> int:

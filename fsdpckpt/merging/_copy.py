@@ -124,13 +124,6 @@ class MemorySink:
 Source = int | ReadAt
 
 
-def _read(src: Source, view: memoryview, offset: int, source: str) -> None:
-    if isinstance(src, int):
-        pread_into(src, view, offset, source=source)
-    else:
-        src.read_at(view, offset)
-
-
 def _runs(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> Runs:
     return chunk_runs(shape, Chunk(tuple(offsets), tuple(sizes), None, 0, 0))
 
@@ -189,10 +182,8 @@ def _place_contiguous(src: Source, raw: RawTensor, run: int, starts: Sequence[in
 
     def read(turn: int) -> None:
         count, stored = block(turn)
-        if checked is not None:
-            checked.read_at(stored, raw.data_start + turn * per_block * in_size, later=True)
-        else:
-            _read(src, stored, raw.data_start + turn * per_block * in_size, source)
+        _checked.read_checked(src, stored, raw.data_start + turn * per_block * in_size,
+                              source=source)
 
     # Whether each parity's cast was done on the cast thread: one that needs torch (a block
     # holding NaN) is cast again here, where torch's import gives this thread's buffers back.
@@ -265,8 +256,8 @@ def _place_tiled(src: Source, raw: RawTensor, chunk: Chunk, run: int, starts: Se
             base = raw.storage_offset + sum(o * st for o, st in zip(offsets, raw.stride))
             low = base + sum(min(0, (s - 1) * st) for s, st in zip(sizes, raw.stride))
             high = base + sum(max(0, (s - 1) * st) for s, st in zip(sizes, raw.stride)) + 1
-            _read(src, stored[:(high - low) * in_size], raw.storage_start + low * in_size,
-                  source)
+            pread_into(src, stored[:(high - low) * in_size], raw.storage_start + low * in_size,
+                       source=source)
             reorder(stored, high - low, sizes, raw.stride, base - low, raw.dtype, staged)
         if cast:
             cast_block(raw.dtype.name, out.name, staged[:numel * in_size],

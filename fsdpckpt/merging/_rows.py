@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fsdpckpt._io import background
-from fsdpckpt._io.rawio import iov_max, pread_into, pwrite_gathered, scratch
-from fsdpckpt.dcp._checked import CheckedRead
+from fsdpckpt._io.rawio import iov_max, pwrite_gathered, scratch
+from fsdpckpt.dcp._checked import CheckedRead, read_checked
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
@@ -190,10 +190,7 @@ def place_row_group(files: DataFiles, tensor: TensorEntry, group: RowGroup, out:
         for member, ((_, raw, _, source), read) in enumerate(zip(located, reads)):
             block = turns[turn % 2][member][:count * widths[member] * in_size]
             at = raw.data_start + done * widths[member] * in_size
-            if isinstance(read, CheckedRead):
-                read.read_at(block, at, later=True)
-            else:  # checked whole already (checked_source)
-                pread_into(read, block, at, source=source)
+            read_checked(read, block, at, source=source)  # else checked whole already
 
     # Whether each parity's casts were done on the cast thread: a turn that needs torch (a
     # block holding NaN) is cast again here, where torch's import gives this thread's buffers

@@ -34,7 +34,7 @@ from typing import Any
 from fsdpckpt._io import background, batched
 from fsdpckpt._io.rawio import ReadAt, pread_into, pread_scattered, scratch
 from fsdpckpt.dcp._archive import RawTensor
-from fsdpckpt.dcp._checked import CheckedRead
+from fsdpckpt.dcp._checked import CheckedRead, read_checked
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.merging import _casts
 from fsdpckpt.merging._runs import Runs, row_starts
@@ -185,10 +185,7 @@ def place_column_major_whole(src: int | ReadAt, raw: RawTensor, runs: Runs, out:
     stored = scratch(cols * pitch * in_size, "stored")
     at = raw.storage_start + raw.storage_offset * in_size
     if pitch == rows:
-        if isinstance(src, CheckedRead):
-            src.read_at(stored, at, later=True)
-        else:
-            pread_into(src, stored, at, source=source)
+        read_checked(src, stored, at, source=source)
     else:  # a padded pitch only where a column is 4 KiB or more: a few thousand views at most
         pieces = [stored[k * pitch * in_size:(k * pitch + rows) * in_size] for k in range(cols)]
         if isinstance(src, CheckedRead):

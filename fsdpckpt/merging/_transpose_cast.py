@@ -27,9 +27,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from fsdpckpt._io import background
-from fsdpckpt._io.rawio import ReadAt, pread_into, scratch
+from fsdpckpt._io.rawio import ReadAt, scratch
 from fsdpckpt.dcp._archive import RawTensor
-from fsdpckpt.dcp._checked import CheckedRead
+from fsdpckpt.dcp._checked import read_checked
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.merging import _casts
 from fsdpckpt.merging._runs import Runs, row_starts
@@ -124,10 +124,7 @@ def place_cast_in_groups(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DTy
             if turn >= ring:  # the group that last held these buffers is made
                 settle(turn - ring)
             view = stored[turn % ring][:min(group, cols - first) * rows * in_size]
-            if isinstance(src, CheckedRead):
-                src.read_at(view, at + first * rows * in_size, later=True)
-            else:
-                pread_into(src, view, at + first * rows * in_size, source=source)
+            read_checked(src, view, at + first * rows * in_size, source=source)
             waiting = sum(not job.done() for job, _ in jobs[-_QUEUE:]) if _QUEUE else 0
             beside = waiting < _QUEUE
             if not beside:

@@ -1,6 +1,7 @@
 """Named background threads that work beside the main one: the CRC-32 of what was just read
 (:mod:`fsdpckpt.dcp._checked`), the transposes of a column-major chunk
-(:mod:`fsdpckpt.merging._transpose`).
+(:mod:`fsdpckpt.merging._transpose`), the start of the kernel's writeback of what was
+written (:class:`fsdpckpt._io.durable.Writeback`).
 
 Each name is one thread, so what is submitted under a name runs in order. The work handed to
 them releases the GIL for most of its time (``zlib.crc32``, numpy's copies), so on two cores

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from fsdpckpt._io import background, batched
+from fsdpckpt._io.durable import Writeback
 from fsdpckpt._io.rawio import ReadAt, copy_range, pread_into, pwrite_all, scratch
 from fsdpckpt.dcp import _checked
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
@@ -80,22 +81,43 @@ class Sink(Protocol):
                   progress: Callable[[int], None] | None) -> None:
         """Put ``count`` bytes of the file ``src`` from ``src_offset`` at byte ``offset``."""
 
+    def settled(self, start: int, end: int) -> None:
+        """Bytes ``[start, end)``, put in scattered pieces, are all put now."""
+
 
 class FileSink:
-    """An open output file, written with looping ``pwrite`` and ``copy_file_range``."""
+    """An open output file, written with looping ``pwrite`` and ``copy_file_range``; each run
+    of adjacent bytes put is reported to ``writeback`` (the kernel writes it back meanwhile),
+    and so is each region put in pieces once the placer says it is whole (:meth:`settled`)."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    def __init__(self, fd: int, writeback: Writeback | None = None) -> None:
+        self.fd, self.writeback = fd, writeback
 
     def write(self, data: memoryview, offset: int) -> None:
         pwrite_all(self.fd, data, offset)
+        self.settled(offset, offset + len(data))
 
     def write_pieces(self, data: memoryview, starts: Any, lengths: Any, offsets: Any) -> None:
         batched.write_pieces(self.fd, data, starts, lengths, offsets)
+        if len(offsets) == 1:  # whole rows that follow each other: one piece
+            self.settled(int(offsets[0]), int(offsets[0]) + int(lengths[0]))
 
     def copy_from(self, src: int, src_offset: int, offset: int, count: int, *, source: str,
                   progress: Callable[[int], None] | None) -> None:
-        copy_range(src, src_offset, self.fd, offset, count, source=source, progress=progress)
+        end = offset
+
+        def copied(count: int) -> None:
+            nonlocal end
+            self.settled(end, end + count)
+            end += count
+            if progress:
+                progress(count)
+
+        copy_range(src, src_offset, self.fd, offset, count, source=source, progress=copied)
+
+    def settled(self, start: int, end: int) -> None:
+        if self.writeback is not None:
+            self.writeback.wrote(start, end)
 
 
 class MemorySink:
@@ -117,6 +139,9 @@ class MemorySink:
         pread_into(src, self.view[offset:offset + count], src_offset, source=source)
         if progress:
             progress(count)
+
+    def settled(self, start: int, end: int) -> None:
+        pass  # memory has no writeback
 
 
 #: Where a chunk's stored bytes are read from: a data file's descriptor, or the decoded
@@ -325,7 +350,7 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
               progress=progress)
     elif column_major_past_a_span(raw) and not isinstance(src, _checked.CheckedRead):
         place_column_major(src, raw, runs, out, sink.write_pieces, tensor_start, _TILE,
-                           source=source, progress=progress)
+                           source=source, progress=progress, settled=sink.settled)
     else:
         _place_tiled(src, raw, chunk, run, starts, out, sink, tensor_start, source, progress)
 

@@ -23,13 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fsdpckpt._io import background
+from fsdpckpt._io.durable import Writeback
 from fsdpckpt._io.rawio import iov_max, pwrite_gathered, scratch
 from fsdpckpt.dcp._checked import CheckedRead, read_checked
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.merging._casts import cast_block, fast_cast
-from fsdpckpt.merging._copy import checked_source, locate_stored_chunk, place_stored_chunk
+from fsdpckpt.merging._copy import FileSink, checked_source, locate_stored_chunk, place_stored_chunk
 from fsdpckpt.merging._runs import Runs
 
 __all__ = ["RowGroup", "row_groups", "place_row_group", "place_tensor"]
@@ -131,7 +132,8 @@ def _row_pieces(row: int, first: int, rows: int, members: list[tuple[Chunk, Runs
 
 def place_row_group(files: DataFiles, tensor: TensorEntry, group: RowGroup, out: DType,
                     fd: int, tensor_start: int, *,
-                    progress: Callable[[int], None] | None = None) -> bool:
+                    progress: Callable[[int], None] | None = None,
+                    writeback: Writeback | None = None) -> bool:
     """Write the rows of ``group`` at their place in the output file ``fd``.
 
     Args:
@@ -140,6 +142,7 @@ def place_row_group(files: DataFiles, tensor: TensorEntry, group: RowGroup, out:
         out: the output dtype. fd, tensor_start: the output file and the byte offset of the
             tensor's first element in it.
         progress: called with the number of bytes written, as they are.
+        writeback: told of each band of whole rows written (:class:`Writeback`).
 
     Returns:
         False, having read and written nothing, when a member is stored in a way only the
@@ -209,8 +212,10 @@ def place_row_group(files: DataFiles, tensor: TensorEntry, group: RowGroup, out:
         if not cast_done[turn % 2]:
             cast_turn(turn, with_torch=True)
         views = gathers[turn % 2]
-        pwrite_gathered(fd, views if count == step else views[:count * len(group.pieces)],
-                        tensor_start + (group.first + turn * step) * row * out_size)
+        at = tensor_start + (group.first + turn * step) * row * out_size
+        pwrite_gathered(fd, views if count == step else views[:count * len(group.pieces)], at)
+        if writeback:
+            writeback.wrote(at, at + count * row * out_size)
         if progress:
             progress(count * row * out_size)
 
@@ -248,7 +253,8 @@ def _gather(views: Sequence[memoryview], widths: Sequence[int],
 
 def place_tensor(files: DataFiles, tensor: TensorEntry, runs: Sequence[Runs], out: DType,
                  fd: int, tensor_start: int, *,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None,
+                 writeback: Writeback | None = None) -> None:
     """Write every chunk of ``tensor`` at its place in the output file ``fd``: its row
     groups a band of rows at a time (:func:`place_row_group`), the rest chunk by chunk
     (:func:`fsdpckpt.merging._copy.place_stored_chunk`).
@@ -256,7 +262,7 @@ def place_tensor(files: DataFiles, tensor: TensorEntry, runs: Sequence[Runs], ou
     Args:
         files: the open data files of the tensor's folder.
         tensor: the stored tensor; runs: where each of its chunks lands (a plan's).
-        out, fd, tensor_start, progress: as for :func:`place_row_group`.
+        out, fd, tensor_start, progress, writeback: as for :func:`place_row_group`.
 
     Raises:
         As :func:`fsdpckpt.merging._copy.place_stored_chunk`.
@@ -264,9 +270,10 @@ def place_tensor(files: DataFiles, tensor: TensorEntry, runs: Sequence[Runs], ou
     placed: set[int] = set()
     widest = max(tensor.dtype.itemsize, out.itemsize)
     for group in row_groups(tensor.shape, tensor.chunks, runs, row_max=GROUP_BLOCK // widest):
-        if place_row_group(files, tensor, group, out, fd, tensor_start, progress=progress):
+        if place_row_group(files, tensor, group, out, fd, tensor_start, progress=progress,
+                           writeback=writeback):
             placed.update(group.members)
     for index, (chunk, chunk_runs) in enumerate(zip(tensor.chunks, runs, strict=True)):
         if index not in placed:
-            place_stored_chunk(files, tensor, chunk, chunk_runs, out, fd, tensor_start,
-                               progress=progress)
+            place_stored_chunk(files, tensor, chunk, chunk_runs, out, FileSink(fd, writeback),
+                               tensor_start, progress=progress)

@@ -253,7 +253,8 @@ def _row_pieces(lines: list[int], width: int, first_col: int, out_size: int,
 def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType,
                        write_pieces: Callable[[memoryview, Any, Any, Any], None],
                        tensor_start: int, tile: int, *, source: str,
-                       progress: Callable[[int], None] | None) -> None:
+                       progress: Callable[[int], None] | None,
+                       settled: Callable[[int, int], None] | None = None) -> None:
     """Place the column-major matrix chunk ``raw`` in square tiles of at most ``tile`` bytes.
 
     Each tile is one piece per stored column read and one piece per output row written, so
@@ -279,6 +280,9 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
         tile: the most bytes of one tile, stored or made.
         source: how to name the chunk in messages.
         progress: called with the number of bytes written, as they are.
+        settled: called with the byte range of each row of tiles once it is written, where
+            the chunk's rows are whole rows of the output (one run): its pieces made it
+            whole (:class:`fsdpckpt._io.durable.Writeback`).
     """
     in_size, out_size = raw.dtype.itemsize, out.itemsize
     side = max(1, math.isqrt(max(1, tile // max(in_size, out_size))))
@@ -313,7 +317,8 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
         _make(buffer, pitch, width, height, raw.dtype, out, target, staged)
 
     running: Future[None] | None = None  # the last tile submitted (they run in order)
-    previous: tuple[Future[None], memoryview, list[int], int, int] | None = None
+    previous: _Made | None = None
+    whole_rows = settled is not None and len(runs[1]) == 1
     try:
         turn = 0
         for first_row in range(0, rows, side):
@@ -333,22 +338,33 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
                     read(stored, first_row, height, first_col, width)
                     running = background.submit("transpose", _make, stored, pitch, width,
                                                 height, raw.dtype, out, target, staged)
-                before, previous = previous, (running, target, lines, first_col, width)
+                ends = (tensor_start + lines[0] * out_size,
+                        tensor_start + (lines[0] + height * cols) * out_size) \
+                    if whole_rows and first_col + width == cols else None
+                before, previous = previous, (running, target, lines, first_col, width, ends)
                 if before is not None:  # written while this tile is read and made
-                    _write_made(before, write_pieces, out_size, tensor_start, progress)
+                    _write_made(before, write_pieces, out_size, tensor_start, progress, settled)
                 turn += 1
         if previous is not None:
-            _write_made(previous, write_pieces, out_size, tensor_start, progress)
+            _write_made(previous, write_pieces, out_size, tensor_start, progress, settled)
     finally:
         if running is not None:  # no read or transpose may still fill a buffer handed out again
             background.drain("transpose")
 
 
-def _write_made(tile: tuple[Future[None], memoryview, list[int], int, int],
-                write_pieces: Callable[[memoryview, Any, Any, Any], None], out_size: int,
-                tensor_start: int, progress: Callable[[int], None] | None) -> None:
-    made, target, lines, first_col, width = tile
+#: A tile submitted: its transpose, its made buffer, where its output rows start, its first
+#: column and width, and the byte range of its row of tiles where it ends that row (whole
+#: output rows) else None.
+_Made = tuple[Future[None], memoryview, list[int], int, int, tuple[int, int] | None]
+
+
+def _write_made(tile: _Made, write_pieces: Callable[[memoryview, Any, Any, Any], None],
+                out_size: int, tensor_start: int, progress: Callable[[int], None] | None,
+                settled: Callable[[int, int], None] | None) -> None:
+    made, target, lines, first_col, width, ends = tile
     made.result()
     write_pieces(target, *_row_pieces(lines, width, first_col, out_size, tensor_start))
     if progress:
         progress(len(target))
+    if ends is not None and settled is not None:
+        settled(*ends)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsdpckpt._io.checksums import crc32_range
-from fsdpckpt._io.durable import write_bytes
+from fsdpckpt._io.durable import Writeback, write_bytes
 from fsdpckpt._io.publish import STAGING_PREFIX, clear_stale_stages, rename_into, stage_in
 from fsdpckpt._io.rawio import pwrite_all, reusing_scratch
 from fsdpckpt.dcp._datafiles import DataFiles
@@ -108,14 +108,6 @@ def _reserve(fd: int, size: int, path: Path) -> None:
         os.ftruncate(fd, size)
 
 
-def _start_writeback(fd: int, start: int, count: int) -> None:
-    # Ask the kernel to start writing this tensor's pages now, while the next ones are
-    # copied, so the final fsync has little left to wait for (and the page cache does
-    # not fill up with the output). Linux starts writeback of dirty pages on DONTNEED.
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, start, count, os.POSIX_FADV_DONTNEED)
-
-
 def _write_file(plan: MergePlan, file: PlannedFile, objects: list[ObjectValue], path: Path,
                 sources: DataFiles, progress: Callable[[int], None] | None) -> None:
     fmt = plan.format
@@ -126,13 +118,14 @@ def _write_file(plan: MergePlan, file: PlannedFile, objects: list[ObjectValue], 
         for offset, data in layout.fixed:
             pwrite_all(fd, data, offset)
         crcs = {}
-        for planned in file.tensors:
-            entry, start = planned.source, layout.starts[planned.spec.name]
-            place_tensor(sources, entry, planned.runs, planned.spec.dtype, fd, start,
-                         progress=progress)
-            if fmt.needs_crc:
-                crcs[planned.spec.name] = crc32_range(fd, start, planned.spec.nbytes)
-            _start_writeback(fd, start, planned.spec.nbytes)
+        with Writeback(fd) as writeback:  # each tensor on its way to disk as it is written
+            for planned in file.tensors:
+                entry, start = planned.source, layout.starts[planned.spec.name]
+                place_tensor(sources, entry, planned.runs, planned.spec.dtype, fd, start,
+                             progress=progress, writeback=writeback)
+                if fmt.needs_crc:
+                    crcs[planned.spec.name] = crc32_range(fd, start, planned.spec.nbytes)
+                writeback.hand_over(start, planned.spec.nbytes)
         fmt.finish(fd, layout, crcs)
         os.fsync(fd)
     finally:
@@ -214,13 +207,14 @@ def _write_computed(plan: MergePlan, files: list[PlannedFile], stage: Path,
     where: dict[str, tuple[int, int, TensorSpec]] = {}  # name -> (fd, offset, spec)
     copies: list[tuple[int, int, PlannedTensor]] = []  # (fd, offset, tensor)
     with contextlib.ExitStack() as opened:
-        fds = []
+        fds, writebacks = [], {}
         for path, file in zip(paths, files, strict=True):
             specs = [t.spec for t in file.tensors]
             layout = plan.format.layout(specs, [], nested=plan.nested)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             opened.callback(os.close, fd)
             fds.append(fd)
+            writebacks[fd] = opened.enter_context(Writeback(fd))  # waited for before the close
             _reserve(fd, layout.size, path)
             for offset, data in layout.fixed:
                 pwrite_all(fd, data, offset)
@@ -236,8 +230,8 @@ def _write_computed(plan: MergePlan, files: list[PlannedFile], stage: Path,
                              for c in t.source.chunks)
             for fd, start, t in copies:
                 place_tensor(sources, t.source, t.runs, t.spec.dtype, fd, start,
-                             progress=progress)
-                _start_writeback(fd, start, t.spec.nbytes)
+                             progress=progress, writeback=writebacks[fd])
+                writebacks[fd].hand_over(start, t.spec.nbytes)
         for name, tensor in tensors:
             if name not in where:  # not planned (a tied target), or another rank's share
                 continue
@@ -249,7 +243,7 @@ def _write_computed(plan: MergePlan, files: list[PlannedFile], stage: Path,
                                              f"{tensor.dtype}; the layout said {spec.shape}, "
                                              f"{spec.dtype.name}")
             pwrite_all(fd, memoryview(data), offset)
-            _start_writeback(fd, offset, spec.nbytes)
+            writebacks[fd].hand_over(offset, spec.nbytes)
             if progress:
                 progress(spec.nbytes)
         if where:

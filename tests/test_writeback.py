@@ -1,0 +1,199 @@
+"""The output goes to disk while it is written (``fsdpckpt._io.durable.Writeback``): runs of
+adjacent bytes are handed to the kernel's writeback a step at a time, on the writeback
+thread, and only bytes already written whole and final: a region with holes is never handed
+over before they are filled (its writeback would split the file's reserved extents). Every
+call is done before the file is closed. What is handed over is observed by recording the
+calls, never by timing (issue 21).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fsdpckpt
+from fsdpckpt._io import durable
+from fsdpckpt._io.durable import Writeback
+from fsdpckpt.merging import _copy as engine
+from fsdpckpt.merging import _transpose
+
+from chunked import split, whole, write_dcp
+
+
+@pytest.fixture
+def handed(monkeypatch):
+    """Every ``(fd, start, count)`` given to ``start_writeback``, in order, the real call
+    made after it."""
+    calls: list[tuple[int, int, int]] = []
+    real = durable.start_writeback
+
+    def record(fd, start, count):
+        calls.append((fd, start, count))
+        real(fd, start, count)
+
+    monkeypatch.setattr(durable, "start_writeback", record)
+    return calls
+
+
+def _ranges(calls) -> list[tuple[int, int]]:
+    return [(start, start + count) for _, start, count in calls]
+
+
+def test_adjacent_writes_are_handed_over_a_step_at_a_time(tmp_path, handed):
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        with Writeback(fd, step=100) as writeback:
+            for at in range(0, 250, 50):
+                writeback.wrote(at, at + 50)
+    finally:
+        os.close(fd)
+    assert _ranges(handed) == [(0, 100), (100, 200)]  # the last 50: with the file's end
+
+
+def test_scattered_writes_are_never_handed_over_on_their_own(tmp_path, handed):
+    # Half rows of a dim-1 chunk, a tile's rows: pieces apart, however many bytes in all.
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        with Writeback(fd, step=100) as writeback:
+            for row in range(50):
+                writeback.wrote(row * 80, row * 80 + 40)
+    finally:
+        os.close(fd)
+    assert handed == []
+
+
+def test_a_new_run_starts_over(tmp_path, handed):
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        with Writeback(fd, step=100) as writeback:
+            writeback.wrote(0, 90)
+            writeback.wrote(1000, 1090)  # not after the first: the 90 before are not counted
+            writeback.wrote(1090, 1110)
+    finally:
+        os.close(fd)
+    assert _ranges(handed) == [(1000, 1110)]
+
+
+def test_the_calls_run_on_the_writeback_thread_and_end_before_the_block_does(tmp_path,
+                                                                             monkeypatch):
+    threads, finished = [], []
+
+    def slow(fd, start, count):
+        time.sleep(0.05)
+        os.fstat(fd)  # the descriptor is still open
+        threads.append(threading.current_thread().name)
+        finished.append(start)
+
+    monkeypatch.setattr(durable, "start_writeback", slow)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        with Writeback(fd, step=10) as writeback:
+            for at in range(0, 40, 10):
+                writeback.wrote(at, at + 10)
+            writeback.hand_over(0, 40)
+        assert finished == [0, 10, 20, 30, 0]
+    finally:
+        os.close(fd)
+    assert threads and all("writeback" in name for name in threads)
+
+
+def test_a_failed_call_is_left_to_the_fsync(tmp_path, monkeypatch):
+    # fadvise refused (it is a hint): the file's own fsync reports what matters.
+    def refuse(fd, start, count):
+        raise OSError(5, "refused")
+
+    monkeypatch.setattr(durable, "start_writeback", refuse)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        with Writeback(fd, step=10) as writeback:
+            writeback.wrote(0, 10)
+    finally:
+        os.close(fd)
+
+
+def _values(shape, seed):
+    # No zero byte: a byte not yet written (zero in the reserved file) shows.
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=g) + 1.0) * torch.where(
+        torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+
+
+LAYOUTS = {
+    "dim0": split([0], 3),
+    "dim1": split([1], 2),
+    "grid": split([0, 1], 2),
+    "whole": whole,
+    "column-major": split([0], 2, transpose=True),
+    "column-major dim1": split([1], 2, transpose=True),
+    "permuted": lambda t: [((0, 0, 0), t.permute(1, 0, 2).contiguous().permute(1, 0, 2))],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+@pytest.mark.parametrize("tiles", [False, True], ids=["held-whole", "tiles"])
+def test_what_is_handed_over_was_written_whole_and_final(tmp_path, monkeypatch, layout,
+                                                         dtype, tiles):
+    # Each range is read back when it is handed over: it must already hold what the
+    # finished file holds there (no hole, nothing written again after).
+    if tiles:  # column-major chunks in square tiles, other strided ones in small boxes
+        monkeypatch.setattr(_transpose, "WHOLE", 0)
+        monkeypatch.setattr(_transpose, "_WHOLE_WITH_TORCH", 0)
+        monkeypatch.setattr(engine, "_SPAN", 1024)
+        monkeypatch.setattr(engine, "_TILE", 16 * 16 * 4)
+    monkeypatch.setattr(durable, "WRITEBACK_STEP", 512)
+    shape = (24, 16, 8) if layout == "permuted" else (96, 80)
+    value = _values(shape, seed=3)
+    src = write_dcp(tmp_path / "ckpt", {"w": (value, LAYOUTS[layout]),
+                                        "b": (_values((40,), seed=4), whole)})
+    seen: list[tuple[int, int, bytes]] = []
+    real = Writeback.hand_over
+
+    def read_back(self, start, count):
+        seen.append((start, count, os.pread(self.fd, count, start)))
+        real(self, start, count)
+
+    monkeypatch.setattr(Writeback, "hand_over", read_back)
+    fsdpckpt.merge(src, tmp_path / "out", dtype=dtype)
+    files = list((tmp_path / "out").glob("*.safetensors"))
+    final = files[0].read_bytes()
+    for start, count, data in seen:
+        assert data == final[start:start + count], (start, count)
+    tensor = load_file(files[0])["w"]
+    assert torch.equal(tensor, value.to(tensor.dtype))
+    assert sum(count for _, count, _ in seen) >= value.numel() * tensor.element_size()
+
+
+@pytest.mark.parametrize("layout", ["dim0", "whole", "column-major"])
+def test_a_large_tensor_written_in_order_goes_to_disk_before_it_ends(tmp_path, monkeypatch,
+                                                                     handed, layout):
+    # Rows written whole and in order (a dim-0 chunk, rows of column-major tiles) are handed
+    # over a step at a time, not once the tensor is done.
+    monkeypatch.setattr(_transpose, "WHOLE", 0)
+    monkeypatch.setattr(_transpose, "_WHOLE_WITH_TORCH", 0)
+    monkeypatch.setattr(engine, "_SPAN", 1024)
+    monkeypatch.setattr(engine, "_TILE", 16 * 16 * 4)
+    monkeypatch.setattr(engine, "_LOCAL_BLOCK", 1024)
+    monkeypatch.setattr(durable, "WRITEBACK_STEP", 4096)
+    value = _values((96, 80), seed=5)
+    src = write_dcp(tmp_path / "ckpt", {"w": (value, LAYOUTS[layout])})
+    fsdpckpt.merge(src, tmp_path / "out")
+    tensor_bytes = value.numel() * 4
+    steps = [count for _, _, count in handed if count < tensor_bytes]
+    assert len(steps) >= 3 and all(count >= 4096 for count in steps)
+    assert any(count == tensor_bytes for _, _, count in handed)  # and whole at its end
+
+
+def test_a_dim1_tensor_is_handed_over_only_whole(tmp_path, monkeypatch, handed):
+    # Each chunk writes half of every row: no run of its own is ever whole.
+    monkeypatch.setattr(durable, "WRITEBACK_STEP", 256)
+    value = _values((96, 80), seed=6)
+    src = write_dcp(tmp_path / "ckpt", {"w": (value, split([1], 2))})
+    monkeypatch.setattr("fsdpckpt.merging._rows.row_groups", lambda *a, **k: [])
+    fsdpckpt.merge(src, tmp_path / "out")
+    assert [count for _, _, count in handed] == [value.numel() * 4]

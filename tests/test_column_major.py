@@ -56,14 +56,17 @@ def transposer(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["tiles", "tiles-unbatched", "whole"])
+@pytest.fixture(params=["tiles", "tiles-wide", "tiles-unbatched", "whole"])
 def column_path(request, monkeypatch):
     """Every way of placing a column-major chunk: square tiles read out of storage order (a
-    chunk too large to hold whole), their reads and writes batched (Linux AIO, the reads
-    beside) or one call each (where AIO is missing); or held whole and read in storage
-    order, here in bands of a few rows (several bands, the last one short)."""
+    chunk too large to hold whole), or tiles twice as wide (where torch is not in the
+    process), their reads and writes batched (Linux AIO, the reads beside) or one call each
+    (where AIO is missing); or held whole and read in storage order, here in bands of a few
+    rows (several bands, the last one short)."""
     if request.param.startswith("tiles"):
         monkeypatch.setattr(_transpose, "WHOLE", 0)
+        if request.param == "tiles-wide":  # as where torch is not in the process
+            monkeypatch.setattr(_transpose, "_wide_tiles", lambda raw, out: True)
         if request.param == "tiles-unbatched":
             monkeypatch.setattr(batched, "available", lambda: False)
     else:
@@ -324,6 +327,18 @@ def test_chunks_held_whole_stay_smaller_where_placing_them_may_import_torch(monk
     monkeypatch.setattr(_casts, "_numpy", lambda: None)
     assert not _transpose.fits_whole(_column_major_raw("float16", 4096, 4096),
                                      DTYPES["float16"])
+
+
+def test_tiles_are_wider_only_where_torch_is_not_in_the_process(monkeypatch):
+    """Twice as wide, a large chunk's tiles hold twice the bytes: not beside torch's 220 MB,
+    nor where placing the chunk may import it (a cast)."""
+    raw = _column_major_raw("float32", 8192, 8192)
+    assert not _transpose._wide_tiles(raw, DTYPES["float32"])  # this process holds torch
+    monkeypatch.delitem(sys.modules, "torch")  # as in the CLI, which never imported it
+    assert _transpose._wide_tiles(raw, DTYPES["float32"])
+    assert not _transpose._wide_tiles(raw, DTYPES["bfloat16"])
+    monkeypatch.setattr(_casts, "_numpy", lambda: None)
+    assert not _transpose._wide_tiles(raw, DTYPES["float32"])
 
 
 def test_a_failed_write_leaves_no_transpose_running(tmp_path, monkeypatch):

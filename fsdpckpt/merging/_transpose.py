@@ -10,10 +10,10 @@ row in pieces of a few hundred bytes (a 2.4 GB one took 75 s). Two ways, by size
   so its CRC-32 is computed as it is read, then transposed in bands of whole output rows,
   each band one write while the next is made (cast, it goes in groups of stored columns
   instead: :mod:`fsdpckpt.merging._transpose_cast`);
-- larger (:func:`place_column_major`): square tiles, each tile's stored columns read one
-  piece per column and written one piece per output row, those calls batched
-  (:mod:`fsdpckpt._io.batched`) and the reads and transposes on the transpose thread while
-  this one writes; the caller checks the storage whole beside them.
+- larger (:func:`place_column_major`): tiles (square, or twice as wide without torch),
+  each tile's stored columns read one piece per column and written one piece per output
+  row, those calls batched (:mod:`fsdpckpt._io.batched`) and the reads and transposes on the
+  transpose thread while this one writes; the caller checks the storage whole beside them.
 
 With torch the transpose cost ``import torch`` (about 1.5 s here, longer than merging a
 1.6 GB model) and its transposing copy ran at 1.5 GB/s on one core
@@ -57,6 +57,12 @@ _WHOLE_WITH_TORCH = 48 * 2**20
 #: 1.64 s with 4, 1.69 s with 8).
 _BAND = 4 * 2**20
 _BAND_ROWS = 4096
+#: Columns of a large column-major chunk's tile per row of it, where torch is not in the
+#: process: the output rows' pieces, one write each, are twice as long, and the tiles twice
+#: the bytes (2.4 GB, uncast: 2048 x 2048 tiles 2.95 s, 2048 x 4096 2.58-2.69 s, 2048 x 6144
+#: 2.51 s, 1448 x 5792 2.74 s; its plain merge 1.51-1.54 s; alternated, medians of 5).
+#: With torch (220 MB) the tiles stay square, within 300 MB.
+_WIDE = 2
 #: numpy types that copy an element's bytes as they are, by width.
 _UNSIGNED = {1: "u1", 2: "u2", 4: "u4", 8: "u8", 16: "V16"}
 
@@ -150,6 +156,12 @@ def torch_may_come(raw: RawTensor, out: DType) -> bool:
     return "torch" not in sys.modules and (
         raw.dtype.name != out.name or _casts._numpy() is None
         or raw.dtype.itemsize not in _UNSIGNED)
+
+
+def _wide_tiles(raw: RawTensor, out: DType) -> bool:
+    """Whether a large column-major chunk's tiles may be :data:`_WIDE` times as wide as they
+    are tall: torch is not in the process, and placing the chunk will not bring it."""
+    return "torch" not in sys.modules and not torch_may_come(raw, out)
 
 
 def fits_whole(raw: RawTensor, out: DType) -> bool:
@@ -255,7 +267,8 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
                        tensor_start: int, tile: int, *, source: str,
                        progress: Callable[[int], None] | None,
                        settled: Callable[[int, int], None] | None = None) -> None:
-    """Place the column-major matrix chunk ``raw`` in square tiles of at most ``tile`` bytes.
+    """Place the column-major matrix chunk ``raw`` in square tiles of at most ``tile`` bytes,
+    :data:`_WIDE` times as wide where torch is not in the process (:func:`_wide_tiles`).
 
     Each tile is one piece per stored column read and one piece per output row written, so
     the calls are batched (:mod:`fsdpckpt._io.batched`: a few ``io_submit`` a tile, the GIL
@@ -277,7 +290,7 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
         write_pieces: puts pieces of a buffer at byte offsets of the output, as
             :func:`fsdpckpt._io.batched.write_pieces` takes them.
         tensor_start: byte offset of the output tensor's first element.
-        tile: the most bytes of one tile, stored or made.
+        tile: the most bytes of one square tile, stored or made.
         source: how to name the chunk in messages.
         progress: called with the number of bytes written, as they are.
         settled: called with the byte range of each row of tiles once it is written, where
@@ -286,14 +299,15 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
     """
     in_size, out_size = raw.dtype.itemsize, out.itemsize
     side = max(1, math.isqrt(max(1, tile // max(in_size, out_size))))
+    wide = side * _WIDE if _wide_tiles(raw, out) else side  # a tile's columns
     pitch = column_pitch(side, in_size)
     rows, cols = raw.shape
     aside = isinstance(src, int) and batched.available()  # reads on the transpose thread
     # One stored buffer: the transpose thread reads a tile only once it has made the one
     # before; this thread reads one only once that tile is made.
-    stored = scratch(side * pitch * in_size, "stored")
-    made = [scratch(side * side * out_size, slot) for slot in ("made", "made-2")]
-    staged = scratch(side * side * in_size, "staged") if raw.dtype.name != out.name else None
+    stored = scratch(wide * pitch * in_size, "stored")
+    made = [scratch(side * wide * out_size, slot) for slot in ("made", "made-2")]
+    staged = scratch(side * wide * in_size, "staged") if raw.dtype.name != out.name else None
 
     def read(buffer: memoryview, first_row: int, height: int, first_col: int,
              width: int) -> None:
@@ -324,8 +338,8 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
         for first_row in range(0, rows, side):
             height = min(side, rows - first_row)
             lines = row_starts(runs, cols, first_row, height)  # where each output row goes
-            for first_col in range(0, cols, side):
-                width = min(side, cols - first_col)
+            for first_col in range(0, cols, wide):
+                width = min(wide, cols - first_col)
                 target = made[turn % 2][:width * height * out_size]
                 # Its made buffer last held the tile two before, which this thread wrote
                 # after submitting the tile before and before this one.

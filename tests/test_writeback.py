@@ -197,3 +197,29 @@ def test_a_dim1_tensor_is_handed_over_only_whole(tmp_path, monkeypatch, handed):
     monkeypatch.setattr("fsdpckpt.merging._rows.row_groups", lambda *a, **k: [])
     fsdpckpt.merge(src, tmp_path / "out")
     assert [count for _, _, count in handed] == [value.numel() * 4]
+
+
+def test_convert_hands_over_what_it_wrote_whole_and_final(tmp_path, monkeypatch):
+    # A state dict with objects between its tensors: each entry flushed before it is
+    # reported, so no range handed over is still in Python's buffer.
+    monkeypatch.setattr(durable, "WRITEBACK_STEP", 1)  # every entry handed over
+    state = {f"layer{i}.weight": _values((40, 30), seed=i) for i in range(6)}
+    state["step"] = 7
+    state["config"] = {"lr": 0.1}
+    state["last.weight"] = _values((5,), seed=9)
+    torch.save(state, tmp_path / "full.pt")
+    seen: list[tuple[int, int, bytes]] = []
+    real = Writeback.hand_over
+
+    def read_back(self, start, count):  # the file is open for writing only
+        with open(os.readlink(f"/proc/self/fd/{self.fd}"), "rb") as file:
+            file.seek(start)
+            seen.append((start, count, file.read(count)))
+        real(self, start, count)
+
+    monkeypatch.setattr(Writeback, "hand_over", read_back)
+    fsdpckpt.convert(tmp_path / "full.pt", tmp_path / "out")
+    final = (tmp_path / "out" / "__0_0.distcp").read_bytes()
+    assert len(seen) >= 3
+    for start, count, data in seen:
+        assert data == final[start:start + count], (start, count)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io import publish, storage
+from fsdpckpt._io.durable import Writeback
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._io.remote import location
 from fsdpckpt._io.storage import Place
@@ -271,7 +272,7 @@ def _write_local(stage: Path, out: Place, source: Place, local: list[tuple[Path,
     storage_data: dict[Any, Any] = {}
     planner: dict[str, tuple] = {}
     tensors = objects = nbytes = 0
-    with open(stage / _DATA_FILE, "wb") as data:
+    with open(stage / _DATA_FILE, "wb") as data, Writeback(data.fileno()) as writeback:
         for path, value in _entries(local, key or None):
             fqn = ".".join(map(str, path))
             if fqn in planner:
@@ -302,6 +303,8 @@ def _write_local(stage: Path, out: Place, source: Place, local: list[tuple[Path,
                 storage_data[dcp.MetadataIndex(fqn)] = storage_info(_DATA_FILE, offset,
                                                                 data.tell() - offset)
                 objects += 1
+            data.flush()  # on its way to disk while the next entry is read
+            writeback.wrote(offset, data.tell())
         data.flush()
         os.fsync(data.fileno())
     if callback and reported < total:  # headers and pickles: the bar ends at 100%
@@ -313,5 +316,4 @@ def _write_local(stage: Path, out: Place, source: Place, local: list[tuple[Path,
         meta.flush()
         os.fsync(meta.fileno())
     shutil.rmtree(stage / _DOWNLOADS, ignore_errors=True)  # no part of the output
-    return ConvertResult(out, tensors, objects, nbytes, source)
     return ConvertResult(out, tensors, objects, nbytes, source)

@@ -111,3 +111,23 @@ def test_column_major_chunks_held_whole_stay_within_their_bound(tmp_path, dtype)
                         f"{str(tmp_path / 'out')!r}, dtype={dtype!r})")
     assert peak - baseline < WHOLE / 2**20 + 16, (dtype, peak, baseline)
     assert peak < PEAK_LIMIT_MIB, (dtype, peak)
+
+
+def test_torch_imported_after_a_wide_tiled_chunk_stays_within_the_bound(tmp_path):
+    """Without torch in the process, a large column-major chunk goes in wide tiles (twice the
+    bytes); a later one cast where numpy does not cast (fp16 to bf16) imports torch on the
+    transpose thread. The wide tiles' buffers went back when their chunk was done, so torch
+    never sits beside them (320 MB when they were kept)."""
+    import torch
+
+    def column_major(tensor):
+        return [((0, 0), tensor.t().contiguous().t())]
+
+    g = torch.Generator().manual_seed(0)
+    folder = write_dcp(tmp_path / "ckpt", {  # 72 MiB each: too large to hold whole
+        "a": (torch.randn(6144, 6144, generator=g).to(torch.bfloat16), column_major),
+        "b": (torch.randn(6144, 6144, generator=g).to(torch.float16), column_major)})
+    peak = peak_rss_mib(f"import sys, fsdpckpt\nfsdpckpt.merge({str(folder)!r}, "
+                        f"{str(tmp_path / 'out')!r}, dtype='bf16')\n"
+                        "assert 'torch' in sys.modules, 'the cast did not import torch'")
+    assert peak < PEAK_LIMIT_MIB, peak

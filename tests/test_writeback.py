@@ -8,6 +8,7 @@ calls, never by timing (issue 21).
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 import fsdpckpt
-from fsdpckpt._io import durable
+from fsdpckpt._io import background, durable
 from fsdpckpt._io.durable import Writeback
 from fsdpckpt.merging import _copy as engine
 from fsdpckpt.merging import _transpose
@@ -44,43 +45,64 @@ def _ranges(calls) -> list[tuple[int, int]]:
     return [(start, start + count) for _, start, count in calls]
 
 
-def test_adjacent_writes_are_handed_over_a_step_at_a_time(tmp_path, handed):
+P = mmap.PAGESIZE
+
+
+@pytest.fixture
+def fd(tmp_path):
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-    try:
-        with Writeback(fd, step=100) as writeback:
-            for at in range(0, 250, 50):
-                writeback.wrote(at, at + 50)
-    finally:
-        os.close(fd)
-    assert _ranges(handed) == [(0, 100), (100, 200)]  # the last 50: with the file's end
+    yield fd
+    os.close(fd)
 
 
-def test_scattered_writes_are_never_handed_over_on_their_own(tmp_path, handed):
+def test_adjacent_writes_are_handed_over_a_step_at_a_time(fd, handed):
+    with Writeback(fd, step=2 * P) as writeback:
+        for page in range(5):
+            writeback.wrote(page * P, (page + 1) * P)
+    assert _ranges(handed) == [(0, 2 * P), (2 * P, 4 * P)]  # the last page: with the file's end
+
+
+def test_a_run_is_handed_over_up_to_a_page_boundary(fd, handed):
+    # The page a run ends in is not whole yet: it waits for the next step.
+    with Writeback(fd, step=2 * P) as writeback:
+        writeback.wrote(0, 2 * P + 100)
+        writeback.wrote(2 * P + 100, 4 * P + 50)
+    assert _ranges(handed) == [(0, 2 * P), (2 * P, 4 * P)]
+
+
+def test_scattered_writes_are_never_handed_over_on_their_own(fd, handed):
     # Half rows of a dim-1 chunk, a tile's rows: pieces apart, however many bytes in all.
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-    try:
-        with Writeback(fd, step=100) as writeback:
-            for row in range(50):
-                writeback.wrote(row * 80, row * 80 + 40)
-    finally:
-        os.close(fd)
+    with Writeback(fd, step=P) as writeback:
+        for row in range(50):
+            writeback.wrote(row * 2 * P, row * 2 * P + P - 8)
     assert handed == []
 
 
-def test_a_new_run_starts_over(tmp_path, handed):
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-    try:
-        with Writeback(fd, step=100) as writeback:
-            writeback.wrote(0, 90)
-            writeback.wrote(1000, 1090)  # not after the first: the 90 before are not counted
-            writeback.wrote(1090, 1110)
-    finally:
-        os.close(fd)
-    assert _ranges(handed) == [(1000, 1110)]
+def test_a_new_run_starts_over(fd, handed):
+    with Writeback(fd, step=2 * P) as writeback:
+        writeback.wrote(0, P + 90)
+        writeback.wrote(10 * P, 11 * P)  # not after the first: its bytes are not counted
+        writeback.wrote(11 * P, 12 * P)
+    assert _ranges(handed) == [(10 * P, 12 * P)]
 
 
-def test_the_calls_run_on_the_writeback_thread_and_end_before_the_block_does(tmp_path,
-                                                                             monkeypatch):
+def test_bytes_reported_twice_do_not_restart_the_run(fd, handed):
+    # A tile written in one piece is reported by the write, then again as its row of tiles.
+    with Writeback(fd, step=2 * P) as writeback:
+        for page in range(4):
+            writeback.wrote(page * P, (page + 1) * P)
+            writeback.wrote(page * P, (page + 1) * P)
+    assert _ranges(handed) == [(0, 2 * P), (2 * P, 4 * P)]
+
+
+def test_nothing_is_handed_over_for_no_bytes(fd, handed):
+    # fadvise would take a count of 0 for "to the end of the file": holes and all.
+    with Writeback(fd) as writeback:
+        writeback.hand_over(P, 0)
+    assert handed == []
+
+
+def test_the_calls_run_on_the_writeback_thread_and_end_before_the_block_does(fd, monkeypatch):
     threads, finished = [], []
 
     def slow(fd, start, count):
@@ -90,30 +112,46 @@ def test_the_calls_run_on_the_writeback_thread_and_end_before_the_block_does(tmp
         finished.append(start)
 
     monkeypatch.setattr(durable, "start_writeback", slow)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-    try:
-        with Writeback(fd, step=10) as writeback:
-            for at in range(0, 40, 10):
-                writeback.wrote(at, at + 10)
-            writeback.hand_over(0, 40)
-        assert finished == [0, 10, 20, 30, 0]
-    finally:
-        os.close(fd)
+    with Writeback(fd, step=P) as writeback:
+        for page in range(4):
+            writeback.wrote(page * P, (page + 1) * P)
+        writeback.hand_over(0, 4 * P)
+    assert finished == [0, P, 2 * P, 3 * P, 0]
     assert threads and all("writeback" in name for name in threads)
 
 
-def test_a_failed_call_is_left_to_the_fsync(tmp_path, monkeypatch):
+def test_ctrl_c_while_waiting_still_waits_for_every_call(fd, monkeypatch):
+    # The descriptor is closed (its number free for the next open) once the block ends:
+    # no call may still be queued for it then. The interrupt is raised after.
+    finished = []
+
+    def slow(fd, start, count):
+        time.sleep(0.1)
+        finished.append(start)
+
+    real_drain, interrupts = background.drain, [KeyboardInterrupt()]
+
+    def interrupted_drain(name):
+        if interrupts:
+            raise interrupts.pop()
+        real_drain(name)
+
+    monkeypatch.setattr(durable, "start_writeback", slow)
+    monkeypatch.setattr(background, "drain", interrupted_drain)
+    with pytest.raises(KeyboardInterrupt), Writeback(fd, step=P) as writeback:
+        for page in range(3):
+            writeback.wrote(page * P, (page + 1) * P)
+    assert finished == [0, P, 2 * P]
+
+
+def test_a_failed_call_is_left_to_the_fsync(fd, monkeypatch):
     # fadvise refused (it is a hint): the file's own fsync reports what matters.
     def refuse(fd, start, count):
         raise OSError(5, "refused")
 
     monkeypatch.setattr(durable, "start_writeback", refuse)
-    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
-    try:
-        with Writeback(fd, step=10) as writeback:
-            writeback.wrote(0, 10)
-    finally:
-        os.close(fd)
+    with Writeback(fd, step=P) as writeback:
+        writeback.wrote(0, P)
 
 
 def _values(shape, seed):
@@ -136,12 +174,14 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("dtype", [None, "bf16"])
-@pytest.mark.parametrize("tiles", [False, True], ids=["held-whole", "tiles"])
+@pytest.mark.parametrize("tiles", ["held-whole", "tiles", "tiles-wide"])
 def test_what_is_handed_over_was_written_whole_and_final(tmp_path, monkeypatch, layout,
                                                          dtype, tiles):
     # Each range is read back when it is handed over: it must already hold what the
     # finished file holds there (no hole, nothing written again after).
-    if tiles:  # column-major chunks in square tiles, other strided ones in small boxes
+    if tiles == "tiles-wide":  # as where torch is not in the process
+        monkeypatch.setattr(_transpose, "_wide_tiles", lambda raw, out: True)
+    if tiles != "held-whole":  # column-major chunks in tiles, other strided ones in boxes
         monkeypatch.setattr(_transpose, "WHOLE", 0)
         monkeypatch.setattr(_transpose, "_WHOLE_WITH_TORCH", 0)
         monkeypatch.setattr(engine, "_SPAN", 1024)
@@ -169,19 +209,20 @@ def test_what_is_handed_over_was_written_whole_and_final(tmp_path, monkeypatch, 
     assert sum(count for _, count, _ in seen) >= value.numel() * tensor.element_size()
 
 
-@pytest.mark.parametrize("layout", ["dim0", "whole", "column-major"])
+@pytest.mark.parametrize("layout", ["dim0", "whole", "column-major", "column-major narrow"])
 def test_a_large_tensor_written_in_order_goes_to_disk_before_it_ends(tmp_path, monkeypatch,
                                                                      handed, layout):
-    # Rows written whole and in order (a dim-0 chunk, rows of column-major tiles) are handed
-    # over a step at a time, not once the tensor is done.
+    # Rows written whole and in order (a dim-0 chunk, rows of column-major tiles, tiles as
+    # wide as the chunk: each one piece) are handed over a step at a time, not once the
+    # tensor is done.
     monkeypatch.setattr(_transpose, "WHOLE", 0)
     monkeypatch.setattr(_transpose, "_WHOLE_WITH_TORCH", 0)
     monkeypatch.setattr(engine, "_SPAN", 1024)
     monkeypatch.setattr(engine, "_TILE", 16 * 16 * 4)
     monkeypatch.setattr(engine, "_LOCAL_BLOCK", 1024)
     monkeypatch.setattr(durable, "WRITEBACK_STEP", 4096)
-    value = _values((96, 80), seed=5)
-    src = write_dcp(tmp_path / "ckpt", {"w": (value, LAYOUTS[layout])})
+    value = _values((400, 12) if "narrow" in layout else (96, 80), seed=5)
+    src = write_dcp(tmp_path / "ckpt", {"w": (value, LAYOUTS[layout.replace(" narrow", "")])})
     fsdpckpt.merge(src, tmp_path / "out")
     tensor_bytes = value.numel() * 4
     steps = [count for _, _, count in handed if count < tensor_bytes]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
 import os
-from concurrent.futures import Future, wait
 from pathlib import Path
 
 from fsdpckpt._io import background
@@ -70,29 +70,46 @@ class Writeback:
 
     def __init__(self, fd: int, step: int | None = None) -> None:
         self.fd, self.step = fd, WRITEBACK_STEP if step is None else step
-        self._start = self._end = 0  # the run of adjacent bytes written and not handed over
-        self._pending: list[Future[None]] = []
+        # The run of adjacent bytes reported: where it began, the first byte not handed
+        # over, and its end.
+        self._run = self._start = self._end = 0
+        self._submitted = False
 
     def wrote(self, start: int, end: int) -> None:
         """Bytes ``[start, end)`` of the file are written, whole, and will not be again."""
+        if self._run <= start and end <= self._end:
+            return  # reported already (a tile written in one piece, then as its row)
         if start != self._end:  # a new run: the last one's rest goes with hand_over
-            self._start = start
+            self._run = self._start = start
         self._end = end
-        if end - self._start >= self.step:
-            self.hand_over(self._start, end - self._start)
-            self._start = end
+        # Up to a page boundary: the page the run ends in is not whole yet.
+        cut = end - end % mmap.PAGESIZE
+        if cut - self._start >= self.step:
+            self.hand_over(self._start, cut - self._start)
+            self._start = cut
 
     def hand_over(self, start: int, count: int) -> None:
         """Start the writeback of ``count`` bytes from ``start`` (on the writeback thread)."""
-        self._pending = [job for job in self._pending if not job.done()]
-        self._pending.append(background.submit("writeback", start_writeback, self.fd, start,
-                                               count))
+        if count <= 0:  # fadvise takes 0 for "to the end of the file"
+            return
+        self._submitted = True
+        background.submit("writeback", start_writeback, self.fd, start, count)
 
     def __enter__(self) -> Writeback:
         return self
 
     def __exit__(self, *_: object) -> None:
-        # The descriptor may be closed (its number reused) once this returns. A call that
-        # failed leaves its error to the fsync that follows, which reports the write's own.
-        pending, self._pending = self._pending, []
-        wait(pending)
+        # The descriptor may be closed (its number reused) once this returns, so every call
+        # handed over runs first, even when Ctrl-C or SIGTERM comes meanwhile (raised after).
+        # A call that failed leaves its error to the fsync that follows.
+        if not self._submitted:
+            return
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                background.drain("writeback")  # jobs whose futures were never kept too
+                break
+            except BaseException as exc:  # noqa: BLE001 - re-raised once the calls ran
+                interrupted = exc
+        if interrupted is not None:
+            raise interrupted

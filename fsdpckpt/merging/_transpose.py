@@ -304,9 +304,13 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
     rows, cols = raw.shape
     aside = isinstance(src, int) and batched.available()  # reads on the transpose thread
     # One stored buffer: the transpose thread reads a tile only once it has made the one
-    # before; this thread reads one only once that tile is made.
-    stored = scratch(wide * pitch * in_size, "stored")
-    made = [scratch(side * wide * out_size, slot) for slot in ("made", "made-2")]
+    # before; this thread reads one only once that tile is made. Wide tiles' buffers go back
+    # when the chunk is done: kept, a later chunk whose cast imports torch on the transpose
+    # thread would hold them beside it (320 MB; that import gives back that thread's own).
+    keep = wide == side
+    stored = scratch(wide * pitch * in_size, "stored" if keep else None)
+    made = [scratch(side * wide * out_size, slot if keep else None)
+            for slot in ("made", "made-2")]
     staged = scratch(side * wide * in_size, "staged") if raw.dtype.name != out.name else None
 
     def read(buffer: memoryview, first_row: int, height: int, first_col: int,

@@ -52,14 +52,14 @@ class Writeback:
     ``writeback`` thread.
 
     Linux starts writing dirty pages back on its own only past a tenth of memory (2.2 GB
-    here): a 2.4 GB tensor was made whole before its first byte went to disk, and the fsync
-    then waited 1.1 s for all of it. The call that starts writeback returns only once the
-    disk's queue has taken the pages, so it runs beside the writes, not between them (on
-    this thread it took 2 s of a 2.4 GB column-major tensor's 3.7 s). Only runs of adjacent
-    writes are handed over: the writeback of a region with holes (a column-major tile's
-    rows, a dim-1 chunk's half rows) splits the file's reserved extents where the holes are
-    (the 2.4 GB column-major tensor: 3.5 s to 7.4 s). Whoever writes such a region in pieces
-    reports it once it is whole.
+    here): a 2.4 GB tensor handed over once whole was made whole before its first byte went
+    to disk, and handing it over then took 1.1 s. The call that starts writeback returns only
+    once the disk's queue has taken the pages, so it runs beside the writes, not between them
+    (on the writing thread it took 2 s of a 2.4 GB column-major tensor's 3.7 s). Only runs of
+    adjacent writes are handed over: the writeback of a region with holes (a column-major
+    tile's rows, a dim-1 chunk's half rows) splits the file's reserved extents where the
+    holes are (the 2.4 GB column-major tensor: 3.5 s to 7.4 s). Whoever writes such a region
+    in pieces reports it once it is whole.
 
     Example:
         >>> with Writeback(fd) as writeback:

@@ -59,14 +59,16 @@ def transposer(request, monkeypatch):
 @pytest.fixture(params=["tiles", "tiles-wide", "tiles-unbatched", "whole"])
 def column_path(request, monkeypatch):
     """Every way of placing a column-major chunk: square tiles read out of storage order (a
-    chunk too large to hold whole), or tiles twice as wide (where torch is not in the
-    process), their reads and writes batched (Linux AIO, the reads beside) or one call each
+    chunk too large to hold whole), or tiles six times as wide (where torch is not in the
+    process) read in groups of stored columns, their reads and writes batched (Linux AIO, the reads beside) or one call each
     (where AIO is missing); or held whole and read in storage order, here in bands of a few
     rows (several bands, the last one short)."""
     if request.param.startswith("tiles"):
         monkeypatch.setattr(_transpose, "WHOLE", 0)
         if request.param == "tiles-wide":  # as where torch is not in the process
             monkeypatch.setattr(_transpose, "_wide_tiles", lambda raw, out: True)
+            # Stored columns read in groups of a few (1 to 5, by width): the last one short.
+            monkeypatch.setattr(_transpose, "_GROUP", 40)
         if request.param == "tiles-unbatched":
             monkeypatch.setattr(batched, "available", lambda: False)
     else:
@@ -350,16 +352,17 @@ def test_a_failed_write_leaves_no_transpose_running(tmp_path, monkeypatch):
     monkeypatch.setattr(_transpose, "WHOLE", 0)
     monkeypatch.setattr(engine, "_SPAN", 4096)
     monkeypatch.setattr(engine, "_TILE", 32 * 32 * 4)
-    running = threading.Event()
-    original = _transpose._make
+    running, ran = threading.Event(), threading.Event()
+    original = _transpose.transpose_tile
 
-    def slow_make(*args, **kwargs):
+    def slow_transpose(*args, **kwargs):
         running.set()
+        ran.set()
         time.sleep(0.2)
         original(*args, **kwargs)
         running.clear()
 
-    monkeypatch.setattr(_transpose, "_make", slow_make)
+    monkeypatch.setattr(_transpose, "transpose_tile", slow_transpose)
     def full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -369,7 +372,7 @@ def test_a_failed_write_leaves_no_transpose_running(tmp_path, monkeypatch):
                                                  split([0], transpose=True))})
     with pytest.raises(OSError, match="No space left"):
         fsdpckpt.merge(folder, tmp_path / "out")
-    assert not running.is_set()
+    assert ran.is_set() and not running.is_set()
     assert not (tmp_path / "out").exists()
 
 

@@ -37,6 +37,13 @@ _WRITE_MAX = 256 * 2**10
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF,
                        errno.EPERM}
 _copy_file_range_works = hasattr(os, "copy_file_range")
+#: Scratch buffers of this size or more ask for 2 MiB pages (transparent huge pages, where
+#: the system grants them to memory that asks: "madvise" mode, the usual default). A
+#: transpose jumps between columns a few KiB apart at every element, and with 4 KiB pages
+#: nearly each jump missed the CPU's first-level TLB: a 2048 x 1024 float32 block read from
+#: the page cache and transposed ran at 3.0 GB/s, 4.1 GB/s with 2 MiB pages; a merge of a
+#: 2.4 GB column-major tensor took 2.38 s, 2.32 s with them (alternated runs, medians of 5).
+_LARGE_PAGES = 2 * 2**20
 
 
 _pool = threading.local()
@@ -48,7 +55,8 @@ def scratch(size: int, slot: str | None = None) -> memoryview:
     Large buffers come from their own anonymous mapping, not the heap: after glibc
     frees one large block it raises its mmap threshold and serves the next ones
     from the heap, which then fragments and grows (a 16 MiB tile loop peaked 70 MB
-    higher that way). Inside :func:`reusing_scratch`, a named ``slot`` hands out the
+    higher that way); private, in 2 MiB pages where the system grants them
+    (:data:`_LARGE_PAGES`). Inside :func:`reusing_scratch`, a named ``slot`` hands out the
     same buffer again (grown if needed): a fresh mapping costs a page fault per 4 KiB
     on first touch, which for a merge's hundreds of blocks was a third of its time.
     Contents are not cleared between uses.
@@ -61,7 +69,13 @@ def scratch(size: int, slot: str | None = None) -> memoryview:
         return held[:size]
     if size < 2**20:
         return memoryview(bytearray(size))
-    return memoryview(mmap.mmap(-1, size))
+    # Private: mmap.mmap(-1, n) alone maps shared memory (shmem), which the system backs
+    # with large pages only where its shmem setting says so.
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if size >= _LARGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a system without them: 4 KiB pages, as before
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+    return memoryview(buffer)
 
 
 @contextlib.contextmanager

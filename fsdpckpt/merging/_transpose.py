@@ -10,10 +10,11 @@ row in pieces of a few hundred bytes (a 2.4 GB one took 75 s). Two ways, by size
   so its CRC-32 is computed as it is read, then transposed in bands of whole output rows,
   each band one write while the next is made (cast, it goes in groups of stored columns
   instead: :mod:`fsdpckpt.merging._transpose_cast`);
-- larger (:func:`place_column_major`): tiles (square, or twice as wide without torch),
-  each tile's stored columns read one piece per column and written one piece per output
-  row, those calls batched (:mod:`fsdpckpt._io.batched`) and the reads and transposes on the
-  transpose thread while this one writes; the caller checks the storage whole beside them.
+- larger (:func:`place_column_major`): tiles (square, or six times as wide without torch
+  and a cast), each tile's stored columns read one piece per column, in groups transposed
+  as soon as they are read, and written one piece per output row, those calls batched
+  (:mod:`fsdpckpt._io.batched`) and the reads and transposes on the transpose thread while
+  this one writes; the caller checks the storage whole beside them.
 
 With torch the transpose cost ``import torch`` (about 1.5 s here, longer than merging a
 1.6 GB model) and its transposing copy ran at 1.5 GB/s on one core
@@ -58,11 +59,20 @@ _WHOLE_WITH_TORCH = 48 * 2**20
 _BAND = 4 * 2**20
 _BAND_ROWS = 4096
 #: Columns of a large column-major chunk's tile per row of it, where torch is not in the
-#: process: the output rows' pieces, one write each, are twice as long, and the tiles twice
-#: the bytes (2.4 GB, uncast: 2048 x 2048 tiles 2.95 s, 2048 x 4096 2.58-2.69 s, 2048 x 6144
-#: 2.51 s, 1448 x 5792 2.74 s; its plain merge 1.51-1.54 s; alternated, medians of 5).
-#: With torch (220 MB) the tiles stay square, within 300 MB.
-_WIDE = 2
+#: process and its stored columns are read in groups (:data:`_GROUP`): the output rows'
+#: pieces, one write each, are six times as long as square tiles' (a 2.4 GB float32 tensor:
+#: 2048 x 12288 tiles, 48 KiB pieces). Its two made tiles then hold 192 MiB, the whole
+#: process about 245 MB. With torch (220 MB) the tiles stay square, within 300 MB.
+#: Measured on that tensor, groups of 8 MiB, 2 MiB pages (alternated runs, medians of 5,
+#: its plain merge 1.46 s): 2048 x 4096 tiles 2.30 s, 2048 x 8192 2.07 s, 2048 x 12288
+#: 1.94 s, 1024 x 24576 (whole output rows, 4 KiB reads) 2.00 s.
+_WIDE = 6
+#: Bytes of stored columns read at once, where the transpose thread reads: each group is
+#: transposed as soon as it is read, while its bytes are still in the CPU's caches, and only
+#: a group is held stored, not a tile (a 2.4 GB float32 tensor in 2048 x 8192 tiles: whole
+#: tiles read then transposed 2.35 s, groups of 2 MiB 2.44 s, 4 MiB 2.33 s, 8 MiB 2.25 s,
+#: 16 MiB 2.21 s; with 4 KiB pages).
+_GROUP = 8 * 2**20
 #: numpy types that copy an element's bytes as they are, by width.
 _UNSIGNED = {1: "u1", 2: "u2", 4: "u4", 8: "u8", 16: "V16"}
 
@@ -268,15 +278,17 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
                        progress: Callable[[int], None] | None,
                        settled: Callable[[int, int], None] | None = None) -> None:
     """Place the column-major matrix chunk ``raw`` in square tiles of at most ``tile`` bytes,
-    :data:`_WIDE` times as wide where torch is not in the process (:func:`_wide_tiles`).
+    :data:`_WIDE` times as wide where the transpose thread reads them uncast and torch is not
+    in the process (:func:`_wide_tiles`).
 
     Each tile is one piece per stored column read and one piece per output row written, so
     the calls are batched (:mod:`fsdpckpt._io.batched`: a few ``io_submit`` a tile, the GIL
     released for each batch). Batched, a tile is read and transposed on the transpose thread
     while this one writes the tile before: two made buffers take turns (a
     2.4 GB tensor in 16 MiB tiles: 3.4 s against 4.5 s read here in 8 KiB calls and 2.6 s
-    for its plain merge; 64 MiB tiles were slower either way batched, 8 MiB ones too). Where
-    calls are not batched (a remote file, no Linux AIO or numpy) reads stay on this thread:
+    for its plain merge). Uncast, that thread reads the tile's stored columns in groups of
+    :data:`_GROUP` bytes, each transposed into the tile as soon as it is read. Where calls
+    are not batched (a remote file, no Linux AIO or numpy) reads stay on this thread:
     from two threads each call's return waits for the GIL the other holds.
 
     The reads leave storage order, so the caller checks the storage whole, beside the tiles
@@ -299,16 +311,21 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
     """
     in_size, out_size = raw.dtype.itemsize, out.itemsize
     side = max(1, math.isqrt(max(1, tile // max(in_size, out_size))))
-    wide = side * _WIDE if _wide_tiles(raw, out) else side  # a tile's columns
     pitch = column_pitch(side, in_size)
     rows, cols = raw.shape
     aside = isinstance(src, int) and batched.available()  # reads on the transpose thread
+    # There, uncast, each group of stored columns is transposed as soon as it is read: only
+    # a group is held stored, which leaves room for wide tiles (a cast goes whole tile to
+    # whole tile, as .to() does).
+    grouped = aside and raw.dtype.name == out.name
+    wide = side * _WIDE if grouped and _wide_tiles(raw, out) else side  # a tile's columns
+    group = max(1, min(wide, _GROUP // (pitch * in_size))) if grouped else wide
     # One stored buffer: the transpose thread reads a tile only once it has made the one
     # before; this thread reads one only once that tile is made. Wide tiles' buffers go back
     # when the chunk is done: kept, a later chunk whose cast imports torch on the transpose
     # thread would hold them beside it (320 MB; that import gives back that thread's own).
     keep = wide == side
-    stored = scratch(wide * pitch * in_size, "stored" if keep else None)
+    stored = scratch(group * pitch * in_size, "stored" if keep else None)
     made = [scratch(side * wide * out_size, slot if keep else None)
             for slot in ("made", "made-2")]
     staged = scratch(side * wide * in_size, "staged") if raw.dtype.name != out.name else None
@@ -331,8 +348,15 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
 
     def read_and_make(buffer: memoryview, first_row: int, height: int, first_col: int,
                       width: int, target: memoryview) -> None:
-        read(buffer, first_row, height, first_col, width)
-        _make(buffer, pitch, width, height, raw.dtype, out, target, staged)
+        if not grouped:
+            read(buffer, first_row, height, first_col, width)
+            _make(buffer, pitch, width, height, raw.dtype, out, target, staged)
+            return
+        for left in range(0, width, group):
+            span = min(group, width - left)
+            read(buffer, first_row, height, first_col + left, span)
+            transpose_tile(buffer, pitch, span, height, raw.dtype, target[left * out_size:],
+                           row_pitch=width)
 
     running: Future[None] | None = None  # the last tile submitted (they run in order)
     previous: _Made | None = None

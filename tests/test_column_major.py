@@ -22,7 +22,7 @@ from fsdpckpt.dcp import _checked
 from fsdpckpt.dcp._archive import RawTensor, locate_tensor
 from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.dcp.reader import read_dcp_folder
-from fsdpckpt.merging import _casts, _transpose
+from fsdpckpt.merging import _blocks, _casts, _transpose
 from fsdpckpt.merging import _copy as engine
 
 from chunked import flip_stored_byte, place_stored, split, write_dcp
@@ -47,12 +47,16 @@ def _bytes(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
-@pytest.fixture(params=["numpy", "torch"])
+@pytest.fixture(params=["numpy", "numpy-narrow", "torch"])
 def transposer(request, monkeypatch):
-    """Both ways of transposing a tile: numpy's blocks, or torch where numpy is missing."""
+    """Every way of transposing a tile: numpy's blocks, twice as wide as tall where a core's
+    first-level cache holds them, square where it is smaller or unknown; or torch where
+    numpy is missing."""
     if request.param == "torch":
         monkeypatch.setattr(_casts, "_numpy", lambda: None)
-    monkeypatch.setattr(_transpose, "_BLOCK", 3)  # blocks that do not divide the tiles
+    monkeypatch.setattr(_blocks, "_l1_data_bytes", lambda: 0 if request.param ==
+                        "numpy-narrow" else _blocks._WIDE_BLOCK_L1)
+    monkeypatch.setattr(_blocks, "_BLOCK", 3)  # blocks that do not divide the tiles
     return request.param
 
 
@@ -88,16 +92,29 @@ def test_a_tile_is_transposed_bit_for_bit(transposer, dtype, shape):
     for k in range(width):
         stored[k * pitch * size:(k * pitch + height) * size] = _bytes(value[k])
     target = bytearray(width * height * size)
-    _transpose.transpose_tile(memoryview(stored), pitch, width, height,
+    _blocks.transpose_tile(memoryview(stored), pitch, width, height,
                               DTYPES[str(dtype)[6:]], memoryview(target))
     assert bytes(target) == _bytes(value.t())
 
 
+def test_the_first_level_data_cache_is_read_from_sysfs(tmp_path):
+    for index, (level, kind, size) in enumerate([("1", "Instruction", "64K"),
+                                                  ("1", "Data", "48K"), ("2", "Unified", "2M")]):
+        folder = tmp_path / "cache" / f"index{index}"
+        folder.mkdir(parents=True)
+        for name, text in (("level", level), ("type", kind), ("size", size)):
+            (folder / name).write_text(text + "\n")
+    assert _blocks._l1_data_bytes.__wrapped__(str(tmp_path / "cache")) == 48 * 2**10
+    (tmp_path / "cache" / "index1" / "size").write_text("lots\n")
+    assert _blocks._l1_data_bytes.__wrapped__(str(tmp_path / "cache")) == 0  # not known
+    assert _blocks._l1_data_bytes.__wrapped__(str(tmp_path / "missing")) == 0
+
+
 def test_columns_a_multiple_of_4_kib_apart_are_padded_by_a_cache_line():
-    assert _transpose.column_pitch(2048, 4) == 2048 + 16
-    assert _transpose.column_pitch(4096, 1) == 4096 + 64
-    assert _transpose.column_pitch(1024, 16) == 1024 + 4
-    assert _transpose.column_pitch(2896, 2) == 2896  # not a multiple of 4 KiB: as it is
+    assert _blocks.column_pitch(2048, 4) == 2048 + 16
+    assert _blocks.column_pitch(4096, 1) == 4096 + 64
+    assert _blocks.column_pitch(1024, 16) == 1024 + 4
+    assert _blocks.column_pitch(2896, 2) == 2896  # not a multiple of 4 KiB: as it is
 
 
 def _place(tmp_path, value: torch.Tensor, shape, offsets, out: torch.dtype) -> bytes:

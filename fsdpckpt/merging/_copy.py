@@ -37,6 +37,7 @@ from fsdpckpt.dcp._zstd import ZstdEntry, chunk_limit, open_entry
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.errors import CorruptCheckpointError, NotACheckpointError
+from fsdpckpt.merging._blocks import reorder
 from fsdpckpt.merging._casts import cast_block, fast_cast
 from fsdpckpt.merging._gather import box_rows, box_runs, compact_strides, dense_order, read_box
 from fsdpckpt.merging._runs import Runs, chunk_runs, tiles
@@ -45,7 +46,6 @@ from fsdpckpt.merging._transpose import (
     is_column_major,
     place_column_major,
     place_column_major_whole,
-    reorder,
 )
 from fsdpckpt.merging._transpose_cast import in_groups, place_cast_in_groups
 
@@ -247,7 +247,7 @@ def _place_tiled(src: Source, raw: RawTensor, chunk: Chunk, run: int, starts: Se
                  out: DType, sink: Sink, tensor_start: int, source: str,
                  progress: Callable[[int], None] | None) -> None:
     """Any other stored layout, and casts numpy does not do: one bounded tile at a time,
-    reordered (:func:`~fsdpckpt.merging._transpose.reorder`: by numpy, without torch, where
+    reordered (:func:`~fsdpckpt.merging._blocks.reorder`: by numpy, without torch, where
     it is installed), then cast contiguous to contiguous as ``.to()`` of the contiguous
     tensor torch loads casts (torch casts a strided source on another path, and the two
     disagree on NaN bits: 0x7FC0 against 0xFFFF for bf16)."""

@@ -16,19 +16,15 @@ row in pieces of a few hundred bytes (a 2.4 GB one took 75 s). Two ways, by size
   (:mod:`fsdpckpt._io.batched`) and the reads and transposes on the transpose thread while
   this one writes; the caller checks the storage whole beside them.
 
-With torch the transpose cost ``import torch`` (about 1.5 s here, longer than merging a
-1.6 GB model) and its transposing copy ran at 1.5 GB/s on one core
-(``benchmarks/floor.py``). numpy, where it is installed, copies blocks of 256 x 256 elements
-that fit a core's cache, at 3-6 GB/s for 4-byte elements. The elements are copied as
-unsigned integers of their width (bytes, never values), so every dtype comes out bit for
-bit, NaN payloads included. Without numpy (an optional speed-up) torch does it.
+The transposing copy itself, bit for bit without torch where numpy is installed:
+:mod:`fsdpckpt.merging._blocks`.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -38,14 +34,12 @@ from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._checked import CheckedRead, read_checked
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.merging import _casts
+from fsdpckpt.merging._blocks import _UNSIGNED, column_pitch, transpose_tile
 from fsdpckpt.merging._runs import Runs, row_starts
 
-__all__ = ["WHOLE", "column_pitch", "fits_whole", "is_column_major", "place_column_major",
-           "place_column_major_whole", "reorder", "transpose_tile"]
+__all__ = ["WHOLE", "fits_whole", "is_column_major", "place_column_major",
+           "place_column_major_whole"]
 
-#: Elements per side of the block numpy copies at once: a block of 256 x 256 float32 read
-#: and written (512 KiB) stays in the cache; 128 ran at half the speed, whole tiles at a tenth.
-_BLOCK = 256
 #: The most bytes of a column-major chunk held whole, stored and made together: such a chunk
 #: is read in storage order, its CRC-32 computed on the way (no second pass over it), and
 #: written in bands of whole output rows, not in pieces of rows (1.6 GB of 32 MiB chunks:
@@ -73,84 +67,6 @@ _WIDE = 6
 #: tiles read then transposed 2.35 s, groups of 2 MiB 2.44 s, 4 MiB 2.33 s, 8 MiB 2.25 s,
 #: 16 MiB 2.21 s; with 4 KiB pages).
 _GROUP = 8 * 2**20
-#: numpy types that copy an element's bytes as they are, by width.
-_UNSIGNED = {1: "u1", 2: "u2", 4: "u4", 8: "u8", 16: "V16"}
-
-
-def column_pitch(side: int, itemsize: int) -> int:
-    """Elements between the starts of two stored columns in a tile's buffer: ``side``, or
-    one cache line more where that is a multiple of 4 KiB (columns that far apart fall in
-    the same cache sets and evict each other: 2048-element float32 columns transposed at
-    2.7 GB/s, 6.3 GB/s one cache line apart)."""
-    return side + (64 // itemsize or 1) if side * itemsize % 4096 == 0 else side
-
-
-def transpose_tile(stored: memoryview, pitch: int, width: int, height: int, dtype: DType,
-                   target: memoryview, *, skip: int = 0, row_pitch: int | None = None) -> None:
-    """Fill ``target`` with the row-major ``height x width`` matrix whose column ``k`` is the
-    run of ``height`` elements at element ``k * pitch + skip`` of ``stored``.
-
-    Args:
-        stored: the tile's stored columns, ``pitch`` elements apart (at least ``width * pitch``).
-        pitch: elements from one column's start to the next's (at least ``skip + height``).
-        width, height: the tile's output columns and rows, at least 1 each.
-        dtype: the elements' dtype (only its width matters to numpy).
-        target: filled row by row: at least ``(height - 1) * row_pitch + width`` elements.
-        skip: elements of each stored column before the tile's first row.
-        row_pitch: elements from one output row's start to the next's: ``width`` (the
-            default) where the rows follow each other, more where the tile is a group of
-            columns of a wider matrix.
-    """
-    row_pitch = width if row_pitch is None else row_pitch
-    np = _casts._numpy()
-    if np is None or dtype.itemsize not in _UNSIGNED:
-        _transpose_torch(stored, pitch, width, height, dtype, target, skip, row_pitch)
-        return
-    element = np.dtype(_UNSIGNED[dtype.itemsize])
-    columns = np.frombuffer(stored, dtype=element, count=width * pitch).reshape(
-        width, pitch)[:, skip:skip + height]
-    rows = np.lib.stride_tricks.as_strided(
-        np.frombuffer(target, dtype=element, count=(height - 1) * row_pitch + width),
-        (height, width), (row_pitch * element.itemsize, element.itemsize))
-    for top in range(0, height, _BLOCK):
-        band, source = rows[top:top + _BLOCK], columns[:, top:top + _BLOCK]
-        for left in range(0, width, _BLOCK):
-            np.copyto(band[:, left:left + _BLOCK], source[left:left + _BLOCK].T)
-
-
-def reorder(stored: memoryview, count: int, sizes: Sequence[int], stride: Sequence[int],
-            offset: int, dtype: DType, target: memoryview) -> None:
-    """Fill ``target`` with the elements, in row-major order, of the view of ``sizes`` and
-    ``stride`` (elements) from element ``offset`` of the ``count`` elements of ``stored``:
-    any stored layout (a permuted or expanded tensor ``torch.save`` kept with its strides).
-    numpy copies the bytes as unsigned integers of the element's width; torch where numpy
-    is missing."""
-    np = _casts._numpy()
-    numel = math.prod(sizes)
-    if np is None or dtype.itemsize not in _UNSIGNED:
-        torch = _casts.import_torch()
-
-        kind = getattr(torch, dtype.name)
-        torch.frombuffer(target, dtype=kind, count=numel).view(tuple(sizes)).copy_(
-            torch.frombuffer(stored, dtype=kind, count=count).as_strided(
-                tuple(sizes), tuple(stride), offset))
-        return
-    element = np.dtype(_UNSIGNED[dtype.itemsize])
-    view = np.lib.stride_tricks.as_strided(
-        np.frombuffer(stored, dtype=element, count=count)[offset:], tuple(sizes),
-        tuple(step * element.itemsize for step in stride), writeable=False)
-    np.copyto(np.frombuffer(target, dtype=element, count=numel).reshape(tuple(sizes)), view)
-
-
-def _transpose_torch(stored: memoryview, pitch: int, width: int, height: int, dtype: DType,
-                     target: memoryview, skip: int, row_pitch: int) -> None:
-    torch = _casts.import_torch()
-
-    kind = getattr(torch, dtype.name)
-    columns = torch.frombuffer(stored, dtype=kind, count=(width - 1) * pitch + skip + height)
-    rows = torch.frombuffer(target, dtype=kind, count=(height - 1) * row_pitch + width)
-    rows.as_strided((height, width), (row_pitch, 1)).copy_(
-        columns.as_strided((height, width), (1, pitch), skip))
 
 
 def is_column_major(raw: RawTensor) -> bool:

@@ -32,8 +32,9 @@ from fsdpckpt.dcp._archive import RawTensor
 from fsdpckpt.dcp._checked import read_checked
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.merging import _casts
+from fsdpckpt.merging._blocks import _UNSIGNED, column_pitch, transpose_tile
 from fsdpckpt.merging._runs import Runs, row_starts
-from fsdpckpt.merging._transpose import _UNSIGNED, _row_pieces, column_pitch, transpose_tile
+from fsdpckpt.merging._transpose import _row_pieces
 
 __all__ = ["in_groups", "place_cast_in_groups"]
 

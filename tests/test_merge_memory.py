@@ -114,8 +114,8 @@ def test_column_major_chunks_held_whole_stay_within_their_bound(tmp_path, dtype)
 
 
 def test_torch_imported_after_a_wide_tiled_chunk_stays_within_the_bound(tmp_path):
-    """Without torch in the process, a large column-major chunk goes in wide tiles (twice the
-    bytes); a later one cast where numpy does not cast (fp16 to bf16) imports torch on the
+    """Without torch in the process, a large column-major chunk goes in wide tiles (six times
+    the bytes); a later one cast where numpy does not cast (fp16 to bf16) imports torch on the
     transpose thread. The wide tiles' buffers went back when their chunk was done, so torch
     never sits beside them (320 MB when they were kept)."""
     import torch
@@ -131,3 +131,18 @@ def test_torch_imported_after_a_wide_tiled_chunk_stays_within_the_bound(tmp_path
                         f"{str(tmp_path / 'out')!r}, dtype='bf16')\n"
                         "assert 'torch' in sys.modules, 'the cast did not import torch'")
     assert peak < PEAK_LIMIT_MIB, peak
+
+
+def test_a_column_major_tensor_in_whole_wide_tiles_stays_within_the_bound(tmp_path):
+    """Uncast and without torch, a column-major tensor two wide tiles wide is placed in
+    2048 x 12288 float32 tiles: two made tiles (96 MiB each, both filled) and a group of
+    stored columns (8 MiB) held at once."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    folder = write_dcp(tmp_path / "ckpt", {"w": (torch.randn(2048 + 5, 2 * 12288 + 7, generator=g),
+                                                 lambda t: [((0, 0), t.t().contiguous().t())])})
+    peak = peak_rss_mib(f"import sys, fsdpckpt\nfsdpckpt.merge({str(folder)!r}, "
+                        f"{str(tmp_path / 'out')!r})\n"
+                        "assert 'torch' not in sys.modules, 'the merge imported torch'")
+    assert 200 < peak < PEAK_LIMIT_MIB, peak  # wide tiles (square: under 100 MB), bounded

@@ -21,9 +21,11 @@ def run() -> None:
     """
     code: int | str | None
     # numpy (the torch-free casts and transposes) starts OpenBLAS's thread pool when it is
-    # imported; those threads spin waiting for maths the command line never asks of them,
+    # imported; those threads spin waiting for matrix maths numpy is never asked for here,
     # on the cores the copies need (a 2.4 GB column-major merge: 3.24 s of CPU, 3.00 s with
-    # one thread). A user's own setting wins; a library caller's process is left as it is.
+    # one thread). The command line's only such maths, a LoRA fuse's products, is torch's
+    # (one thread where torch itself uses OpenBLAS: a small share of a fused export). A
+    # user's own setting wins; a library caller's process is left as it is.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
         from fsdpckpt.cli import main

@@ -64,9 +64,9 @@ def transposer(request, monkeypatch):
 def column_path(request, monkeypatch):
     """Every way of placing a column-major chunk: square tiles read out of storage order (a
     chunk too large to hold whole), or tiles six times as wide (where torch is not in the
-    process) read in groups of stored columns, their reads and writes batched (Linux AIO, the reads beside) or one call each
-    (where AIO is missing); or held whole and read in storage order, here in bands of a few
-    rows (several bands, the last one short)."""
+    process) read in groups of stored columns, their reads and writes batched (Linux AIO,
+    the reads beside) or one call each (where AIO is missing); or held whole and read in
+    storage order, here in bands of a few rows (several bands, the last one short)."""
     if request.param.startswith("tiles"):
         monkeypatch.setattr(_transpose, "WHOLE", 0)
         if request.param == "tiles-wide":  # as where torch is not in the process
@@ -97,16 +97,32 @@ def test_a_tile_is_transposed_bit_for_bit(transposer, dtype, shape):
     assert bytes(target) == _bytes(value.t())
 
 
-def test_the_first_level_data_cache_is_read_from_sysfs(tmp_path):
+def _fake_cpu(root, cpu: int, l1_data: str) -> None:
     for index, (level, kind, size) in enumerate([("1", "Instruction", "64K"),
-                                                  ("1", "Data", "48K"), ("2", "Unified", "2M")]):
-        folder = tmp_path / "cache" / f"index{index}"
+                                                  ("1", "Data", l1_data), ("2", "Unified", "2M")]):
+        folder = root / f"cpu{cpu}" / "cache" / f"index{index}"
         folder.mkdir(parents=True)
         for name, text in (("level", level), ("type", kind), ("size", size)):
             (folder / name).write_text(text + "\n")
-    assert _blocks._l1_data_bytes.__wrapped__(str(tmp_path / "cache")) == 48 * 2**10
-    (tmp_path / "cache" / "index1" / "size").write_text("lots\n")
-    assert _blocks._l1_data_bytes.__wrapped__(str(tmp_path / "cache")) == 0  # not known
+
+
+def test_the_first_level_data_cache_is_read_from_sysfs(tmp_path):
+    _fake_cpu(tmp_path, 0, "48K")
+    (tmp_path / "cpufreq").mkdir()  # not a core
+    assert _blocks._l1_data_bytes.__wrapped__(str(tmp_path)) == 48 * 2**10
+
+
+def test_the_smallest_cores_cache_decides(tmp_path):
+    _fake_cpu(tmp_path, 0, "48K")
+    _fake_cpu(tmp_path, 1, "32768")  # an efficiency core, in bytes
+    assert _blocks._l1_data_bytes.__wrapped__(str(tmp_path)) == 32 * 2**10
+
+
+@pytest.mark.parametrize("odd", ["lots", ""])
+def test_a_cache_size_that_cannot_be_read_is_not_known(tmp_path, odd):
+    _fake_cpu(tmp_path, 0, "48K")
+    _fake_cpu(tmp_path, 1, odd)
+    assert _blocks._l1_data_bytes.__wrapped__(str(tmp_path)) == 0
     assert _blocks._l1_data_bytes.__wrapped__(str(tmp_path / "missing")) == 0
 
 

@@ -117,7 +117,7 @@ def test_torch_imported_after_a_wide_tiled_chunk_stays_within_the_bound(tmp_path
     """Without torch in the process, a large column-major chunk goes in wide tiles (six times
     the bytes); a later one cast where numpy does not cast (fp16 to bf16) imports torch on the
     transpose thread. The wide tiles' buffers went back when their chunk was done, so torch
-    never sits beside them (320 MB when they were kept)."""
+    never sits beside them (324 MB when they were kept)."""
     import torch
 
     def column_major(tensor):
@@ -133,16 +133,33 @@ def test_torch_imported_after_a_wide_tiled_chunk_stays_within_the_bound(tmp_path
     assert peak < PEAK_LIMIT_MIB, peak
 
 
-def test_a_column_major_tensor_in_whole_wide_tiles_stays_within_the_bound(tmp_path):
-    """Uncast and without torch, a column-major tensor two wide tiles wide is placed in
-    2048 x 12288 float32 tiles: two made tiles (96 MiB each, both filled) and a group of
-    stored columns (8 MiB) held at once."""
+@pytest.fixture(scope="module")
+def two_wide_tiles(tmp_path_factory):
+    """A float32 column-major tensor two wide tiles wide (2053 x 24583, 202 MB)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    folder = write_dcp(tmp_path / "ckpt", {"w": (torch.randn(2048 + 5, 2 * 12288 + 7, generator=g),
-                                                 lambda t: [((0, 0), t.t().contiguous().t())])})
-    peak = peak_rss_mib(f"import sys, fsdpckpt\nfsdpckpt.merge({str(folder)!r}, "
+    return write_dcp(tmp_path_factory.mktemp("wide") / "ckpt",
+                     {"w": (torch.randn(2048 + 5, 2 * 12288 + 7, generator=g),
+                            lambda t: [((0, 0), t.t().contiguous().t())])})
+
+
+def test_a_column_major_tensor_in_whole_wide_tiles_stays_within_the_bound(tmp_path,
+                                                                          two_wide_tiles):
+    """Uncast and without torch, a column-major tensor two wide tiles wide is placed in
+    2048 x 12288 float32 tiles: two made tiles (96 MiB each, both filled) and a group of
+    stored columns (8 MiB) held at once."""
+    peak = peak_rss_mib(f"import sys, fsdpckpt\nfsdpckpt.merge({str(two_wide_tiles)!r}, "
                         f"{str(tmp_path / 'out')!r})\n"
                         "assert 'torch' not in sys.modules, 'the merge imported torch'")
     assert 200 < peak < PEAK_LIMIT_MIB, peak  # wide tiles (square: under 100 MB), bounded
+
+
+def test_column_major_tiles_read_on_this_thread_stay_square(tmp_path, two_wide_tiles):
+    """Where calls are not batched (no Linux AIO; a remote file) each tile is read whole on
+    the main thread, so it stays square: wide, its stored columns alone would take 97 MiB."""
+    peak = peak_rss_mib("import sys, fsdpckpt\nfrom fsdpckpt._io import batched\n"
+                        "batched.available = lambda: False\n"
+                        f"fsdpckpt.merge({str(two_wide_tiles)!r}, {str(tmp_path / 'out')!r})\n"
+                        "assert 'torch' not in sys.modules, 'the merge imported torch'")
+    assert peak < 120, peak  # square tiles: a stored and two made, 16 MiB each

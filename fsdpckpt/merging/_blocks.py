@@ -34,8 +34,20 @@ _UNSIGNED = {1: "u1", 2: "u2", 4: "u4", 8: "u8", 16: "V16"}
 
 
 @functools.cache
-def _l1_data_bytes(folder: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
-    """The first-level data cache of a core, from Linux's sysfs; 0 where it is not known."""
+def _l1_data_bytes(root: str = "/sys/devices/system/cpu") -> int:
+    """The smallest first-level data cache of the machine's cores (a hybrid CPU's efficiency
+    cores have less, and the transpose thread may run on one), from Linux's sysfs; 0 where
+    any core's is not known."""
+    try:
+        cpus = [name for name in os.listdir(root) if name[:3] == "cpu" and name[3:].isdigit()]
+    except OSError:
+        return 0
+    sizes = [_l1_of(f"{root}/{cpu}/cache") for cpu in cpus]
+    return min(sizes) if sizes and all(sizes) else 0
+
+
+def _l1_of(folder: str) -> int:
+    """One core's first-level data cache, from its sysfs cache folder; 0 where not known."""
     try:
         for index in sorted(os.listdir(folder)):
             with open(f"{folder}/{index}/level") as level, open(f"{folder}/{index}/type") as kind:

@@ -10,11 +10,13 @@ row in pieces of a few hundred bytes (a 2.4 GB one took 75 s). Two ways, by size
   so its CRC-32 is computed as it is read, then transposed in bands of whole output rows,
   each band one write while the next is made (cast, it goes in groups of stored columns
   instead: :mod:`fsdpckpt.merging._transpose_cast`);
-- larger (:func:`place_column_major`): tiles (square, or six times as wide without torch
-  and a cast), each tile's stored columns read one piece per column, in groups transposed
-  as soon as they are read, and written one piece per output row, those calls batched
+- larger (:func:`place_column_major`): tiles, each tile's stored columns read one piece
+  per column and written one piece per output row, those calls batched
   (:mod:`fsdpckpt._io.batched`) and the reads and transposes on the transpose thread while
-  this one writes; the caller checks the storage whole beside them.
+  this one writes; the caller checks the storage whole beside them. Where that thread reads
+  (a local file, Linux AIO) and nothing is cast, it reads 8 MiB groups of columns, each
+  transposed as soon as it is read, and, without torch in the process, the tiles are six
+  times as wide as they are tall; otherwise they are square.
 
 The transposing copy itself, bit for bit without torch where numpy is installed:
 :mod:`fsdpckpt.merging._blocks`.
@@ -239,7 +241,8 @@ def place_column_major(src: int | ReadAt, raw: RawTensor, runs: Runs, out: DType
     # One stored buffer: the transpose thread reads a tile only once it has made the one
     # before; this thread reads one only once that tile is made. Wide tiles' buffers go back
     # when the chunk is done: kept, a later chunk whose cast imports torch on the transpose
-    # thread would hold them beside it (320 MB; that import gives back that thread's own).
+    # thread would hold them beside it (up to 200 MiB beside torch's 220 MB; that import
+    # gives back that thread's own).
     keep = wide == side
     stored = scratch(group * pitch * in_size, "stored" if keep else None)
     made = [scratch(side * wide * out_size, slot if keep else None)

@@ -165,3 +165,37 @@ def _progress(quiet: bool, desc: str = "merging") -> ProgressFactory | None:
         return advance
 
     return factory
+
+
+#: A list longer than this is written one element per line, each element compact: a
+#: 1,024-rank checkpoint's report lists millions of chunks, which indenting element by
+#: element would make several times larger and ten times slower to write.
+_LONG_LIST = 64
+#: Levels of our own documents laid out on lines; what lies deeper (values from a
+#: checkpoint) is written compact, by the C encoder, whatever its depth.
+_LAID_OUT = 4
+
+
+def json_document(report: Any) -> str:
+    """One JSON document as ``--json`` prints it: indented by 2 near the top, long lists one
+    element per line, deeper values compact. Parses to ``report.to_json()``."""
+    import json
+
+    from fsdpckpt.dcp._bulk import paused_gc
+
+    def laid_out(item: Any, pad: str, depth: int) -> str:
+        inner = pad + "  "
+        if depth < _LAID_OUT and isinstance(item, dict) and item:
+            return "{\n" + ",\n".join(f"{inner}{json.dumps(str(k))}: "
+                                      f"{laid_out(v, inner, depth + 1)}"
+                                      for k, v in item.items()) + f"\n{pad}}}"
+        if depth < _LAID_OUT and isinstance(item, list) and len(item) > _LONG_LIST:
+            return "[\n" + ",\n".join(inner + json.dumps(v) for v in item) + f"\n{pad}]"
+        if depth < _LAID_OUT and isinstance(item, list) and \
+                any(isinstance(v, (dict, list)) for v in item):
+            return "[\n" + ",\n".join(inner + laid_out(v, inner, depth + 1)
+                                      for v in item) + f"\n{pad}]"
+        return json.dumps(item)
+
+    with paused_gc():  # millions of small values, none in a cycle
+        return laid_out(report.to_json(), "", 0)

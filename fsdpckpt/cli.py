@@ -22,6 +22,7 @@ from fsdpckpt._cli_common import (
     _progress,
     _shard_size_option,
     _storage_options_option,
+    json_document,
     output_file_name,
     refuse_file_output,
 )
@@ -113,7 +114,7 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
 
     report = inspect_checkpoint(path, names=names, storage_options=storage_options)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        click.echo(json_document(report))
     else:
         click.echo(render_inspect(report, chunks=chunks, tensors=not summary, names=names))
     if not report.ok:

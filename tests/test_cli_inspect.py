@@ -81,10 +81,29 @@ def test_inspect_checkpoint_returns_a_typed_report():
 
 
 def test_json_prints_the_reports_to_json_byte_for_byte(accelerate_ckpt):
+    from fsdpckpt._cli_common import json_document
+
     (accelerate_ckpt / "optimizer_0" / ".metadata").unlink()  # an incomplete part, a problem
     result = run("inspect", accelerate_ckpt, "--json")
     report = fsdpckpt.inspect_checkpoint(accelerate_ckpt)
-    assert result.stdout == json.dumps(report.to_json(), indent=2) + "\n"
+    assert result.stdout == json_document(report) + "\n"
+    assert json.loads(result.stdout) == report.to_json()
+
+
+def test_json_lays_out_the_top_indented_and_a_long_list_one_element_per_line():
+    from fsdpckpt._cli_common import json_document
+
+    class Doc:
+        def to_json(self):
+            return {"a": 1, "parts": [{"tensors": [{"n": i, "c": [[i]]} for i in range(100)]}],
+                    "deep": {"x": {"y": {"z": {"w": [1, {"v": 2}]}}}}}
+
+    text = json_document(Doc())
+    assert json.loads(text) == Doc().to_json()
+    lines = text.splitlines()
+    assert lines[0] == "{" and lines[1] == '  "a": 1,'
+    assert '        {"n": 7, "c": [[7]]},' in lines  # one compact line per element
+    assert any(line.strip() == '"z": {"w": [1, {"v": 2}]}' for line in lines)  # deeper: compact
 
 
 def test_json_keys_keep_their_order():

@@ -9,24 +9,121 @@ where torch keeps them), so a torch that moves a class is one edit there.
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import Any, NoReturn, cast
 
 from fsdpckpt import _torch
 from fsdpckpt.dcp._graph import bounded_repr
 from fsdpckpt.dcp.dtypes import DTYPES, DType
+from fsdpckpt.errors import UnsafePickleError
 
-__all__ = ["Record", "METADATA_GLOBALS", "BUILTIN_GLOBALS", "STORAGE_INFO_KIND", "brief", "cap"]
+__all__ = ["Record", "Refusal", "Sealed", "Size", "DTypeGlobal", "METADATA_GLOBALS",
+           "BUILTIN_GLOBALS", "STORAGE_INFO_KIND", "brief", "cap"]
 
 
-class Record:
+class Refusal(UnsafePickleError):
+    """A state-setting opcode aimed at an allowlisted value, raised by the value itself.
+
+    The value does not know the file; the unpickler that catches this says which file
+    (:func:`fsdpckpt.dcp._safe_pickle.refusal`)."""
+
+    def __init__(self, what: str, opcode: str) -> None:
+        super().__init__(what, opcode)
+        self.what, self.opcode = what, opcode
+
+
+def _refuser(what: str, opcode: str) -> Any:
+    def refuse(*_: Any, **__: Any) -> NoReturn:
+        raise Refusal(what, opcode)
+    return refuse
+
+
+class Sealed(type):
+    """The metaclass of every class an allowlist hands out: the class itself takes no state.
+
+    pickle's C unpickler applies BUILD through ``__setstate__``, SETITEM(S) through
+    ``__setitem__``, APPEND(S) through ``extend``/``append`` and ADDITEMS through ``add``,
+    looked up on whatever object the opcode is aimed at. Aimed at an allowlisted class,
+    these data descriptors of its metaclass answer first (ahead of the class's own methods,
+    which its instances keep), and refuse: no pickle can write a stand-in class's
+    ``__dict__`` or call ``setattr`` on it, which would change how every later file in the
+    process is read. The pure-Python unpickler refuses the same opcodes before they get here.
+    """
+
+    @property
+    def __setstate__(cls) -> Any:
+        return _refuser(f"the allowlisted global '{cls.__qualname__}'", "BUILD")
+
+    @property
+    def __setitem__(cls) -> Any:
+        return _refuser(f"the allowlisted global '{cls.__qualname__}'", "SETITEM(S)")
+
+    @property
+    def append(cls) -> Any:
+        return _refuser(f"the allowlisted global '{cls.__qualname__}'", "APPEND")
+
+    @property
+    def extend(cls) -> Any:
+        return _refuser(f"the allowlisted global '{cls.__qualname__}'", "APPENDS")
+
+    @property
+    def add(cls) -> Any:
+        return _refuser(f"the allowlisted global '{cls.__qualname__}'", "ADDITEMS")
+
+
+class _SealedValue:
+    """An allowlisted value that is not a class (a dtype, a torch constant): takes no state."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def _refuse(self, opcode: str) -> NoReturn:
+        raise Refusal(f"the allowlisted global '{self.name}'", opcode)
+
+    def __setstate__(self, state: Any) -> NoReturn:
+        self._refuse("BUILD")
+
+    def __setitem__(self, key: Any, value: Any) -> NoReturn:
+        self._refuse("SETITEM(S)")
+
+    def append(self, value: Any) -> NoReturn:
+        self._refuse("APPEND")
+
+    def extend(self, value: Any) -> NoReturn:
+        self._refuse("APPENDS")
+
+    def add(self, value: Any) -> NoReturn:
+        self._refuse("ADDITEMS")
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class DTypeGlobal(_SealedValue):
+    """What ``torch.float32`` (and every dtype) means in a ``.metadata``: the dtype, sealed.
+
+    The shared :class:`~fsdpckpt.dcp.dtypes.DType` itself is never handed to an unpickler:
+    pickle's C unpickler would write a BUILD's state straight into its ``__dict__``."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, name: str, dtype: DType) -> None:
+        super().__init__(name)
+        self.dtype = dtype
+
+
+class Record(metaclass=Sealed):
     """A stand-in for an instance of an allowed class: it only stores what the pickle gives it.
 
     ``kind`` (a class attribute, which no pickle can change) names the class it stands
     for; positional constructor arguments land in ``args`` and the pickled state (a
     dataclass's field dict, or whatever ``__getstate__`` gave) in ``state``, untouched:
-    the reader checks it against its schema.
+    the reader checks it against its schema. A NEWOBJ calls no ``__init__``, so ``args``
+    may be missing: read it with ``getattr``.
     """
 
+    __slots__ = ("args", "state", "__weakref__")
     kind = "Record"
 
     def __init__(self, *args: Any) -> None:
@@ -40,15 +137,25 @@ class Record:
         return f"<{self.kind} {brief(getattr(self, 'state', None), 200)}>"
 
 
+class Size(tuple, metaclass=Sealed):
+    """``torch.Size`` in a ``.metadata``: a tuple, built at C speed; the schema checks that it
+    holds integers (:func:`fsdpckpt.dcp.reader._ints`). It takes no state."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> NoReturn:
+        raise Refusal("a tuple, which takes no state", "BUILD")
+
+
+def _sealed_factory(name: str, make: Any) -> type:
+    """A sealed class whose call returns ``make(*args)`` (a plain value, not an instance)."""
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        return make(*args, **kwargs)
+    return Sealed(name, (), {"__new__": __new__, "__slots__": ()})
+
+
 def _record_class(kind: str) -> type[Record]:
-    return type(kind, (Record,), {"kind": kind})
-
-
-def _size(dims: Any = ()) -> tuple[int, ...]:
-    dims = tuple(dims)
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
-        raise pickle.UnpicklingError(f"torch.Size holds non-integers: {dims!r}")
-    return dims
+    return cast("type[Record]", Sealed(kind, (Record,), {"kind": kind, "__slots__": ()}))
 
 
 def _path(*parts: Any) -> str:
@@ -62,7 +169,7 @@ def _identity_str(value: Any) -> str:
 
 
 def _torch_constants(names: tuple[str, ...]) -> dict[tuple[str, str], Any]:
-    return {(_torch.TORCH_MODULE, n): n for n in names}
+    return {(_torch.TORCH_MODULE, n): _SealedValue(f"torch.{n}") for n in names}
 
 
 _HARMLESS_BUILTINS: dict[str, Any] = {
@@ -80,24 +187,31 @@ BUILTIN_GLOBALS: dict[tuple[str, str], Any] = {
        for name, value in _HARMLESS_BUILTINS.items()},
 }
 
-_DTYPE_GLOBALS: dict[tuple[str, str], DType] = {(_torch.TORCH_MODULE, name): d
-                                                for name, d in DTYPES.items()}
+_DTYPE_GLOBALS: dict[tuple[str, str], DTypeGlobal] = {
+    (_torch.TORCH_MODULE, name): DTypeGlobal(f"torch.{name}", d) for name, d in DTYPES.items()}
+
+#: The harmless builtins, sealed: each a class whose call returns the builtin's value.
+_SEALED_BUILTINS: dict[tuple[str, str], Any] = {
+    key: _sealed_factory(f"{key[0]}.{key[1]}", value) for key, value in BUILTIN_GLOBALS.items()}
 
 #: What a DCP ``.metadata`` pickle written by torch 2.x may legitimately name.
+#: Every value is sealed (its class's metaclass is :class:`Sealed`, or it is a
+#: :class:`_SealedValue`), so pickle's C unpickler can be given this table too
+#: (:mod:`fsdpckpt.dcp._fast_pickle`).
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    **BUILTIN_GLOBALS,
+    **_SEALED_BUILTINS,
     **_DTYPE_GLOBALS,
     **{(_torch.DCP_METADATA_MODULE, c): _record_class(c) for c in _torch.DCP_METADATA_CLASSES},
     # torch < 2.3 pickled ShardedTensor's TensorProperties (and its enum) instead of DCP's.
     _torch.OLD_TENSOR_PROPERTIES: _record_class("TensorProperties"),
-    _torch.MEM_FORMAT_ENCODING: int,
-    _torch.OLD_MEM_FORMAT_ENCODING: int,
+    _torch.MEM_FORMAT_ENCODING: _sealed_factory("_MEM_FORMAT_ENCODING", int),
+    _torch.OLD_MEM_FORMAT_ENCODING: _sealed_factory("MEM_FORMAT_ENCODING", int),
     _torch.STORAGE_INFO: _record_class(_torch.STORAGE_INFO[1]),
-    _torch.TORCH_SIZE: _size,
-    _torch.GET_LAYOUT: _identity_str,
+    _torch.TORCH_SIZE: Size,
+    _torch.GET_LAYOUT: _sealed_factory("_get_layout", _identity_str),
     **_torch_constants(_torch.TORCH_CONSTANTS),
     **{
-        (module, cls): _path
+        (module, cls): _sealed_factory(cls, _path)
         for module in ("pathlib", "pathlib._local")
         for cls in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
                     "PureWindowsPath")

@@ -19,17 +19,72 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from fsdpckpt import _torch
-from fsdpckpt.dcp._allowlist import BUILTIN_GLOBALS, METADATA_GLOBALS, Record, brief, cap
+from fsdpckpt.dcp._allowlist import (
+    BUILTIN_GLOBALS,
+    METADATA_GLOBALS,
+    Record,
+    Refusal,
+    brief,
+    cap,
+)
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError, UnsafePickleError
 
 __all__ = [
     "Record",
     "RestrictedUnpickler",
     "safe_loads",
+    "refuse_global",
+    "refusal",
+    "unreadable",
     "METADATA_GLOBALS",
     "BUILTIN_GLOBALS",
     "brief",
 ]
+
+
+def refuse_global(source: str, module: Any, name: Any) -> NoReturn:
+    """Refuse a global outside the allowlist: as a newer torch's name, or as hostile."""
+    named = cap(f"{module}.{name}", 120)
+    if isinstance(module, str) and _torch.is_torch_global(module):
+        # A torch name fsdpckpt does not know is most likely a class a newer torch
+        # added or renamed; saying "hostile" would send the user the wrong way.
+        raise UnsafePickleError(
+            f"{source}: refusing to load the global {named!r}, a torch name "
+            "fsdpckpt does not know. Written by a newer torch? fsdpckpt knows "
+            f"torch's checkpoint classes up to torch {_torch.KNOWN_TORCH}; upgrade "
+            "fsdpckpt. Nothing was executed. If the file did not come from a newer "
+            "torch, do not trust it."
+        ) from None
+    raise UnsafePickleError(
+        f"{source}: refusing to load the global {named!r}, "
+        "which a file of this kind never contains; the file may be hostile. Nothing "
+        "was executed. Only load it with plain pickle if you trust where it came from."
+    ) from None
+
+
+def refusal(source: str, what: str, opcode: str) -> UnsafePickleError:
+    """The error for a state-setting ``opcode`` aimed at ``what``, which it may not change."""
+    return UnsafePickleError(
+        f"{source}: refusing a pickle that changes {what} ({opcode}); no file of "
+        "this kind does that, and it could change how later files are read. The file "
+        "may be hostile; nothing was changed. Use an intact copy of the checkpoint.")
+
+
+def unreadable(source: str, where: int, size: int, exc: BaseException) -> NotACheckpointError:
+    """The error for bytes that are not a readable pickle, failing at byte ``where``."""
+    return NotACheckpointError(
+        f"{source}: not a readable pickle of the expected kind (at byte {where} of "
+        f"{size}: {type(exc).__name__}: {cap(str(exc), 200)})")
+
+
+def _own_setstate(cls: type) -> Any:
+    """The ``__setstate__`` a class defines or inherits, never its metaclass's (a
+    :class:`~fsdpckpt.dcp._allowlist.Sealed` class's metaclass refuses for the class itself)."""
+    for klass in cls.__mro__:
+        method = klass.__dict__.get("__setstate__")
+        if method is not None:
+            return method
+    return None
 
 
 # pickle's pure-Python unpickler (from the compat module): its opcode methods are what this
@@ -119,22 +174,7 @@ class RestrictedUnpickler(_BASE):
         try:
             return self._allowed[(module, name)]
         except (KeyError, TypeError):
-            named = cap(f"{module}.{name}", 120)
-            if isinstance(module, str) and _torch.is_torch_global(module):
-                # A torch name fsdpckpt does not know is most likely a class a newer torch
-                # added or renamed; saying "hostile" would send the user the wrong way.
-                raise UnsafePickleError(
-                    f"{self._source}: refusing to load the global {named!r}, a torch name "
-                    "fsdpckpt does not know. Written by a newer torch? fsdpckpt knows "
-                    f"torch's checkpoint classes up to torch {_torch.KNOWN_TORCH}; upgrade "
-                    "fsdpckpt. Nothing was executed. If the file did not come from a newer "
-                    "torch, do not trust it."
-                ) from None
-            raise UnsafePickleError(
-                f"{self._source}: refusing to load the global {named!r}, "
-                "which a file of this kind never contains; the file may be hostile. Nothing "
-                "was executed. Only load it with plain pickle if you trust where it came from."
-            ) from None
+            refuse_global(self._source, module, name)
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is None:
@@ -230,11 +270,7 @@ class RestrictedUnpickler(_BASE):
             f"a {type(value).__name__} it did not build" \
             if self._built.get(id(value)) is not value else \
             f"a {type(value).__name__}, which takes no state"
-        raise UnsafePickleError(
-            f"{self._source}: refusing a pickle that changes {what} ({opcode}); no file of "
-            "this kind does that, and it could change how later files are read. The file "
-            "may be hostile; nothing was changed. Use an intact copy of the checkpoint."
-        )
+        raise refusal(self._source, what, opcode)
 
     def _load_build(self) -> None:
         # Only through the object's own __setstate__ (a stand-in's, which checks what it
@@ -242,7 +278,7 @@ class RestrictedUnpickler(_BASE):
         stack = self.stack
         state = stack.pop()
         target = stack[-1]
-        setstate = getattr(type(target), "__setstate__", None)
+        setstate = _own_setstate(type(target))
         if self._built.get(id(target)) is not target or setstate is None:
             self._refuse(target, "BUILD")
         setstate(target, state)
@@ -333,6 +369,8 @@ def safe_loads(
     )
     try:
         return unpickler.load()
+    except Refusal as exc:  # a sealed value refused the opcode itself
+        raise refusal(source, exc.what, exc.opcode) from None
     except FsdpCkptError:
         # Our own refusals, and stand-ins that found the file damaged (a tensor outside
         # its storage): their messages say more than "not a readable pickle" would.
@@ -341,8 +379,4 @@ def safe_loads(
         # The parser and the allowlisted callables fail in many ways on malformed bytes
         # (UnpicklingError, EOFError, struct.error, IndexError, TypeError, ValueError,
         # OverflowError, RecursionError, UnicodeDecodeError, LookupError, MemoryError...).
-        where = unpickler.position
-        raise NotACheckpointError(
-            f"{source}: not a readable pickle of the expected kind (at byte {where} of "
-            f"{len(data)}: {type(exc).__name__}: {cap(str(exc), 200)})"
-        ) from exc
+        raise unreadable(source, unpickler.position, len(data), exc) from exc

@@ -20,7 +20,9 @@ import bisect
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
+from fsdpckpt.dcp._bulk import paused_gc
 from fsdpckpt.dcp._objects import DecodedObject
 from fsdpckpt.dcp._zstd import MAX_RATIO
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry, rank_file_parts
@@ -191,6 +193,11 @@ def check_folder(folder: DcpFolder) -> list[Problem]:
     Returns:
         Every problem found, in a stable order; empty when the folder is whole.
     """
+    with paused_gc():  # a tuple per chunk, none in a cycle (see _bulk)
+        return _check_folder(folder)
+
+
+def _check_folder(folder: DcpFolder) -> list[Problem]:
     problems: list[Problem] = []
     missing: dict[str, list[str]] = {}
     sizes = folder.file_sizes
@@ -207,27 +214,37 @@ def check_folder(folder: DcpFolder) -> list[Problem]:
                 f"{what} lies at bytes {offset}..{offset + length}, past the end of the file "
                 f"({sizes[file]} bytes): the file is truncated"))
 
-    ranges: list[tuple[str, int, int, str]] = []  # (file, offset, end, what)
+    # (file, offset, end, what): ``what`` a name, or (tensor, chunk) said only if it matters.
+    ranges: list[tuple[str, int, int, Any]] = []
+    add_range = ranges.append
     for tensor in folder.metadata.tensors:
         for message in check_tensor_chunks(tensor):
             problems.append(Problem(base, f"tensor '{tensor.name}': {message}"))
+        itemsize = tensor.dtype.itemsize
         for chunk in tensor.chunks:
-            what = f"tensor '{tensor.name}' chunk at {list(chunk.offsets)}"
-            check_location(what, chunk.file, chunk.offset, chunk.length)
+            file, offset, length = chunk.file, chunk.offset, chunk.length
+            nbytes = math.prod(chunk.sizes) * itemsize
+            if file is not None and length > 0 and offset + length <= sizes.get(file, -1) and \
+                    nbytes <= length and offset >= 0:  # the usual case, said in one test
+                if nbytes:
+                    add_range((file, offset, offset + length, (tensor, chunk)))
+                continue
+            what = _chunk_what((tensor, chunk))
+            check_location(what, file, offset, length)
             # The chunk's archive holds its elements: a declared size larger than the
             # archive is refused here, before anything allocates or reserves it.
             # A compressed one may decode to more, but no more than zstd's format allows.
-            stored = chunk.length * (MAX_RATIO if chunk.transforms else 1)
-            if chunk.file is not None and chunk.numel * tensor.dtype.itemsize > stored:
+            stored = length * (MAX_RATIO if chunk.transforms else 1)
+            if file is not None and nbytes > stored:
                 problems.append(Problem(
-                    f"{base}/{chunk.file}",
-                    f"{what} declares {chunk.numel * tensor.dtype.itemsize} bytes of "
+                    f"{base}/{file}",
+                    f"{what} declares {nbytes} bytes of "
                     f"{tensor.dtype.name} (sizes {list(chunk.sizes)}), but its archive holds "
                     f"only {stored} bytes: the metadata is damaged or crafted"))
-            if chunk.file is not None and chunk.numel:
+            if file is not None and nbytes:
                 # Empty chunks of one tensor share one storage entry (DCP keys it by
                 # name and offsets, the same for them all): only real data must not share.
-                ranges.append((chunk.file, chunk.offset, chunk.offset + chunk.length, what))
+                add_range((file, offset, offset + length, (tensor, chunk)))
     for obj in folder.metadata.objects:
         if isinstance(obj, DecodedObject):
             continue  # decoded already (a per-rank file's inline value): no bytes to check
@@ -259,7 +276,15 @@ def require_whole(folder: DcpFolder) -> None:
                                      f"{folder.path}` for the full list")
 
 
-def _shared_bytes(base: str, ranges: list[tuple[str, int, int, str]]) -> list[Problem]:
+def _chunk_what(owner: Any) -> str:
+    """How a message names a byte range's owner: a name, or a tensor's chunk."""
+    if isinstance(owner, str):
+        return owner
+    tensor, chunk = owner
+    return f"tensor '{tensor.name}' chunk at {list(chunk.offsets)}"
+
+
+def _shared_bytes(base: str, ranges: list[tuple[str, int, int, Any]]) -> list[Problem]:
     """Entries whose byte ranges overlap in one file (DCP writes each item once, in turn).
 
     Sorted by file and offset, one pass finds them; refusing them keeps the work of
@@ -269,7 +294,8 @@ def _shared_bytes(base: str, ranges: list[tuple[str, int, int, str]]) -> list[Pr
     ranges.sort(key=lambda r: (r[0], r[1], r[2]))
     for (file_a, _, end_a, what_a), (file_b, start_b, _, what_b) in zip(ranges, ranges[1:]):
         if file_a == file_b and start_b < end_a:
-            found.append(Problem(f"{base}/{file_a}", f"{what_a} and {what_b} share bytes "
+            found.append(Problem(f"{base}/{file_a}", f"{_chunk_what(what_a)} and "
+                                 f"{_chunk_what(what_b)} share bytes "
                                  f"from {start_b}: the metadata is damaged or crafted"))
             if len(found) == _SHOWN:
                 break

@@ -14,9 +14,18 @@ from typing import Any
 from fsdpckpt._io import storage
 from fsdpckpt._io.remote import location
 from fsdpckpt._io.storage import Place
-from fsdpckpt.dcp._allowlist import METADATA_GLOBALS, STORAGE_INFO_KIND, Record, brief
+from fsdpckpt._torch import DCP_METADATA_MODULE, STORAGE_INFO
+from fsdpckpt.dcp._allowlist import (
+    METADATA_GLOBALS,
+    STORAGE_INFO_KIND,
+    DTypeGlobal,
+    Record,
+    Size,
+    brief,
+)
+from fsdpckpt.dcp._bulk import paused_gc
+from fsdpckpt.dcp._fast_pickle import fast_loads
 from fsdpckpt.dcp._paths import METADATA_FILE, data_file_path, open_data_file, path_inside
-from fsdpckpt.dcp._safe_pickle import safe_loads
 from fsdpckpt.dcp._zstd import check_transforms
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, ObjectEntry, TensorEntry
@@ -210,6 +219,8 @@ def _dtype(props: Any, where: str) -> DType:
     state = getattr(props, "state", None)
     dtype = state[0] if isinstance(state, tuple) and state else \
         state.get("dtype") if isinstance(state, dict) else None
+    if isinstance(dtype, DTypeGlobal):
+        dtype = dtype.dtype
     if not isinstance(dtype, DType):
         raise _SchemaError(f"{where} has no recognizable dtype ({brief(dtype)})")
     return dtype
@@ -218,32 +229,91 @@ def _dtype(props: Any, where: str) -> DType:
 _Location = tuple[str, int, int, tuple[str, ...]]
 
 
+def _location(index: Any, info: Any) -> tuple[tuple[str, tuple[int, ...] | None], _Location]:
+    """One ``storage_data`` entry, every field checked, every message naming it."""
+    if not (isinstance(index, Record) and type(index).kind == "MetadataIndex" and
+            isinstance(info, Record) and type(info).kind == STORAGE_INFO_KIND):
+        raise _SchemaError(
+            "storage entries are not file locations; this folder was not written by "
+            "FileSystemWriter (e.g. HuggingFaceStorageWriter), which is not supported")
+    key = _fields(index, "MetadataIndex", "a storage index")
+    fqn = _str(key.get("fqn"), "a storage index's fqn")
+    where = f"the storage entry of {brief(fqn)}"
+    offsets = key.get("offset")
+    fields = _fields(info, STORAGE_INFO_KIND, where)
+    try:
+        transforms = check_transforms(fields.get("transform_descriptors"))
+    except ValueError as exc:
+        raise _SchemaError(f"{where} {exc}") from None
+    return (fqn, None if offsets is None else _ints(offsets, f"{where}: offset")), (
+        _str(fields.get("relative_path"), f"{where}: relative_path"),
+        _int(fields.get("offset"), f"{where}: offset"),
+        _int(fields.get("length"), f"{where}: length"),
+        transforms,
+    )
+
+
+_INDEX_CLASS = METADATA_GLOBALS[(DCP_METADATA_MODULE, "MetadataIndex")]
+_INFO_CLASS = METADATA_GLOBALS[STORAGE_INFO]
+_CHUNK_CLASS = METADATA_GLOBALS[(DCP_METADATA_MODULE, "ChunkStorageMetadata")]
+
+
+_INTS = {int}
+
+
+def _plain_ints(value: Any) -> tuple[int, ...] | None:
+    """``value`` as a tuple of int64-range integers, or None to take the checked path.
+    (Written out again inline in the loops below, which run once per chunk.)"""
+    if type(value) is not Size and type(value) is not tuple:
+        return None
+    ints = tuple(value)
+    if _INTS.issuperset(map(type, ints)) and (not ints or (min(ints) >= 0 and
+                                                           max(ints) < _INT64)):
+        return ints
+    return None
+
+
 def _locations(storage: dict[Any, Any]) -> dict[tuple[str, tuple[int, ...] | None], _Location]:
     """``(fqn, chunk offsets or None) -> (file, offset, length, transforms)`` from
-    ``storage_data``."""
+    ``storage_data``. Entries are emptied from ``storage`` as they are read (the records go
+    as soon as they are converted); those of the usual form skip building the messages
+    :func:`_location` would name them with."""
     locations: dict[tuple[str, tuple[int, ...] | None], _Location] = {}
-    for index, info in storage.items():
-        if not (isinstance(index, Record) and type(index).kind == "MetadataIndex" and
-                isinstance(info, Record) and type(info).kind == STORAGE_INFO_KIND):
-            raise _SchemaError(
-                "storage entries are not file locations; this folder was not written by "
-                "FileSystemWriter (e.g. HuggingFaceStorageWriter), which is not supported")
-        key = _fields(index, "MetadataIndex", "a storage index")
-        fqn = _str(key.get("fqn"), "a storage index's fqn")
-        where = f"the storage entry of {brief(fqn)}"
-        offsets = key.get("offset")
-        fields = _fields(info, STORAGE_INFO_KIND, where)
-        try:
-            transforms = check_transforms(fields.get("transform_descriptors"))
-        except ValueError as exc:
-            raise _SchemaError(f"{where} {exc}") from None
-        locations[(fqn, None if offsets is None else _ints(offsets, f"{where}: offset"))] = (
-            _str(fields.get("relative_path"), f"{where}: relative_path"),
-            _int(fields.get("offset"), f"{where}: offset"),
-            _int(fields.get("length"), f"{where}: length"),
-            transforms,
-        )
+    plain_types, index_class, info_class, top = _INTS.issuperset, _INDEX_CLASS, _INFO_CLASS, _INT64
+    while storage:
+        index, info = storage.popitem()
+        key, fields = getattr(index, "state", None), getattr(info, "state", None)
+        if type(index) is index_class and type(info) is info_class and \
+                type(key) is dict and type(fields) is dict:
+            fqn, offsets = key.get("fqn"), key.get("offset")
+            file, offset = fields.get("relative_path"), fields.get("offset")
+            length, transforms = fields.get("length"), fields.get("transform_descriptors")
+            if type(offsets) is Size:
+                ints: tuple[int, ...] | None = tuple(offsets)
+                if not (plain_types(map(type, ints)) and  # type: ignore[arg-type]
+                        (not ints or (min(ints) >= 0 and max(ints) < top))):
+                    ints = _plain_ints(offsets)  # plain tuples too (None where not ints)
+            else:
+                ints = None if offsets is None else _plain_ints(offsets)
+            if type(fqn) is str and type(file) is str and type(offset) is int and \
+                    type(length) is int and 0 <= offset < top and 0 <= length < top \
+                    and (offsets is None or ints is not None) and not transforms:
+                locations[(fqn, ints)] = (file, offset, length, ())
+                continue
+        where, location = _location(index, info)
+        locations[where] = location
     return locations
+
+
+def _chunk(fqn: str, i: int, chunk: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One chunk's ``(offsets, sizes)``, every field checked, every message naming it."""
+    at = f"tensor {brief(fqn)}: chunk {i}"
+    chunk_fields = _fields(chunk, "ChunkStorageMetadata", at)
+    offsets = _ints(chunk_fields.get("offsets"), f"{at}: offsets")
+    sizes = _ints(chunk_fields.get("sizes"), f"{at}: sizes")
+    if len(offsets) != len(sizes):
+        raise _SchemaError(f"{at} has {len(offsets)} offsets but {len(sizes)} sizes")
+    return offsets, sizes
 
 
 def _tensor(fqn: str, entry: Any, locations: dict[Any, _Location],
@@ -252,15 +322,22 @@ def _tensor(fqn: str, entry: Any, locations: dict[Any, _Location],
     fields = _fields(entry, "TensorStorageMetadata", where)
     shape = _ints(fields.get("size"), f"{where}: size")
     chunks = []
+    plain_types, chunk_class, top = _INTS.issuperset, _CHUNK_CLASS, _INT64
+    missing, get = (None, 0, 0, ()), locations.get
     for i, chunk in enumerate(_list(fields.get("chunks"), f"{where}: chunks")):
-        at = f"{where}: chunk {i}"
-        chunk_fields = _fields(chunk, "ChunkStorageMetadata", at)
-        offsets = _ints(chunk_fields.get("offsets"), f"{at}: offsets")
-        sizes = _ints(chunk_fields.get("sizes"), f"{at}: sizes")
-        if len(offsets) != len(sizes):
-            raise _SchemaError(f"{at} has {len(offsets)} offsets but {len(sizes)} sizes")
-        file, offset, length, transforms = locations.get((fqn, offsets), (None, 0, 0, ()))
-        chunks.append(Chunk(offsets, sizes, file, offset, length, transforms))
+        state = getattr(chunk, "state", None)
+        if type(chunk) is chunk_class and type(state) is dict:
+            offsets, sizes = state.get("offsets"), state.get("sizes")
+            if type(offsets) is Size and type(sizes) is Size and len(offsets) == len(sizes):
+                both = offsets + sizes  # one check of both (a plain tuple)
+                if plain_types(map(type, both)) and (not both or (min(both) >= 0 and
+                                                                  max(both) < top)):
+                    offsets = both[:len(sizes)]
+                    chunks.append(Chunk(offsets, both[len(sizes):],
+                                        *get((fqn, offsets), missing)))
+                    continue
+        offsets, sizes = _chunk(fqn, i, chunk)
+        chunks.append(Chunk(offsets, sizes, *get((fqn, offsets), missing)))
     dtype = _dtype(fields.get("properties"), f"{where}: properties")
     return TensorEntry(fqn, dtype, shape, tuple(chunks), key_path)
 
@@ -277,11 +354,17 @@ def _parse(root: Any) -> DcpMetadata:
     version = fields.get("version")
     if version is not None:
         _str(version, "version")
+    if storage and (storage is entries or storage is planner) or (entries and entries is planner):
+        # Read destructively below (each record freed once converted): three dicts.
+        raise _SchemaError("state_dict_metadata, storage_data and planner_data are not three "
+                           "separate dicts")
     locations = _locations(storage)
     tensors: list[TensorEntry] = []
     objects: list[ObjectEntry] = []
-    for fqn, entry in entries.items():
-        _str(fqn, "a state_dict_metadata key")
+    for fqn in list(entries):
+        entry = entries.pop(fqn)  # its records go once converted
+        if type(fqn) is not str:
+            _str(fqn, "a state_dict_metadata key")
         planned = planner.get(fqn)
         key_path = _key_path(planned, f"planner_data[{brief(fqn)}]") if planned else \
             tuple(fqn.split("."))
@@ -312,7 +395,12 @@ def parse_metadata(data: bytes, *, source: str) -> DcpMetadata:
     """
     if not data:
         raise NotACheckpointError(f"{source}: the file is empty; the save did not finish.")
-    root = safe_loads(data, allowed=METADATA_GLOBALS, source=source)
+    with paused_gc():
+        return _checked_parse(data, source)
+
+
+def _checked_parse(data: bytes, source: str) -> DcpMetadata:
+    root = fast_loads(data, allowed=METADATA_GLOBALS, source=source)
     if not (isinstance(root, Record) and type(root).kind == "Metadata"):
         raise NotACheckpointError(
             f"{source}: holds a {_kind(root)}, not DCP checkpoint metadata."

@@ -344,3 +344,22 @@ def test_inspect_of_an_accelerate_checkpoints_folder_names_the_newest(tmp_path):
     newest = tmp_path / "checkpoints" / "checkpoint_2"
     assert_one_line_error(result, "holds 3 checkpoints (checkpoint_0, checkpoint_1, "
                           "checkpoint_2)", f"the newest: {newest}")
+
+
+def test_a_tensor_whose_other_shards_are_empty_is_sharded_not_replicated():
+    # A [1, 6] tensor dim-0 sharded over 2 ranks: rank 1's shard is empty, as every big
+    # run's small tensors are.
+    from fsdpckpt.dcp.dtypes import DTYPES
+    from fsdpckpt.dcp.metadata import Chunk, TensorEntry
+    from fsdpckpt.inspection.inspect import sharding_of
+
+    f32 = DTYPES["float32"]
+    chunks = (Chunk((0, 0), (1, 6), "__0_0.distcp", 0, 100),
+              Chunk((1, 0), (0, 6), "__1_0.distcp", 0, 100))
+    assert sharding_of(TensorEntry("w", f32, (1, 6), chunks, ("w",))) == "dim0 x1 (1 empty)"
+    over_4096 = chunks[:1] + tuple(Chunk((1, 0), (0, 6), f"__{r}_0.distcp", 0, 100)
+                                   for r in range(1, 4096))
+    assert sharding_of(TensorEntry("w", f32, (1, 6), over_4096, ("w",))) == \
+        "dim0 x1 (4095 empty)"
+    whole = (Chunk((0, 0), (1, 6), "__0_0.distcp", 0, 100),)
+    assert sharding_of(TensorEntry("w", f32, (1, 6), whole, ("w",))) == "replicated"

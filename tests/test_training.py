@@ -429,3 +429,31 @@ def test_compare_reports_each_difference_as_data(tmp_path):
     assert result.unexpected == ["b"]
     assert result.mismatched == [ShapeMismatch("w (x", (2,), (3,))]
     assert result.unloadable == ["c", "w (x"]
+
+
+def test_a_load_parses_each_dot_metadata_once(tmp_path):
+    # The checks, the storage reader DCP loads through and the manifest's chunk checks all
+    # read the model and optimizer folders: one parse each, shared.
+    from fsdpckpt.dcp import reader
+
+    ckpt = _saved_plain(tmp_path)
+    model = workers.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    before = reader.parse_count
+    fsdpckpt.load_state(ckpt, model, optimizer)
+    assert reader.parse_count - before == 2
+    fsdpckpt.load_state(ckpt, model, optimizer)  # nothing held between loads
+    assert reader.parse_count - before == 4
+
+
+def test_a_dot_metadata_replaced_on_disk_is_parsed_anew(tmp_path):
+    from fsdpckpt.dcp import reader
+
+    ckpt = _saved_plain(tmp_path)
+    folder = ckpt / "pytorch_model_fsdp_0"
+    first = reader.read_dcp_folder(folder)  # held: a second read shares it
+    assert reader.read_dcp_folder(folder).metadata is first.metadata
+    data = (folder / ".metadata").read_bytes()
+    (folder / ".metadata.new").write_bytes(data)
+    (folder / ".metadata.new").rename(folder / ".metadata")  # as a save publishes it
+    assert reader.read_dcp_folder(folder).metadata is not first.metadata

@@ -8,7 +8,11 @@ imported. The result is the plain data model of :mod:`fsdpckpt.dcp.metadata`.
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io import storage
@@ -31,7 +35,7 @@ from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, DataFile, DcpMetadata, KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
-__all__ = ["DcpFolder", "read_dcp_folder", "parse_metadata", "is_dcp_folder", "METADATA_FILE",
+__all__ = ["DcpFolder", "read_dcp_folder", "parse_metadata", "shared_parses", "is_dcp_folder", "METADATA_FILE",
            "data_file_path", "open_data_file", "path_inside"]
 
 @dataclass(frozen=True)
@@ -125,7 +129,7 @@ def read_dcp_folder(path: str | os.PathLike[str] | Place) -> DcpFolder:
             "(DCP writes .metadata last; a save that did not finish leaves none). "
             "Pass the folder that holds .metadata."
         )
-    metadata = parse_metadata(_read_metadata_bounded(folder, meta_path), source=str(meta_path))
+    metadata = _parsed_once(folder, meta_path)
     for name in sorted(metadata.referenced_files):  # before any of them is sized or opened
         data_file_path(folder, name)
     # A link is taken when it leads to a regular file inside the folder (sized as resolved).
@@ -133,6 +137,58 @@ def read_dcp_folder(path: str | os.PathLike[str] | Place) -> DcpFolder:
                   for e in storage.entries(folder) if e.name.endswith(".distcp")
                   and (e.is_file or (e.is_link and e.path.is_file())))
     return DcpFolder(folder, metadata, files)
+
+
+# -- one parse per process ---------------------------------------------------------------
+#
+# A load reads a folder's .metadata in several places (the checks of the model against it,
+# the storage reader DCP loads through, the manifest's chunk checks): each gets the one
+# parse, which is immutable, for as long as anything holds it, and within shared_parses()
+# for the whole block. A local file is known by its device, inode, size and modification
+# time: a save publishes .metadata by rename, so a new one is a new inode.
+
+_PARSED: weakref.WeakValueDictionary[tuple[Any, ...], DcpMetadata] = \
+    weakref.WeakValueDictionary()
+_HELD: list[list[DcpMetadata]] = []
+#: How many times .metadata was parsed in this process (tests count it).
+parse_count = 0
+
+
+@contextmanager
+def shared_parses() -> Iterator[None]:
+    """Keep every ``.metadata`` parsed in the block until it ends, so that each is parsed
+    once however many times the block reads its folder."""
+    held: list[DcpMetadata] = []
+    _HELD.append(held)
+    try:
+        yield
+    finally:
+        _HELD.remove(held)
+
+
+def _identity(meta_path: Place) -> tuple[Any, ...] | None:
+    if not isinstance(meta_path, Path):
+        return None  # object storage: read anew each time
+    try:
+        st = os.stat(meta_path)
+    except OSError:
+        return None
+    return (os.path.abspath(meta_path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _parsed_once(folder: Place, meta_path: Place) -> DcpMetadata:
+    global parse_count
+    key = _identity(meta_path)
+    metadata = _PARSED.get(key) if key is not None else None
+    if metadata is None:
+        metadata = parse_metadata(_read_metadata_bounded(folder, meta_path),
+                                  source=str(meta_path))
+        parse_count += 1
+        if key is not None:
+            _PARSED[key] = metadata
+    for held in _HELD:
+        held.append(metadata)
+    return metadata
 
 
 # -- the schema of a DCP .metadata -------------------------------------------------------

@@ -36,12 +36,20 @@ def sharding_of(tensor: TensorEntry) -> str:
     ``"replicated"``.
 
     Chunks without elements do not count: a ``[2]`` tensor sharded over 8 ranks is stored
-    as 2 chunks of one element and 6 empty ones, and is ``"dim0 x2"``. A tensor without
-    elements is ``"empty"``.
+    as 2 chunks of one element and 6 empty ones, and is ``"dim0 x2"``. One that fits in
+    the first rank's shard is sharded all the same, not replicated: a ``[1, 6]`` tensor over
+    2 ranks is ``"dim0 x1 (1 empty)"``. A tensor without elements is ``"empty"``.
     """
     if not tensor.chunks:
         return "no chunks"
     chunks = [c for c in tensor.chunks if c.numel]
+    if len(chunks) == 1 and len(tensor.chunks) > 1:
+        # Its other chunks are empty shards: cut where their offsets differ from its own.
+        cut = [d for d in range(len(tensor.shape))
+               if len({c.offsets[d] for c in tensor.chunks if len(c.offsets) > d}) > 1]
+        if cut:
+            empty = len(tensor.chunks) - 1
+            return ", ".join(f"dim{d} x1" for d in cut) + f" ({empty} empty)"
     if len(chunks) <= 1:
         return "replicated" if chunks else "empty"
     words = []

@@ -25,6 +25,7 @@ from fsdpckpt._io.storage import Place, put_bytes, refresh
 from fsdpckpt.dcp._objects import to_torch
 from fsdpckpt.dcp._sidefiles import read_state_file
 from fsdpckpt.dcp.layout import refuse_unfinished_save
+from fsdpckpt.dcp.reader import shared_parses
 from fsdpckpt.errors import (
     FsdpCkptError,
     NotACheckpointError,
@@ -283,6 +284,7 @@ def _read_everything(root: Place, models: list, optimizers: list, schedulers: li
             loaded, rng)
 
 
+@shared_parses()  # each .metadata parsed once for the whole load
 def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any = None,
                optimizer: Any = None,
                scheduler: Any = None, *, scaler: Any = None,

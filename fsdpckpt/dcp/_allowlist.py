@@ -16,11 +16,11 @@ from fsdpckpt.dcp._graph import bounded_repr
 from fsdpckpt.dcp.dtypes import DTYPES, DType
 from fsdpckpt.errors import UnsafePickleError
 
-__all__ = ["Record", "Refusal", "Sealed", "Size", "DTypeGlobal", "METADATA_GLOBALS",
+__all__ = ["Record", "_Refusal", "Sealed", "Size", "DTypeGlobal", "METADATA_GLOBALS",
            "BUILTIN_GLOBALS", "STORAGE_INFO_KIND", "brief", "cap"]
 
 
-class Refusal(UnsafePickleError):
+class _Refusal(UnsafePickleError):
     """A state-setting opcode aimed at an allowlisted value, raised by the value itself.
 
     The value does not know the file; the unpickler that catches this says which file
@@ -33,7 +33,7 @@ class Refusal(UnsafePickleError):
 
 def _refuser(what: str, opcode: str) -> Any:
     def refuse(*_: Any, **__: Any) -> NoReturn:
-        raise Refusal(what, opcode)
+        raise _Refusal(what, opcode)
     return refuse
 
 
@@ -79,7 +79,7 @@ class _SealedValue:
         self.name = name
 
     def _refuse(self, opcode: str) -> NoReturn:
-        raise Refusal(f"the allowlisted global '{self.name}'", opcode)
+        raise _Refusal(f"the allowlisted global '{self.name}'", opcode)
 
     def __setstate__(self, state: Any) -> NoReturn:
         self._refuse("BUILD")
@@ -139,12 +139,12 @@ class Record(metaclass=Sealed):
 
 class Size(tuple, metaclass=Sealed):
     """``torch.Size`` in a ``.metadata``: a tuple, built at C speed; the schema checks that it
-    holds integers (:func:`fsdpckpt.dcp.reader._ints`). It takes no state."""
+    holds integers (:func:`fsdpckpt.dcp._schema._ints`). It takes no state."""
 
     __slots__ = ()
 
     def __setstate__(self, state: Any) -> NoReturn:
-        raise Refusal("a tuple, which takes no state", "BUILD")
+        raise _Refusal("a tuple, which takes no state", "BUILD")
 
 
 def _sealed_factory(name: str, make: Any) -> type:

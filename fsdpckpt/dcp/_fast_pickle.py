@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from fsdpckpt.dcp._allowlist import Refusal
+from fsdpckpt.dcp._allowlist import _Refusal
 from fsdpckpt.dcp._safe_pickle import refusal, refuse_global, unreadable
 from fsdpckpt.errors import FsdpCkptError
 
@@ -178,7 +178,7 @@ def fast_loads(data: bytes, *, allowed: Mapping[tuple[str, str], Any], source: s
     unpickler = _Unpickler(data, allowed, source)
     try:
         return unpickler.load()
-    except Refusal as exc:
+    except _Refusal as exc:
         raise refusal(source, exc.what, exc.opcode) from None
     except FsdpCkptError:
         raise

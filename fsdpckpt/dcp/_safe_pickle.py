@@ -23,7 +23,7 @@ from fsdpckpt.dcp._allowlist import (
     BUILTIN_GLOBALS,
     METADATA_GLOBALS,
     Record,
-    Refusal,
+    _Refusal,
     brief,
     cap,
 )
@@ -369,7 +369,7 @@ def safe_loads(
     )
     try:
         return unpickler.load()
-    except Refusal as exc:  # a sealed value refused the opcode itself
+    except _Refusal as exc:  # a sealed value refused the opcode itself
         raise refusal(source, exc.what, exc.opcode) from None
     except FsdpCkptError:
         # Our own refusals, and stand-ins that found the file damaged (a tensor outside

@@ -1,0 +1,122 @@
+"""A large run's checkpoint read at scale, against torch's own metadata reader (issue 32).
+
+Run by hand (not in CI):
+
+    python benchmarks/scale.py                       # 64 and 256 simulated ranks
+    python benchmarks/scale.py --ranks 1024 --rounds 1
+    python benchmarks/scale.py --ranks 256 --before ../fsdpckpt-main   # against another tree
+
+Builds simulated checkpoints of a Llama-3-70B-shaped model in Accelerate's layout (fp32
+weights and AdamW state, FSDP2 dim-0 shards over N ranks), with ``.metadata`` pickled from
+torch's own dataclasses exactly as ``FileSystemWriter`` writes it and sparse rank files
+(``benchmarks/_simulate.py``; no training). Then times whole processes, each its median
+wall time and peak RSS (``wait4``), page cache warm:
+
+  - the anchor: torch's ``FileSystemReader.read_metadata()`` of both folders (plain pickle,
+    no checks), ``import torch`` included;
+  - ``fsdpckpt inspect`` (text and ``--json``);
+  - merge planning of the model folder and of the optimizer folder (``plan_merge``: read,
+    checked, every tensor planned; what ``merge`` does before its first data read);
+  - ``load_full_state_dict`` planning (read, checked: ``require_whole``).
+Goal (issue 32): every row at most 1.0x the anchor's time and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _simulate import build
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_usage(cmd: list[str], cwd: Path) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MB) of one whole process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=cwd)
+    _pid, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{cmd} failed: {proc.stderr.read().decode()[-2000:]}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def commands(ckpt: Path) -> dict[str, list[str]]:
+    py = sys.executable
+    model, optim = ckpt / "pytorch_model_fsdp_0", ckpt / "optimizer_0"
+    return {
+        "torch read_metadata (both)": [
+            py, "-c", "import sys\nfrom torch.distributed.checkpoint import FileSystemReader\n"
+            "for f in sys.argv[1:]: FileSystemReader(f).read_metadata()", str(model), str(optim)],
+        "inspect": [py, "-m", "fsdpckpt", "inspect", str(ckpt)],
+        "inspect --json": [py, "-m", "fsdpckpt", "inspect", str(ckpt), "--json"],
+        "merge planning (model)": [
+            py, "-c", "import sys\nfrom fsdpckpt.merging.plan import plan_merge\n"
+            "plan_merge(sys.argv[1])", str(model)],
+        "merge --optimizer planning": [
+            py, "-c", "import sys\nfrom fsdpckpt.merging.plan import plan_merge\n"
+            "plan_merge(sys.argv[1], clean_keys=False)", str(optim)],
+        "load_full_state_dict planning (both)": [
+            py, "-c", "import sys\nfrom fsdpckpt.dcp.checks import require_whole\n"
+            "from fsdpckpt.dcp.reader import read_dcp_folder\n"
+            "for f in sys.argv[1:]: require_whole(read_dcp_folder(f))", str(model), str(optim)],
+    }
+
+
+def measure(ckpt: Path, rounds: int, trees: dict[str, Path]) -> list[tuple[str, str, float, float]]:
+    """``(tree, command, median wall, median peak MB)``: each round runs every command of
+    every tree in turn (alternated, so a slow spell hits them alike)."""
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for _ in range(rounds):
+        for tree, cwd in trees.items():
+            for name, cmd in commands(ckpt).items():
+                if tree != "this" and name.startswith("torch"):
+                    continue
+                runs.setdefault((tree, name), []).append(run_usage(cmd, cwd))
+    return [(tree, name, statistics.median(w for w, _ in got),
+             statistics.median(m for _, m in got)) for (tree, name), got in runs.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers than 70B's 80")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="another checkout, measured alternately against this one")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="keep the simulated checkpoints here (built once)")
+    args = parser.parse_args()
+    trees = {"this": ROOT} | ({"before": args.before.resolve()} if args.before else {})
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.workdir or Path(tmp)
+        for ranks in args.ranks:
+            ckpt = work / f"llama70b-{ranks}"
+            if not (ckpt / "optimizer_0" / ".metadata").exists():
+                start = time.perf_counter()
+                build(ckpt, ranks, layers=args.layers)
+                print(f"built {ckpt} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+            sizes = [(ckpt / p / ".metadata").stat().st_size
+                     for p in ("pytorch_model_fsdp_0", "optimizer_0")]
+            rows = measure(ckpt, args.rounds, trees)
+            anchor = next((w, m) for t, n, w, m in rows if n.startswith("torch"))
+            print(f"\n{ranks} ranks, .metadata {sizes[0] / 1e6:.0f} MB + {sizes[1] / 1e6:.0f} MB "
+                  f"(medians of {args.rounds})")
+            print(f"| {'tree':6} | {'command':38} | {'wall':>8} | {'x torch':>7} | "
+                  f"{'peak RSS':>9} | {'x torch':>7} |")
+            print(f"|{'-' * 8}|{'-' * 40}|{'-' * 10}|{'-' * 9}|{'-' * 11}|{'-' * 9}|")
+            for tree, name, wall, peak in rows:
+                print(f"| {tree:6} | {name:38} | {wall:7.2f}s | {wall / anchor[0]:6.2f}x | "
+                      f"{peak:6.0f} MB | {peak / anchor[1]:6.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -31,9 +31,16 @@ class _Refusal(UnsafePickleError):
         self.what, self.opcode = what, opcode
 
 
-def _refuser(what: str, opcode: str) -> Any:
-    def refuse(*_: Any, **__: Any) -> NoReturn:
-        raise _Refusal(what, opcode)
+#: The method pickle's C unpickler calls on its target for each state-setting opcode.
+_STATE_SETTERS = {"__setstate__": "BUILD", "__setitem__": "SETITEM(S)", "append": "APPEND",
+                  "extend": "APPENDS", "add": "ADDITEMS"}
+
+
+def _refusing(opcode: str) -> Any:
+    """A method refusing ``opcode`` for the allowlisted global it is called on."""
+    def refuse(self: Any, *_: Any, **__: Any) -> NoReturn:
+        name = self.__qualname__ if isinstance(self, type) else self.name
+        raise _Refusal(f"the allowlisted global '{name}'", opcode)
     return refuse
 
 
@@ -43,61 +50,39 @@ class Sealed(type):
     pickle's C unpickler applies BUILD through ``__setstate__``, SETITEM(S) through
     ``__setitem__``, APPEND(S) through ``extend``/``append`` and ADDITEMS through ``add``,
     looked up on whatever object the opcode is aimed at. Aimed at an allowlisted class,
-    these data descriptors of its metaclass answer first (ahead of the class's own methods,
-    which its instances keep), and refuse: no pickle can write a stand-in class's
-    ``__dict__`` or call ``setattr`` on it, which would change how every later file in the
-    process is read. The pure-Python unpickler refuses the same opcodes before they get here.
+    these data descriptors of its metaclass (one per :data:`_STATE_SETTERS` entry, set
+    below) answer first, ahead of the class's own methods, which its instances keep, and
+    refuse: no pickle can write a stand-in class's ``__dict__`` or call ``setattr`` on it,
+    which would change how every later file in the process is read. The pure-Python
+    unpickler refuses the same opcodes before they get here.
     """
-
-    @property
-    def __setstate__(cls) -> Any:
-        return _refuser(f"the allowlisted global '{cls.__qualname__}'", "BUILD")
-
-    @property
-    def __setitem__(cls) -> Any:
-        return _refuser(f"the allowlisted global '{cls.__qualname__}'", "SETITEM(S)")
-
-    @property
-    def append(cls) -> Any:
-        return _refuser(f"the allowlisted global '{cls.__qualname__}'", "APPEND")
-
-    @property
-    def extend(cls) -> Any:
-        return _refuser(f"the allowlisted global '{cls.__qualname__}'", "APPENDS")
-
-    @property
-    def add(cls) -> Any:
-        return _refuser(f"the allowlisted global '{cls.__qualname__}'", "ADDITEMS")
 
 
 class _SealedValue:
-    """An allowlisted value that is not a class (a dtype, a torch constant): takes no state."""
+    """An allowlisted value that is not a class (a dtype, a torch constant): takes no state
+    (a refusing method per :data:`_STATE_SETTERS` entry, set below)."""
 
     __slots__ = ("name",)
 
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def _refuse(self, opcode: str) -> NoReturn:
-        raise _Refusal(f"the allowlisted global '{self.name}'", opcode)
-
-    def __setstate__(self, state: Any) -> NoReturn:
-        self._refuse("BUILD")
-
-    def __setitem__(self, key: Any, value: Any) -> NoReturn:
-        self._refuse("SETITEM(S)")
-
-    def append(self, value: Any) -> NoReturn:
-        self._refuse("APPEND")
-
-    def extend(self, value: Any) -> NoReturn:
-        self._refuse("APPENDS")
-
-    def add(self, value: Any) -> NoReturn:
-        self._refuse("ADDITEMS")
-
     def __repr__(self) -> str:
         return self.name
+
+
+def _on_the_class(refuse: Any) -> property:
+    """``refuse`` bound to the class it is read from: on the metaclass a data descriptor
+    (a property), so it wins over the class's own method of that name."""
+    def bound(cls: type) -> Any:
+        return refuse.__get__(cls)
+    return property(bound)
+
+
+for _method, _opcode in _STATE_SETTERS.items():
+    setattr(Sealed, _method, _on_the_class(_refusing(_opcode)))
+    setattr(_SealedValue, _method, _refusing(_opcode))
+del _method, _opcode
 
 
 class DTypeGlobal(_SealedValue):

@@ -155,8 +155,7 @@ _INTS = {int}
 
 
 def _plain_ints(value: Any) -> tuple[int, ...] | None:
-    """``value`` as a tuple of int64-range integers, or None to take the checked path.
-    (Written out again inline in the loops below, which run once per chunk.)"""
+    """``value`` as a tuple of int64-range integers, or None to take the checked path."""
     if type(value) is not Size and type(value) is not tuple:
         return None
     ints = tuple(value)
@@ -172,7 +171,7 @@ def _locations(storage: dict[Any, Any]) -> dict[tuple[str, tuple[int, ...] | Non
     as soon as they are converted); those of the usual form skip building the messages
     :func:`_location` would name them with."""
     locations: dict[tuple[str, tuple[int, ...] | None], _Location] = {}
-    plain_types, index_class, info_class, top = _INTS.issuperset, _INDEX_CLASS, _INFO_CLASS, _INT64
+    index_class, info_class, top = _INDEX_CLASS, _INFO_CLASS, _INT64
     while storage:
         index, info = storage.popitem()
         key, fields = getattr(index, "state", None), getattr(info, "state", None)
@@ -181,13 +180,7 @@ def _locations(storage: dict[Any, Any]) -> dict[tuple[str, tuple[int, ...] | Non
             fqn, offsets = key.get("fqn"), key.get("offset")
             file, offset = fields.get("relative_path"), fields.get("offset")
             length, transforms = fields.get("length"), fields.get("transform_descriptors")
-            if type(offsets) is Size:
-                ints: tuple[int, ...] | None = tuple(offsets)
-                if not (plain_types(map(type, ints)) and  # type: ignore[arg-type]
-                        (not ints or (min(ints) >= 0 and max(ints) < top))):
-                    ints = _plain_ints(offsets)  # plain tuples too (None where not ints)
-            else:
-                ints = None if offsets is None else _plain_ints(offsets)
+            ints = None if offsets is None else _plain_ints(offsets)
             if type(fqn) is str and type(file) is str and type(offset) is int and \
                     type(length) is int and 0 <= offset < top and 0 <= length < top \
                     and (offsets is None or ints is not None) and not transforms:

@@ -60,13 +60,30 @@ def test_the_export_writes_the_names_and_bytes_save_pretrained_wrote(export):
     assert_same_safetensors(export / "model.safetensors", REFERENCE / "model.safetensors")
 
 
-def test_the_export_loads_clean_with_the_runs_logits(export, caplog):
-    model = load_clean(transformers.LlavaForConditionalGeneration, export, caplog)
-    ref = _inputs()
+def _logits(model, inputs) -> torch.Tensor:
     with torch.no_grad():
-        logits = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"],
-                              pixel_values=ref["pixel_values"]).logits
-    torch.testing.assert_close(logits, ref["logits"], atol=0, rtol=0)
+        return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                     pixel_values=inputs["pixel_values"]).logits
+
+
+def _reference_logits(caplog) -> torch.Tensor:
+    # Computed here, in this process, from save_pretrained's folder: float sums are exact only
+    # on one machine's kernels, so the stored logits of the training machine are no exact
+    # reference for this one.
+    reference = load_clean(transformers.LlavaForConditionalGeneration, REFERENCE, caplog)
+    return _logits(reference, _inputs())
+
+
+def test_the_export_loads_clean_with_save_pretraineds_logits(export, caplog):
+    model = load_clean(transformers.LlavaForConditionalGeneration, export, caplog)
+    torch.testing.assert_close(_logits(model, _inputs()), _reference_logits(caplog),
+                               atol=0, rtol=0)
+
+
+def test_the_exports_logits_are_the_runs_within_another_machines_rounding(export, caplog):
+    model = load_clean(transformers.LlavaForConditionalGeneration, export, caplog)
+    torch.testing.assert_close(_logits(model, _inputs()), _inputs()["logits"],
+                               atol=1e-6, rtol=1e-4)
 
 
 def test_the_processor_and_generation_config_are_what_the_run_and_save_pretrained_wrote(
@@ -79,7 +96,7 @@ def test_the_processor_and_generation_config_are_what_the_run_and_save_pretraine
 
 
 def test_auto_processor_loads_the_export_without_torchvision_and_makes_the_runs_inputs(
-        export):
+        export, caplog):
     import importlib.util
 
     pytest.importorskip("PIL", reason="the PIL image processor needs pillow (test extra)")
@@ -96,7 +113,8 @@ def test_auto_processor_loads_the_export_without_torchvision_and_makes_the_runs_
         assert torch.equal(made[name], ref[name]), name
     model = transformers.LlavaForConditionalGeneration.from_pretrained(str(export)).eval()
     with torch.no_grad():  # the processor's inputs through the exported model: the run's logits
-        torch.testing.assert_close(model(**made).logits, ref["logits"], atol=0, rtol=0)
+        torch.testing.assert_close(model(**made).logits, _reference_logits(caplog),
+                                   atol=0, rtol=0)
 
 
 def test_inspect_of_the_export_lists_its_processor_files(export):

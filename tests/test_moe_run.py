@@ -50,12 +50,22 @@ def test_the_export_writes_the_per_expert_names_and_bytes_save_pretrained_wrote(
     assert_same_safetensors(export / "model.safetensors", REFERENCE / "model.safetensors")
 
 
-def test_the_export_loads_clean_with_the_runs_logits(export, caplog):
-    model = load_clean(transformers.AutoModelForCausalLM, export, caplog)
-    ref = load_file(MIXTRAL / "logits.safetensors")
+def _logits(folder, caplog) -> torch.Tensor:
+    model = load_clean(transformers.AutoModelForCausalLM, folder, caplog)
     with torch.no_grad():
-        logits = model(input_ids=ref["input_ids"]).logits
-    torch.testing.assert_close(logits, ref["logits"], atol=0, rtol=0)
+        return model(input_ids=load_file(MIXTRAL / "logits.safetensors")["input_ids"]).logits
+
+
+def test_the_export_loads_clean_with_save_pretraineds_logits(export, caplog):
+    # Both computed here, in this process: float sums are exact only on one machine's kernels.
+    torch.testing.assert_close(_logits(export, caplog), _logits(REFERENCE, caplog),
+                               atol=0, rtol=0)
+
+
+def test_the_exports_logits_are_the_runs_within_another_machines_rounding(export, caplog):
+    # The stored logits came from the machine that trained: equal up to its kernels' rounding.
+    stored = load_file(MIXTRAL / "logits.safetensors")["logits"]
+    torch.testing.assert_close(_logits(export, caplog), stored, atol=1e-6, rtol=1e-4)
 
 
 def test_verify_passes_on_the_runs_checkpoint():

@@ -6,6 +6,9 @@ No training: the ``.metadata`` of each folder is ``pickle.dump`` of torch's
 (rank 0 gathers every rank's plan and write results, so each rank's ``MetadataIndex`` names
 its own copy of the key). The ``__{rank}_0.distcp`` files are sparse (``truncate``) to the
 sizes the metadata gives: they cost no disk, and nothing that reads only metadata can tell.
+With ``data=True`` they hold real ``torch.save`` archives instead, as DCP's writer appends
+them (each tensor ``arange``-filled, so every chunk's bytes differ): small runs that read
+data, where what counts is how many files and chunks there are, not how big.
 
 Layout: Accelerate's ``save_state`` with ``SHARDED_STATE_DICT``: ``pytorch_model_fsdp_0/``
 (keys ``model.<name>``) and, with ``optimizer=True``, ``optimizer_0/`` (AdamW:
@@ -57,11 +60,13 @@ def dim0_split(rows: int, ranks: int) -> list[tuple[int, int]]:
 class _Folder:
     """One DCP folder being described: entries, storage and each rank file's end."""
 
-    def __init__(self, ranks: int) -> None:
+    def __init__(self, ranks: int, data: bool = False) -> None:
         import torch
 
         self.torch = torch
         self.ranks = ranks
+        #: With data: each rank file's archives, in order (else the files stay sparse).
+        self.blobs: list[list[bytes]] | None = [[] for _ in range(ranks)] if data else None
         self.entries: dict = {}
         self.storage: dict = {}
         self.planner: dict = {}
@@ -82,10 +87,18 @@ class _Folder:
         for d in shape[1:]:
             row *= d
         chunks = []
+        full = None
+        if self.blobs is not None:
+            count = row // itemsize * shape[0]
+            full = self.torch.arange(count, dtype=self.torch.float32).reshape(shape)
+            self._seed += count
+            full += self._seed
         for rank, (start, rows) in enumerate(dim0_split(shape[0], self.ranks)):
             offsets = (start,) + (0,) * (len(shape) - 1)
             chunks.append(ChunkStorageMetadata(Size(offsets), Size((rows,) + shape[1:])))
             length = rows * row + ARCHIVE_OVERHEAD
+            if full is not None:
+                length = self._archive(rank, full[start:start + rows].clone())
             # Each rank's write results travel on their own: a copy of the key per rank.
             own_key = (key + ".")[:-1]
             self.storage[MetadataIndex(own_key, Size(offsets))] = _StorageInfo(
@@ -107,6 +120,8 @@ class _Folder:
         Size = self.torch.Size
         chunk = ChunkStorageMetadata(Size(()), Size(()))
         length = 4 + ARCHIVE_OVERHEAD
+        if self.blobs is not None:
+            length = self._archive(0, self.torch.tensor(3.0))
         self.storage[MetadataIndex(key, Size(()))] = _StorageInfo(self.files[0], self.ends[0],
                                                                    length)
         self.ends[0] += length
@@ -119,10 +134,25 @@ class _Folder:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
         length = 600
+        if self.blobs is not None:
+            length = self._archive(0, 0.001)
         self.storage[MetadataIndex(key)] = _StorageInfo(self.files[0], self.ends[0], length)
         self.ends[0] += length
         self.entries[key] = BytesStorageMetadata()
         self.planner[key] = path
+
+    _seed = 0
+
+    def _archive(self, rank: int, value: object) -> int:
+        """Append ``torch.save(value)`` to rank ``rank``'s file, as DCP's writer does; its
+        length."""
+        import io
+
+        assert self.blobs is not None
+        buffer = io.BytesIO()
+        self.torch.save(value, buffer)
+        self.blobs[rank].append(buffer.getvalue())
+        return len(buffer.getvalue())
 
     def write(self, folder: Path) -> None:
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -133,15 +163,19 @@ class _Folder:
                       version="1.0.0")
         with open(folder / ".metadata", "wb") as f:
             pickle.dump(md, f)  # as FileSystemWriter.finish: the default protocol
-        for name, end in zip(self.files, self.ends):
+        for rank, (name, end) in enumerate(zip(self.files, self.ends)):
             with open(folder / name, "wb") as f:
+                if self.blobs is not None:
+                    f.writelines(self.blobs[rank])
                 f.truncate(end)
 
 
 def build(root: Path, ranks: int, *, optimizer: bool = True, layers: int | None = None,
           hidden: int | None = None, intermediate: int | None = None, vocab: int | None = None,
-          kv: int | None = None) -> Path:
+          kv: int | None = None, data: bool = False) -> Path:
     """Write Accelerate's sharded layout of a Llama (70B's shape unless told) over ``ranks``.
+
+    With ``data``, the rank files hold real archives (keep the model small).
 
     Returns ``root``, holding ``pytorch_model_fsdp_0/`` and, with ``optimizer``,
     ``optimizer_0/``.
@@ -150,13 +184,13 @@ def build(root: Path, ranks: int, *, optimizer: bool = True, layers: int | None 
     dims.update({k: v for k, v in dict(layers=layers, hidden=hidden, intermediate=intermediate,
                                        vocab=vocab, kv=kv).items() if v is not None})
     params = list(shapes(**dims))
-    model = _Folder(ranks)
+    model = _Folder(ranks, data)
     for name, shape in params:
         model.sharded(f"model.{name}", ("model", name), shape)
     model.write(root / "pytorch_model_fsdp_0")
     del model
     if optimizer:
-        optim = _Folder(ranks)
+        optim = _Folder(ranks, data)
         for name, shape in params:
             base = f"optimizer.state.{name}"
             optim.scalar(f"{base}.step", ("optimizer", "state", name, "step"))

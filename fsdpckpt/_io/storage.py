@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import stat
@@ -41,6 +42,11 @@ from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
 if TYPE_CHECKING:
     from fsdpckpt._io.remote import RemotePath
+
+try:
+    import resource as _resource
+except ImportError:  # not on Windows
+    _resource = None  # type: ignore[assignment]
 
 __all__ = ["Place", "OpenFile", "LocalFile", "Entry", "Closeable", "is_remote",
            "commits_by_rename", "open_file", "opened", "descriptor", "prefetch", "local_file",
@@ -148,11 +154,23 @@ def open_file(path: Place) -> OpenFile:
         fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{local}: no such file") from None
+    except OSError as exc:
+        if exc.errno != errno.EMFILE:
+            raise
+        raise OSError(errno.EMFILE, "this process has as many files open as it may (ulimit -n "
+                      f"{_open_files_limit()}), so it cannot open more; raise the limit "
+                      "(ulimit -n 65536) or open fewer files beside fsdpckpt's",
+                      str(local)) from None
     try:
         return LocalFile(local, fd)
     except BaseException:
         os.close(fd)
         raise
+
+
+def _open_files_limit() -> str:
+    # Imported before it is needed: at the limit, importing it would need a file too.
+    return "?" if _resource is None else str(_resource.getrlimit(_resource.RLIMIT_NOFILE)[0])
 
 
 @contextlib.contextmanager

@@ -13,6 +13,14 @@ file object for the archive reader, and for offset reads a local descriptor or a
 file read by offset (:func:`~fsdpckpt._io.rawio.pread_into` accepts either). A reader that
 knows which chunks come next says so (:meth:`DataFiles.prefetch`): on object storage
 their bytes are fetched ahead, in parallel and bounded; a local folder ignores it.
+
+A run of thousands of ranks has thousands of data files, and a merge takes one chunk from
+each for every tensor: keeping each open would need more descriptors than ``ulimit -n``
+allows (often 1024). So at most :data:`OPEN_FILES` local files stay open; opening one more
+closes the one least recently opened. That is safe for readers that use a file's
+descriptor only until their next :meth:`DataFiles.open` of another file (one chunk at a
+time). A reader that holds the sources of many chunks at once asks for
+:meth:`DataFiles.reader`: it reopens its file when read, if it was closed meanwhile.
 """
 
 from __future__ import annotations
@@ -27,7 +35,12 @@ from fsdpckpt._io.storage import OpenFile, Place
 from fsdpckpt.dcp.reader import open_data_file
 from fsdpckpt.errors import FsdpCkptError
 
-__all__ = ["DataFile", "DataFiles"]
+__all__ = ["OPEN_FILES", "DataFile", "DataFiles"]
+
+#: The most local data files a :class:`DataFiles` keeps open at once: small beside any
+#: ``ulimit -n``, and enough that reading the chunks of a few files in turn (FSDP1's
+#: flat parameters, a tensor's chunks side by side) never reopens one.
+OPEN_FILES = 16
 
 
 @dataclass(frozen=True)
@@ -62,9 +75,12 @@ class DataFiles:
         CheckpointNotFoundError: the file is missing.
     """
 
-    def __init__(self, folder: Place) -> None:
+    def __init__(self, folder: Place, *, keep: int = OPEN_FILES) -> None:
         self.folder = folder
+        #: Open files, least recently opened first.
         self._open: dict[str, DataFile] = {}
+        self._keep = keep
+        self._local = not storage.is_remote(folder)
         self._ahead: storage.Closeable | None = None
         #: The entries already read whole against their CRC-32 (:mod:`fsdpckpt.dcp._checked`),
         #: so a reader that takes many boxes of one entry checks it once.
@@ -72,9 +88,14 @@ class DataFiles:
 
     def open(self, name: str) -> DataFile:
         """The data file ``name`` (as the metadata names it), opened once."""
-        found = self._open.get(name)
+        found = self._open.pop(name, None)
         if found is not None:
+            self._open[name] = found  # now the most recent
             return found
+        # Remote files hold no descriptor, and the prefetcher may still be reading them.
+        while self._local and len(self._open) >= self._keep:
+            oldest = next(iter(self._open))
+            self._open.pop(oldest).opened.close()
         opened = open_data_file(self.folder, name)
         try:
             found = DataFile(self.folder / name, opened.file(), opened)
@@ -83,6 +104,14 @@ class DataFiles:
             raise
         self._open[name] = found
         return found
+
+    def reader(self, name: str) -> int | ReadAt:
+        """What reads the data file ``name`` by offset for as long as the caller holds it,
+        however many other files are opened meanwhile: a remote file itself; locally, an
+        object that reopens the file if it was closed (a held descriptor could be closed,
+        and its number given to another file)."""
+        data = self.open(name)
+        return _Reopening(self, name) if self._local else data.fd
 
     def prefetch(self, ranges: Iterable[tuple[str | None, int, int]]) -> None:
         """Announce the byte ranges (``(file name, offset, length)`` of each chunk's
@@ -120,3 +149,14 @@ class DataFiles:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+class _Reopening:
+    """A local data file read by offset through its :class:`DataFiles`, which opens it
+    again if it was closed since (see :meth:`DataFiles.reader`)."""
+
+    def __init__(self, files: DataFiles, name: str) -> None:
+        self._files, self._name = files, name
+
+    def read_at(self, view: memoryview, offset: int) -> None:
+        self._files.open(self._name).opened.read_at(view, offset)

@@ -208,17 +208,19 @@ class _Window(io.RawIOBase):
 
 
 def open_entry(file: IO[bytes], offset: int, length: int, transforms: tuple[str, ...], *,
-               limit: int, source: str) -> tuple[IO[bytes], int, int]:
+               limit: int, source: str,
+               reader: int | ReadAt | None = None) -> tuple[IO[bytes], int, int]:
     """Where an entry's archive can be read: ``(handle, start, length)``.
 
     An untransformed entry is ``file`` itself at its range; a compressed one is a
     :class:`ZstdEntry` over its decoded bytes, from 0 (``transforms`` is what
-    :func:`check_transforms` accepted).
+    :func:`check_transforms` accepted), read by offset from ``reader`` (default: ``file``'s
+    descriptor, or a remote file itself).
     """
     if not transforms:
         return file, offset, length
-    # Read by offset: a local file's descriptor, or a remote file's own ranged reads.
-    reader = file if isinstance(file, ReadAtFile) else file.fileno()
+    if reader is None:
+        reader = file if isinstance(file, ReadAtFile) else file.fileno()
     entry = ZstdEntry(reader, offset, length, limit=limit, source=source)
     return cast(IO[bytes], entry), 0, entry.size
 

@@ -27,7 +27,7 @@ from typing import Any, cast
 from fsdpckpt._io.rawio import ReadAt
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._archive import RawTensor
-from fsdpckpt.dcp._datafiles import DataFiles
+from fsdpckpt.dcp._datafiles import OPEN_FILES, DataFiles
 from fsdpckpt.dcp._objects import read_object, to_torch
 from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
@@ -168,10 +168,14 @@ class DcpSource(Source):
         if self._raws is not None and self._raws[0] == name:
             return self._raws[1]
         tensor = cast(TensorEntry, self._entries[name])  # a name from self.tensors
+        # Every chunk's source is held until the tensor is compared: past the files DataFiles
+        # keeps open, a held descriptor could be closed (and its number reused), so each is
+        # read through a reader that reopens its file.
+        crowded = len({chunk.file for chunk in tensor.chunks}) > OPEN_FILES
         located = []
         for chunk in tensor.chunks:
             raw, src, source = locate_stored_chunk(self._files, tensor, chunk, check_shape=True,
-                                                   verify=False)
+                                                   verify=False, held=crowded)
             located.append((chunk, raw, src, source))
         self._raws = (name, located)
         return located

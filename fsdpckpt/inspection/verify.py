@@ -51,9 +51,12 @@ def _check_each_chunk(folder: Place, meta: DcpMetadata, files: DataFiles,
                       problems: list[Problem], *, only_file: str | None,
                       expected: dict[tuple[str, str, tuple[int, ...]], int] | None,
                       progress: ProgressCallback | None) -> None:
+    present = _present(folder, meta)
     checked = [(tensor, chunk) for tensor in meta.tensors for chunk in tensor.chunks
-               if chunk.file is not None and (not only_file or chunk.file == only_file)
-               and (folder / chunk.file).is_file()]
+               if chunk.file in present and (not only_file or chunk.file == only_file)]
+    # File by file, each from its start to its end: a folder of thousands of rank files is
+    # read once through, each file opened once, however the tensors interleave them.
+    checked.sort(key=lambda pair: (pair[1].file, pair[1].offset))
     # On object storage, the chunks' bytes are fetched ahead in this order (no-op locally).
     files.prefetch((chunk.file, chunk.offset, chunk.length) for _, chunk in checked)
     for tensor, chunk in checked:
@@ -93,15 +96,23 @@ def _check_each_chunk(folder: Place, meta: DcpMetadata, files: DataFiles,
 def _chunk_bytes(folders: list[Place]) -> tuple[int, int]:
     """Bytes and data files that checking every chunk of ``folders`` reads, from the metadata:
     each chunk's data (DCP saves a chunk's own elements, no more)."""
-    total, files = 0, set()
+    total, files = 0, 0
     for folder in folders:
         meta = read_dcp_folder(folder).metadata
+        present = _present(folder, meta)
+        files += len(present)
         for tensor in meta.tensors:
             for chunk in tensor.chunks:
-                if chunk.file is not None and (folder / chunk.file).is_file():
+                if chunk.file in present:
                     total += chunk.numel * tensor.dtype.itemsize
-                    files.add(folder / chunk.file)
-    return total, len(files)
+    return total, files
+
+
+def _present(folder: Place, meta: DcpMetadata) -> set[str]:
+    """The data files the chunks of ``meta`` name that are regular files in ``folder``: each
+    looked at once, not once per chunk (a remote stat is a request)."""
+    named = {chunk.file for tensor in meta.tensors for chunk in tensor.chunks}
+    return {name for name in named if name is not None and (folder / name).is_file()}
 
 
 def _checksums(file: Place, progress: ProgressCallback | None,

@@ -356,8 +356,8 @@ def place_chunk(src: Source, raw: RawTensor, chunk: Chunk, runs: Runs,
 
 
 def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
-                        check_shape: bool = False,
-                        verify: bool = True) -> tuple[RawTensor, Source, str]:
+                        check_shape: bool = False, verify: bool = True,
+                        held: bool = False) -> tuple[RawTensor, Source, str]:
     """Where ``chunk`` of ``tensor`` is stored, checked against the metadata and (with
     ``verify``, for readers that take parts of it) its whole storage entry read once against
     the CRC-32 its archive records (:func:`fsdpckpt.dcp._checked.verify_entry_once`).
@@ -365,7 +365,9 @@ def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
     Returns:
         ``(its archive record, what to read its bytes from, a label naming it for errors)``:
         the bytes come through the decoder of a compressed entry, else by offset from the
-        data file (a descriptor, or a remote file).
+        data file (a descriptor, or a remote file). Used before ``files`` opens another file,
+        unless ``held``: then it reads through :meth:`DataFiles.reader`, which outlives any
+        number of other files opened meanwhile.
 
     Raises:
         NotACheckpointError: the metadata gives the chunk no storage entry.
@@ -378,8 +380,10 @@ def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
     if chunk.file is None:
         raise NotACheckpointError(f"{source}: the metadata has no storage entry")
     data = files.open(chunk.file)
+    reader = files.reader(chunk.file) if held else None
     handle, start, length = open_entry(data.file, chunk.offset, chunk.length, chunk.transforms,
-                                       limit=chunk_limit(tensor, chunk), source=source)
+                                       limit=chunk_limit(tensor, chunk), source=source,
+                                       reader=reader)
     # A per-rank file's chunk is a storage entry inside the rank's zip, located when read.
     raw = chunk.raw if isinstance(chunk, PerRankChunk) and chunk.raw else \
         locate_tensor(handle, start, length, source=source)
@@ -389,7 +393,7 @@ def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
     if check_shape and tuple(raw.shape) != tuple(chunk.sizes):
         raise CorruptCheckpointError(f"{source}: holds shape {list(raw.shape)}, the metadata "
                                      f"says {list(chunk.sizes)}")
-    src = handle if isinstance(handle, ZstdEntry) else data.fd
+    src = handle if isinstance(handle, ZstdEntry) else reader if reader is not None else data.fd
     if verify:
         _checked.verify_entry_once(files.checked, (chunk.file, chunk.offset, raw.storage_start),
                                    src, raw.storage_start, raw.storage_nbytes, raw.crc32,

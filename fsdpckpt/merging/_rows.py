@@ -26,7 +26,7 @@ from fsdpckpt._io import background
 from fsdpckpt._io.durable import Writeback
 from fsdpckpt._io.rawio import iov_max, pwrite_gathered, scratch
 from fsdpckpt.dcp._checked import CheckedRead, read_checked
-from fsdpckpt.dcp._datafiles import DataFiles
+from fsdpckpt.dcp._datafiles import OPEN_FILES, DataFiles
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, TensorEntry
 from fsdpckpt.merging._casts import cast_block, fast_cast
@@ -147,7 +147,8 @@ def place_row_group(files: DataFiles, tensor: TensorEntry, group: RowGroup, out:
     Returns:
         False, having read and written nothing, when a member is stored in a way only the
         chunk-by-chunk path places (not row-major, compressed, remote, a cast only torch
-        makes); True when done.
+        makes), or the members lie in more files than :class:`DataFiles` keeps open; True
+        when done.
 
     Raises:
         NotACheckpointError, CorruptCheckpointError: as
@@ -155,6 +156,8 @@ def place_row_group(files: DataFiles, tensor: TensorEntry, group: RowGroup, out:
         ChecksumError: a member's bytes do not match the CRC-32 its archive records; each
             is checked as it is read, all before this returns (so before a commit).
     """
+    if len({tensor.chunks[index].file for index in group.members}) > OPEN_FILES:
+        return False  # its members' descriptors are held together: no more than stay open
     located = []
     for index in group.members:
         chunk = tensor.chunks[index]

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _simulate import build
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,6 +46,18 @@ def run_usage(cmd: list[str], cwd: Path) -> tuple[float, float]:
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{cmd} failed: {proc.stderr.read().decode()[-2000:]}")
     return wall, usage.ru_maxrss / 1024
+
+
+def build_apart(ckpt: Path, ranks: int, layers: int | None) -> None:
+    """:func:`_simulate.build` in a process of its own: a child's peak RSS counts the memory
+    of the process it was started from (Linux keeps the parent's high-water mark across the
+    exec), so building here would inflate every figure measured after."""
+    subprocess.run([sys.executable, "-c", "import sys\nsys.path.insert(0, sys.argv[1])\n"
+                    "from _simulate import build\n"
+                    "build(__import__('pathlib').Path(sys.argv[2]), int(sys.argv[3]), "
+                    "layers=None if sys.argv[4] == '-' else int(sys.argv[4]))",
+                    str(Path(__file__).resolve().parent), str(ckpt), str(ranks),
+                    "-" if layers is None else str(layers)], check=True)
 
 
 def commands(ckpt: Path) -> dict[str, list[str]]:
@@ -102,7 +113,7 @@ def main() -> None:
             ckpt = work / f"llama70b-{ranks}"
             if not (ckpt / "optimizer_0" / ".metadata").exists():
                 start = time.perf_counter()
-                build(ckpt, ranks, layers=args.layers)
+                build_apart(ckpt, ranks, args.layers)
                 print(f"built {ckpt} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
             sizes = [(ckpt / p / ".metadata").stat().st_size
                      for p in ("pytorch_model_fsdp_0", "optimizer_0")]

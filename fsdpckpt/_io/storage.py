@@ -147,11 +147,16 @@ def open_file(path: Place) -> OpenFile:
     if is_remote(path):
         return cast("OpenFile", cast("RemotePath", path).open_file())
     local = cast(Path, path)
-    real = os.path.realpath(local)
+    # Not following a link at the end, and not waiting on a FIFO: the descriptor's own
+    # fstat then says what was opened. A path ending in a link is opened as it resolves.
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        if not stat.S_ISREG(os.stat(real).st_mode):
-            raise NotACheckpointError(f"{local}: not a regular file")
-        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            fd = os.open(local, flags)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            fd = os.open(os.path.realpath(local), flags)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{local}: no such file") from None
     except OSError as exc:
@@ -161,6 +166,9 @@ def open_file(path: Place) -> OpenFile:
                       f"{_open_files_limit()}), so it cannot open more; raise the limit "
                       "(ulimit -n 65536) or open fewer files beside fsdpckpt's",
                       str(local)) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotACheckpointError(f"{local}: not a regular file")
     try:
         return LocalFile(local, fd)
     except BaseException:

@@ -291,6 +291,27 @@ def read_archive_with_tensors(file: IO[bytes], start: int, length: int, *, sourc
                           persistent_load=storage)
 
 
+#: Records of the chunk pickles read last, by their bytes: the chunks of one tensor (equal
+#: shards of its rows) mostly pickle the same bytes, so a tensor in 4,096 chunks is
+#: unpickled a few times, not 4,096. A record is only read, never changed; only a pickle
+#: that unpickled without error is kept.
+_RECORDS: dict[bytes, Any] = {}
+_RECORDS_KEPT = 256
+_RECORD_BYTES = 1024  # larger pickles are not kept: the cache stays under 256 KiB
+
+
+def _tensor_record(data: bytes, source: str) -> Any:
+    found = _RECORDS.get(data)
+    if found is None:
+        found = safe_loads(data, allowed=_TENSOR_GLOBALS, source=source,
+                           persistent_load=_persistent_storage)
+        if len(data) <= _RECORD_BYTES:
+            if len(_RECORDS) >= _RECORDS_KEPT:
+                _RECORDS.clear()
+            _RECORDS[data] = found
+    return found
+
+
 def locate_tensor(file: IO[bytes], start: int, length: int, *, source: str) -> RawTensor:
     """Find the raw bytes of the tensor saved in the ``torch.save`` archive at ``start``.
 
@@ -306,11 +327,10 @@ def locate_tensor(file: IO[bytes], start: int, length: int, *, source: str) -> R
     Raises:
         CorruptCheckpointError: the bytes are not such an archive, or disagree with themselves.
     """
-    with open_archive(file, start, length, source, max_entries=CHUNK_ENTRIES) as archive:
+    with open_archive(file, start, length, source, max_entries=CHUNK_ENTRIES,
+                      plain=True) as archive:
         pkl = entry_info(archive, "/data.pkl", source, max_bytes=CHUNK_PICKLE_BYTES)
-        record = safe_loads(read_entry(archive, pkl, source=source, start=start),
-                            allowed=_TENSOR_GLOBALS, source=source,
-                            persistent_load=_persistent_storage)
+        record = _tensor_record(read_entry(archive, pkl, source=source, start=start), source)
         if not isinstance(record, _TensorRecord) or not isinstance(record.storage, _Storage):
             raise CorruptCheckpointError(f"{source}: the archive does not hold a single tensor.")
         prefix = pkl.filename[: -len("data.pkl")]

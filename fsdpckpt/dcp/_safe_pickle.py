@@ -92,6 +92,22 @@ def _own_setstate(cls: type) -> Any:
 _BASE: Any = _torch.PurePythonUnpickler
 
 
+#: The last allowlist's ``id -> name`` table, with the allowlist itself (held, so its id
+#: is not given to another object): a reader unpickling thousands of chunk archives with
+#: one allowlist builds the table once, not once a chunk.
+_last_names: tuple[Mapping[tuple[str, str], Any], int, dict[int, str]] | None = None
+
+
+def _global_names(allowed: Mapping[tuple[str, str], Any]) -> dict[int, str]:
+    global _last_names
+    last = _last_names
+    if last is not None and last[0] is allowed and last[1] == len(allowed):
+        return last[2]
+    names = {id(v): f"{m}.{n}" for (m, n), v in allowed.items()}
+    _last_names = (allowed, len(allowed), names)
+    return names
+
+
 class RestrictedUnpickler(_BASE):
     """An unpickler that resolves globals only through ``allowed`` and changes nothing else.
 
@@ -135,7 +151,7 @@ class RestrictedUnpickler(_BASE):
         self._persistent = persistent_load
         # id -> name of every allowlisted value: never counted as built by this load,
         # and named when a pickle aims a state-setting opcode at it.
-        self._globals = {id(v): f"{m}.{n}" for (m, n), v in allowed.items()}
+        self._globals = _global_names(allowed)
         # id -> object for what this load built; holding the objects keeps their ids
         # from being reused by others while the load runs.
         self._built: dict[int, Any] = {}

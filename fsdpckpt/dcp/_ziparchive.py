@@ -19,6 +19,7 @@ from typing import IO, Any
 
 from fsdpckpt._io.rawio import SizedReader
 from fsdpckpt._printable import printable
+from fsdpckpt.dcp._plainzip import plain_archive
 from fsdpckpt.errors import ChecksumError, CorruptCheckpointError, FsdpCkptError
 
 __all__ = ["CHUNK_ENTRIES", "CHUNK_PICKLE_BYTES", "SliceFile", "entry_info", "open_archive",
@@ -165,7 +166,7 @@ def _check_entries(archive: zipfile.ZipFile, length: int, source: str, where: st
 
 
 def open_archive(file: IO[bytes], start: int, length: int, source: str,
-                 max_entries: int | None = None) -> zipfile.ZipFile:
+                 max_entries: int | None = None, *, plain: bool = False) -> Any:
     """Open the ``torch.save`` archive at ``start``, checked as :func:`_check_entries` says.
 
     Args:
@@ -173,6 +174,9 @@ def open_archive(file: IO[bytes], start: int, length: int, source: str,
         source: how to name the file (and tensor) in messages.
         max_entries: refuse an archive with more entries (checked from the end record
             before the central directory is parsed, where it can be).
+        plain: with ``max_entries``, read an archive laid out as ``torch.save`` writes it
+            by :func:`~fsdpckpt.dcp._plainzip.plain_archive` (``infolist``, ``getinfo`` and
+            ``read`` only), a ``zipfile.ZipFile`` any other.
 
     Raises:
         CorruptCheckpointError: naming ``source`` and the byte range, for any bytes that
@@ -190,7 +194,10 @@ def open_archive(file: IO[bytes], start: int, length: int, source: str,
                     f"{source}: {where} declares {declared} entries where torch.save writes "
                     f"a handful (at most {max_entries} accepted); the file is damaged or "
                     "crafted.")
-        archive = zipfile.ZipFile(SliceFile(file, start, length))
+        archive: Any = plain_archive(file, start, length, max_entries) \
+            if plain and max_entries is not None else None
+        if archive is None:
+            archive = zipfile.ZipFile(SliceFile(file, start, length))
     try:
         if max_entries is not None and len(archive.infolist()) > max_entries:
             raise CorruptCheckpointError(

@@ -119,11 +119,17 @@ def read_dcp_folder(path: str | os.PathLike[str] | Place) -> DcpFolder:
             "Pass the folder that holds .metadata."
         )
     metadata = _parsed_once(folder, meta_path)
-    for name in sorted(metadata.referenced_files):  # before any of them is sized or opened
-        data_file_path(folder, name)
+    listed = storage.entries(folder)  # links not followed, nothing opened
+    # A name the folder lists as a regular file (no link) is inside it: only the others (a
+    # link, a path, a missing file) need the check, before any of them is sized or opened.
+    plain = {e.name for e in listed if e.is_file}
+    for name in sorted(metadata.referenced_files):
+        if name not in plain:
+            data_file_path(folder, name)
     # A link is taken when it leads to a regular file inside the folder (sized as resolved).
-    files = tuple(DataFile(e.name, storage.size(data_file_path(folder, e.name)))
-                  for e in storage.entries(folder) if e.name.endswith(".distcp")
+    files = tuple(DataFile(e.name, e.size if e.is_file else
+                           storage.size(data_file_path(folder, e.name)))
+                  for e in listed if e.name.endswith(".distcp")
                   and (e.is_file or (e.is_link and e.path.is_file())))
     return DcpFolder(folder, metadata, files)
 

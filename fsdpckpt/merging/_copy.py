@@ -375,8 +375,8 @@ def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
             ``check_shape``, another shape) than the metadata says.
         ChecksumError: with ``verify``, its bytes do not match their recorded CRC-32.
     """
-    source = f"{files.folder / str(chunk.file)} (tensor '{tensor.name}' chunk at " \
-             f"{list(chunk.offsets)})"
+    source = f"{files.folder}/{chunk.file} (tensor '{tensor.name}' chunk at " \
+             f"{list(chunk.offsets)})"  # a string, not a path: one per chunk
     if chunk.file is None:
         raise NotACheckpointError(f"{source}: the metadata has no storage entry")
     data = files.open(chunk.file)

@@ -21,6 +21,7 @@ Nothing else on that path unpickles file bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from fsdpckpt._torch import storage_info, store_loaded_value
 from fsdpckpt.dcp._checked import check_archive
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._zstd import OBJECT_LIMIT, chunk_limit, open_entry
+from fsdpckpt.dcp.metadata import DcpMetadata
 from fsdpckpt.dcp.reader import METADATA_FILE, read_dcp_folder
 from fsdpckpt.errors import NotACheckpointError
 
@@ -86,7 +88,7 @@ def check_local_reads(reader: Any, state_dict: Any) -> None:
     reader.check_items(planner.create_local_plan().items)
 
 
-def _torch_metadata(folder: Place) -> tuple[Any, dict[Any, _Archive]]:
+def _torch_metadata(folder: Place) -> tuple[Any, Mapping[Any, _Archive]]:
     """``folder``'s metadata as torch's ``Metadata``, built from fsdpckpt's safe parse, and
     where each storage index's archive lies (for :func:`check_reads`)."""
     import torch
@@ -94,15 +96,12 @@ def _torch_metadata(folder: Place) -> tuple[Any, dict[Any, _Archive]]:
         BytesStorageMetadata,
         ChunkStorageMetadata,
         Metadata,
-        MetadataIndex,
         TensorProperties,
         TensorStorageMetadata,
     )
 
     meta = read_dcp_folder(folder).metadata
-    limits: dict[Any, _Archive] = {}
     entries: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
     planner: dict[str, Any] = {}
     for tensor in meta.tensors:
         dtype = getattr(torch, tensor.dtype.name, None)
@@ -110,15 +109,8 @@ def _torch_metadata(folder: Place) -> tuple[Any, dict[Any, _Archive]]:
             raise NotACheckpointError(f"{folder / METADATA_FILE}: tensor '{tensor.name}' has "
                                       f"dtype {tensor.dtype.name}, which this torch "
                                       f"({torch.__version__}) lacks; load it with a newer torch")
-        chunks = []
-        for i, chunk in enumerate(tensor.chunks):
-            chunks.append(ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes)))
-            if chunk.file is not None:  # without a location, torch says so if it is needed
-                index = MetadataIndex(tensor.name, chunk.offsets, i)
-                storage[index] = storage_info(chunk.file, chunk.offset, chunk.length,
-                                              chunk.transforms)
-                limits[index] = (chunk.file, chunk.offset, chunk.length, chunk.transforms,
-                                 chunk_limit(tensor, chunk))
+        chunks = [ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes))
+                  for chunk in tensor.chunks]
         # Only the dtype is kept: layout, memory format and the rest are what DCP always
         # writes (strided, contiguous) and the loader does not use them.
         entries[tensor.name] = TensorStorageMetadata(TensorProperties(dtype=dtype),
@@ -126,14 +118,80 @@ def _torch_metadata(folder: Place) -> tuple[Any, dict[Any, _Archive]]:
         planner[tensor.name] = tensor.key_path
     for obj in meta.objects:
         entries[obj.name] = BytesStorageMetadata()
-        if obj.file is not None:
-            storage[MetadataIndex(obj.name)] = storage_info(obj.file, obj.offset, obj.length,
-                                                            obj.transforms)
-            limits[MetadataIndex(obj.name)] = (obj.file, obj.offset, obj.length,
-                                               obj.transforms, OBJECT_LIMIT)
         planner[obj.name] = obj.key_path
-    return Metadata(entries, planner_data=planner, storage_data=storage,
-                    version=meta.version), limits
+
+    def located(entry: Any, chunk: Any) -> Any:
+        where = chunk or entry
+        return storage_info(where.file, where.offset, where.length, where.transforms)
+
+    def archive(entry: Any, chunk: Any) -> _Archive:
+        where = chunk or entry
+        return (where.file, where.offset, where.length, where.transforms,
+                OBJECT_LIMIT if chunk is None else chunk_limit(entry, chunk))
+
+    return Metadata(entries, planner_data=planner, storage_data=_Located(meta, located),
+                    version=meta.version), _Located(meta, archive)
+
+
+class _Located(Mapping[Any, Any]):
+    """Storage index (torch's ``MetadataIndex``) -> what ``make(entry, chunk)`` makes of the
+    chunk (None: an object) it names, made when asked.
+
+    A rank reads a few of a large run's millions of chunks: a dict of every index would
+    build three objects per chunk on every rank before the load reads a byte. The planner
+    names each chunk with its place in its tensor's list (``index``): found at once.
+    """
+
+    def __init__(self, meta: DcpMetadata, make: Callable[[Any, Any], Any]) -> None:
+        self._tensors = {t.name: t for t in meta.tensors}
+        self._objects = {o.name: o for o in meta.objects}
+        self._make = make
+
+    def _find(self, index: Any) -> tuple[Any, Any]:
+        offsets = getattr(index, "offset", None)
+        if offsets is None:
+            entry = self._objects.get(str(getattr(index, "fqn", "")))
+            if entry is None or entry.file is None:
+                raise KeyError(index)
+            return entry, None
+        tensor = self._tensors.get(index.fqn)
+        if tensor is None:
+            raise KeyError(index)
+        chunks, hint, offsets = tensor.chunks, index.index, tuple(offsets)
+        found: Any = None
+        if isinstance(hint, int) and 0 <= hint < len(chunks) and \
+                tuple(chunks[hint].offsets) == offsets:
+            found = chunks[hint]
+        else:  # no hint, or another list's: DCP keys chunks by their offsets
+            found = next((c for c in reversed(chunks) if tuple(c.offsets) == offsets), None)
+        if found is None or found.file is None:
+            raise KeyError(index)
+        return tensor, found
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._make(*self._find(index))
+
+    def __contains__(self, index: object) -> bool:
+        try:
+            self._find(index)
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[Any]:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        for tensor in self._tensors.values():
+            for i, chunk in enumerate(tensor.chunks):
+                if chunk.file is not None:
+                    yield MetadataIndex(tensor.name, chunk.offsets, i)
+        for obj in self._objects.values():
+            if obj.file is not None:
+                yield MetadataIndex(obj.name)
+
+    def __len__(self) -> int:
+        return sum(c.file is not None for t in self._tensors.values() for c in t.chunks) + \
+            sum(o.file is not None for o in self._objects.values())
 
 
 def safe_storage_reader(folder: Place) -> Any:

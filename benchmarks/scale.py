@@ -15,6 +15,8 @@ wall time and peak RSS (``wait4``), page cache warm:
   - the anchor: torch's ``FileSystemReader.read_metadata()`` of both folders (plain pickle,
     no checks), ``import torch`` included;
   - ``fsdpckpt inspect`` (text and ``--json``);
+  - ``verify`` and ``diff`` (the model folder against itself), each up to the first data file
+    it opens;
   - merge planning of the model folder and of the optimizer folder (``plan_merge``: read,
     checked, every tensor planned; what ``merge`` does before its first data read);
   - ``load_full_state_dict`` planning (read, checked: ``require_whole``).
@@ -60,6 +62,11 @@ def build_apart(ckpt: Path, ranks: int, layers: int | None) -> None:
                     "-" if layers is None else str(layers)], check=True)
 
 
+#: Ends the process at the first data file a verb opens: what it does before reading data.
+_FIRST_READ = ("import sys\nimport fsdpckpt\nfrom fsdpckpt.dcp import _datafiles\n"
+               "_datafiles.open_data_file = lambda *_: sys.exit(0)\n")
+
+
 def commands(ckpt: Path) -> dict[str, list[str]]:
     py = sys.executable
     model, optim = ckpt / "pytorch_model_fsdp_0", ckpt / "optimizer_0"
@@ -75,6 +82,10 @@ def commands(ckpt: Path) -> dict[str, list[str]]:
         "merge --optimizer planning": [
             py, "-c", "import sys\nfrom fsdpckpt.merging.plan import plan_merge\n"
             "plan_merge(sys.argv[1], clean_keys=False)", str(optim)],
+        "verify up to its first data read": [
+            py, "-c", _FIRST_READ + "fsdpckpt.verify_checkpoint(sys.argv[1])", str(ckpt)],
+        "diff planning (model against itself)": [
+            py, "-c", _FIRST_READ + "fsdpckpt.diff(sys.argv[1], sys.argv[1])", str(model)],
         "load_full_state_dict planning (both)": [
             py, "-c", "import sys\nfrom fsdpckpt.dcp.checks import require_whole\n"
             "from fsdpckpt.dcp.reader import read_dcp_folder\n"

@@ -144,6 +144,10 @@ class _Stopped(Exception):
     """The whole-entry pass beside a reader that failed, stopped (never seen outside)."""
 
 
+#: The last block of an entry is summed on the reader's thread up to this size.
+_HERE = 256 * 2**10
+
+
 class CheckedRead:
     """The source of one storage entry, read by offset, its CRC-32 computed as it is read.
 
@@ -191,7 +195,10 @@ class CheckedRead:
         self.settle()
         if offset <= self._at < offset + len(view) and self._at < self._end:
             take = view.cast("B")[self._at - offset : min(len(view), self._end - offset)]
-            if later:
+            # The last block of a small entry is summed here: handing it to the CRC thread
+            # costs about what it saves (the caller waits for it at finish, one write later),
+            # and a tensor in thousands of small chunks paid that on every chunk.
+            if later and not (self._at + len(take) == self._end and len(take) <= _HERE):
                 self._pending = _submit(crc32, take, self._crc)
             else:
                 self._crc = crc32(take, self._crc)

@@ -167,6 +167,7 @@ def test_a_manifest_from_before_self_checksums_is_still_read(plain, tmp_path):
     doc = json.loads((copy / MANIFEST).read_text())
     del doc["checksum"], doc["digest"]
     doc["version"] = 1
+    doc["chunks"] = _listed_as_before(copy, doc["chunks"])
     (copy / MANIFEST).write_text(json.dumps(doc))
     assert fsdpckpt.verify_checkpoint(copy)["ok"]
 
@@ -296,3 +297,89 @@ def test_an_unknown_digest_is_refused_before_anything_is_written(tmp_path):
 def test_a_digest_needs_the_manifest(tmp_path):
     with pytest.raises(ValueError, match="needs manifest=True"):
         _save(tmp_path / "ckpt", digest="sha256", manifest=False)
+
+
+def _listed_as_before(root, chunks):
+    """Version 3's chunk checksums (8 hex digits a chunk, per file, in archive order) as
+    versions 1 and 2 listed them: an object per chunk naming its tensor."""
+    from fsdpckpt.dcp.reader import read_dcp_folder
+
+    listed = {}
+    for folder, files in chunks.items():
+        meta = read_dcp_folder(root / folder).metadata
+        located = sorted((c.file, c.offset, t.name, list(c.offsets))
+                         for t in meta.tensors for c in t.chunks if c.file is not None)
+        position = {f: 0 for f in files}
+        listed[folder] = []
+        for file, _offset, name, offsets in located:
+            i = position[file]
+            position[file] += 1
+            listed[folder].append({"tensor": name, "offsets": offsets, "file": file,
+                                   "crc32": int(files[file][8 * i:8 * i + 8], 16)})
+    return listed
+
+
+def test_a_version_2_manifest_still_names_the_tensor_of_a_changed_byte(plain, tmp_path):
+    import shutil
+
+    from fsdpckpt.dcp._archive import locate_tensor
+    from fsdpckpt.dcp.reader import read_dcp_folder
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(plain, copy)
+    doc = json.loads((copy / MANIFEST).read_text())
+    doc["version"] = 2
+    doc["chunks"] = _listed_as_before(copy, doc["chunks"])
+    (copy / MANIFEST).write_text(json.dumps(reseal(doc)))
+    folder = copy / "pytorch_model_fsdp_0"
+    tensor = read_dcp_folder(folder).metadata.tensors[0]
+    chunk = tensor.chunks[0]
+    data = folder / str(chunk.file)
+    with open(data, "rb") as f:
+        start = locate_tensor(f, chunk.offset, chunk.length, source="x").storage_start
+    raw = bytearray(data.read_bytes())
+    raw[start] ^= 0x01  # a flipped bit in the tensor's data
+    data.write_bytes(bytes(raw))
+    report = fsdpckpt.verify_checkpoint(copy)
+    assert not report["ok"]
+    assert any(f"tensor '{tensor.name}'" in p["message"] for p in report["problems"])
+
+
+def test_the_manifest_lists_8_hex_digits_a_chunk(plain):
+    from fsdpckpt.dcp.reader import read_dcp_folder
+
+    doc = json.loads((plain / MANIFEST).read_text())
+    assert doc["version"] == 3
+    for folder, files in doc["chunks"].items():
+        meta = read_dcp_folder(plain / folder).metadata
+        counts: dict[str, int] = {}
+        for t in meta.tensors:
+            for c in t.chunks:
+                counts[str(c.file)] = counts.get(str(c.file), 0) + 1
+        assert {f: len(d) for f, d in files.items()} == {f: 8 * n for f, n in counts.items()}
+
+
+@pytest.mark.parametrize("digits", ["0123456", "0123456g", 12345678, ["01234567"]])
+def test_chunk_checksums_that_are_not_8_hex_digits_a_chunk_are_refused(plain, digits):
+    doc = json.loads((plain / MANIFEST).read_text())
+    doc["chunks"]["pytorch_model_fsdp_0"]["__0_0.distcp"] = digits
+    with pytest.raises(CorruptCheckpointError, match="8 hex digits a chunk"):
+        parse_manifest(json.dumps(reseal(doc)).encode(), plain / MANIFEST)
+
+
+def test_a_file_listed_with_one_checksum_too_few_is_named(plain, tmp_path):
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(plain, copy)
+    doc = json.loads((copy / MANIFEST).read_text())
+    files = doc["chunks"]["pytorch_model_fsdp_0"]
+    files["__0_0.distcp"] = files["__0_0.distcp"][8:]
+    (copy / MANIFEST).write_text(json.dumps(reseal(doc)))
+    data = copy / "pytorch_model_fsdp_0" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # so verify looks at the chunks of this file
+    data.write_bytes(bytes(raw))
+    report = fsdpckpt.verify_checkpoint(copy)
+    assert any("another number of chunk checksums" in p["message"] and
+               p["path"].endswith("__0_0.distcp") for p in report["problems"])

@@ -77,10 +77,12 @@ class DataFiles:
 
     def __init__(self, folder: Place, *, keep: int = OPEN_FILES) -> None:
         self.folder = folder
-        #: Open files, least recently opened first.
         self._open: dict[str, DataFile] = {}
+        #: The open files that hold a descriptor, least recently opened first: only they
+        #: count against ``keep`` (a remote file holds none, and its prefetcher may still be
+        #: reading it).
+        self._descriptors: dict[str, None] = {}
         self._keep = keep
-        self._local = not storage.is_remote(folder)
         self._ahead: storage.Closeable | None = None
         #: The entries already read whole against their CRC-32 (:mod:`fsdpckpt.dcp._checked`),
         #: so a reader that takes many boxes of one entry checks it once.
@@ -88,13 +90,15 @@ class DataFiles:
 
     def open(self, name: str) -> DataFile:
         """The data file ``name`` (as the metadata names it), opened once."""
-        found = self._open.pop(name, None)
+        found = self._open.get(name)
         if found is not None:
-            self._open[name] = found  # now the most recent
+            if name in self._descriptors:  # now the most recent
+                del self._descriptors[name]
+                self._descriptors[name] = None
             return found
-        # Remote files hold no descriptor, and the prefetcher may still be reading them.
-        while self._local and len(self._open) >= self._keep:
-            oldest = next(iter(self._open))
+        while len(self._descriptors) >= self._keep:
+            oldest = next(iter(self._descriptors))
+            del self._descriptors[oldest]
             self._open.pop(oldest).opened.close()
         opened = open_data_file(self.folder, name)
         try:
@@ -103,6 +107,8 @@ class DataFiles:
             opened.close()
             raise
         self._open[name] = found
+        if isinstance(found.fd, int):
+            self._descriptors[name] = None
         return found
 
     def reader(self, name: str) -> int | ReadAt:
@@ -111,7 +117,7 @@ class DataFiles:
         object that reopens the file if it was closed (a held descriptor could be closed,
         and its number given to another file)."""
         data = self.open(name)
-        return _Reopening(self, name) if self._local else data.fd
+        return _Reopening(self, name) if isinstance(data.fd, int) else data.fd
 
     def prefetch(self, ranges: Iterable[tuple[str | None, int, int]]) -> None:
         """Announce the byte ranges (``(file name, offset, length)`` of each chunk's
@@ -141,6 +147,7 @@ class DataFiles:
             self._ahead.close()
             self._ahead = None
         files, self._open = list(self._open.values()), {}
+        self._descriptors = {}
         for data_file in files:
             data_file.opened.close()
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import struct
 import zipfile
 import zlib
+from collections.abc import Callable
 from typing import IO, Any
 
 __all__ = ["PlainArchive", "plain_archive"]
@@ -57,9 +58,9 @@ class PlainArchive:
     """A plain ``torch.save`` archive at ``start`` (``length`` bytes) of ``file``."""
 
     def __init__(self, file: IO[bytes], start: int, length: int,
-                 entries: dict[str, _Entry]) -> None:
+                 entries: dict[str, _Entry], fallback: Callable[[], zipfile.ZipFile]) -> None:
         self._file, self._start, self._length = file, start, length
-        self._entries = entries
+        self._entries, self._fallback = entries, fallback
         self._zip: zipfile.ZipFile | None = None
 
     def infolist(self) -> list[Any]:
@@ -88,10 +89,8 @@ class PlainArchive:
         return self._zipfile().read(info.filename)
 
     def _zipfile(self) -> zipfile.ZipFile:
-        from fsdpckpt.dcp._ziparchive import SliceFile
-
         if self._zip is None:
-            self._zip = zipfile.ZipFile(SliceFile(self._file, self._start, self._length))
+            self._zip = self._fallback()
         return self._zip
 
     def close(self) -> None:
@@ -119,10 +118,11 @@ def _read(file: IO[bytes], offset: int, count: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def plain_archive(file: IO[bytes], start: int, length: int,
-                  max_entries: int) -> PlainArchive | None:
+def plain_archive(file: IO[bytes], start: int, length: int, max_entries: int,
+                  fallback: Callable[[], zipfile.ZipFile]) -> PlainArchive | None:
     """The archive at ``start`` (``length`` bytes) of ``file`` when it is plain, its entries
     from its central directory; None when ``zipfile`` must read it (see the module's text).
+    ``fallback`` opens it with ``zipfile``, for an entry that does not read back plainly.
 
     Reads the end record and the central directory: nothing is allocated or looped by a
     declared number before that number is checked against the bytes present.
@@ -172,4 +172,4 @@ def plain_archive(file: IO[bytes], start: int, length: int,
         if entry.filename in entries:
             return None
         entries[entry.filename] = entry
-    return PlainArchive(file, start, length, entries) if at == size else None
+    return PlainArchive(file, start, length, entries, fallback) if at == size else None

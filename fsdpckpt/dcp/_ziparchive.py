@@ -194,10 +194,13 @@ def open_archive(file: IO[bytes], start: int, length: int, source: str,
                     f"{source}: {where} declares {declared} entries where torch.save writes "
                     f"a handful (at most {max_entries} accepted); the file is damaged or "
                     "crafted.")
-        archive: Any = plain_archive(file, start, length, max_entries) \
+        def with_zipfile() -> zipfile.ZipFile:
+            return zipfile.ZipFile(SliceFile(file, start, length))
+
+        archive: Any = plain_archive(file, start, length, max_entries, with_zipfile) \
             if plain and max_entries is not None else None
         if archive is None:
-            archive = zipfile.ZipFile(SliceFile(file, start, length))
+            archive = with_zipfile()
     try:
         if max_entries is not None and len(archive.infolist()) > max_entries:
             raise CorruptCheckpointError(

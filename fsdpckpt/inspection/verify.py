@@ -33,15 +33,29 @@ from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.inspection.inspect import inspect_checkpoint, model_files
 from fsdpckpt.inspection.report import VerifyReport
 from fsdpckpt.training._dcp_io import stray_metadata_files
-from fsdpckpt.training.manifest import MANIFEST, data_entry_crc, manifest_digest, read_manifest
+from fsdpckpt.training.manifest import (
+    MANIFEST,
+    data_entry_crc,
+    listed_crcs,
+    manifest_digest,
+    read_manifest,
+)
 
 __all__ = ["verify_checkpoint"]
 
 def _check_chunks(folder: Place, problems: list[Problem], *, only_file: str | None,
-                  expected: dict[tuple[str, str, tuple[int, ...]], int] | None,
-                  progress: ProgressCallback | None) -> None:
-    """Check each chunk's data against ``expected`` CRCs, or its zip's own CRC when None."""
+                  listed: Any, progress: ProgressCallback | None) -> None:
+    """Check each chunk's data against the CRCs the manifest ``listed`` for the folder (its
+    ``chunks`` section's entry), or its zip's own CRC where it lists none."""
     meta = read_dcp_folder(folder).metadata
+    expected = None
+    if listed is not None:
+        expected, disagree = listed_crcs(listed, meta)
+        for file in disagree:
+            if only_file in (None, file):
+                problems.append(Problem(str(folder / file), "the manifest lists another "
+                                        "number of chunk checksums for it than its .metadata "
+                                        "has chunks: one of them was changed"))
     with DataFiles(folder) as files:
         _check_each_chunk(folder, meta, files, problems, only_file=only_file, expected=expected,
                           progress=progress)
@@ -49,7 +63,7 @@ def _check_chunks(folder: Place, problems: list[Problem], *, only_file: str | No
 
 def _check_each_chunk(folder: Place, meta: DcpMetadata, files: DataFiles,
                       problems: list[Problem], *, only_file: str | None,
-                      expected: dict[tuple[str, str, tuple[int, ...]], int] | None,
+                      expected: dict[tuple[str, tuple[int, ...]], int] | None,
                       progress: ProgressCallback | None) -> None:
     present = _present(folder, meta)
     checked = [(tensor, chunk) for tensor in meta.tensors for chunk in tensor.chunks
@@ -86,8 +100,7 @@ def _check_each_chunk(folder: Place, meta: DcpMetadata, files: DataFiles,
                 problems.append(Problem(str(path), f"{where}: holds {raw.dtype.name} "
                                         f"{list(raw.shape)}, the metadata says "
                                         f"{tensor.dtype.name} {list(chunk.sizes)}"))
-            key = (folder.name, tensor.name, chunk.offsets)
-            want = expected.get(key, stored) if expected else stored
+            want = expected.get((tensor.name, chunk.offsets), stored) if expected else stored
             if actual != want:
                 problems.append(Problem(str(path), f"{where}: data does not match its "
                                         "checksum (a changed byte)"))
@@ -225,7 +238,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     if manifest is None:
         callback = start_progress(progress, *_chunk_bytes(folders)) if progress else None
         for folder in folders:
-            _check_chunks(folder, problems, only_file=None, expected=None, progress=callback)
+            _check_chunks(folder, problems, only_file=None, listed=None, progress=callback)
         # Safetensors record no checksum: without a manifest their data cannot be checked.
         unchecked = tuple(str(p.path / name) for p in layout.parts
                           if (hf := find_part(p.path, p.name).hf) is not None
@@ -244,8 +257,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         problems.append(Problem(str(root / name), "stray folder (a symlink to "
                          f"{os.path.realpath(str(root / name))}): not in the manifest, so not part "
                          "of this checkpoint as it was written"))
-    expected = {(folder, c["tensor"], tuple(c["offsets"])): c["crc32"]
-                for folder, chunks in manifest.get("chunks", {}).items() for c in chunks}
+    listed_chunks = manifest.get("chunks", {})  # per folder; schema-checked
     listed = {name: (info["size"], info["crc32"], info.get(file_digest) if file_digest else None)
               for name, info in manifest["files"].items()}
     whole: list[tuple[Place, int, str | None]] = []
@@ -279,8 +291,8 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             before = len(problems)
             if (folder / ".metadata").is_file() and file.name.endswith(".distcp"):
                 # Naming the damaged tensor re-reads this file: not in the bar's total.
-                _check_chunks(folder, problems, only_file=file.name, expected=expected,
-                              progress=None)
+                _check_chunks(folder, problems, only_file=file.name,
+                              listed=listed_chunks.get(folder.name), progress=None)
             if len(problems) == before:
                 problems.append(Problem(str(file), "contents do not match the "
                                  "manifest's checksum (a changed byte outside tensor data)"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from typing import IO, Any
 
@@ -33,15 +34,19 @@ from fsdpckpt._io.storage import Place
 from fsdpckpt._torch import written_file_name
 from fsdpckpt.dcp._archive import _open_archive, entry_data_start
 from fsdpckpt.dcp._datafiles import DataFiles
+from fsdpckpt.dcp._ziparchive import CHUNK_ENTRIES
 from fsdpckpt.dcp.reader import is_dcp_folder, read_dcp_folder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["MANIFEST", "FileRecord", "build_manifest", "checksum_writer", "chunk_crcs",
-           "data_entry_crc", "manifest_digest", "parse_manifest", "read_manifest",
-           "write_manifest"]
+           "data_entry_crc", "listed_crcs", "manifest_digest", "parse_manifest",
+           "read_manifest", "write_manifest"]
 
 MANIFEST = "fsdpckpt.json"
-_VERSION = 2  # 2: the manifest checksums itself; 1 (the first fsdpckpt releases) did not
+#: 3: chunk CRC-32s as 8 hex digits a chunk per file (versions 1-2 listed each chunk as an
+#: object naming its tensor: 2 GB of JSON for a 4,096-rank run); 2: the manifest checksums
+#: itself; 1 (the first fsdpckpt releases) did not.
+_VERSION = 3
 
 #: What is recorded of each file while it is written: ``(size, crc32, hex digest or None)``;
 #: for a DCP data file the CRC-32 is still in :data:`~fsdpckpt._io.checksums.Pieces`.
@@ -64,7 +69,10 @@ def data_entry(handle: IO[bytes], start: int, length: int, *,
                source: str) -> tuple[int, int, int]:
     """``(crc32, data offset, data length)`` of a chunk's data entry, from its zip directory
     and local header (no data is read)."""
-    with _open_archive(handle, start, length, source) as archive:
+    # Read as the merge reads a chunk: torch.save's layout by a few struct calls, any other
+    # by zipfile (a save of thousands of ranks reads millions of these on rank 0).
+    with _open_archive(handle, start, length, source, max_entries=CHUNK_ENTRIES,
+                       plain=True) as archive:
         data = [i for i in archive.infolist() if "/data/" in i.filename]
         if len(data) != 1:
             raise CorruptCheckpointError(f"{source}: expected one data entry, found "
@@ -80,28 +88,58 @@ def data_entry_crc(handle: IO[bytes], start: int, length: int, *, source: str) -
 
 def chunk_crcs(folder: Place,
                records: dict[str, dict[tuple[int, int], int]] | None = None,
-               ) -> list[dict[str, Any]]:
-    """Each tensor chunk of a DCP folder with the CRC-32 its zip directory stores for its data.
+               ) -> dict[str, str]:
+    """The CRC-32 each tensor chunk's zip directory stores for its data, per data file of a
+    DCP folder: ``{file: hex}``, 8 hex digits a chunk, in the order of the chunks' archives
+    in the file (the order :func:`listed_crcs` reads them back in, from the ``.metadata``).
 
     Args:
         records: when given, filled with ``{file: {(data offset, data length): crc32}}``
             for each chunk's data record, so a file's CRC can be assembled from them.
     """
     meta = read_dcp_folder(folder).metadata
-    out: list[dict[str, Any]] = []
+    found: dict[str, list[tuple[int, int]]] = {}
     with DataFiles(folder) as files:
-        for tensor in meta.tensors:
-            for chunk in tensor.chunks:
-                if chunk.file is None:
-                    continue
-                source = f"{folder / chunk.file} (tensor '{tensor.name}')"
-                crc, data_start, size = data_entry(files.open(chunk.file).file, chunk.offset,
-                                                   chunk.length, source=source)
-                out.append({"tensor": tensor.name, "offsets": list(chunk.offsets),
-                            "file": chunk.file, "crc32": crc})
-                if records is not None:
-                    records.setdefault(chunk.file, {})[(data_start, size)] = crc
-    return out
+        # File by file, each in offset order: every rank file read once through.
+        for file, offset, length, name in sorted(
+                (c.file, c.offset, c.length, t.name) for t in meta.tensors for c in t.chunks
+                if c.file is not None):
+            source = f"{folder}/{file} (tensor '{name}')"
+            crc, data_start, size = data_entry(files.open(file).file, offset, length,
+                                               source=source)
+            found.setdefault(file, []).append((offset, crc))
+            if records is not None:
+                records.setdefault(file, {})[(data_start, size)] = crc
+    return {file: "".join(f"{crc:08x}" for _, crc in crcs) for file, crcs in found.items()}
+
+
+def listed_crcs(listed: Any, meta: Any) -> tuple[dict[tuple[str, tuple[int, ...]], int],
+                                                 list[str]]:
+    """What a manifest's ``chunks`` section for one DCP folder says each chunk's CRC-32 is,
+    ``{(tensor, offsets): crc32}``, given the folder's metadata; and the files whose count of
+    checksums differs from their chunks' (the manifest and ``.metadata`` disagree).
+
+    Reads both layouts: version 3's ``{file: hex}`` (8 digits a chunk, in archive order) and
+    versions 1-2's list of ``{"tensor", "offsets", "file", "crc32"}``.
+    """
+    if isinstance(listed, list):
+        return {(c["tensor"], tuple(c["offsets"])): c["crc32"] for c in listed}, []
+    in_files: dict[str, list[tuple[int, str, tuple[int, ...]]]] = {}
+    for tensor in meta.tensors:
+        for chunk in tensor.chunks:
+            if chunk.file is not None:
+                in_files.setdefault(chunk.file, []).append((chunk.offset, tensor.name,
+                                                            chunk.offsets))
+    crcs: dict[tuple[str, tuple[int, ...]], int] = {}
+    disagree = []
+    for file, digits in listed.items():
+        chunks = sorted(in_files.get(file, []))
+        if len(digits) != 8 * len(chunks):
+            disagree.append(file)
+            continue
+        for i, (_, name, offsets) in enumerate(chunks):
+            crcs[(name, offsets)] = int(digits[8 * i:8 * i + 8], 16)
+    return crcs, disagree
 
 
 def _file_crc(root: Place, name: str, crc: int | Pieces,
@@ -232,6 +270,7 @@ def _is_hex(value: Any, digits: int) -> bool:
 
 
 _DIGEST_HEX = {"sha256": 64, "blake2b": 128}
+_CRCS = re.compile(r"(?:[0-9a-f]{8})*")  # a file's chunk CRC-32s (version 3), at C speed
 
 
 def _schema_problem(doc: dict[str, Any]) -> str | None:
@@ -239,7 +278,7 @@ def _schema_problem(doc: dict[str, Any]) -> str | None:
     version = doc.get("version")
     if version is None:
         return "it has no version"
-    if type(version) is not int or version not in (1, _VERSION):
+    if type(version) is not int or not 1 <= version <= _VERSION:
         return (f"version {version!r} is not one this fsdpckpt reads (1 to {_VERSION}); a "
                 "newer fsdpckpt may have written it: upgrade fsdpckpt")
     if version >= 2 and not (isinstance(doc.get("checksum"), str)):
@@ -264,6 +303,12 @@ def _schema_problem(doc: dict[str, Any]) -> str | None:
     if not isinstance(chunks, dict):
         return "'chunks' is not a mapping"
     for folder, entries in chunks.items():
+        if version >= 3:
+            if not isinstance(entries, dict) or not all(
+                    isinstance(file, str) and isinstance(digits, str) and
+                    _CRCS.fullmatch(digits) for file, digits in entries.items()):
+                return f"the chunk checksums of {folder!r} are not 8 hex digits a chunk"
+            continue
         if not isinstance(entries, list):
             return f"the chunks of {folder!r} are not a list"
         for entry in entries:

@@ -383,3 +383,38 @@ def test_a_file_listed_with_one_checksum_too_few_is_named(plain, tmp_path):
     report = fsdpckpt.verify_checkpoint(copy)
     assert any("another number of chunk checksums" in p["message"] and
                p["path"].endswith("__0_0.distcp") for p in report["problems"])
+
+
+def test_every_chunk_crc_the_manifest_lists_is_the_one_its_archive_stores(plain):
+    from fsdpckpt.dcp.reader import read_dcp_folder
+    from fsdpckpt.training.manifest import data_entry_crc, listed_crcs
+
+    doc = json.loads((plain / MANIFEST).read_text())
+    assert set(doc["chunks"]) == {"pytorch_model_fsdp_0", "optimizer_0"}
+    for folder, listed in doc["chunks"].items():
+        meta = read_dcp_folder(plain / folder).metadata
+        crcs, disagree = listed_crcs(listed, meta)
+        assert not disagree
+        for tensor in meta.tensors:
+            for chunk in tensor.chunks:
+                with open(plain / folder / str(chunk.file), "rb") as f:
+                    stored = data_entry_crc(f, chunk.offset, chunk.length, source="x")
+                assert crcs[(tensor.name, chunk.offsets)] == stored
+
+
+def test_a_rank_sends_rank_0_a_crc_per_file_and_8_hex_digits_a_chunk(tmp_path, monkeypatch):
+    from fsdpckpt.training import _commit
+
+    sent = []
+    real = _commit.own_checksums
+
+    def spy(*args):
+        sent.append(real(*args))
+        return sent[-1]
+
+    monkeypatch.setattr(_commit, "own_checksums", spy)
+    _save(tmp_path / "ckpt")
+    (files, chunks), = sent
+    assert all(type(crc) is int for _size, crc, _digest in files.values())
+    assert all(isinstance(d, str) and len(d) % 8 == 0 for listed in chunks.values()
+               for d in listed.values())

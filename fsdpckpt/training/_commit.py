@@ -12,7 +12,14 @@ from fsdpckpt.training import _remote
 from fsdpckpt.training._diskfull import raising_disk_full, removed_on_failure
 from fsdpckpt.training._dist import dist_or_none, everywhere, rank_world
 from fsdpckpt.training._layout import remove_stale_parts
-from fsdpckpt.training.manifest import MANIFEST, FileRecord, build_manifest, write_manifest
+from fsdpckpt.training.manifest import (
+    MANIFEST,
+    Archives,
+    FileRecord,
+    build_manifest,
+    own_checksums,
+    write_manifest,
+)
 
 if TYPE_CHECKING:
     from fsdpckpt._io.remote import RemotePath
@@ -80,23 +87,32 @@ class Finish:
         *,
         manifest: bool,
         digest: str | None,
+        archives: dict[str, Archives] | None = None,
     ) -> None:
         self.root, self.records, self.step, self.manifest = root, records, step, manifest
+        self.archives = archives or {}
         self.file_digest = digest
         self.digest: str | None = None  # the manifest's own, once written (rank 0)
 
     def __call__(self) -> None:
-        files = {
-            (f"{folder}/{name}" if folder else name): value
-            for folder, entries in self.records.items()
-            for name, value in entries.items()
-        }
         dist = dist_or_none()
         rank, world = rank_world()
+        files: dict[str, FileRecord] = {}
+        chunks: dict[str, dict[str, str]] = {}
+        if self.manifest:
+            # Each rank reads the CRC-32s of its own chunks (their archives just written, in
+            # its page cache) and sends rank 0 only what the manifest lists: a (size, CRC)
+            # per file and 8 hex digits a chunk, not every write's pieces to every rank.
+            files, chunks = everywhere(lambda: own_checksums(self.root, self.records,
+                                                             self.archives))
         if dist and self.manifest:
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, files)
-            files = {k: v for part in gathered for k, v in part.items()}
+            gathered: list[Any] | None = [None] * world if rank == 0 else None
+            dist.gather_object((files, chunks), gathered, dst=0)
+            if gathered is not None:
+                for part_files, part_chunks in gathered:
+                    files.update(part_files)
+                    for folder, listed in part_chunks.items():
+                        chunks.setdefault(folder, {}).update(listed)
 
         def on_rank_zero() -> None:
             if rank == 0 and self.manifest:
@@ -105,8 +121,8 @@ class Finish:
                     self.digest = write_manifest(
                         self.root,
                         build_manifest(
-                            self.root,
                             files,
+                            chunks,
                             world_size=world,
                             step=self.step,
                             digest=self.file_digest,

@@ -33,14 +33,12 @@ from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._io.storage import Place
 from fsdpckpt._torch import written_file_name
 from fsdpckpt.dcp._archive import _open_archive, entry_data_start
-from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.dcp._ziparchive import CHUNK_ENTRIES
-from fsdpckpt.dcp.reader import is_dcp_folder, read_dcp_folder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 
-__all__ = ["MANIFEST", "FileRecord", "build_manifest", "checksum_writer", "chunk_crcs",
-           "data_entry_crc", "listed_crcs", "manifest_digest", "parse_manifest",
-           "read_manifest", "write_manifest"]
+__all__ = ["MANIFEST", "Archives", "FileRecord", "build_manifest", "checksum_writer",
+           "data_entry_crc", "listed_crcs", "manifest_digest", "own_checksums",
+           "parse_manifest", "read_manifest", "write_manifest"]
 
 MANIFEST = "fsdpckpt.json"
 #: 3: chunk CRC-32s as 8 hex digits a chunk per file (versions 1-2 listed each chunk as an
@@ -53,16 +51,50 @@ _VERSION = 3
 FileRecord = tuple[int, "int | Pieces", "str | None"]
 
 
+#: Where the tensor chunks' archives lie in the data files one rank wrote of a DCP folder:
+#: ``{file name: [(offset, length), ...]}``, from DCP's own write results.
+Archives = dict[str, list[tuple[int, int]]]
+
+
 def checksum_writer(path: str | os.PathLike[str] | RemotePath, record: dict[str, FileRecord],
-                    digest: str | None = None) -> Any:
-    """A DCP storage writer for ``path`` that records ``{file name: FileRecord}``: torch's
-    ``FileSystemWriter``, or for a remote folder its ``FsspecWriter`` over the same client."""
+                    digest: str | None = None, archives: Archives | None = None) -> Any:
+    """A DCP storage writer for ``path`` that records ``{file name: FileRecord}``, and in
+    ``archives`` where it wrote each tensor chunk: torch's ``FileSystemWriter``, or for a
+    remote folder its ``FsspecWriter`` over the same client."""
     def written(name: str, proxy: ChecksumStream) -> None:
         # DCP writes .metadata under a temporary name, then renames it.
         hexdigest = proxy.hasher.hexdigest() if proxy.hasher is not None else None
         record[written_file_name(name)] = (proxy.size, proxy.pieces, hexdigest)
 
-    return dcp_writer(path, lambda stream: ChecksumStream(stream, digest), written)
+    writer = dcp_writer(path, lambda stream: ChecksumStream(stream, digest), written)
+    if archives is not None:
+        _keep_archives(writer, archives)
+    return writer
+
+
+def _keep_archives(writer: Any, archives: Archives) -> None:
+    """Record from each write result of ``writer`` where a tensor chunk's archive went: the
+    rank's own chunks, so that it reads their CRC-32s itself, not rank 0 everyone's."""
+    write_data = writer.write_data
+
+    def keeping(plan: Any, planner: Any) -> Any:
+        future = write_data(plan, planner)
+
+        def kept(done: Any) -> None:
+            try:
+                results = done.value()
+            except Exception:  # noqa: BLE001 - the save itself reports its failure
+                return
+            for result in results:
+                where = result.storage_data
+                if result.index.offset is not None and hasattr(where, "relative_path"):
+                    archives.setdefault(where.relative_path, []).append(
+                        (where.offset, where.length))
+
+        future.add_done_callback(kept)
+        return future
+
+    writer.write_data = keeping
 
 
 def data_entry(handle: IO[bytes], start: int, length: int, *,
@@ -86,31 +118,40 @@ def data_entry_crc(handle: IO[bytes], start: int, length: int, *, source: str) -
     return data_entry(handle, start, length, source=source)[0]
 
 
-def chunk_crcs(folder: Place,
-               records: dict[str, dict[tuple[int, int], int]] | None = None,
-               ) -> dict[str, str]:
-    """The CRC-32 each tensor chunk's zip directory stores for its data, per data file of a
-    DCP folder: ``{file: hex}``, 8 hex digits a chunk, in the order of the chunks' archives
-    in the file (the order :func:`listed_crcs` reads them back in, from the ``.metadata``).
+def own_checksums(root: Place, records: dict[str, dict[str, FileRecord]],
+                  archives: dict[str, Archives]) -> tuple[dict[str, FileRecord],
+                                                          dict[str, dict[str, str]]]:
+    """This rank's part of the manifest, from what it wrote: each of its files with its whole
+    CRC-32 (assembled from the pieces recorded while writing, and the CRC-32 each chunk's
+    zip directory stores for its data), and the chunk CRC-32s of each data file it wrote,
+    ``{folder: {file: hex}}``, 8 hex digits a chunk in archive order (as :func:`listed_crcs`
+    reads them back). Reads only the directories of its own archives, just written.
 
     Args:
-        records: when given, filled with ``{file: {(data offset, data length): crc32}}``
-            for each chunk's data record, so a file's CRC can be assembled from them.
+        records: ``{folder: {file: FileRecord}}`` as the writers recorded them ("" is the
+            checkpoint's own folder).
+        archives: ``{folder: Archives}``, where each tensor chunk this rank wrote lies.
     """
-    meta = read_dcp_folder(folder).metadata
-    found: dict[str, list[tuple[int, int]]] = {}
-    with DataFiles(folder) as files:
-        # File by file, each in offset order: every rank file read once through.
-        for file, offset, length, name in sorted(
-                (c.file, c.offset, c.length, t.name) for t in meta.tensors for c in t.chunks
-                if c.file is not None):
-            source = f"{folder}/{file} (tensor '{name}')"
-            crc, data_start, size = data_entry(files.open(file).file, offset, length,
-                                               source=source)
-            found.setdefault(file, []).append((offset, crc))
-            if records is not None:
-                records.setdefault(file, {})[(data_start, size)] = crc
-    return {file: "".join(f"{crc:08x}" for _, crc in crcs) for file, crcs in found.items()}
+    files: dict[str, FileRecord] = {}
+    chunks: dict[str, dict[str, str]] = {}
+    for folder, entries in records.items():
+        known: dict[str, dict[tuple[int, int], int]] = {}
+        for file, spots in sorted(archives.get(folder, {}).items()):
+            crcs = []
+            path = root / folder / file
+            with storage.opened(path) as opened:
+                handle = opened.file()
+                for offset, length in sorted(spots):  # the file from its start to its end
+                    crc, data_start, size = data_entry(handle, offset, length,
+                                                       source=f"{path} (at {offset})")
+                    crcs.append(f"{crc:08x}")
+                    known.setdefault(file, {})[(data_start, size)] = crc
+            chunks.setdefault(folder, {})[file] = "".join(crcs)
+        for name, (size, pieces, hexdigest) in entries.items():
+            relative = f"{folder}/{name}" if folder else name
+            files[relative] = (size, _file_crc(root, relative, pieces, {folder: known}),
+                               hexdigest)
+    return files, chunks
 
 
 def listed_crcs(listed: Any, meta: Any) -> tuple[dict[tuple[str, tuple[int, ...]], int],
@@ -156,22 +197,22 @@ def _file_crc(root: Place, name: str, crc: int | Pieces,
     return resolve_pieces(crc, records.get(folder, {}).get(file, {}), read_back)
 
 
-def build_manifest(root: Place, files: dict[str, FileRecord], *, world_size: int,
-                   step: int | None, digest: str | None = None) -> dict[str, Any]:
-    """The manifest document for the checkpoint at ``root``; ``files`` maps relative paths
-    to what was recorded while writing them. ``digest`` names the digest each record
-    carries (None: CRC-32 only)."""
+def build_manifest(files: dict[str, FileRecord], chunks: dict[str, dict[str, str]], *,
+                   world_size: int, step: int | None,
+                   digest: str | None = None) -> dict[str, Any]:
+    """The manifest document of a checkpoint, from every rank's :func:`own_checksums`
+    merged: ``files`` maps relative paths to ``(size, crc32, digest)``, ``chunks`` each DCP
+    folder to its files' chunk CRC-32s. ``digest`` names the digest each record carries
+    (None: CRC-32 only)."""
     import torch
 
     from fsdpckpt._version import __version__
 
-    records: dict[str, dict[str, dict[tuple[int, int], int]]] = {}
-    entries_found: list[Any] = sorted(root.iterdir(), key=str)
-    chunks = {p.name: chunk_crcs(p, records.setdefault(p.name, {}))
-              for p in entries_found if p.is_dir() and is_dcp_folder(p)}
     entries: dict[str, dict[str, Any]] = {}
     for name, (size, crc, hexdigest) in sorted(files.items()):
-        entries[name] = {"size": size, "crc32": _file_crc(root, name, crc, records)}
+        if not isinstance(crc, int):  # own_checksums resolves every one; a bug if not
+            raise RuntimeError(f"no CRC-32 was assembled for {name}")
+        entries[name] = {"size": size, "crc32": crc}
         if digest is not None:
             if hexdigest is None:  # every writer hashes when asked to; a bug if not
                 raise RuntimeError(f"no {digest} was recorded for {name}")
@@ -180,7 +221,9 @@ def build_manifest(root: Place, files: dict[str, FileRecord], *, world_size: int
         "format": "fsdpckpt-manifest", "version": _VERSION, "fsdpckpt": __version__,
         "torch": torch.__version__.split("+")[0], "world_size": world_size, "step": step,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "digest": digest, "files": entries, "chunks": chunks,
+        "digest": digest, "files": entries,
+        "chunks": {folder: dict(sorted(listed.items())) for folder, listed in
+                   sorted(chunks.items())},
     }
 
 

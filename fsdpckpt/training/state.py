@@ -51,6 +51,7 @@ from fsdpckpt.training._layout import (
 from fsdpckpt.training._rng import prepare_rng, rng_state_bytes, torch_save_bytes
 from fsdpckpt.training._statecheck import compare, flatten, mismatch_message
 from fsdpckpt.training.manifest import (
+    Archives,
     FileRecord,
     checksum_writer,
 )
@@ -201,12 +202,13 @@ def _save(root: Place, models: list[Any], optimizers: list[Any], scheduler: Any,
 
     futures = []
     records: dict[str, dict[str, FileRecord]] = {}  # folder -> file -> (size, crc32, digest)
+    archives: dict[str, Archives] = {}  # folder -> this rank's chunk archives in its files
 
     def write(state: dict[str, Any], folder: Place) -> None:
         kwargs: dict[str, Any] = {}
         if manifest:
             kwargs["storage_writer"] = checksum_writer(folder, records.setdefault(folder.name, {}),
-                                                       digest)
+                                                       digest, archives.setdefault(folder.name, {}))
         else:
             kwargs["checkpoint_id"] = str(folder)
         if not async_save:
@@ -249,7 +251,7 @@ def _save(root: Place, models: list[Any], optimizers: list[Any], scheduler: Any,
             with contextlib.suppress(BaseException):
                 future.result()
         raise
-    finish = Finish(root, records, step, manifest=manifest, digest=digest)
+    finish = Finish(root, records, step, manifest=manifest, digest=digest, archives=archives)
     if async_save:
         return AsyncSave(futures, finish)
     finish()

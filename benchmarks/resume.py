@@ -120,10 +120,7 @@ def main() -> None:
                         help="where the simulated checkpoint is (built there once)")
     args = parser.parse_args()
     ckpt = args.workdir / f"llama70b-{args.ranks}"
-    if not (ckpt / "optimizer_0" / ".metadata").exists():
-        start = time.perf_counter()
-        build_apart(ckpt, args.ranks, None)
-        print(f"built {ckpt} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    build_apart(ckpt, args.ranks)
     results: dict[str, list[tuple[float, float, float]]] = {"torch": [], "fsdpckpt": []}
     for _ in range(args.rounds):
         for side in results:

@@ -19,25 +19,16 @@ anchor: what a resume reads anyway), and compares the manifest's size with the
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale import run_usage
+from scale import build_apart, run_usage
 
 ROOT = Path(__file__).resolve().parent.parent
 DIMS = {"hidden": 64, "intermediate": 128, "vocab": 1024, "kv": 32}
 
-_BUILD = """
-import sys
-sys.path.insert(0, {bench!r})
-from pathlib import Path
-from _simulate import build
-build(Path({ckpt!r}), {ranks}, layers={layers}, data=True, **{dims!r})
-"""
 #: One rank's part (``own_checksums`` of the files rank ``r`` wrote: where its chunks lie
 #: comes from DCP's write results in a save, from the .metadata here, untimed), then what
 #: rank 0 does with every rank's parts (``build_manifest``, the JSON written).
@@ -91,12 +82,7 @@ def main() -> None:
         work = args.workdir or Path(tmp)
         for ranks in args.ranks:
             ckpt = work / f"small-{args.layers}l-{ranks}"
-            if not (ckpt / "optimizer_0" / ".metadata").exists():
-                start = time.perf_counter()
-                subprocess.run([sys.executable, "-c", _BUILD.format(
-                    bench=str(Path(__file__).resolve().parent), ckpt=str(ckpt), ranks=ranks,
-                    layers=args.layers, dims=DIMS)], check=True)
-                print(f"built {ckpt} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+            build_apart(ckpt, ranks, layers=args.layers, data=True, **DIMS)
             folders = [ckpt / "pytorch_model_fsdp_0", ckpt / "optimizer_0"]
             meta = sum((f / ".metadata").stat().st_size for f in folders)
             anchor = run_usage([sys.executable, "-c", _TORCH, *map(str, folders)], ROOT)

@@ -26,6 +26,7 @@ Goal (issue 32): every row at most 1.0x the anchor's time and peak memory.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -50,16 +52,21 @@ def run_usage(cmd: list[str], cwd: Path) -> tuple[float, float]:
     return wall, usage.ru_maxrss / 1024
 
 
-def build_apart(ckpt: Path, ranks: int, layers: int | None) -> None:
-    """:func:`_simulate.build` in a process of its own: a child's peak RSS counts the memory
-    of the process it was started from (Linux keeps the parent's high-water mark across the
-    exec), so building here would inflate every figure measured after."""
-    subprocess.run([sys.executable, "-c", "import sys\nsys.path.insert(0, sys.argv[1])\n"
+def build_apart(ckpt: Path, ranks: int, **options: Any) -> None:
+    """:func:`_simulate.build` of ``ckpt`` (unless built before) in a process of its own: a
+    child's peak RSS counts the memory of the process it was started from (Linux keeps the
+    parent's high-water mark across the exec), so building here would inflate every figure
+    measured after."""
+    if (ckpt / "optimizer_0" / ".metadata").exists():
+        return
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import json, sys\nsys.path.insert(0, sys.argv[1])\n"
                     "from _simulate import build\n"
                     "build(__import__('pathlib').Path(sys.argv[2]), int(sys.argv[3]), "
-                    "layers=None if sys.argv[4] == '-' else int(sys.argv[4]))",
+                    "**json.loads(sys.argv[4]))",
                     str(Path(__file__).resolve().parent), str(ckpt), str(ranks),
-                    "-" if layers is None else str(layers)], check=True)
+                    json.dumps(options)], check=True)
+    print(f"built {ckpt} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 
 #: Ends the process at the first data file a verb opens: what it does before reading data.
@@ -122,10 +129,7 @@ def main() -> None:
         work = args.workdir or Path(tmp)
         for ranks in args.ranks:
             ckpt = work / f"llama70b-{ranks}"
-            if not (ckpt / "optimizer_0" / ".metadata").exists():
-                start = time.perf_counter()
-                build_apart(ckpt, ranks, args.layers)
-                print(f"built {ckpt} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+            build_apart(ckpt, ranks, layers=args.layers)
             sizes = [(ckpt / p / ".metadata").stat().st_size
                      for p in ("pytorch_model_fsdp_0", "optimizer_0")]
             rows = measure(ckpt, args.rounds, trees)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -179,23 +180,35 @@ _LAID_OUT = 4
 def json_document(report: Any) -> str:
     """One JSON document as ``--json`` prints it: indented by 2 near the top, long lists one
     element per line, deeper values compact. Parses to ``report.to_json()``."""
+    return "".join(json_pieces(report))
+
+
+def json_pieces(report: Any) -> Iterator[str]:
+    """:func:`json_document` in pieces, to be written as they come: a 4,096-rank report's
+    document is a gigabyte, never held whole."""
     import json
 
     from fsdpckpt.dcp._bulk import paused_gc
 
-    def laid_out(item: Any, pad: str, depth: int) -> str:
+    def laid_out(item: Any, pad: str, depth: int) -> Iterator[str]:
         inner = pad + "  "
         if depth < _LAID_OUT and isinstance(item, dict) and item:
-            return "{\n" + ",\n".join(f"{inner}{json.dumps(str(k))}: "
-                                      f"{laid_out(v, inner, depth + 1)}"
-                                      for k, v in item.items()) + f"\n{pad}}}"
-        if depth < _LAID_OUT and isinstance(item, list) and len(item) > _LONG_LIST:
-            return "[\n" + ",\n".join(inner + json.dumps(v) for v in item) + f"\n{pad}]"
-        if depth < _LAID_OUT and isinstance(item, list) and \
+            yield "{\n"
+            for i, (k, v) in enumerate(item.items()):
+                yield (",\n" if i else "") + f"{inner}{json.dumps(str(k))}: "
+                yield from laid_out(v, inner, depth + 1)
+            yield f"\n{pad}}}"
+        elif depth < _LAID_OUT and isinstance(item, list) and len(item) > _LONG_LIST:
+            yield "[\n" + ",\n".join(inner + json.dumps(v) for v in item) + f"\n{pad}]"
+        elif depth < _LAID_OUT and isinstance(item, list) and \
                 any(isinstance(v, (dict, list)) for v in item):
-            return "[\n" + ",\n".join(inner + laid_out(v, inner, depth + 1)
-                                      for v in item) + f"\n{pad}]"
-        return json.dumps(item)
+            yield "[\n"
+            for i, v in enumerate(item):
+                yield (",\n" if i else "") + inner
+                yield from laid_out(v, inner, depth + 1)
+            yield f"\n{pad}]"
+        else:
+            yield json.dumps(item)
 
     with paused_gc():  # millions of small values, none in a cycle
-        return laid_out(report.to_json(), "", 0)
+        yield from laid_out(report.to_json(), "", 0)

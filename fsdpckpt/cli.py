@@ -22,7 +22,7 @@ from fsdpckpt._cli_common import (
     _progress,
     _shard_size_option,
     _storage_options_option,
-    json_document,
+    json_pieces,
     output_file_name,
     refuse_file_output,
 )
@@ -114,7 +114,9 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
 
     report = inspect_checkpoint(path, names=names, storage_options=storage_options)
     if as_json:
-        click.echo(json_document(report))
+        for piece in json_pieces(report):  # written as made: never the whole document
+            click.echo(piece, nl=False)
+        click.echo()
     else:
         click.echo(render_inspect(report, chunks=chunks, tensors=not summary, names=names))
     if not report.ok:

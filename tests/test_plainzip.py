@@ -171,3 +171,23 @@ def test_bytes_before_the_archive_in_its_window_read_the_same_both_ways():
     # zipfile finds an archive behind prepended bytes (its offsets shifted): read the same.
     data = b"\0" * 48 + ARCHIVES[0]
     assert _located(data, plain=True) == _located(data, plain=False)
+
+
+def test_an_entry_whose_header_lies_past_the_window_is_not_read_there():
+    data = bytearray(ARCHIVES[-2])
+    central = [i for i in range(len(data)) if data[i:i + 4] == b"PK\x01\x02"][1]
+    data[central + 42:central + 46] = (len(data) - 10).to_bytes(4, "little")
+    reads = []
+
+    class Spy(io.BytesIO):
+        def read(self, n=-1):
+            reads.append((self.tell(), n))
+            return super().read(n)
+
+    file = Spy(bytes(data))
+    plain = plain_archive(file, 0, len(data), 32,
+                          lambda: zipfile.ZipFile(_ziparchive.SliceFile(file, 0, len(data))))
+    reads.clear()
+    with pytest.raises(zipfile.BadZipFile):
+        plain.read(plain.infolist()[1])
+    assert all(at + n <= len(data) for at, n in reads if n >= 0 and at < len(data))

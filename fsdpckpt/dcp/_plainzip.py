@@ -73,7 +73,10 @@ class PlainArchive:
         """The bytes of the stored entry ``info``, checked against its CRC-32; ``zipfile``
         reads (and refuses) any entry whose bytes are not plainly where the directory says."""
         at = self._start + info.header_offset
-        header = _read(self._file, at, _LOCAL.size)
+        # Never a byte past the window, whatever the directory says (open_archive's checks
+        # refuse such an entry first; this class keeps the rule on its own too).
+        inside = info.header_offset >= 0 and at + _LOCAL.size <= self._start + self._length
+        header = _read(self._file, at, _LOCAL.size) if inside else b""
         if len(header) == _LOCAL.size:
             fields = _LOCAL.unpack(header)
             name_len, extra_len = fields[10], fields[11]

@@ -206,3 +206,17 @@ def test_the_cli_bar_of_verify_gets_a_total(monkeypatch):
     monkeypatch.setattr(cli, "_progress", lambda quiet, *_args: None if quiet else recorder)
     assert run("verify", FIXTURES / "dtensor").exit_code == 0
     assert recorder.calls and recorder.calls[0][0] > 0 and recorder.done == recorder.calls[0][0]
+
+
+@pytest.mark.parametrize("manifest", [False, True], ids=["no manifest", "manifest"])
+def test_verify_parses_each_metadata_once(tmp_path, manifest):
+    from fsdpckpt.dcp import reader
+
+    ckpt = save_small_checkpoint(tmp_path / "ckpt", manifest=manifest)
+    data = ckpt / "pytorch_model_fsdp_0" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # so that the chunks are read too, with the manifest
+    data.write_bytes(bytes(raw))
+    before = reader.parse_count
+    fsdpckpt.verify_checkpoint(ckpt)
+    assert reader.parse_count - before == 2  # the model folder's and the optimizer's

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fsdpckpt.dcp._archive import locate_tensor
 from fsdpckpt.dcp.checks import check_folder, check_tensor_chunks
@@ -303,3 +305,37 @@ def test_an_encrypted_entry_is_refused():
     with pytest.raises(CorruptCheckpointError, match="encrypted"):
         locate_tensor(io.BytesIO(bytes(data)), 0, len(data), source="x")
 
+
+
+@settings(max_examples=600, deadline=None)
+@given(data=st.data())
+def test_the_rows_fast_path_accepts_only_what_the_full_check_accepts(data):
+    from fsdpckpt.dcp import checks
+
+    ndim = data.draw(st.integers(1, 3))
+    shape = tuple(data.draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim)))
+    rows = data.draw(st.lists(st.tuples(st.integers(-1, 7), st.integers(-1, 7)),
+                              min_size=1, max_size=6))
+    boxes = []
+    for start, count in rows:  # mostly FSDP2's layout, sometimes a dim off by one
+        rest_o = [0] * (ndim - 1)
+        rest_s = list(shape[1:])
+        if ndim > 1 and data.draw(st.booleans()) and data.draw(st.booleans()):
+            d = data.draw(st.integers(0, ndim - 2))
+            rest_s[d] += data.draw(st.sampled_from([-1, 1]))
+        boxes.append(([start, *rest_o], [count, *rest_s]))
+    tensor = _tensor(shape, boxes)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(checks, "_rows_tile", lambda *_: False)
+        full = check_tensor_chunks(tensor)
+    if checks._rows_tile(tensor.shape, tensor.chunks):
+        assert full == []
+    assert check_tensor_chunks(tensor) == full
+
+
+def test_fsdp2s_rows_with_empty_trailing_shards_tile_by_the_fast_path():
+    from fsdpckpt.dcp import checks
+
+    boxes = [([0, 0], [2, 6]), ([2, 0], [1, 6]), ([3, 0], [0, 6]), ([3, 0], [0, 6])]
+    assert checks._rows_tile((3, 6), _tensor((3, 6), boxes).chunks)
+    assert check_tensor_chunks(_tensor((3, 6), boxes)) == []

@@ -418,3 +418,21 @@ def test_a_rank_sends_rank_0_a_crc_per_file_and_8_hex_digits_a_chunk(tmp_path, m
     assert all(type(crc) is int for _size, crc, _digest in files.values())
     assert all(isinstance(d, str) and len(d) % 8 == 0 for listed in chunks.values()
                for d in listed.values())
+
+
+def test_chunks_that_name_one_archive_share_its_listed_crc():
+    # Empty shards of a tensor share one offset, so DCP stores them in one entry.
+    from fsdpckpt.dcp.dtypes import DTYPES
+    from fsdpckpt.dcp.metadata import Chunk, DcpMetadata, TensorEntry
+    from fsdpckpt.training.manifest import listed_crcs
+
+    chunks = (Chunk((0, 0), (2, 4), "__0_0.distcp", 0, 900),
+              Chunk((2, 0), (0, 4), "__1_0.distcp", 0, 800),
+              Chunk((2, 0), (0, 4), "__1_0.distcp", 0, 800))
+    other = (Chunk((0,), (4,), "__1_0.distcp", 800, 700),)
+    meta = DcpMetadata((TensorEntry("w", DTYPES["float32"], (2, 4), chunks, ("w",)),
+                        TensorEntry("b", DTYPES["float32"], (4,), other, ("b",))), (), None)
+    crcs, disagree = listed_crcs({"__0_0.distcp": "0000000a",
+                                  "__1_0.distcp": "0000000b0000000c"}, meta)
+    assert disagree == []
+    assert crcs == {("w", (0, 0)): 10, ("w", (2, 0)): 11, ("b", (0,)): 12}

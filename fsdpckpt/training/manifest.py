@@ -160,26 +160,31 @@ def listed_crcs(listed: Any, meta: Any) -> tuple[dict[tuple[str, tuple[int, ...]
     ``{(tensor, offsets): crc32}``, given the folder's metadata; and the files whose count of
     checksums differs from their chunks' (the manifest and ``.metadata`` disagree).
 
-    Reads both layouts: version 3's ``{file: hex}`` (8 digits a chunk, in archive order) and
+    Reads both layouts: version 3's ``{file: hex}`` (8 digits a chunk archive, in their
+    order in the file; chunks that name one archive share its CRC-32) and
     versions 1-2's list of ``{"tensor", "offsets", "file", "crc32"}``.
     """
     if isinstance(listed, list):
         return {(c["tensor"], tuple(c["offsets"])): c["crc32"] for c in listed}, []
-    in_files: dict[str, list[tuple[int, str, tuple[int, ...]]]] = {}
+    # file -> archive offset -> the chunks stored there: one archive, one CRC-32, however
+    # many chunks name it (a tensor's empty shards share one offset, so one storage entry).
+    in_files: dict[str, dict[int, list[tuple[str, tuple[int, ...]]]]] = {}
     for tensor in meta.tensors:
         for chunk in tensor.chunks:
             if chunk.file is not None:
-                in_files.setdefault(chunk.file, []).append((chunk.offset, tensor.name,
-                                                            chunk.offsets))
+                in_files.setdefault(chunk.file, {}).setdefault(chunk.offset, []).append(
+                    (tensor.name, chunk.offsets))
     crcs: dict[tuple[str, tuple[int, ...]], int] = {}
     disagree = []
     for file, digits in listed.items():
-        chunks = sorted(in_files.get(file, []))
-        if len(digits) != 8 * len(chunks):
+        archives = in_files.get(file, {})
+        if len(digits) != 8 * len(archives):
             disagree.append(file)
             continue
-        for i, (_, name, offsets) in enumerate(chunks):
-            crcs[(name, offsets)] = int(digits[8 * i:8 * i + 8], 16)
+        for i, offset in enumerate(sorted(archives)):
+            crc = int(digits[8 * i:8 * i + 8], 16)
+            for key in archives[offset]:
+                crcs[key] = crc
     return crcs, disagree
 
 

@@ -19,7 +19,7 @@ import fsdpckpt
 from fsdpckpt.errors import CorruptCheckpointError
 from fsdpckpt.training.manifest import MANIFEST, manifest_digest, parse_manifest, read_manifest
 
-from conftest import assert_one_line_error, reseal, save_small_checkpoint
+from conftest import FIXTURES, assert_one_line_error, reseal, save_small_checkpoint
 from conftest import run_cli as run
 from fuzzing import damaged, fuzz_settings
 
@@ -436,3 +436,62 @@ def test_chunks_that_name_one_archive_share_its_listed_crc():
                                   "__1_0.distcp": "0000000b0000000c"}, meta)
     assert disagree == []
     assert crcs == {("w", (0, 0)): 10, ("w", (2, 0)): 11, ("b", (0,)): 12}
+
+
+def _with_manifest(folder: Path) -> Path:
+    """A manifest for a checkpoint some other tool wrote, made as save_state's ranks make
+    theirs (each data file's archives, from its .metadata here)."""
+    from fsdpckpt.dcp.reader import read_dcp_folder
+    from fsdpckpt.training.manifest import build_manifest, own_checksums, write_manifest
+
+    records: dict = {}
+    archives: dict = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        part = path.parent.name if path.parent != folder else ""
+        records.setdefault(part, {})[path.name] = (path.stat().st_size,
+                                                   zlib.crc32(path.read_bytes()), None)
+        if path.name == ".metadata":
+            for tensor in read_dcp_folder(path.parent).metadata.tensors:
+                for chunk in tensor.chunks:
+                    archives.setdefault(part, {}).setdefault(chunk.file, []).append(
+                        (chunk.offset, chunk.length))
+    for part in archives:
+        for file in archives[part]:
+            archives[part][file] = sorted(set(archives[part][file]))
+    files, chunks = own_checksums(folder, records, archives)
+    write_manifest(folder, build_manifest(files, chunks, world_size=2, step=None))
+    return folder
+
+
+def test_changed_bytes_in_several_files_of_a_folder_are_named_in_one_pass(tmp_path,
+                                                                          monkeypatch):
+    import shutil
+
+    from fsdpckpt.dcp._archive import locate_tensor
+    from fsdpckpt.dcp.reader import read_dcp_folder
+    from fsdpckpt.inspection import verify
+
+    ckpt = _with_manifest(Path(shutil.copytree(FIXTURES / "fsdp2_accelerate",
+                                               tmp_path / "ckpt")))
+    folder = ckpt / "pytorch_model_fsdp_0"
+    damaged = {}
+    for tensor in read_dcp_folder(folder).metadata.tensors:
+        for chunk in tensor.chunks:
+            if chunk.file not in damaged and chunk.sizes[0]:
+                data = folder / chunk.file
+                with open(data, "rb") as f:
+                    at = locate_tensor(f, chunk.offset, chunk.length, source="x").storage_start
+                raw = bytearray(data.read_bytes())
+                raw[at] ^= 0x01
+                data.write_bytes(bytes(raw))
+                damaged[chunk.file] = tensor.name
+    assert len(damaged) == 2
+    passes = []
+    real = verify._check_chunks
+    monkeypatch.setattr(verify, "_check_chunks",
+                        lambda *a, **k: passes.append(k["only_files"]) or real(*a, **k))
+    report = fsdpckpt.verify_checkpoint(ckpt)
+    assert passes == [set(damaged)]
+    for file, name in damaged.items():
+        assert any(p["path"] == str(folder / file) and f"tensor '{name}'" in p["message"]
+                   for p in report["problems"]), report["problems"]

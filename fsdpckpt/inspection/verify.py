@@ -43,26 +43,27 @@ from fsdpckpt.training.manifest import (
 
 __all__ = ["verify_checkpoint"]
 
-def _check_chunks(folder: Place, problems: list[Problem], *, only_file: str | None,
+def _check_chunks(folder: Place, problems: list[Problem], *, only_files: set[str] | None,
                   listed: Any, progress: ProgressCallback | None) -> None:
-    """Check each chunk's data against the CRCs the manifest ``listed`` for the folder (its
-    ``chunks`` section's entry), or its zip's own CRC where it lists none."""
+    """Check each chunk's data (of ``only_files``, else all) against the CRCs the manifest
+    ``listed`` for the folder (its ``chunks`` section's entry), or its zip's own CRC where it
+    lists none."""
     meta = read_dcp_folder(folder).metadata
     expected = None
     if listed is not None:
         expected, disagree = listed_crcs(listed, meta)
         for file in disagree:
-            if only_file in (None, file):
+            if only_files is None or file in only_files:
                 problems.append(Problem(str(folder / file), "the manifest lists another "
                                         "number of chunk checksums for it than its .metadata "
                                         "has chunks: one of them was changed"))
     with DataFiles(folder) as files:
-        _check_each_chunk(folder, meta, files, problems, only_file=only_file, expected=expected,
-                          progress=progress)
+        _check_each_chunk(folder, meta, files, problems, only_files=only_files,
+                          expected=expected, progress=progress)
 
 
 def _check_each_chunk(folder: Place, meta: DcpMetadata, files: DataFiles,
-                      problems: list[Problem], *, only_file: str | None,
+                      problems: list[Problem], *, only_files: set[str] | None,
                       expected: dict[tuple[str, tuple[int, ...]], int] | None,
                       progress: ProgressCallback | None) -> None:
     present = _present(folder, meta)
@@ -73,7 +74,7 @@ def _check_each_chunk(folder: Place, meta: DcpMetadata, files: DataFiles,
     by_file: dict[str, list[tuple[TensorEntry, Chunk]]] = {}
     for tensor in meta.tensors:
         for chunk in tensor.chunks:
-            if chunk.file in present and (not only_file or chunk.file == only_file):
+            if chunk.file in present and (only_files is None or chunk.file in only_files):
                 by_file.setdefault(chunk.file, []).append((tensor, chunk))
     checked = []
     for name in sorted(by_file):
@@ -252,7 +253,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
     if manifest is None:
         callback = start_progress(progress, *_chunk_bytes(folders)) if progress else None
         for folder in folders:
-            _check_chunks(folder, problems, only_file=None, listed=None, progress=callback)
+            _check_chunks(folder, problems, only_files=None, listed=None, progress=callback)
         # Safetensors record no checksum: without a manifest their data cannot be checked.
         unchecked = tuple(str(p.path / name) for p in layout.parts
                           if (hf := find_part(p.path, p.name).hf) is not None
@@ -293,6 +294,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
         whole.append((file, want_crc, want_digest))
     callback = start_progress(progress, sum(f.stat().st_size for f, *_ in whole),
                               len(whole)) if progress else None
+    changed: list[Place] = []
     for file, want_crc, want_digest in whole:
         _size, crc, actual_digest = _checksums(file, callback, file_digest)
         if crc == want_crc and actual_digest != want_digest:
@@ -301,15 +303,21 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
                              f"manifest's {file_digest} although the CRC-32 matches: the file "
                              "was changed deliberately; do not load it"))
         elif crc != want_crc:
-            folder = file.parent
-            before = len(problems)
-            if (folder / ".metadata").is_file() and file.name.endswith(".distcp"):
-                # Naming the damaged tensor re-reads this file: not in the bar's total.
-                _check_chunks(folder, problems, only_file=file.name,
-                              listed=listed_chunks.get(folder.name), progress=None)
-            if len(problems) == before:
-                problems.append(Problem(str(file), "contents do not match the "
-                                 "manifest's checksum (a changed byte outside tensor data)"))
+            changed.append(file)
+    # Naming the damaged tensors re-reads the changed data files (not in the bar's total):
+    # one pass over each folder's chunks for all of its changed files, however many.
+    in_folders: dict[Place, set[str]] = {}
+    for file in changed:
+        if (file.parent / ".metadata").is_file() and file.name.endswith(".distcp"):
+            in_folders.setdefault(file.parent, set()).add(file.name)
+    for folder, names in in_folders.items():
+        _check_chunks(folder, problems, only_files=names,
+                      listed=listed_chunks.get(folder.name), progress=None)
+    named = {p.path for p in problems}
+    for file in changed:
+        if str(file) not in named:
+            problems.append(Problem(str(file), "contents do not match the "
+                             "manifest's checksum (a changed byte outside tensor data)"))
     return _report(root, problems, manifest=True, digest=digest, file_digest=file_digest,
                    style=layout.style)
 

@@ -173,7 +173,7 @@ def test_bytes_before_the_archive_in_its_window_read_the_same_both_ways():
     assert _located(data, plain=True) == _located(data, plain=False)
 
 
-def test_an_entry_whose_header_lies_past_the_window_is_not_read_there():
+def test_an_entry_whose_header_lies_past_the_window_is_left_to_zipfile_unread():
     data = bytearray(ARCHIVES[-2])
     central = [i for i in range(len(data)) if data[i:i + 4] == b"PK\x01\x02"][1]
     data[central + 42:central + 46] = (len(data) - 10).to_bytes(4, "little")
@@ -185,9 +185,70 @@ def test_an_entry_whose_header_lies_past_the_window_is_not_read_there():
             return super().read(n)
 
     file = Spy(bytes(data))
-    plain = plain_archive(file, 0, len(data), 32,
-                          lambda: zipfile.ZipFile(_ziparchive.SliceFile(file, 0, len(data))))
-    reads.clear()
-    with pytest.raises(zipfile.BadZipFile):
-        plain.read(plain.infolist()[1])
+    assert plain_archive(file, 0, len(data), 32,
+                         lambda: zipfile.ZipFile(_ziparchive.SliceFile(file, 0, len(data)))) is None
     assert all(at + n <= len(data) for at, n in reads if n >= 0 and at < len(data))
+
+
+def _central_records(data: bytes) -> list[int]:
+    return [i for i in range(len(data)) if data[i:i + 4] == b"PK\x01\x02"]
+
+
+def test_a_directory_read_before_gives_each_archive_its_own_crcs():
+    # Two saves of one shape differ only in their CRC-32s: the second is read through the
+    # first's layout, and must still carry its own.
+    first, second = _saved(torch.zeros(64)), _saved(torch.ones(64))
+    for data in (first, second, first):
+        plain = _plain(data)
+        want = {i.filename: i.CRC for i in zipfile.ZipFile(io.BytesIO(data)).infolist()}
+        assert {i.filename: i.CRC for i in plain.infolist()} == want
+    assert _located(second, plain=True) == _located(second, plain=False)
+
+
+def test_a_wrong_crc_in_a_directory_read_before_is_refused_as_zipfile_refuses_it():
+    data = bytearray(_saved(torch.arange(64, dtype=torch.float32)))
+    _located(bytes(data), plain=True)  # its layout is now known
+    pkl = _central_records(data)[0]
+    data[pkl + 16] ^= 0x01  # data.pkl's CRC-32, only
+    plain = _located(bytes(data), plain=True)
+    assert plain.startswith("ChecksumError")
+    assert plain == _located(bytes(data), plain=False)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(which=st.integers(0, len(ARCHIVES) - 1), data=st.data())
+def test_damage_to_a_directory_read_before_reads_the_same_both_ways(which, data):
+    clean = ARCHIVES[which]
+    _located(clean, plain=True)  # the layout every damaged copy is first compared with
+    archive = bytearray(clean)
+    records = _central_records(clean)
+    spots = [r + k for r in records for k in range(14, 24)] + list(range(records[0],
+                                                                         len(clean)))
+    edits = data.draw(st.lists(st.tuples(st.sampled_from(spots), st.integers(0, 255)),
+                               min_size=1, max_size=3))
+    for at, value in edits:
+        archive[at] = value
+    assert _located(bytes(archive), plain=True) == _located(bytes(archive), plain=False)
+
+
+@pytest.mark.parametrize("which", range(len(ARCHIVES)))
+def test_an_archive_is_located_alike_through_its_descriptor(tmp_path, which):
+    path = tmp_path / "rank.distcp"
+    path.write_bytes(b"\0" * 24 + ARCHIVES[which] + b"\0" * 8)
+    size = len(ARCHIVES[which])
+    with open(path, "rb") as file:
+        by_file = repr(locate_tensor(file, 24, size, source="chunk"))
+        by_fd = repr(locate_tensor(file.fileno(), 24, size, source="chunk"))
+    assert by_fd == by_file
+
+
+def test_a_chunk_past_the_end_of_its_file_is_refused_alike_through_its_descriptor(tmp_path):
+    path = tmp_path / "rank.distcp"
+    path.write_bytes(ARCHIVES[0][:-40])  # cut short: its end records are gone
+    refusals = []
+    with open(path, "rb") as file:
+        for handle in (file, file.fileno()):
+            with pytest.raises(FsdpCkptError) as caught:
+                locate_tensor(handle, 0, len(ARCHIVES[0]), source="chunk")
+            refusals.append(f"{type(caught.value).__name__}: {caught.value}")
+    assert refusals[0] == refusals[1]

@@ -32,7 +32,7 @@ import os
 import shutil
 import stat
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeAlias, cast
 
@@ -112,9 +112,9 @@ class LocalFile:
     :func:`~fsdpckpt._io.rawio.pread_into` or copies in the kernel.
     """
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path | str, fd: int, size: int | None = None) -> None:
         self.path, self.handle = path, fd
-        self.size = os.fstat(fd).st_size
+        self.size = os.fstat(fd).st_size if size is None else size
         self._file: BinaryIO | None = None
 
     def read_at(self, view: memoryview, offset: int) -> None:
@@ -146,7 +146,16 @@ def open_file(path: Place) -> OpenFile:
     """
     if is_remote(path):
         return cast("OpenFile", cast("RemotePath", path).open_file())
-    local = cast(Path, path)
+    return cast(LocalFile, _open_local(cast(Path, path), follow=True))
+
+
+def open_unless_link(path: Path | str) -> LocalFile | None:
+    """:func:`open_file` of a local path, or None where its last part is a symlink (the
+    caller judges where it leads before it opens it)."""
+    return _open_local(path, follow=False)
+
+
+def _open_local(local: Path | str, *, follow: bool) -> LocalFile | None:
     # Not following a link at the end, and not waiting on a FIFO: the descriptor's own
     # fstat then says what was opened. A path ending in a link is opened as it resolves.
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -156,6 +165,8 @@ def open_file(path: Place) -> OpenFile:
         except OSError as exc:
             if exc.errno != errno.ELOOP:
                 raise
+            if not follow:
+                return None
             fd = os.open(os.path.realpath(local), flags)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{local}: no such file") from None
@@ -166,11 +177,12 @@ def open_file(path: Place) -> OpenFile:
                       f"{_open_files_limit()}), so it cannot open more; raise the limit "
                       "(ulimit -n 65536) or open fewer files beside fsdpckpt's",
                       str(local)) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode):
         os.close(fd)
         raise NotACheckpointError(f"{local}: not a regular file")
     try:
-        return LocalFile(local, fd)
+        return LocalFile(local, fd, status.st_size)
     except BaseException:
         os.close(fd)
         raise
@@ -226,16 +238,24 @@ def local_file(file: Place, scratch: Callable[[], Path]) -> Path:
     return target
 
 
-@dataclass(frozen=True)
 class Entry:
-    """One entry of a folder, as listed (links not followed)."""
+    """One entry of a folder, as listed (links not followed).
 
-    name: str
-    path: Place
-    is_dir: bool
-    is_file: bool
-    is_link: bool
-    size: int
+    A plain class whose path is made when asked for: a 4,096-rank folder lists thousands.
+    """
+
+    __slots__ = ("name", "_folder", "_path", "is_dir", "is_file", "is_link", "size")
+
+    def __init__(self, name: str, folder: Place | None, is_dir: bool, is_file: bool,
+                 is_link: bool, size: int, *, path: Place | None = None) -> None:
+        self.name, self._folder, self._path = name, folder, path
+        self.is_dir, self.is_file, self.is_link, self.size = is_dir, is_file, is_link, size
+
+    @property
+    def path(self) -> Place:
+        if self._path is None:
+            self._path = cast(Place, self._folder) / self.name
+        return self._path
 
 
 def entries(folder: Place) -> list[Entry]:
@@ -248,8 +268,8 @@ def entries(folder: Place) -> list[Entry]:
         found = []
         for path in cast("RemotePath", folder).iterdir():
             is_dir = path.is_dir()
-            found.append(Entry(path.name, path, is_dir, not is_dir, False,
-                               0 if is_dir else path.stat().st_size))
+            found.append(Entry(path.name, None, is_dir, not is_dir, False,
+                               0 if is_dir else path.stat().st_size, path=path))
         return found
     local = cast(Path, folder)
     try:
@@ -260,10 +280,11 @@ def entries(folder: Place) -> list[Entry]:
     for item in scan:
         link = item.is_symlink()
         is_file = not link and item.is_file(follow_symlinks=False)
-        listed.append(Entry(item.name, local / item.name,
-                            not link and item.is_dir(follow_symlinks=False), is_file, link,
+        listed.append(Entry(item.name, local, not link and item.is_dir(follow_symlinks=False),
+                            is_file, link,
                             item.stat(follow_symlinks=False).st_size if is_file else 0))
-    return sorted(listed, key=lambda e: e.name)
+    listed.sort(key=attrgetter("name"))
+    return listed
 
 
 def names(folder: Place) -> list[str]:

@@ -32,13 +32,20 @@ def within(place: Place, folder: Place) -> bool:
     return local == root or root in local.parents
 
 
+def plain_name(folder: Place, relative: str) -> bool:
+    """Whether ``relative`` is a plain name of an entry of the local folder ``folder``: no
+    separator, not ``.`` or ``..``, no NUL. Such an entry that is not a symlink lies in the
+    folder however the folder's own path resolves."""
+    return not (is_remote(folder) or relative in ("", ".", "..") or "/" in relative or
+                os.sep in relative or (os.altsep or "/") in relative or "\0" in relative)
+
+
 def _plain_entry(folder: Place, relative: str) -> bool:
     """Whether ``folder / relative`` is a local entry of ``folder`` itself, no link: a plain
     name (no separator, not ``.`` or ``..``) that is not a symlink lies in the folder however
     the folder's own path resolves. One ``lstat``, where resolving both paths walks every
     component of each (a 4,096-rank folder's files are checked thousands of times)."""
-    if is_remote(folder) or relative in ("", ".", "..") or "/" in relative or \
-            os.sep in relative or (os.altsep or "/") in relative:
+    if not plain_name(folder, relative):
         return False
     try:
         return not stat.S_ISLNK(os.lstat(cast(Path, folder) / relative).st_mode)

@@ -14,11 +14,12 @@ import struct
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from fsdpckpt import _torch
 from fsdpckpt._printable import printable
 from fsdpckpt.dcp._allowlist import BUILTIN_GLOBALS
+from fsdpckpt.dcp._plainzip import EndsRead
 from fsdpckpt.dcp._safe_pickle import safe_loads
 from fsdpckpt.dcp._ziparchive import (
     CHUNK_ENTRIES,
@@ -312,11 +313,12 @@ def _tensor_record(data: bytes, source: str) -> Any:
     return found
 
 
-def locate_tensor(file: IO[bytes], start: int, length: int, *, source: str) -> RawTensor:
+def locate_tensor(file: IO[bytes] | int, start: int, length: int, *,
+                  source: str) -> RawTensor:
     """Find the raw bytes of the tensor saved in the ``torch.save`` archive at ``start``.
 
     Args:
-        file: the open data file.
+        file: the open data file, or its descriptor (read by ``pread``).
         start: byte offset of the archive in ``file``.
         length: byte length of the archive.
         source: how to name the chunk in messages (file and tensor).
@@ -327,6 +329,7 @@ def locate_tensor(file: IO[bytes], start: int, length: int, *, source: str) -> R
     Raises:
         CorruptCheckpointError: the bytes are not such an archive, or disagree with themselves.
     """
+    file = cast(IO[bytes], EndsRead(file, start, length))
     with open_archive(file, start, length, source, max_entries=CHUNK_ENTRIES,
                       plain=True) as archive:
         pkl = entry_info(archive, "/data.pkl", source, max_bytes=CHUNK_PICKLE_BYTES)
@@ -369,16 +372,17 @@ def entry_data_start(file: IO[bytes], start: int, length: int, info: zipfile.Zip
             archive.
     """
     at = start + info.header_offset
-    name = printable(info.filename)
-    with zip_errors(source, f"the header of its entry '{name}' (bytes {at}-{at + 30})"):
+    with zip_errors(source, lambda: f"the header of its entry '{printable(info.filename)}' "
+                    f"(bytes {at}-{at + 30})"):
         file.seek(at)
         header = file.read(_LOCAL_HEADER.size)
     if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-        raise CorruptCheckpointError(f"{source}: the zip header of '{name}' (bytes {at}-"
-                                     f"{at + 30}) is damaged.")
+        raise CorruptCheckpointError(f"{source}: the zip header of '{printable(info.filename)}' "
+                                     f"(bytes {at}-{at + 30}) is damaged.")
     name_len, extra_len = _LOCAL_HEADER.unpack(header)[1:]
     data_start = at + _LOCAL_HEADER.size + name_len + extra_len
     if data_start + info.file_size > start + length:
+        name = printable(info.filename)
         raise CorruptCheckpointError(
             f"{source}: the data of '{name}' (bytes {data_start}-"
             f"{data_start + info.file_size}) reaches past its archive (bytes {start}-"

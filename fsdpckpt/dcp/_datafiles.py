@@ -26,7 +26,6 @@ time). A reader that holds the sources of many chunks at once asks for
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import BinaryIO
 
 from fsdpckpt._io import storage
@@ -43,18 +42,32 @@ __all__ = ["OPEN_FILES", "DataFile", "DataFiles"]
 OPEN_FILES = 16
 
 
-@dataclass(frozen=True)
 class DataFile:
     """One open data file.
 
     Attributes:
         path: where it is (for messages).
         file: a buffered, read-only file object, for code that seeks and reads.
+        opened: the file as :func:`fsdpckpt._io.storage.open_file` opened it.
     """
 
-    path: Place
-    file: BinaryIO
-    opened: OpenFile
+    __slots__ = ("_folder", "_name", "_file", "opened")
+
+    def __init__(self, folder: Place, name: str, opened: OpenFile) -> None:
+        # The path and the buffered file are made when asked for: a tensor in 4,096
+        # chunks opens 4,096 files, most of them read only by offset.
+        self._folder, self._name, self.opened = folder, name, opened
+        self._file: BinaryIO | None = None
+
+    @property
+    def path(self) -> Place:
+        return self._folder / self._name
+
+    @property
+    def file(self) -> BinaryIO:
+        if self._file is None:
+            self._file = self.opened.file()
+        return self._file
 
     @property
     def fd(self) -> int | ReadAt:
@@ -100,12 +113,7 @@ class DataFiles:
             oldest = next(iter(self._descriptors))
             del self._descriptors[oldest]
             self._open.pop(oldest).opened.close()
-        opened = open_data_file(self.folder, name)
-        try:
-            found = DataFile(self.folder / name, opened.file(), opened)
-        except BaseException:
-            opened.close()
-            raise
+        found = DataFile(self.folder, name, open_data_file(self.folder, name))
         self._open[name] = found
         if isinstance(found.fd, int):
             self._descriptors[name] = None

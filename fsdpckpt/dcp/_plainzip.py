@@ -14,19 +14,27 @@ and the same refusals. :meth:`PlainArchive.read` likewise hands an entry whose b
 not read back plainly (a local header that differs, a short file, a CRC-32 that fails)
 to ``zipfile``, which raises what it always raised.
 
-It offers the part of ``zipfile.ZipFile`` the chunk reader uses (``infolist``,
-``getinfo``, ``read``), with the same fields on each entry.
+Its entries pass the checks ``open_archive`` makes of any archive (stored, not encrypted,
+a zip version zipfile reads, inside the archive, no two sharing bytes); one that does not
+is left to ``zipfile`` and those checks, which refuse it as before. A directory equal to
+one read before except in its CRC-32s is taken from that one (:class:`_Layout`): the
+chunks of one tensor have such directories. :class:`EndsRead` reads an archive's first
+and last bytes once, so the headers, pickle and directory come from two reads.
+
+It offers the part of ``zipfile.ZipFile`` the chunk reader uses (``namelist``,
+``infolist``, ``getinfo``, ``read``), with the same fields on each entry.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import zipfile
 import zlib
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["PlainArchive", "plain_archive"]
+__all__ = ["EndsRead", "PlainArchive", "plain_archive"]
 
 _END = struct.Struct("<4sHHHHIIH")  # signature, disks, entries here, entries, size, offset, comment
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # zipfile's structCentralDir
@@ -47,27 +55,71 @@ class _Entry:
     __slots__ = ("filename", "orig_filename", "header_offset", "file_size", "compress_size",
                  "CRC", "compress_type", "flag_bits", "extract_version", "raw_name")
 
-    def __init__(self, raw_name: bytes, fields: tuple[Any, ...]) -> None:
-        self.raw_name = raw_name
+    def __init__(self, raw_name: bytes, fields: tuple[Any, ...], crc: int) -> None:
+        """From the name, ``_CENTRAL``'s fields of its central directory record, and its
+        CRC-32 (field 9, read apart: see :class:`_Layout`)."""
+        self.raw_name, self.CRC = raw_name, crc
         self.filename = self.orig_filename = raw_name.decode("ascii")
-        (self.extract_version, self.flag_bits, self.compress_type, self.CRC,
-         self.compress_size, self.file_size, self.header_offset) = fields
+        (self.extract_version, self.flag_bits, self.compress_type, self.compress_size,
+         self.file_size, self.header_offset) = (
+            fields[3], fields[5], fields[6], fields[10], fields[11], fields[18])
+
+
+class _Layout:
+    """A central directory read and accepted before, all but its CRC-32s.
+
+    A tensor in 4,096 chunks is 4,096 archives whose directories differ only there (each
+    chunk's bytes, and its serialization id, have their own CRC-32): a directory equal to
+    this one around its CRC-32 fields passed every check this one passed (no check reads
+    a CRC-32), so it is taken with its own CRC-32s, in two ``struct`` calls instead of a
+    parse and checks per entry. Any other byte different: parsed afresh.
+    """
+
+    __slots__ = ("around", "parts", "crcs", "fields", "reach")
+
+    def __init__(self, directory: bytes, starts: list[int],
+                 fields: dict[str, tuple[bytes, tuple[Any, ...], int]], reach: int) -> None:
+        around, crcs, prev = "<", "<", 0
+        for start in starts:  # a central record's CRC-32 is its bytes 16-20
+            around += f"{start + 16 - prev}s4x"
+            crcs += f"{start + 16 - prev}xI"
+            prev = start + 20
+        self.around = struct.Struct(f"{around}{len(directory) - prev}s")
+        self.crcs = struct.Struct(crcs)
+        self.parts = self.around.unpack(directory)
+        #: name -> (raw name, its record's fields, its index among the CRC-32s)
+        self.fields = fields
+        self.reach = reach  # where the last entry ends: the archive must be as long
+
+
+#: Directories read before, by their size (a few: the chunks of a folder's tensors).
+_LAYOUTS: dict[int, _Layout] = {}
+_LAYOUTS_KEPT = 16
 
 
 class PlainArchive:
     """A plain ``torch.save`` archive at ``start`` (``length`` bytes) of ``file``."""
 
-    def __init__(self, file: IO[bytes], start: int, length: int,
-                 entries: dict[str, _Entry], fallback: Callable[[], zipfile.ZipFile]) -> None:
+    def __init__(self, file: IO[bytes] | int, start: int, length: int,
+                 fields: dict[str, tuple[bytes, tuple[Any, ...], int]], crcs: tuple[int, ...],
+                 fallback: Callable[[], zipfile.ZipFile]) -> None:
         self._file, self._start, self._length = file, start, length
-        self._entries, self._fallback = entries, fallback
+        self._fields, self._crcs, self._fallback = fields, crcs, fallback
+        self._entries: dict[str, _Entry] = {}  # made when asked for: a reader uses three
         self._zip: zipfile.ZipFile | None = None
 
+    def namelist(self) -> list[str]:
+        return list(self._fields)
+
     def infolist(self) -> list[Any]:
-        return list(self._entries.values())
+        return [self.getinfo(name) for name in self._fields]
 
     def getinfo(self, name: str) -> Any:
-        return self._entries[name]  # KeyError, as zipfile's
+        found = self._entries.get(name)
+        if found is None:
+            raw_name, fields, index = self._fields[name]  # KeyError, as zipfile's
+            found = self._entries[name] = _Entry(raw_name, fields, self._crcs[index])
+        return found
 
     def read(self, info: Any) -> bytes:
         """The bytes of the stored entry ``info``, checked against its CRC-32; ``zipfile``
@@ -84,10 +136,13 @@ class PlainArchive:
             if fields[0] == b"PK\x03\x04" and not info.flag_bits & _ODD_FLAGS and \
                     info.compress_type == zipfile.ZIP_STORED and \
                     info.file_size == info.compress_size and \
-                    data_start + info.file_size <= self._start + self._length and \
-                    _read(self._file, at + _LOCAL.size, name_len) == info.raw_name:
-                data = _read(self._file, data_start, info.file_size)
-                if len(data) == info.file_size and zlib.crc32(data) == info.CRC:
+                    data_start + info.file_size <= self._start + self._length:
+                # The name and the data in one read: both lie between the header and the end.
+                rest = _read(self._file, at + _LOCAL.size, data_start + info.file_size
+                             - at - _LOCAL.size)
+                data = rest[name_len + extra_len:]
+                if rest[:name_len] == info.raw_name and len(data) == info.file_size and \
+                        zlib.crc32(data) == info.CRC:
                     return data
         return self._zipfile().read(info.filename)
 
@@ -108,17 +163,86 @@ class PlainArchive:
         self.close()
 
 
-def _read(file: IO[bytes], offset: int, count: int) -> bytes:
-    """Up to ``count`` bytes of ``file`` from ``offset``; fewer only at its end."""
-    file.seek(offset)
-    parts, got = [], 0
+#: How much of each end of a chunk archive :class:`EndsRead` reads at once: its first bytes
+#: hold the pickle, the byte order and the storage's local header, its last ones the central
+#: directory and the end records (a chunk's archive has seven entries: about 600 bytes).
+ENDS = 1024
+
+
+class EndsRead:
+    """``file`` (a file object, or a descriptor read by ``pread``) read through the first
+    ``2 * ENDS`` and the last :data:`ENDS` bytes of the archive at ``start`` (``length``
+    bytes), each read once: the headers, pickle and directory that locating a chunk's
+    tensor reads come from them, two reads in place of a dozen seeks and reads (issue 32:
+    a tensor in 4,096 chunks is 4,096 archives opened). A read that is not wholly inside
+    what was read goes to ``file``; so do bytes past a short file's end (the window holds
+    only the bytes the file gave). A file object for ``zipfile``: ``seek``, ``tell``, ``read``.
+    """
+
+    def __init__(self, file: IO[bytes] | int, start: int, length: int) -> None:
+        self._file, self._pos = file, 0
+        self._start, self._length = start, length
+        self._windows: list[tuple[int, bytes]] | None = None  # read at the first read
+
+    def _read_windows(self) -> list[tuple[int, bytes]]:
+        file, start, length = self._file, self._start, self._length
+        head = min(max(length, 0), 2 * ENDS)  # a small archive: read whole, once
+        windows = [(start, _read(file, start, head))] if start >= 0 else []
+        if start >= 0 and length > head:
+            windows.append((start + length - ENDS, _read(file, start + length - ENDS, ENDS)))
+        self._windows = windows
+        return windows
+
+    def _size(self) -> int:
+        file = self._file
+        return os.fstat(file).st_size if isinstance(file, int) else file.seek(0, 2)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = offset if whence == 0 else self._size() + offset if whence == 2 \
+            else self._pos + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, count: int = -1) -> bytes:
+        at = self._pos
+        if count >= 0:
+            for begin, data in self._windows or self._read_windows():
+                if begin <= at and at + count <= begin + len(data):
+                    self._pos += count
+                    return data[at - begin:at - begin + count]
+        got = _read(self._file, at, count if count >= 0 else max(0, self._size() - at))
+        self._pos += len(got)
+        return got
+
+
+_BIG_READ = 1 << 20
+
+
+def _read(file: IO[bytes] | int, offset: int, count: int) -> bytes:
+    """Up to ``count`` bytes of ``file`` (a file object or a descriptor) from ``offset``;
+    fewer only at its end."""
+    if isinstance(file, int):
+        if count > _BIG_READ:  # never a buffer larger than the bytes the file holds there
+            count = max(0, min(count, os.fstat(file).st_size - offset))
+        first = os.pread(file, count, offset)
+    else:
+        file.seek(offset)
+        first = file.read(count)
+    if len(first) >= count or not first:  # all of it (the usual case), or the file's end
+        return first
+    parts, got = [first], len(first)
     while got < count:
-        part = file.read(count - got)
+        if isinstance(file, int):
+            part = os.pread(file, count - got, offset + got)
+        else:
+            part = file.read(count - got)
         if not part:
             break
         parts.append(part)
         got += len(part)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return b"".join(parts)
 
 
 def plain_archive(file: IO[bytes], start: int, length: int, max_entries: int,
@@ -157,22 +281,55 @@ def plain_archive(file: IO[bytes], start: int, length: int, max_entries: int,
     directory = _read(file, start + offset, size)
     if len(directory) != size:
         return None
-    entries: dict[str, _Entry] = {}
+    layout = _LAYOUTS.get(size)
+    if layout is None or layout.reach > length or \
+            layout.around.unpack_from(directory) != layout.parts:
+        layout = _parse_directory(directory, count, length)
+        if layout is None:
+            return None
+        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+            _LAYOUTS.clear()
+        _LAYOUTS[size] = layout
+    return PlainArchive(file, start, length, layout.fields, layout.crcs.unpack_from(directory),
+                        fallback)
+
+
+def _parse_directory(directory: bytes, count: int, length: int) -> _Layout | None:
+    """The ``count`` records of a central directory (exactly its bytes) of an archive of
+    ``length`` bytes, checked; None where ``zipfile`` must read it."""
+    size = len(directory)
+    fields_of: dict[str, tuple[bytes, tuple[Any, ...], int]] = {}
+    spans, starts = [], []
     at = 0
-    for _ in range(count):
-        if at + _CENTRAL.size > size:
+    unpack, central = _CENTRAL.unpack_from, _CENTRAL.size
+    for index in range(count):
+        if at + central > size:
             return None
-        fields = _CENTRAL.unpack_from(directory, at)
-        name_len, extra_len, comment_len = fields[12], fields[13], fields[14]
-        name = directory[at + _CENTRAL.size:at + _CENTRAL.size + name_len]
-        at += _CENTRAL.size + name_len
-        if fields[0] != b"PK\x01\x02" or extra_len or comment_len or len(name) != name_len \
-                or not name.isascii() or b"\0" in name or fields[3] > _MAX_ZIP_VERSION \
-                or 0xFFFFFFFF in (fields[10], fields[11], fields[18]):
+        fields = unpack(directory, at)
+        name_len, header_offset, file_size = fields[12], fields[18], fields[11]
+        name = directory[at + central:at + central + name_len]
+        starts.append(at)
+        at += central + name_len
+        # What open_archive's _check_entries refuses (compressed, encrypted, a newer zip,
+        # outside the archive, overlapping) goes to zipfile, and so to that refusal. Fields:
+        # 3 the zip version, 5 the flags, 6 the method (stored is 0), 13-14 extra, comment.
+        if fields[0] != b"PK\x01\x02" or fields[13] or fields[14] or len(name) != name_len \
+                or fields[3] > _MAX_ZIP_VERSION or fields[5] & _ODD_FLAGS or fields[6] \
+                or header_offset + 30 + file_size > length or fields[10] == 0xFFFFFFFF \
+                or file_size == 0xFFFFFFFF or header_offset == 0xFFFFFFFF \
+                or not name.isascii() or b"\0" in name:
             return None
-        entry = _Entry(name, (fields[3], fields[5], fields[6], fields[9], fields[10],
-                              fields[11], fields[18]))
-        if entry.filename in entries:
+        text = name.decode("ascii")
+        if text in fields_of:
             return None
-        entries[entry.filename] = entry
-    return PlainArchive(file, start, length, entries, fallback) if at == size else None
+        fields_of[text] = (name, fields, index)
+        spans.append((header_offset, header_offset + 30 + name_len + file_size))
+    spans.sort()
+    for (_, end), (begin, _) in zip(spans, spans[1:]):
+        if begin < end:
+            return None
+    if at != size:
+        return None
+    # The length the checks above asked of the archive: a later one must be as long.
+    reach = max(fields[18] + 30 + fields[11] for _, fields, _ in fields_of.values())
+    return _Layout(directory, starts, fields_of, reach)

@@ -13,8 +13,7 @@ import lzma
 import struct
 import zipfile
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import IO, Any
 
 from fsdpckpt._io.rawio import SizedReader
@@ -70,9 +69,12 @@ def _first_line(exc: BaseException) -> str:
     return printable(lines[0][:200] if lines else "") or type(exc).__name__
 
 
-@contextmanager
-def zip_errors(source: str, where: str) -> Iterator[None]:
+class zip_errors:  # a class named as the function it replaces: ``with zip_errors(...)``
     """Turn zipfile's and the file's failures inside the block into one error.
+
+    A class, not a generator: it wraps every chunk archive's reads (a tensor in 4,096
+    chunks enters it 16,000 times), and ``where`` may be a callable that makes the text
+    only when there is an error to name.
 
     Args:
         source: how to name the file (and tensor) in the message.
@@ -84,19 +86,27 @@ def zip_errors(source: str, where: str) -> Iterator[None]:
         CorruptCheckpointError: naming ``source`` and ``where``; fsdpckpt's own errors
             pass through unchanged.
     """
-    try:
-        yield
-    except FsdpCkptError:
-        raise
-    except zipfile.BadZipFile as exc:
-        if not str(exc).startswith("Bad CRC-32"):
-            raise _damaged(source, where, exc) from exc
-        # zipfile checks an entry's CRC-32 as it reads it: the bytes changed after writing.
-        raise ChecksumError(
-            f"{source}: {where}: {_first_line(exc)}: the file changed after it was written (a "
-            "flipped bit, a bad disk or a faulty transfer). Nothing was written from it; "
-            "restore the file from a good copy.") from exc
-    except _ZIP_ERRORS as exc:
+
+    __slots__ = ("_source", "_where")
+
+    def __init__(self, source: str, where: str | Callable[[], str]) -> None:
+        self._source, self._where = source, where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 _tb: object) -> None:
+        if exc is None or isinstance(exc, FsdpCkptError) or not isinstance(exc, _ZIP_ERRORS):
+            return  # passes through unchanged
+        source, where = self._source, self._where
+        where = where if isinstance(where, str) else where()
+        if isinstance(exc, zipfile.BadZipFile) and str(exc).startswith("Bad CRC-32"):
+            # zipfile checks an entry's CRC-32 as it reads it: the bytes changed after writing.
+            raise ChecksumError(
+                f"{source}: {where}: {_first_line(exc)}: the file changed after it was written "
+                "(a flipped bit, a bad disk or a faulty transfer). Nothing was written from it; "
+                "restore the file from a good copy.") from exc
         raise _damaged(source, where, exc) from exc
 
 
@@ -182,32 +192,36 @@ def open_archive(file: IO[bytes], start: int, length: int, source: str,
         CorruptCheckpointError: naming ``source`` and the byte range, for any bytes that
             are not such an archive.
     """
-    where = f"the archive at offset {start} (length {length})"
+    def where() -> str:  # made only for a message
+        return f"the archive at offset {start} (length {length})"
+
+    def with_zipfile() -> zipfile.ZipFile:
+        return zipfile.ZipFile(SliceFile(file, start, length))
+
     if not (start >= 0 and length >= 0):
-        raise CorruptCheckpointError(f"{source}: {where} is not a byte range of a file; the "
+        raise CorruptCheckpointError(f"{source}: {where()} is not a byte range of a file; the "
                                      "metadata is damaged.")
     with zip_errors(source, where):
+        # A plain archive's reader checked its entry count and entries as below already.
+        archive: Any = plain_archive(file, start, length, max_entries, with_zipfile) \
+            if plain and max_entries is not None else None
+        if archive is not None:
+            return archive
         if max_entries is not None:
             declared = _declared_entries(file, start, length)
             if declared is not None and declared > max_entries:
                 raise CorruptCheckpointError(
-                    f"{source}: {where} declares {declared} entries where torch.save writes "
+                    f"{source}: {where()} declares {declared} entries where torch.save writes "
                     f"a handful (at most {max_entries} accepted); the file is damaged or "
                     "crafted.")
-        def with_zipfile() -> zipfile.ZipFile:
-            return zipfile.ZipFile(SliceFile(file, start, length))
-
-        archive: Any = plain_archive(file, start, length, max_entries, with_zipfile) \
-            if plain and max_entries is not None else None
-        if archive is None:
-            archive = with_zipfile()
+        archive = with_zipfile()
     try:
         if max_entries is not None and len(archive.infolist()) > max_entries:
             raise CorruptCheckpointError(
-                f"{source}: {where} holds {len(archive.infolist())} entries where torch.save "
+                f"{source}: {where()} holds {len(archive.infolist())} entries where torch.save "
                 f"writes a handful (at most {max_entries} accepted); the file is damaged or "
                 "crafted.")
-        _check_entries(archive, length, source, where)
+        _check_entries(archive, length, source, where())
     except BaseException:
         archive.close()
         raise
@@ -217,8 +231,9 @@ def open_archive(file: IO[bytes], start: int, length: int, source: str,
 def entry_info(archive: zipfile.ZipFile, suffix: str, source: str,
            max_bytes: int | None = None) -> zipfile.ZipInfo:
     """The archive's one entry named ``*suffix``, no larger than ``max_bytes`` if given."""
-    for info in archive.infolist():
-        if info.filename.endswith(suffix):
+    for name in archive.namelist():
+        if name.endswith(suffix):
+            info = archive.getinfo(name)
             if max_bytes is not None and info.file_size > max_bytes:
                 raise CorruptCheckpointError(
                     f"{source}: the archive's '{printable(info.filename)}' has {info.file_size} "
@@ -237,8 +252,10 @@ def read_entry(archive: zipfile.ZipFile, info: zipfile.ZipInfo, *, source: str,
         CorruptCheckpointError: naming the entry and its byte range, when its local header
             disagrees with the directory, its bytes are cut short, or its CRC-32 fails.
     """
-    begin = start + info.header_offset
-    where = (f"its entry '{printable(info.filename)}' (bytes {begin}-"
-             f"{begin + 30 + len(info.filename) + info.file_size})")
+    def where() -> str:
+        begin = start + info.header_offset
+        return (f"its entry '{printable(info.filename)}' (bytes {begin}-"
+                f"{begin + 30 + len(info.filename) + info.file_size})")
+
     with zip_errors(source, where):
         return archive.read(info)

@@ -381,9 +381,12 @@ def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
         raise NotACheckpointError(f"{source}: the metadata has no storage entry")
     data = files.open(chunk.file)
     reader = files.reader(chunk.file) if held else None
-    handle, start, length = open_entry(data.file, chunk.offset, chunk.length, chunk.transforms,
-                                       limit=chunk_limit(tensor, chunk), source=source,
-                                       reader=reader)
+    fd = data.fd
+    # A plain chunk's archive is located through the descriptor (no buffered file made).
+    handle, start, length = (fd, chunk.offset, chunk.length) \
+        if not chunk.transforms and isinstance(fd, int) else \
+        open_entry(data.file, chunk.offset, chunk.length, chunk.transforms,
+                   limit=chunk_limit(tensor, chunk), source=source, reader=reader)
     # A per-rank file's chunk is a storage entry inside the rank's zip, located when read.
     raw = chunk.raw if isinstance(chunk, PerRankChunk) and chunk.raw else \
         locate_tensor(handle, start, length, source=source)
@@ -393,7 +396,7 @@ def locate_stored_chunk(files: DataFiles, tensor: TensorEntry, chunk: Chunk, *,
     if check_shape and tuple(raw.shape) != tuple(chunk.sizes):
         raise CorruptCheckpointError(f"{source}: holds shape {list(raw.shape)}, the metadata "
                                      f"says {list(chunk.sizes)}")
-    src = handle if isinstance(handle, ZstdEntry) else reader if reader is not None else data.fd
+    src = handle if isinstance(handle, ZstdEntry) else reader if reader is not None else fd
     if verify:
         _checked.verify_entry_once(files.checked, (chunk.file, chunk.offset, raw.storage_start),
                                    src, raw.storage_start, raw.storage_nbytes, raw.crc32,

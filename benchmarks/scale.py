@@ -21,6 +21,14 @@ wall time and peak RSS (``wait4``), page cache warm:
     checked, every tensor planned; what ``merge`` does before its first data read);
   - ``load_full_state_dict`` planning (read, checked: ``require_whole``).
 Goal (issue 32): every row at most 1.0x the anchor's time and peak memory.
+
+With ``--all-goals``, the same run then measures issue 32's other goals, each against its
+own anchor, on the checkpoints built here: resuming one rank (``resume.py``, goal 3), the
+manifest a save gathers (``save_manifest.py``, goal 4), a folder of many rank files under
+``ulimit -n 56`` (``tests/test_many_files.py``, goal 5) and a tensor in 4,096 chunks
+(``many_chunks.py``, goal 6):
+
+    python benchmarks/scale.py --ranks 1024 --rounds 1 --all-goals --workdir /tmp/sim
 """
 
 from __future__ import annotations
@@ -130,6 +138,8 @@ def main() -> None:
                         help="another checkout, measured alternately against this one")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the simulated checkpoints here (built once)")
+    parser.add_argument("--all-goals", action="store_true",
+                        help="then resume, save, many files and many chunks (goals 3-6)")
     args = parser.parse_args()
     trees = {"this": ROOT} | ({"before": args.before.resolve()} if args.before else {})
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,6 +159,27 @@ def main() -> None:
             for tree, name, wall, peak in rows:
                 print(f"| {tree:6} | {name:38} | {wall:7.2f}s | {wall / anchor[0]:6.2f}x | "
                       f"{peak:6.0f} MB | {peak / anchor[1]:6.2f}x |")
+        if args.all_goals:
+            other_goals(work, args.ranks, args.rounds)
+
+
+def other_goals(work: Path, ranks: list[int], rounds: int) -> None:
+    """Goals 3-6 of issue 32, each script printing its own table (see the module's text)."""
+    here, py = Path(__file__).resolve().parent, sys.executable
+    resume_ranks = min(ranks, key=lambda r: abs(r - 1024))
+    steps = [
+        [py, str(here / "resume.py"), "--ranks", str(resume_ranks), "--rank",
+         str(resume_ranks // 2 + 5), "--rounds", str(rounds), "--workdir", str(work)],
+        [py, str(here / "save_manifest.py"), "--ranks", *map(str, ranks), "--workdir",
+         str(work)],
+        [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" /
+                                                                 "test_many_files.py")],
+        [py, str(here / "many_chunks.py"), "--rounds", str(max(rounds, 5)), "--workdir",
+         str(work)],
+    ]
+    for cmd in steps:
+        sys.stdout.flush()
+        subprocess.run(cmd, check=True, cwd=ROOT, env=_ENV)
 
 
 if __name__ == "__main__":

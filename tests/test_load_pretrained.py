@@ -330,12 +330,56 @@ def test_the_names_a_class_ignores_when_unexpected_are_ignored(tmp_path):
     _check_loaded(dict(model.state_dict()), reference)
 
 
-def test_non_persistent_buffers_are_left_alone(sources):
+def test_non_persistent_buffers_are_left_alone_with_keep(sources):
     model = _model(False, 5)
     model.model.rotary_emb.inv_freq.fill_(3.0)  # not in the state dict, so not the file's
-    fsdpckpt.load_pretrained(model, sources["sharded"])
+    fsdpckpt.load_pretrained(model, sources["sharded"], buffers="keep")
     assert bool((model.model.rotary_emb.inv_freq == 3.0).all())
     _check_loaded(dict(model.state_dict()), _reference(sources["sharded"]))
+
+
+def test_non_persistent_buffers_are_set_as_the_models_initialization_gives_them(sources):
+    model = _model(False, 5)
+    model.model.rotary_emb.inv_freq.fill_(3.0)  # what to_empty() may leave
+    fsdpckpt.load_pretrained(model, sources["sharded"])
+    want = transformers.LlamaForCausalLM.from_pretrained(sources["sharded"])
+    assert_same_tensors(dict(model.named_buffers()), dict(want.named_buffers()))
+
+
+def test_an_unknown_buffers_value_is_refused_before_anything_loads(sources):
+    model = _model(False, 5)
+    model.model.register_buffer("cache", torch.full((4,), 7.0), persistent=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(StateMismatchError, match=r"'model\.cache' \(LlamaModel\).*"
+                       r"buffers='keep'"):
+        fsdpckpt.load_pretrained(model, sources["sharded"])
+    assert_same_tensors(dict(model.state_dict()), before)
+    fsdpckpt.load_pretrained(model, sources["sharded"], buffers="keep")
+    assert bool((model.model.cache == 7.0).all())
+
+
+def test_a_plain_module_with_its_own_buffer_needs_keep(tmp_path):
+    from safetensors.torch import save_file
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.register_buffer("scale", torch.tensor(2.0), persistent=False)
+
+    save_file({"proj.weight": torch.ones(4, 4), "proj.bias": torch.zeros(4)},
+              tmp_path / "model.safetensors")
+    model = Scaled()
+    with pytest.raises(StateMismatchError, match="'scale' \\(Scaled\\)"):
+        fsdpckpt.load_pretrained(model, tmp_path)
+    assert not bool((model.proj.weight == 1).all())
+    fsdpckpt.load_pretrained(model, tmp_path, buffers="keep")
+    assert bool((model.proj.weight == 1).all()) and float(model.scale) == 2.0
+
+
+def test_an_unknown_buffers_mode_is_refused(sources):
+    with pytest.raises(OptionError, match="buffers='fresh'"):
+        fsdpckpt.load_pretrained(_model(False, 5), sources["sharded"], buffers="fresh")
 
 
 def test_a_strided_parameter_is_filled_through_a_scratch_buffer(tmp_path):

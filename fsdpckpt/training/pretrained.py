@@ -21,6 +21,7 @@ from fsdpckpt._io.rawio import reusing_scratch
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import StateMismatchError
+from fsdpckpt.training._buffers import recompute_buffers
 from fsdpckpt.training._dist import everywhere
 from fsdpckpt.training._hf_names import align_prefix, hf_name
 from fsdpckpt.training._pretrained_model import ClassHints, class_hints, tied_keys
@@ -44,7 +45,7 @@ class _Plan:
 
 
 def load_pretrained(model: Any, source: str | os.PathLike[str] | RemotePath, *,
-                    strict: bool = True,
+                    strict: bool = True, buffers: str = "init",
                     storage_options: dict[str, Any] | None = None) -> LoadResult:
     """Load Hugging Face weights into ``model``, every rank reading only its own shards' bytes.
 
@@ -64,7 +65,13 @@ def load_pretrained(model: Any, source: str | os.PathLike[str] | RemotePath, *,
     cannot hold): build the model with ``tie_word_embeddings=False`` instead. As
     ``from_pretrained``, weights saved from the base model load into a model with a head and
     back (``base_model_prefix``), and the names its class ignores when missing or unexpected
-    are ignored. Non-persistent buffers (not in the state dict) are left as they are.
+    are ignored.
+
+    Non-persistent buffers (a rotary embedding's ``inv_freq``: in no weight file) are set as
+    the model's initialization gives them, as ``from_pretrained`` does (transformers'
+    ``_init_weights`` of the Hugging Face model holding them, run on stand-ins): after
+    ``to_empty()`` they would hold whatever memory held. A buffer nothing recomputes is
+    refused before anything loads, unless ``buffers="keep"``.
 
     Files are checked before any parameter changes, on every rank, and every rank raises if
     one fails: a safetensors header strictly (a truncated or damaged file is refused), each
@@ -79,6 +86,9 @@ def load_pretrained(model: Any, source: str | os.PathLike[str] | RemotePath, *,
         strict: refuse, before any parameter changes, a model whose keys or shapes differ
             from the source (one :class:`StateMismatchError` listing them all); with False,
             load the keys that match and list the rest in the result.
+        buffers: ``"init"`` (each non-persistent buffer as the model's initialization gives
+            it; refused where none recomputes it) or ``"keep"`` (left as the model holds
+            it: for a model built with its buffers, not on the meta device).
         storage_options: for URLs, the fsspec filesystem's options, as for ``save_state``.
 
     Returns:
@@ -86,7 +96,8 @@ def load_pretrained(model: Any, source: str | os.PathLike[str] | RemotePath, *,
         ``missing``, ``unexpected`` and ``mismatched`` names.
 
     Raises:
-        StateMismatchError: with ``strict``, keys missing, unexpected or shaped differently.
+        StateMismatchError: with ``strict``, keys missing, unexpected or shaped differently;
+            a non-persistent buffer nothing recomputes (with ``buffers="init"``).
         CorruptCheckpointError: a damaged or truncated file (ChecksumError: a ``.bin`` whose
             bytes fail their CRC-32); the message names the file.
         OptionError: parameters still on the meta device.
@@ -114,13 +125,16 @@ def load_pretrained(model: Any, source: str | os.PathLike[str] | RemotePath, *,
              if isinstance(value, torch.Tensor) and (name := hf_name(key)) is not None}
     ties = tied_keys(model, state)
     with OpenFiles() as files, reusing_scratch():
-        plan = everywhere(lambda: _check(root, state, names, ties, class_hints(model), files,
-                                         strict))
+        plan, recomputed = everywhere(lambda: (
+            _check(root, state, names, ties, class_hints(model), files, strict),
+            recompute_buffers(model, buffers, {k: tuple(v.shape) for k, v in state.items()
+                                               if isinstance(v, torch.Tensor)})))
         everywhere(lambda: _fill(plan, files))
     if _is_fsdp1(model):
         # FSDP1's state-dict values are copies of its flat parameters' shards: set them.
         set_model_state_dict(model, {k: state[k] for k in plan.sources},
                              options=StateDictOptions(strict=False))
+    recomputed.apply()
     found = plan.comparison
     return LoadResult(None, ("model",), (), missing=tuple(found.missing),
                       unexpected=tuple(found.unexpected),

@@ -30,7 +30,8 @@ def build(pretrained: str) -> LlamaForCausalLM:
         fully_shard(model)
     model.to_empty(device="cpu")  # memory for this rank's shards, holding garbage so far
     model.tie_weights()  # to_empty gives each module its own tensor: tie them again
-    # Buffers that no checkpoint holds (the rotary frequencies) are computed again.
+    # Buffers no checkpoint holds (the rotary frequencies): load_pretrained sets them as
+    # from_pretrained does, but a resume (restore) leaves them as the model holds them.
     model.model.rotary_emb = type(model.model.rotary_emb)(config)
     return model
 

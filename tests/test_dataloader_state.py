@@ -111,7 +111,7 @@ def test_the_manager_passes_the_loader_through(tmp_path):
 def test_saving_again_without_a_loader_leaves_no_old_loader_state(tmp_path):
     ckpt, _model, _rest = _saved(tmp_path)
     (ckpt / "dl_state_dict_rank1.bin").write_bytes((ckpt / "dl_state_dict.bin").read_bytes())
-    fsdpckpt.save_state(ckpt, workers.make_model(), step=9)
+    fsdpckpt.save_state(ckpt, workers.make_model(), step=9, overwrite=True)
     assert not list(ckpt.glob("dl_state_dict*"))  # an old state is never loaded as the new
     with pytest.raises(CheckpointNotFoundError, match="dl_state_dict"):
         fsdpckpt.load_state(ckpt, workers.make_model(), dataloader=Counter())

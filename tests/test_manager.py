@@ -195,8 +195,19 @@ def test_sigkill_during_saves_never_loses_or_damages_a_committed_checkpoint(tmp_
 def test_saving_an_existing_step_again_replaces_it(tmp_path):
     manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=2)
     manager.save(3, **_parts())
-    manager.save(3, **_parts())
+    manager.save(3, overwrite=True, **_parts())
     assert _steps(manager) == [3] and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_saving_an_existing_step_without_overwrite_is_refused_and_keeps_it(tmp_path):
+    manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=3)
+    manager.save(3, **_parts())
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(fsdpckpt.OutputExistsError, match=r"checkpoint_3: step 3 is saved "
+                       r"already; nothing was written.*overwrite=True"):
+        manager.save(3, **_parts())
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before
 
 
 def test_a_crash_before_the_rename_of_a_replacing_save_loses_nothing(tmp_path, monkeypatch):
@@ -213,7 +224,7 @@ def test_a_crash_before_the_rename_of_a_replacing_save_loses_nothing(tmp_path, m
 
     monkeypatch.setattr(manager_module.os, "rename", crash_on_commit)
     with pytest.raises(KeyboardInterrupt):
-        manager.save(30, **_parts())
+        manager.save(30, overwrite=True, **_parts())
     monkeypatch.setattr(manager_module.os, "rename", real_rename)
     assert _steps(fsdpckpt.CheckpointManager(tmp_path)) == [30]  # the complete copy is committed
 

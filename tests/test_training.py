@@ -276,10 +276,29 @@ def test_the_documented_training_loop_never_resumes_from_a_save_that_crashed(tmp
 def test_saving_into_an_old_checkpoint_leaves_no_stale_parts(tmp_path):
     model = workers.make_model()
     fsdpckpt.save_state(tmp_path / "ckpt", model, torch.optim.AdamW(model.parameters()), step=1)
-    fsdpckpt.save_state(tmp_path / "ckpt", model, step=2)
+    fsdpckpt.save_state(tmp_path / "ckpt", model, step=2, overwrite=True)
     assert not (tmp_path / "ckpt" / "optimizer_0").exists()
     with pytest.raises(fsdpckpt.FsdpCkptError, match="optimizer_0/"):
         fsdpckpt.load_state(tmp_path / "ckpt", model, torch.optim.AdamW(model.parameters()))
+
+
+def test_saving_into_a_checkpoint_without_overwrite_is_refused_and_changes_nothing(tmp_path):
+    model = workers.make_model()
+    fsdpckpt.save_state(tmp_path / "ckpt", model, step=1)
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(fsdpckpt.OutputExistsError, match=r"holds a checkpoint already "
+                       r"\(fsdpckpt.json, pytorch_model_fsdp_0, random_states_0.pkl\); "
+                       r"nothing was written.*overwrite=True"):
+        fsdpckpt.save_state(tmp_path / "ckpt", model, step=2)
+    after = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_saving_into_a_folder_of_other_files_is_not_an_overwrite(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "notes.txt").write_text("mine")
+    fsdpckpt.save_state(tmp_path / "ckpt", workers.make_model(), step=1)
+    assert (tmp_path / "ckpt" / "notes.txt").read_text() == "mine"
 
 
 def test_a_different_optimizer_is_refused_before_anything_changes(tmp_path):

@@ -120,12 +120,34 @@ def test_saving_again_into_a_remote_folder_leaves_nothing_of_the_old_save(s3):
     url = f"s3://{root}/ckpt"
     fsdpckpt.save_state(url, **_parts(), scheduler=torch.optim.lr_scheduler.StepLR(
         _parts()["optimizer"], 3), step=1, storage_options=server.options)
-    fsdpckpt.save_state(url, model=workers.make_model(), step=2, storage_options=server.options)
+    fsdpckpt.save_state(url, model=workers.make_model(), step=2, overwrite=True,
+                        storage_options=server.options)
     names = _names(server, url)
     assert "optimizer_0" not in names and "scheduler.bin" not in names
 
 
 # -- CheckpointManager ---------------------------------------------------------------------
+
+def test_saving_into_a_remote_checkpoint_without_overwrite_is_refused(s3):
+    server, root = s3
+    url = f"s3://{root}/again"
+    fsdpckpt.save_state(url, model=workers.make_model(), step=1, storage_options=server.options)
+    with pytest.raises(fsdpckpt.OutputExistsError, match="holds a checkpoint already"):
+        fsdpckpt.save_state(url, model=workers.make_model(), step=2,
+                            storage_options=server.options)
+    assert fsdpckpt.load_state(url, model=workers.make_model(),
+                               storage_options=server.options).step == 1
+
+
+def test_the_manager_refuses_a_remote_step_saved_before_unless_overwrite(s3):
+    manager = _manager(s3, keep_last=None)
+    manager.save(4, **_parts(seed=1))
+    with pytest.raises(fsdpckpt.OutputExistsError, match="step 4 is saved already"):
+        manager.save(4, **_parts(seed=2))
+    assert _steps(manager) == [4]
+    manager.save(4, overwrite=True, **_parts(seed=2))
+    assert _steps(manager) == [4]
+
 
 def test_manager_saves_restores_bit_exact_and_finds_the_latest(s3):
     manager = _manager(s3, keep_last=None)

@@ -56,6 +56,15 @@ _PART_PATTERNS = ("pytorch_model_fsdp_*", "optimizer_*", "random_states_*.pkl", 
                   "scaler.pt", "custom_checkpoint_*.pkl", "dl_state_dict*.bin", "fsdpckpt.json")
 
 
+def checkpoint_parts(root: Place) -> list[str]:
+    """The names in ``root`` that are parts of a checkpoint (model and optimizer folders,
+    side files, the manifest), sorted; none when it is no folder."""
+    import fnmatch
+
+    return [name for name in storage.names(root)
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in _PART_PATTERNS)]
+
+
 def remove_stale_parts(root: Path) -> None:
     # Saving into a folder that holds an older checkpoint must not leave parts of the old
     # one beside the new (an optimizer saved then, and not now, would be loaded later).

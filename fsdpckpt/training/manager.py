@@ -30,7 +30,7 @@ from typing import Any
 from fsdpckpt._io.publish_folders import commits
 from fsdpckpt._io.remote import location
 from fsdpckpt._io.storage import Place
-from fsdpckpt.errors import OptionError, ResumeWarning
+from fsdpckpt.errors import OptionError, OutputExistsError, ResumeWarning
 from fsdpckpt.training._dist import dist_or_none, everywhere, rank_world
 from fsdpckpt.training._remote import MarkerCommits
 from fsdpckpt.training.manifest import MANIFEST, manifest_digest
@@ -118,15 +118,34 @@ class CheckpointManager:
         found = self.checkpoints()
         return found[-1] if found else None
 
-    def save(self, step: int, **parts: Any) -> None:
+    def save(self, step: int, *, overwrite: bool = False, **parts: Any) -> None:
         """Save ``parts`` (model=, optimizer=, scheduler=, dataloader=... as for save_state) as
-        step ``step``."""
+        step ``step``.
+
+        A step saved before is refused (before anything is written), unless ``overwrite``:
+        then the new copy replaces it once complete (locally; on object storage the old
+        copy is uncommitted as the save starts, docs/remote-training.md).
+
+        Raises:
+            OutputExistsError: ``step`` is committed already and ``overwrite`` is False.
+        """
         self.wait()
         rank, _world = rank_world()
-        everywhere(lambda: self._commits.start(step) if rank == 0 else None)
+
+        def start() -> None:
+            if rank != 0:
+                return
+            committed = self.root / f"checkpoint_{step}"
+            if not overwrite and (committed / MANIFEST).is_file():
+                raise OutputExistsError(
+                    f"{committed}: step {step} is saved already; nothing was written. Save "
+                    "another step, or pass overwrite=True to replace it.")
+            self._commits.start(step)
+
+        everywhere(start)
         self._finish(step, save_state(self._commits.writing(step), step=step,
                                       async_save=self.async_save, manifest=True,
-                                      digest=self.digest, **parts))
+                                      digest=self.digest, overwrite=True, **parts))
 
     def _finish(self, step: int, handle: AsyncSave | None) -> None:
         if handle is None:

@@ -30,6 +30,7 @@ from fsdpckpt.errors import (
     FsdpCkptError,
     NotACheckpointError,
     OptionError,
+    OutputExistsError,
     ResumeWarning,
     StateMismatchError,
 )
@@ -42,6 +43,7 @@ from fsdpckpt.training._dist import async_group, dcp_call, dist_or_none, everywh
 from fsdpckpt.training._exclude import exclusion
 from fsdpckpt.training._layout import (
     check_parts,
+    checkpoint_parts,
     commits_by_marker,
     model_folder,
     optimizer_folder,
@@ -116,7 +118,7 @@ def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
                scheduler: Any = None, *, step: int | None = None, scaler: Any = None,
                extra: Mapping[str, Any] | None = None, dataloader: Any = None,
                async_save: bool = False, manifest: bool = True,
-               digest: str | None = None,
+               digest: str | None = None, overwrite: bool = False,
                storage_options: dict[str, Any] | None = None) -> AsyncSave | None:
     """Save training state in Accelerate's layout; call it on every rank.
 
@@ -153,11 +155,18 @@ def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
             manifest's digest kept elsewhere detects any change, deliberate ones included
             (CRC-32 catches accidents only). Costs a hash of every byte written (see
             docs/benchmarks.md); needs ``manifest=True``.
+        overwrite: replace a checkpoint ``checkpoint_dir`` holds already (its parts are
+            removed as the save starts). Without it such a folder is refused before
+            anything is written, locally and on object storage alike: the rule of every
+            verb that writes (docs/api.md, "Existing outputs").
         storage_options: options for the fsspec filesystem of a URL (endpoint,
             credentials), as for :func:`fsdpckpt.inspect_checkpoint`.
 
     Returns:
         None, or the :class:`AsyncSave` handle.
+
+    Raises:
+        OutputExistsError: ``checkpoint_dir`` holds a checkpoint and ``overwrite`` is False.
 
     Example:
         >>> fsdpckpt.save_state("ckpt/step_100", model, optimizer, scheduler, step=100)
@@ -175,6 +184,14 @@ def save_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     def prepare() -> None:
         if rank != 0:
             return
+        found = checkpoint_parts(root)
+        if found and not overwrite:
+            listed = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+            raise OutputExistsError(
+                f"{root}: holds a checkpoint already ({listed}); nothing was written. Save "
+                "into a new folder, or pass overwrite=True to replace it (its parts are "
+                "removed as the save starts; CheckpointManager replaces a step only once the "
+                "new one is complete).")
         if by_marker:
             _remote.begin_save(cast(RemotePath, root))  # intent marker, then an empty folder
         else:

@@ -119,6 +119,8 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
         click.echo(f"  keys and shapes match {result.model_class}")
     if result.not_checked:
         click.echo(f"  not checked: {printable(result.not_checked)}")
+    if result.no_tokenizer:
+        click.echo(f"  {printable(result.no_tokenizer)}")
 @click.command()
 @click.argument("a", type=click.Path(path_type=str))
 @click.argument("b", type=click.Path(path_type=str))

@@ -217,12 +217,37 @@ def test_no_config_is_an_error_naming_where_it_looked(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_no_tokenizer_is_an_error_naming_where_it_looked(tmp_path):
+def _without_tokenizer(tmp_path):
     run = _copy_run(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (run / name).unlink()
-    with pytest.raises(CheckpointNotFoundError, match="no tokenizer.*looked in"):
-        export_hf(run / "checkpoint-3", tmp_path / "out")
+    return run
+
+
+def test_a_run_without_a_tokenizer_exports_without_one_and_says_so(tmp_path):
+    run = _without_tokenizer(tmp_path)
+    result = export_hf(run / "checkpoint-3", tmp_path / "out")
+    assert not any("tokenizer" in p.name for p in (tmp_path / "out").iterdir())
+    assert result.no_tokenizer.startswith("no tokenizer (tokenizer.json, tokenizer_config.json "
+                                          "or tokenizer.model) in ")
+    assert str(run) in result.no_tokenizer and "pass --base" in result.no_tokenizer
+    assert result.to_json()["no_tokenizer"] == result.no_tokenizer
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+
+
+def test_an_export_with_a_tokenizer_says_nothing_of_it(tmp_path):
+    result = export_hf(_copy_run(tmp_path) / "checkpoint-3", tmp_path / "out")
+    assert result.no_tokenizer is None and (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_the_command_says_in_one_line_that_the_export_has_no_tokenizer(tmp_path):
+    run = _without_tokenizer(tmp_path)
+    result = CliRunner().invoke(main, ["export-hf", str(run / "checkpoint-3"),
+                                       str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.output.splitlines() if "tokenizer" in line]
+    assert len(said) == 1 and "the export has none" in said[0] and "--base" in said[0]
 
 
 def test_a_config_of_another_model_is_refused_before_anything_is_written(tmp_path):

@@ -64,12 +64,15 @@ class SideFiles:
         looked: the folders searched, in order.
         made: files written that no folder holds, as (name, bytes): the generation config
             transformers makes from the config, where none was found and the model generates.
+        no_tokenizer: where no tokenizer was found, one line saying so (where it looked, and
+            how to include one); None when one was.
     """
 
     config: Place
     copied: tuple[tuple[Place, str], ...]
     looked: tuple[Place, ...]
     made: tuple[tuple[str, bytes], ...] = ()
+    no_tokenizer: str | None = None
 
 
 def _candidates(checkpoint_root: Place) -> list[Place]:
@@ -105,10 +108,13 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
     (:class:`~fsdpckpt._io.remote.RemotePath`): the files are then found in its listings,
     and read by :func:`side_file_bytes`.
 
+    No tokenizer found is no error (a run trained from a config has none): the export
+    goes without, and :attr:`SideFiles.no_tokenizer` says so in one line.
+
     Raises:
-        CheckpointNotFoundError: ``base`` is not a folder; no ``config.json`` or no
-            tokenizer was found (the message lists where it looked and says to pass ``base``);
-            a custom code file ``auto_map`` needs is missing.
+        CheckpointNotFoundError: ``base`` is not a folder; no ``config.json`` was found (the
+            message lists where it looked and says to pass ``base``); a custom code file
+            ``auto_map`` needs is missing.
         NotACheckpointError: a side file is a symlink out of its folder; ``auto_map``
             names something that is not a module name; the config is not a JSON object
             with a ``model_type`` (where a generation config is to be made from it).
@@ -129,26 +135,15 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
         raise CheckpointNotFoundError(f"no {CONFIG} found for {checkpoint_root}; looked in "
                                       f"{where}; {hint}")
     tokenizer = next((f for f in [config.parent, *folders] if _has_tokenizer(f)), None)
+    copied: list[tuple[Place, str]] = []
+    no_tokenizer = None
     if tokenizer is None:
-        raise CheckpointNotFoundError(f"no tokenizer (tokenizer.json, tokenizer_config.json or "
-                                      f"tokenizer.model) found for {checkpoint_root}; looked in "
-                                      f"{where}; {hint}")
-    copied = [(tokenizer / name, name) for name in TOKENIZER_FILES + PROCESSOR_FILES
-              if (tokenizer / name).is_file()]
-    # A processor's other tokenizers, each in the folder its attribute names
-    # (InstructBLIP's qformer_tokenizer/): from_pretrained reads them from there.
-    others: list[Place] = list(tokenizer.glob("*_tokenizer"))
-    for sub in sorted(others, key=str):
-        if sub.is_dir() and _has_tokenizer(sub):
-            check_inside(sub, tokenizer)
-            copied += [(sub / n, f"{sub.name}/{n}") for n in TOKENIZER_FILES
-                       if (sub / n).is_file()]
-    templates = tokenizer / _TEMPLATES_DIR
-    if templates.is_dir():
-        check_inside(templates, tokenizer)
-        jinja: list[Place] = list(templates.glob("*.jinja"))
-        copied += [(p, f"{_TEMPLATES_DIR}/{p.name}") for p in sorted(jinja, key=str)
-                   if p.is_file()]
+        no_tokenizer = (f"no tokenizer (tokenizer.json, tokenizer_config.json or "
+                        f"tokenizer.model) in {where}: the export has none; to include one, "
+                        + ("pass --base with the model folder the run started from"
+                           if base is None else "pass a base that holds it"))
+    else:
+        copied += _tokenizer_files(tokenizer)
     generation = next((f / GENERATION_CONFIG for f in [config.parent, *folders]
                        if (f / GENERATION_CONFIG).is_file()), None)
     made: list[tuple[str, bytes]] = []
@@ -161,13 +156,34 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
     # Custom code (trust_remote_code): the modules the config's and the tokenizer's
     # auto_map name, with the modules they import relatively, from the folder beside each.
     code = code_files(config, config.parent)
-    if (tokenizer / "tokenizer_config.json").is_file():
+    if tokenizer is not None and (tokenizer / "tokenizer_config.json").is_file():
         code += [c for c in code_files(tokenizer / "tokenizer_config.json", tokenizer)
                  if c[1] not in {name for _, name in code}]
     copied += code
     for source, _name in copied:
         check_inside(source, source.parent)
-    return SideFiles(config, tuple(copied), tuple(folders), tuple(made))
+    return SideFiles(config, tuple(copied), tuple(folders), tuple(made), no_tokenizer)
+
+
+def _tokenizer_files(tokenizer: Place) -> list[tuple[Place, str]]:
+    """The tokenizer's and processor's files in ``tokenizer``, with a processor's other
+    tokenizers (each in the folder its attribute names: InstructBLIP's
+    ``qformer_tokenizer/``, where from_pretrained reads them) and the chat templates."""
+    copied = [(tokenizer / name, name) for name in TOKENIZER_FILES + PROCESSOR_FILES
+              if (tokenizer / name).is_file()]
+    others: list[Place] = list(tokenizer.glob("*_tokenizer"))
+    for sub in sorted(others, key=str):
+        if sub.is_dir() and _has_tokenizer(sub):
+            check_inside(sub, tokenizer)
+            copied += [(sub / n, f"{sub.name}/{n}") for n in TOKENIZER_FILES
+                       if (sub / n).is_file()]
+    templates = tokenizer / _TEMPLATES_DIR
+    if templates.is_dir():
+        check_inside(templates, tokenizer)
+        jinja: list[Place] = list(templates.glob("*.jinja"))
+        copied += [(p, f"{_TEMPLATES_DIR}/{p.name}") for p in sorted(jinja, key=str)
+                   if p.is_file()]
+    return copied
 
 
 def strip_fsdp_prefix(name: str) -> str:

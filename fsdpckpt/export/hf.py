@@ -100,6 +100,8 @@ class ExportResult:
             tensors, LLaVA's ``language_model.model.*``), which come from transformers'
             conversion mapping; None when they were written as ``save_pretrained`` writes
             them.
+        no_tokenizer: where no tokenizer was found, one line saying so (the export has
+            none); None when one was copied.
         converted: the trainer's names converted to the hub's (a torchtune or torchtitan
             run of a family :mod:`fsdpckpt.export._trainer_families` lists), as one
             phrase; None when the checkpoint held Hugging Face's names.
@@ -124,6 +126,7 @@ class ExportResult:
     names_as_stored: str | None = None
     converted: str | None = None
     base_weights: Path | RemotePath | None = None
+    no_tokenizer: str | None = None
 
     def to_json(self) -> dict:
         """What ``fsdpckpt export-hf --json`` prints."""
@@ -135,7 +138,7 @@ class ExportResult:
                 "not_checked": self.not_checked, "names_as_stored": self.names_as_stored,
                 "converted": self.converted,
                 "base_weights": str(self.base_weights) if self.base_weights else None,
-                "seconds": round(self.seconds, 3)}
+                "no_tokenizer": self.no_tokenizer, "seconds": round(self.seconds, 3)}
 
 
 def _search_root(layout: CheckpointLayout) -> Path | RemotePath:
@@ -384,7 +387,8 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
                         side.config, expect.model_class if isinstance(expect, ModelExpectation)
                         else None, time.perf_counter() - start, not_checked, as_stored,
                         trainer.said() if trainer else None,
-                        from_base[1] if quick is not None and from_base else None)
+                        from_base[1] if quick is not None and from_base else None,
+                        side.no_tokenizer)
 
 
 def _excluding(request: MergeRequest, names: list[str]) -> MergeRequest:

@@ -12,12 +12,13 @@ from fsdpckpt.errors import CheckpointNotFoundError
 from fsdpckpt.export._config import (
     CONFIG,
     GENERATION_CONFIG,
+    config_bytes,
     find_side_files,
     read_config,
     strip_fsdp_prefix,
 )
 
-__all__ = ["Side", "side_files", "unwrapped", "peft_root"]
+__all__ = ["Side", "side_files", "unwrapped", "peft_root", "training_config_files"]
 
 #: Wrappers are a few deep (DDP, FSDP1, torch.compile); a longer chain is a cycle.
 _DEPTH = 8
@@ -64,6 +65,7 @@ class Side:
     config_from: Any
     copied: tuple[tuple[Any, str], ...]
     made: tuple[tuple[str, bytes], ...]
+    no_tokenizer: str | None = None  # one line, where no tokenizer is written
 
 
 def _own_generation(inner: Any) -> list[tuple[str, bytes]]:
@@ -86,7 +88,9 @@ def _model_side(model: Any, output: Any) -> Side:
     doc = json.loads(config.to_json_string(use_diff=False))
     # As transformers' save_pretrained: the config names the class that is saved.
     doc["architectures"] = [strip_fsdp_prefix(type(inner).__name__)]
-    return Side(doc, output / CONFIG, (), tuple(_own_generation(inner)))
+    return Side(doc, output / CONFIG, (), tuple(_own_generation(inner)),
+                "no tokenizer: without base= none is written; to include one, pass base= with "
+                "the model folder the run started from")
 
 
 def side_files(model: Any, base: Any, output: Any) -> Side:
@@ -99,7 +103,7 @@ def side_files(model: Any, base: Any, output: Any) -> Side:
 
     Raises:
         CheckpointNotFoundError: no ``base`` and no config on the model; ``base`` lacks a
-            config or a tokenizer.
+            config (one without a tokenizer gives none: :attr:`Side.no_tokenizer`).
     """
     if base is None:
         return _model_side(model, output)
@@ -107,4 +111,19 @@ def side_files(model: Any, base: Any, output: Any) -> Side:
     made = files.made
     if all(name != GENERATION_CONFIG for _, name in files.copied):  # the model's own first
         made = tuple(_own_generation(unwrapped(model))) or made
-    return Side(read_config(files.config), files.config, files.copied, made)
+    return Side(read_config(files.config), files.config, files.copied, made,
+                files.no_tokenizer)
+
+
+def training_config_files(model: Any) -> list[tuple[str, bytes]]:
+    """What ``save_state`` writes beside a Hugging Face model's checkpoint, as HF Trainer's
+    checkpoints hold them: ``config.json`` (the model's own, ``architectures`` its class)
+    and its generation config, so that ``export-hf`` of a run trained from a config needs
+    no hand-made ``--base``. None for a model without a Hugging Face config."""
+    inner = unwrapped(model)
+    config = getattr(inner, "config", None)
+    if config is None or not callable(getattr(config, "to_json_string", None)):
+        return []
+    doc = json.loads(config.to_json_string(use_diff=False))
+    doc["architectures"] = [strip_fsdp_prefix(type(inner).__name__)]
+    return [(CONFIG, config_bytes(doc)), *_own_generation(inner)]

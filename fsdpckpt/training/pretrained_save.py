@@ -133,7 +133,8 @@ def save_pretrained(model: Any, output: str | os.PathLike[str] | RemotePath, *,
     Raises:
         OutputExistsError: ``output`` holds files and ``overwrite`` is False.
         CheckpointNotFoundError: no config (the model has none and no ``base``), or
-            ``base`` lacks its config or tokenizer.
+            ``base`` lacks its config (one without a tokenizer gives an export without:
+            the result's ``no_tokenizer`` says so).
         NotACheckpointError: a PEFT model without ``lora=``, or ``lora=`` without one.
         ExportMismatchError: the config ties two weights the model holds with other values.
         MergePlanError: an unknown ``dtype``, ``max_shard_size`` or ``lora``.
@@ -298,4 +299,5 @@ def _result(ready: _Prepared, out: Any, model: Any, seconds: float
                         tuple(sorted(ready.tied.items())),
                         ready.side.config_from if ready.side else out / CONFIG,
                         strip_fsdp_prefix(type(unwrapped(model)).__name__), seconds, None,
-                        ready.as_stored)
+                        ready.as_stored,
+                        no_tokenizer=ready.side.no_tokenizer if ready.side else None)

@@ -51,6 +51,7 @@ from fsdpckpt.training._layout import (
     scheduler_file,
 )
 from fsdpckpt.training._rng import prepare_rng, rng_state_bytes, torch_save_bytes
+from fsdpckpt.training._save_side import training_config_files
 from fsdpckpt.training._statecheck import compare, flatten, mismatch_message
 from fsdpckpt.training.manifest import (
     Archives,
@@ -260,6 +261,9 @@ def _save(root: Place, models: list[Any], optimizers: list[Any], scheduler: Any,
                        for i, obj in enumerate((extra or {}).values())]
             for path, obj in shared:
                 write_side(path, torch_save_bytes(obj.state_dict()))
+            # A Hugging Face model's config beside it, as HF Trainer's checkpoints hold it.
+            for name, data in training_config_files(models[0]) if models else ():
+                write_side(root / name, data)
 
     try:
         everywhere(write_side_files)  # a rank that fails here fails the save on every rank

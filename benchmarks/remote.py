@@ -37,10 +37,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 
-import s3server  # noqa: E402  (tests/s3server.py)
 from inspect_speed import build as build_inspect  # noqa: E402  (benchmarks/inspect_speed.py)
 from merge import build as build_model  # noqa: E402  (benchmarks/merge.py)
 from merge import run_usage  # noqa: E402
+
+import s3server  # noqa: E402  (tests/s3server.py)
 
 BUCKET = "fsdpckpt-bench"
 

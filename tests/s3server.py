@@ -21,6 +21,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import s3watchdog
+
 __all__ = ["S3Server", "start", "weed_binary"]
 
 
@@ -40,6 +42,8 @@ class S3Server:
     process: subprocess.Popen[bytes]
     log: Path
     command: list[str] = field(default_factory=list)
+    ports: tuple[int, ...] = ()
+    watchdog: subprocess.Popen[bytes] | None = None
 
     @property
     def storage_options(self) -> dict:
@@ -66,9 +70,7 @@ class S3Server:
 
     def restart(self, timeout: float = 60.0) -> None:
         """Start the killed server again on the same ports and data; wait until it writes."""
-        with open(self.log, "ab") as out:
-            self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+        self.process = _launch(self.command, self.data, self.log, "ab")
         _wait(self, timeout)
 
     def stop(self) -> None:
@@ -80,7 +82,10 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
-        shutil.rmtree(self.data, ignore_errors=True)
+        shutil.rmtree(self.data, ignore_errors=True)  # the watchdog ends with it
+        s3watchdog.remove_sockets(list(self.ports))
+        if self.watchdog is not None:
+            self.watchdog.wait(10)
 
 
 def weed_binary() -> str | None:
@@ -158,16 +163,32 @@ def start(timeout: float = 60.0) -> S3Server:
                # 1% (2.5 GB of 252 GB): big tests beside it did that on a CI machine, and
                # every later S3 test failed with "internal error". A fixed floor instead.
                "-volume.minFreeSpace=256MiB"]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{s3}", data, process, log, command)
+    process = _launch(command, data, log, "wb")
+    # However the test run ends (a `timeout`, SIGKILL: no teardown runs), the watchdog
+    # ends the server and removes its data and sockets (tests/s3watchdog.py).
+    watchdog = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("s3watchdog.py")), str(os.getpid()),
+         str(data), *map(str, (s3, master, volume, filer))],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    server = S3Server(f"http://127.0.0.1:{s3}", data, process, log, command,
+                      (s3, master, volume, filer), watchdog)
     try:
         _wait(server, timeout)
     except BaseException:
         server.stop()
         raise
     return server
+
+
+def _launch(command: list[str], data: Path, log: Path, mode: str) -> subprocess.Popen[bytes]:
+    """Start ``weed`` in a process group of its own, recorded in ``data/weed.pgid`` for the
+    watchdog; its logs in ``data`` too (glog writes to $TMPDIR)."""
+    with open(log, mode) as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True, env={**os.environ, "TMPDIR": str(data)})
+    (data / "weed.pgid").write_text(str(process.pid))
+    return process
 
 
 def _wait(server: S3Server, timeout: float) -> None:

@@ -36,7 +36,7 @@ def run() -> None:
         code = exc.code
     except KeyboardInterrupt:  # before the command's own error boundary was reached
         sys.stderr.write("fsdpckpt: error: interrupted\n")
-        code = 1
+        code = 130  # 128 + SIGINT, as shells report it
     _distributed = sys.modules.get("fsdpckpt.merging._distributed")
     if _distributed is not None and getattr(_distributed, "made_a_process_group", False):
         status = code if isinstance(code, int) else (0 if code is None else 1)

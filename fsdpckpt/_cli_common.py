@@ -133,15 +133,28 @@ def as_flags(message: str) -> str:
     return message
 
 
-def _fail(ctx: click.Context, message: str, exc: BaseException | None = None) -> None:
+#: The exit status of a command ended by SIGINT (Ctrl-C) or SIGTERM: 128 + the signal, as
+#: shells report a process a signal ended, so a script can tell an interruption from a failure.
+INTERRUPTED, TERMINATED = 128 + 2, 128 + 15
+
+
+def interrupted_status(exc: BaseException) -> int:
+    """The exit status for a ``KeyboardInterrupt``: 143 for SIGTERM, else 130."""
+    from fsdpckpt.errors import Terminated
+
+    return TERMINATED if isinstance(exc, Terminated) else INTERRUPTED
+
+
+def _fail(ctx: click.Context, message: str, exc: BaseException | None = None,
+          code: int = 1) -> None:
     """Print the one error line: parameters said as flags, names from a checkpoint escaped,
-    its length capped."""
+    its length capped; exit with ``code``."""
     if exc is not None and ctx.meta.get("fsdpckpt.debug"):
         traceback.print_exception(exc)
     if exc is not None and getattr(exc, REPORTED_BY_RANK, None) is not None:
-        ctx.exit(1)  # a lower rank of the same torchrun raised it too, and prints it
+        ctx.exit(code)  # a lower rank of the same torchrun raised it too, and prints it
     click.echo(f"fsdpckpt: error: {cap_line(printable(as_flags(message)))}", err=True)
-    ctx.exit(1)
+    ctx.exit(code)
 
 
 def _progress(quiet: bool, desc: str = "merging") -> ProgressFactory | None:

@@ -22,6 +22,7 @@ from fsdpckpt._cli_common import (
     _progress,
     _shard_size_option,
     _storage_options_option,
+    interrupted_status,
     json_pieces,
     output_file_name,
     refuse_file_output,
@@ -35,7 +36,8 @@ __all__ = ["main"]
 
 
 class _Group(click.Group):
-    """The error boundary: library errors become one line and exit 1."""
+    """The error boundary: library errors become one line and exit 1 (an interruption:
+    130, or 143 for SIGTERM)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -47,8 +49,8 @@ class _Group(click.Group):
         except OSError as exc:
             where = f"{exc.filename}: " if exc.filename else ""
             _fail(ctx, f"{where}{exc.strerror or exc}", exc)
-        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM during a merge
-            _fail(ctx, str(exc) or "interrupted", exc)
+        except KeyboardInterrupt as exc:  # Ctrl-C (exit 130), or SIGTERM during a merge (143)
+            _fail(ctx, str(exc) or "interrupted", exc, interrupted_status(exc))
         except Exception as exc:  # noqa: BLE001 - the boundary of last resort
             _fail(ctx, f"unexpected {type(exc).__name__}: {exc} (rerun with --debug and "
                        "report it, with the traceback)", exc)

@@ -101,9 +101,10 @@ def run_cli(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-def assert_one_line_error(result, *fragments):
-    """Exit 1, one `fsdpckpt: error:` line on stderr naming every fragment, no traceback."""
-    assert result.exit_code == 1, result.output
+def assert_one_line_error(result, *fragments, code=1):
+    """Exit ``code`` (1; 130 for an interruption), one `fsdpckpt: error:` line on stderr
+    naming every fragment, no traceback."""
+    assert result.exit_code == code, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fsdpckpt: error: "), result.stderr
     for fragment in fragments:

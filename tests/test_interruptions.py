@@ -81,7 +81,7 @@ def test_ctrl_c_during_the_command_lines_imports_is_one_line_not_a_traceback(tmp
         "run()\n")
     done = subprocess.run([sys.executable, "-c", code, str(CKPT)], capture_output=True,
                           text=True, timeout=120)
-    assert done.returncode == 1
+    assert done.returncode == 130
     assert done.stderr == "fsdpckpt: error: interrupted\n"
 
 

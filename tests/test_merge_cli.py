@@ -219,11 +219,11 @@ def test_ctrl_c_mid_merge_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(writer, "place_tensor", interrupt)
     result = run("merge", DCP_FOLDERS["dtensor"], tmp_path / "out")
-    assert_one_line_error(result, "interrupted")
+    assert_one_line_error(result, "interrupted", code=130)
     assert_untouched(tmp_path / "out")
 
 
-def test_sigint_to_a_real_process_leaves_nothing(tmp_path):
+def test_sigint_to_a_real_process_leaves_nothing_and_exits_130(tmp_path):
     # A merge slowed down inside the copy loop, interrupted for real with SIGINT.
     import signal
     import time
@@ -241,7 +241,7 @@ def test_sigint_to_a_real_process_leaves_nothing(tmp_path):
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and "interrupted" in err and "Traceback" not in err
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
     assert_untouched(tmp_path / "out")
 
 

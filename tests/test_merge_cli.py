@@ -364,3 +364,12 @@ def test_merge_weights_names_an_optimizer_folder_for_what_it_is(tmp_path, flags,
 def test_merge_weights_overwrite_flag_is_still_accepted(tmp_path):
     assert run("merge-weights", DCP_FOLDERS["dtensor"], tmp_path, "--overwrite",
                "-q").exit_code == 0
+
+
+def test_an_include_that_matches_nothing_names_a_few_tensors_that_exist(tmp_path):
+    result = run("merge", FIXTURES / "fsdp2_accelerate", tmp_path / "out",
+                 "--include", "layers.0.*")
+    assert_one_line_error(result, "no tensor left to merge", "after --include/--exclude",
+                          "its 4 tensors are named '0.weight', '0.bias', '2.weight', '2.bias'",
+                          "--include '0.*'")
+    assert not (tmp_path / "out").exists()

@@ -50,8 +50,8 @@ from fsdpckpt.export._lora_read import open_model_source
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "AdapterExport", "LoraConfig",
            "LoraFuser", "LoraLayout", "LoraModule", "export_adapter", "find_adapter_config",
-           "find_lora", "fuse_into", "fuse_weight", "fused_tensors", "parse_lora_config",
-           "read_lora_config"]
+           "find_lora", "fuse_into", "fuse_weight", "fused_tensors", "model_tensor_names",
+           "parse_lora_config", "read_lora_config"]
 
 #: A path argument: local, or a URL / :class:`RemotePath` on object storage.
 _Where: TypeAlias = str | os.PathLike[str] | RemotePath
@@ -60,6 +60,19 @@ _Config: TypeAlias = _Where | Mapping[str, Any]
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: PEFT's EMBEDDING_LAYER_NAMES: adapted modules saved whole in the adapter file.
 _EMBEDDING_LAYERS = ("embed_tokens", "lm_head")
+
+
+def model_tensor_names(checkpoint: _Where, *, storage_options: dict[str, Any] | None = None,
+                       model_index: int | None = None) -> tuple[str, ...]:
+    """The model's tensor names in ``checkpoint``, as ``merge`` names them (what
+    :func:`find_lora` takes), from the metadata alone: a DCP folder, a checkpoint folder
+    in any layout merge reads, or a merged ``.safetensors`` file or index; local or a URL.
+
+    Raises:
+        CheckpointNotFoundError, NotACheckpointError, CorruptCheckpointError: as ``merge``.
+    """
+    return open_model_source(checkpoint, storage_options=storage_options,
+                             model_index=model_index).names
 
 
 def fused_tensors(checkpoint: _Where, *,

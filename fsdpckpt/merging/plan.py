@@ -280,7 +280,7 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *,
                                        [(o.name, o.key_path) for o in objects])
     if not tensors and not problems:
         problems.append(f"no tensor left to merge in {folder.path}"
-                        + (" after --include/--exclude" if include or exclude else ""))
+                        + (_selection_hint(entries, names) if include or exclude else ""))
     if problems:
         raise MergePlanError(f"cannot merge {folder.path}: " + "; ".join(problems))
     nested = any(len(t.spec.key_path) > 1 for t in tensors) or \
@@ -288,6 +288,17 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *,
     stem = fmt.file_stem(stem)
     files, index_name = _files(fmt, stem, _shard(tensors, limit), file_name)
     return MergePlan(folder, fmt, files, tuple(objects), nested, index_name, stem)
+
+
+def _selection_hint(entries: Sequence[Any], names: list[str], shown: int = 4) -> str:
+    """What to try when --include/--exclude left no tensor: a few of the names there are."""
+    found = [n for e, n in zip(entries, names) if not isinstance(e, ObjectEntry)]
+    if not found:
+        return " after --include/--exclude (it holds no tensor)"
+    listed = ", ".join(f"'{n}'" for n in found[:shown]) + (", ..." if len(found) > shown else "")
+    return (f" after --include/--exclude; its {len(found)} tensor{'s' * (len(found) != 1)} "
+            f"are named {listed}: pass globs that match some of them "
+            f"(--include '{found[0].rsplit('.', 1)[0]}.*')")
 
 
 def _files(fmt: OutputFormat, stem: str, shards: list[list[PlannedTensor]],

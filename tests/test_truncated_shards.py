@@ -8,6 +8,7 @@ one copy per command.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -15,7 +16,7 @@ import fsdpckpt
 from fsdpckpt.dcp.checks import check_folder
 from fsdpckpt.dcp.reader import read_dcp_folder
 
-from conftest import run_cli, save_small_checkpoint
+from conftest import FIXTURES, run_cli, save_small_checkpoint
 
 
 def _saved(root):
@@ -60,13 +61,15 @@ def _cli_verify(folder, target, tmp_path, monkeypatch):
 
 
 def _cli_merge(folder, target, tmp_path, monkeypatch):
-    import fsdpckpt.merging.writer as writer
+    # Where the merge calls it from (imported first: a module first imported while the
+    # patch is on would keep the patched function after it is undone).
+    import fsdpckpt.merging.merger as merger
 
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     # Refused by the size check of the plan, before the writer is ever called.
-    monkeypatch.setattr(writer, "write_plan", lambda *a, **k: pytest.fail("started writing"))
+    monkeypatch.setattr(merger, "write_plan", lambda *a, **k: pytest.fail("started writing"))
     result = run_cli("merge", folder, out)
     assert result.exit_code == 1 and "Traceback" not in result.output
     (line,) = result.stderr.strip().splitlines()
@@ -107,3 +110,29 @@ def test_a_truncated_rank_file_is_named_as_truncated(tmp_path, dtensor_copy, mon
         target = folder / "optimizer_0" / "__0_0.distcp"
     os.truncate(target, left(target.stat().st_size))
     check(folder, target, tmp_path, monkeypatch)
+
+
+def _cut_optimizer(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "fsdp2_accelerate", ckpt)
+    target = ckpt / "optimizer_0" / "__1_0.distcp"
+    os.truncate(target, 3000)  # 22 of its chunks and objects now lie past its end
+    return ckpt, target
+
+
+def test_a_truncated_file_is_one_problem_however_many_chunks_it_cut(tmp_path):
+    ckpt, target = _cut_optimizer(tmp_path)
+    (problem,) = check_folder(read_dcp_folder(ckpt / "optimizer_0"))
+    assert problem.path == str(target)
+    assert problem.message.startswith("the file is truncated: it has 3000 bytes, but ")
+    assert "21 more chunks and objects lie past it too, the last ending at byte" in \
+        problem.message and "copy it again" in problem.message
+
+
+@pytest.mark.parametrize("command", [("inspect", "--summary"), ("verify",)])
+def test_inspect_and_verify_say_a_truncated_file_once(tmp_path, command):
+    ckpt, target = _cut_optimizer(tmp_path)
+    result = run_cli(*command[:1], ckpt, *command[1:])
+    assert result.exit_code == 1
+    lines = [line for line in result.stdout.splitlines() if str(target) in line]
+    assert len(lines) == 1 and "the file is truncated" in lines[0], result.stdout

@@ -233,6 +233,9 @@ def check_folder(folder: DcpFolder) -> list[Problem]:
 def _check_folder(folder: DcpFolder) -> list[Problem]:
     problems: list[Problem] = []
     missing: dict[str, list[str]] = {}
+    # A cut-short file: one problem, not one per chunk past its end (a big model's
+    # truncated rank file holds thousands): (the first one, how many, where the last ends).
+    cut: dict[str, list[Any]] = {}
     sizes = folder.file_sizes
     base = str(folder.path)
 
@@ -241,11 +244,18 @@ def _check_folder(folder: DcpFolder) -> list[Problem]:
             problems.append(Problem(base, f"{what} has no storage entry in .metadata"))
         elif file not in sizes:
             missing.setdefault(file, []).append(what)
-        elif offset < 0 or length <= 0 or offset + length > sizes[file]:
+        elif offset < 0 or length <= 0:
             problems.append(Problem(
                 f"{base}/{file}",
                 f"{what} lies at bytes {offset}..{offset + length}, past the end of the file "
                 f"({sizes[file]} bytes): the file is truncated"))
+        elif offset + length > sizes[file]:
+            found = cut.get(file)
+            if found is None:
+                cut[file] = [what, offset, offset + length, 1, offset + length]
+            else:
+                found[3] += 1
+                found[4] = max(found[4], offset + length)
 
     # (file, offset, end, what): ``what`` a name, or (tensor, chunk) said only if it matters.
     ranges: list[tuple[str, int, int, Any]] = []
@@ -286,6 +296,13 @@ def _check_folder(folder: DcpFolder) -> list[Problem]:
             ranges.append((obj.file, obj.offset, obj.offset + obj.length, f"object '{obj.name}'"))
     problems.extend(_shared_bytes(base, ranges))
 
+    for file, (what, offset, end, count, last) in cut.items():
+        more = (f"; {count - 1} more chunks and objects lie past it too, the last ending at "
+                f"byte {last}") if count > 1 else ""
+        problems.append(Problem(
+            f"{base}/{file}",
+            f"the file is truncated: it has {sizes[file]} bytes, but {what} lies at bytes "
+            f"{offset}..{end}{more}; copy it again from the machine that wrote the checkpoint"))
     for file, needers in sorted(missing.items()):
         more = f" and {len(needers) - 1} more" if len(needers) > 1 else ""
         problems.append(Problem(f"{base}/{file}", f"missing file, needed by {needers[0]}{more}; "

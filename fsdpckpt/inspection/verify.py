@@ -48,7 +48,8 @@ def _check_chunks(folder: Place, problems: list[Problem], *, only_files: set[str
     """Check each chunk's data (of ``only_files``, else all) against the CRCs the manifest
     ``listed`` for the folder (its ``chunks`` section's entry), or its zip's own CRC where it
     lists none."""
-    meta = read_dcp_folder(folder).metadata
+    read = read_dcp_folder(folder)
+    meta, sizes = read.metadata, read.file_sizes
     expected = None
     if listed is not None:
         expected, disagree = listed_crcs(listed, meta)
@@ -59,13 +60,13 @@ def _check_chunks(folder: Place, problems: list[Problem], *, only_files: set[str
                                         "has chunks: one of them was changed"))
     with DataFiles(folder) as files:
         _check_each_chunk(folder, meta, files, problems, only_files=only_files,
-                          expected=expected, progress=progress)
+                          expected=expected, progress=progress, sizes=sizes)
 
 
 def _check_each_chunk(folder: Place, meta: DcpMetadata, files: DataFiles,
                       problems: list[Problem], *, only_files: set[str] | None,
                       expected: dict[tuple[str, tuple[int, ...]], int] | None,
-                      progress: ProgressCallback | None) -> None:
+                      progress: ProgressCallback | None, sizes: dict[str, int]) -> None:
     present = _present(folder, meta)
     # File by file, each from its start to its end: a folder of thousands of rank files is
     # read once through, each file opened once, however the tensors interleave them. Grouped
@@ -74,7 +75,10 @@ def _check_each_chunk(folder: Place, meta: DcpMetadata, files: DataFiles,
     by_file: dict[str, list[tuple[TensorEntry, Chunk]]] = {}
     for tensor in meta.tensors:
         for chunk in tensor.chunks:
-            if chunk.file in present and (only_files is None or chunk.file in only_files):
+            # A chunk past its file's end is the structure check's one "truncated" problem
+            # for that file, said there once, not again here for each chunk.
+            if chunk.file in present and (only_files is None or chunk.file in only_files) \
+                    and chunk.offset + chunk.length <= sizes.get(chunk.file, 0):
                 by_file.setdefault(chunk.file, []).append((tensor, chunk))
     checked = []
     for name in sorted(by_file):

@@ -179,8 +179,11 @@ def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool
              "torchtitan": "torchtitan checkpoint"}[report.style]
     world = report.world_size if report.world_size_exact else f"at least {report.world_size}"
     whole = report.style in ("model-file", "model-folder")  # no ranks: every tensor whole
-    out = [f"{_p(report.path)}: {style}, "
-           + ("" if whole else f"world size {world}, ") + human_bytes(report.bytes)]
+    # An unfinished save: said first; its world size is unknown where no rank's file is in.
+    unfinished = "UNFINISHED save (it never completed), " if report.unfinished else ""
+    known = not whole and (report.world_size or not report.unfinished)
+    out = [f"{_p(report.path)}: {unfinished}{style}, "
+           + (f"world size {world}, " if known else "") + human_bytes(report.bytes)]
     out += ["", "Parts:"]
     rows = []
     for part in report.parts:
@@ -237,7 +240,11 @@ def render_verify(report: VerifyReport, path: str) -> str:
         "model files: structure checked, every tensor byte read, .bin data against its " \
         "zip CRC-32s" if model else \
         "no manifest: chunk headers and data checked against their own checksums"
-    out.append(f"{_p(path)}: {'OK' if report.ok else 'DAMAGED'} ({how})")
+    if report.unfinished and not report.ok:
+        out.append(f"{_p(path)}: UNFINISHED (a save that never completed: not a checkpoint, "
+                   "and nothing to repair; use an earlier one)")
+    else:
+        out.append(f"{_p(path)}: {'OK' if report.ok else 'DAMAGED'} ({how})")
     if report.unchecked:
         count = len(report.unchecked)
         fix = "structure checked and every byte read, but a changed byte cannot be seen; " \

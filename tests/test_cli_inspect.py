@@ -108,8 +108,8 @@ def test_json_lays_out_the_top_indented_and_a_long_list_one_element_per_line():
 
 def test_json_keys_keep_their_order():
     doc = fsdpckpt.inspect_checkpoint(FIXTURES / "fsdp2_accelerate").to_json()
-    assert list(doc) == ["path", "style", "ok", "world_size", "world_size_exact", "bytes",
-                         "parts", "side_files", "other_files", "problems"]
+    assert list(doc) == ["path", "style", "ok", "unfinished", "world_size", "world_size_exact",
+                         "bytes", "parts", "side_files", "other_files", "problems"]
     assert list(doc["parts"][0]) == [
         "name", "kind", "index", "path", "complete", "version", "world_size",
         "world_size_exact", "bytes", "tensor_bytes", "num_tensors", "num_objects", "dtypes",

@@ -100,7 +100,7 @@ def test_verify_json_prints_the_reports_to_json_byte_for_byte(saved):
     report = fsdpckpt.verify_checkpoint(saved)
     assert result.stdout == json.dumps(report.to_json(), indent=2) + "\n"
     assert list(report.to_json()) == ["path", "ok", "manifest", "manifest_digest", "digest",
-                                      "problems", "unchecked", "style"]
+                                      "problems", "unchecked", "style", "unfinished"]
 
 
 def test_the_verify_report_is_still_read_by_key_as_the_dict_it_was(saved):

@@ -57,6 +57,9 @@ VERL_HF_DIR = "huggingface/"
 _MODEL_DIR = re.compile(r"^pytorch_model(_fsdp)?_(\d+)$")
 _OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
 _CHECKPOINT_DIR = re.compile(r"^(checkpoint|ckpt|step|global_step)[-_]?\d+$")
+#: A save's staging folder, renamed into place once complete: CheckpointManager's
+#: ``.tmp-checkpoint_7``, HF Trainer's ``tmp-checkpoint-500``.
+_STAGING = re.compile(r"^\.?tmp-")
 #: The intent marker of a save to object storage (training/_remote.py): written first,
 #: removed once the manifest, the commit, is in. dcp/ does not import training/.
 INCOMPLETE = ".fsdpckpt-incomplete"
@@ -221,9 +224,22 @@ def _several_checkpoints(root: Place, names: list[str]) -> NotACheckpointError:
     one whose save finished (names sort by their numbers, so ``checkpoint-1000`` is newer
     than ``checkpoint-500``)."""
     names = sorted(names, key=_natural_key)
-    if len(names) == 1:
-        error = NotACheckpointError(f"{root}: holds one checkpoint ({names[0]}); pass it: "
-                                    f"{root / names[0]}")
+    # A save's staging folder (CheckpointManager's .tmp-checkpoint_7, HF Trainer's
+    # tmp-checkpoint-500) is an unfinished save, never a checkpoint to pick.
+    staged = [n for n in names if _STAGING.match(n)]
+    names = [n for n in names if not _STAGING.match(n)]
+    unfinished = (f" and {len(staged)} unfinished save{'s' * (len(staged) != 1)} "
+                  f"({', '.join(staged[:3])}{', ...' if len(staged) > 3 else ''}: left by saves "
+                  "that did not finish, not checkpoints)") if staged else ""
+    if not names:
+        error = NotACheckpointError(
+            f"{root}: holds no finished checkpoint, only {len(staged)} unfinished "
+            f"save{'s' * (len(staged) != 1)} ({', '.join(staged[:3])}"
+            f"{', ...' if len(staged) > 3 else ''}), left by saves that did not finish; "
+            "pass a folder that holds a finished one")
+    elif len(names) == 1:
+        error = NotACheckpointError(f"{root}: holds one checkpoint ({names[0]}){unfinished}; "
+                                    f"pass it: {root / names[0]}")
     else:
         shown = names if len(names) <= 5 else names[:2] + ["..."] + names[-2:]
         finished = [n for n in names if _is_finished(root / n)]
@@ -231,8 +247,8 @@ def _several_checkpoints(root: Place, names: list[str]) -> NotACheckpointError:
         why = "the newest" if pick == names[-1] else \
             f"the newest finished save ({names[-1]} is not)"
         error = NotACheckpointError(
-            f"{root}: holds {len(names)} checkpoints ({', '.join(shown)}); pass one of them, "
-            f"e.g. {why}: {root / pick}")
+            f"{root}: holds {len(names)} checkpoints ({', '.join(shown)}){unfinished}; pass "
+            f"one of them, e.g. {why}: {root / pick}")
     # Marked, so that a reader falling back to a merged output passes this message on.
     error.checkpoints = tuple(names)
     return error

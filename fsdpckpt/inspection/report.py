@@ -207,12 +207,19 @@ class InspectReport(_JsonDocument):
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def unfinished(self) -> bool:
+        """Whether a save into it did not finish: a DCP folder without its ``.metadata``
+        (written last), as a save cut short leaves it."""
+        return any(not p.complete for p in self.parts)
+
     def to_json(self) -> dict[str, Any]:
         """The document ``fsdpckpt inspect --json`` prints (schema in ``docs/cli.md``)."""
         doc = {
             "path": str(self.path),
             "style": self.style,
             "ok": self.ok,
+            "unfinished": self.unfinished,
             "world_size": self.world_size,
             "world_size_exact": self.world_size_exact,
             "bytes": self.bytes,
@@ -247,6 +254,8 @@ class VerifyReport(_JsonDocument):
         style: what was verified, named as :attr:`InspectReport.style` names it (a
             checkpoint's layout, or ``"model-file"`` / ``"model-folder"`` for an export's
             or a merge's output and its files).
+        unfinished: a save into it did not finish (a DCP folder without ``.metadata``): not
+            damage to repair, a checkpoint that never was.
     """
 
     path: Path | RemotePath
@@ -256,6 +265,7 @@ class VerifyReport(_JsonDocument):
     problems: tuple[Problem, ...]
     unchecked: tuple[str, ...] = ()
     style: str = ""
+    unfinished: bool = False
 
     @property
     def ok(self) -> bool:
@@ -266,4 +276,5 @@ class VerifyReport(_JsonDocument):
         return {"path": str(self.path), "ok": self.ok, "manifest": self.manifest,
                 "manifest_digest": self.manifest_digest, "digest": self.digest,
                 "problems": [p.to_json() for p in self.problems],
-                "unchecked": list(self.unchecked), "style": self.style}
+                "unchecked": list(self.unchecked), "style": self.style,
+                "unfinished": self.unfinished}

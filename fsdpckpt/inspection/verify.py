@@ -240,7 +240,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             raise
         problems.append(Problem(str(root / MANIFEST), str(exc)))
         return _report(root, problems, manifest=True, digest=digest, file_digest=None,
-                       style=layout.style)
+                       style=layout.style, unfinished=_unfinished(layout))
     # Per-rank torch.save sets: every zip entry read against its CRC-32. HuggingFaceStorage
     # saves (no checksums): every header read again, and every data byte owned by a tensor.
     for part in layout.parts:
@@ -263,7 +263,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
                           if (hf := find_part(p.path, p.name).hf) is not None
                           for name in hf.files)
         return _report(root, problems, manifest=False, digest=digest, file_digest=None,
-                       unchecked=unchecked, style=layout.style)
+                       unchecked=unchecked, style=layout.style, unfinished=_unfinished(layout))
 
     file_digest = manifest.get("digest")  # schema-checked: None, or one of DIGESTS
     named = {p.path for p in problems}  # stray metadata files are named above already
@@ -323,15 +323,19 @@ def verify_checkpoint(path: str | os.PathLike[str], *,
             problems.append(Problem(str(file), "contents do not match the "
                              "manifest's checksum (a changed byte outside tensor data)"))
     return _report(root, problems, manifest=True, digest=digest, file_digest=file_digest,
-                   style=layout.style)
+                   style=layout.style, unfinished=_unfinished(layout))
+
+
+def _unfinished(layout: Any) -> bool:
+    return any(not p.complete for p in layout.parts)
 
 
 def _report(root: Place, problems: list[Problem], *, manifest: bool, digest: str | None,
             file_digest: str | None, style: str,
-            unchecked: tuple[str, ...] = ()) -> VerifyReport:
+            unchecked: tuple[str, ...] = (), unfinished: bool = False) -> VerifyReport:
     if manifest and digest is None:
         digest = manifest_digest(root)
     # Each problem once (a file may be reached twice), in the order first found.
     return VerifyReport(path=root, manifest=manifest, manifest_digest=digest,
                         digest=file_digest, problems=tuple(dict.fromkeys(problems)),
-                        unchecked=unchecked, style=style)
+                        unchecked=unchecked, style=style, unfinished=unfinished)

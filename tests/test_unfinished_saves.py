@@ -1,0 +1,74 @@
+"""An unfinished save is said to be one (issue 33): a run folder's staging folder is not
+counted as a checkpoint, and inspect and verify of it say UNFINISHED, not DAMAGED or
+"world size 0"."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import fsdpckpt
+
+from conftest import FIXTURES, run_cli
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A CheckpointManager's folder: checkpoint_3 committed, .tmp-checkpoint_7 cut short
+    (no manifest, no .metadata: what a killed save leaves)."""
+    root = tmp_path / "run"
+    fsdpckpt.CheckpointManager(root).save(3, model=torch.nn.Linear(4, 4))
+    staged = root / ".tmp-checkpoint_7"
+    shutil.copytree(root / "checkpoint_3", staged)
+    (staged / "fsdpckpt.json").unlink()
+    (staged / "pytorch_model_fsdp_0" / ".metadata").unlink()
+    return root
+
+
+def test_a_run_folder_counts_only_finished_checkpoints(run):
+    result = run_cli("inspect", run)
+    assert result.exit_code == 1
+    line = result.stderr.strip()
+    assert "holds one checkpoint (checkpoint_3) and 1 unfinished save (.tmp-checkpoint_7" in line
+    assert line.endswith(f"pass it: {run / 'checkpoint_3'}")
+
+
+def test_a_folder_of_only_unfinished_saves_says_so(run):
+    shutil.rmtree(run / "checkpoint_3")
+    result = run_cli("inspect", run)
+    assert "holds no finished checkpoint, only 1 unfinished save (.tmp-checkpoint_7)" in \
+        result.stderr
+
+
+def test_verify_of_an_unfinished_save_says_unfinished_not_damaged(run):
+    result = run_cli("verify", run / ".tmp-checkpoint_7")
+    assert result.exit_code == 1
+    assert "UNFINISHED (a save that never completed" in result.stdout
+    assert "DAMAGED" not in result.stdout
+    doc = json.loads(run_cli("verify", run / ".tmp-checkpoint_7", "--json").stdout)
+    assert doc["unfinished"] is True and doc["ok"] is False
+
+
+def test_verify_of_a_damaged_checkpoint_still_says_damaged(run):
+    data = run / "checkpoint_3" / "pytorch_model_fsdp_0" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-200] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    result = run_cli("verify", run / "checkpoint_3")
+    assert "DAMAGED" in result.stdout and "UNFINISHED" not in result.stdout
+
+
+def test_inspect_of_an_unfinished_save_heads_with_it_and_no_world_size_of_zero(tmp_path):
+    folder = tmp_path / "cut"
+    (folder / "pytorch_model_fsdp_0").mkdir(parents=True)  # its rank files, no .metadata
+    for data in (FIXTURES / "fsdp2_accelerate" / "pytorch_model_fsdp_0").glob("*.distcp"):
+        shutil.copy(data, folder / "pytorch_model_fsdp_0" / data.name)
+    result = run_cli("inspect", folder)
+    head = result.stdout.splitlines()[0]
+    assert head.startswith(f"{folder}: UNFINISHED save (it never completed)")
+    assert "world size 0" not in head
+    doc = json.loads(run_cli("inspect", folder, "--json").stdout)
+    assert doc["unfinished"] is True

@@ -1,6 +1,7 @@
-"""An unfinished save is said to be one (issue 33): a run folder's staging folder is not
-counted as a checkpoint, and inspect and verify of it say UNFINISHED, not DAMAGED or
-"world size 0"."""
+"""What inspect and verify say of what is not a checkpoint (issue 33): a run folder's
+staging folder is not counted as a checkpoint; inspect and verify of an unfinished save say
+UNFINISHED, not DAMAGED or "world size 0"; a text file is refused in fsdpckpt's words, not
+convert's."""
 
 from __future__ import annotations
 
@@ -72,3 +73,11 @@ def test_inspect_of_an_unfinished_save_heads_with_it_and_no_world_size_of_zero(t
     assert "world size 0" not in head
     doc = json.loads(run_cli("inspect", folder, "--json").stdout)
     assert doc["unfinished"] is True
+
+
+def test_inspect_of_a_text_file_says_what_fsdpckpt_reads_not_what_convert_reads(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello\n")
+    result = run_cli("inspect", tmp_path / "notes.txt")
+    assert result.exit_code == 1
+    assert "it holds text" in result.stderr and "convert" not in result.stderr
+    assert "fsdpckpt reads a .safetensors file" in result.stderr

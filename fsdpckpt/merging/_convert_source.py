@@ -24,8 +24,9 @@ __all__ = ["MODEL_FILES", "first_line", "resolve_source", "shards", "sniff"]
 MODEL_FILES = ("model.safetensors.index.json", "model.safetensors",
                "pytorch_model.bin.index.json", "pytorch_model.bin")
 
-_ACCEPTS = "convert reads a .safetensors file, a .bin/.pt file written by torch.save, or a " \
-           "shard index (*.index.json)"
+#: What a model file may be, said after the verb that read it (``convert reads ...``).
+_ACCEPTS = "reads a .safetensors file, a .bin/.pt file written by torch.save, or a shard " \
+           "index (*.index.json)"
 # torch.save's legacy (non-zip) format starts by pickling this number.
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -45,8 +46,10 @@ def _head(file: Place) -> tuple[bytes, int, bool]:
         return bytes(first), opened.size, is_zip
 
 
-def sniff(file: Place) -> str:
+def sniff(file: Place, verb: str = "fsdpckpt") -> str:
     """``"safetensors"`` or ``"torch"`` (``"torch-legacy"`` for the pre-zip format), by content.
+
+    ``verb`` names who reads it in the refusal (``"convert"``: "convert reads a ...").
 
     Raises:
         NotACheckpointError: neither format; CorruptCheckpointError: a safetensors header
@@ -71,7 +74,7 @@ def sniff(file: Place) -> str:
     what = "the file is empty" if not head else "it holds text" if _is_text(head) else \
         "its first bytes match neither"
     raise NotACheckpointError(f"{file}: not a safetensors or torch.save file ({what}); "
-                              f"{_ACCEPTS}.")
+                              f"{verb} {_ACCEPTS}.")
 
 
 def _is_text(head: bytes) -> bool:
@@ -82,13 +85,14 @@ def _is_text(head: bytes) -> bool:
     return True
 
 
-def shards(path: Place) -> list[Place]:
-    """The files to read: those a shard index lists, else ``path`` alone; each checked."""
+def shards(path: Place, verb: str = "fsdpckpt") -> list[Place]:
+    """The files to read: those a shard index lists, else ``path`` alone; each checked
+    (``verb`` names the reader in a refusal, as for :func:`sniff`)."""
     if not path.name.endswith(".index.json"):
         return [path]
     files = read_shard_index(path, wording={
         "*": "{index}: not a shard index (a JSON file with a 'weight_map' of names to files: "
-             "{detail}); " + _ACCEPTS + "."}).files
+             "{detail}); " + f"{verb} {_ACCEPTS}."}).files
     for file in files:
         if not file.is_file():
             raise CheckpointNotFoundError(f"{file}: listed in {path.name} but missing; copy "
@@ -123,6 +127,6 @@ def resolve_source(source: Place) -> Place:
     candidates = [name for name in storage.names(source) if (source / name).is_file() and
                   name.endswith((".safetensors", ".bin", ".pt", ".index.json"))]
     hint = f"; pass one of its files, e.g. {source / candidates[0]}" if candidates else \
-        f"; {_ACCEPTS}"
+        f"; convert {_ACCEPTS}"
     raise NotACheckpointError(f"{source}: is a folder without {' or '.join(MODEL_FILES[1::2])}"
                               f"{hint}.")

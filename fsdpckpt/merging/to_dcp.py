@@ -217,7 +217,7 @@ def convert(full_file: str | os.PathLike[str], out_dir: str | os.PathLike[str], 
     def prepare(target: Path) -> None:
         # The input, then the folder the output replaces: all checked before writing.
         source = resolve_source(location(full_file, storage_options=storage_options))
-        found[:] = [source, [(file, sniff(file)) for file in shards(source)]]
+        found[:] = [source, [(file, sniff(file, "convert")) for file in shards(source, "convert")]]
         if target.exists() and not target.is_dir():
             raise NotACheckpointError(f"{target}: is a file; pass a folder for the DCP output.")
         if target.exists() and not overwrite:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # what mypy and editors see; at run time, ``__getattr__`` bel
     from fsdpckpt.export.hf import ExportResult, export_hf
     from fsdpckpt.inspection.diff import DiffReport, diff
     from fsdpckpt.inspection.inspect import inspect_checkpoint
+    from fsdpckpt.inspection.listing import CheckpointList, list_checkpoints
     from fsdpckpt.inspection.report import InspectReport, PartReport, TensorReport, VerifyReport
     from fsdpckpt.inspection.verify import verify_checkpoint
     from fsdpckpt.merging.full import load_full_state_dict
@@ -67,6 +68,7 @@ _LAZY = {
     "PartReport": "inspection.report", "TensorReport": "inspection.report",
     "VerifyReport": "inspection.report", "verify_checkpoint": "inspection.verify",
     "diff": "inspection.diff", "DiffReport": "inspection.diff",
+    "list_checkpoints": "inspection.listing", "CheckpointList": "inspection.listing",
     "merge": "merging.merger", "merge_fsdp_weights": "merging.merger",
     "MergeResult": "merging.merger", "load_full_state_dict": "merging.full",
     "convert": "merging.to_dcp", "ConvertResult": "merging.to_dcp",
@@ -114,6 +116,8 @@ __all__ = [
     "check_folder",
     "find_layout",
     "inspect_checkpoint",
+    "list_checkpoints",
+    "CheckpointList",
     "InspectReport",
     "PartReport",
     "TensorReport",

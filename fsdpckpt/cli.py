@@ -28,6 +28,7 @@ from fsdpckpt._cli_common import (
     refuse_file_output,
 )
 from fsdpckpt._cli_export import diff, export_hf
+from fsdpckpt._cli_list import list_command
 from fsdpckpt._printable import printable
 from fsdpckpt._version import __version__
 from fsdpckpt.errors import FsdpCkptError
@@ -382,3 +383,4 @@ def verify(path: str, as_json: bool, quiet: bool, expect_digest: str | None,
 
 main.add_command(export_hf)
 main.add_command(diff)
+main.add_command(list_command)

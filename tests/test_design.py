@@ -78,7 +78,7 @@ _LAYERS = {
 }
 
 #: The command line: parses, calls the library, prints. Nothing else imports these.
-_CLI = {"cli", "__main__", "_cli_common", "_cli_export", "_render"}
+_CLI = {"cli", "__main__", "_cli_common", "_cli_export", "_cli_list", "_render"}
 _CLI_MAY_IMPORT = {"_io", "dcp", "inspection", "merging", "export"}
 
 #: The top-level modules outside the CLI, and what each may import.

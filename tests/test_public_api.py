@@ -18,8 +18,9 @@ PUBLIC = {
     "CheckpointLayout", "Chunk", "DType", "DcpFolder", "DcpMetadata", "ObjectEntry",
     "TensorEntry", "Problem", "check_folder", "find_layout", "read_dcp_folder",
     # inspection, verification and comparison, and their typed results
-    "inspect_checkpoint", "verify_checkpoint", "diff",
+    "inspect_checkpoint", "verify_checkpoint", "diff", "list_checkpoints",
     "InspectReport", "PartReport", "TensorReport", "VerifyReport", "DiffReport",
+    "CheckpointList",
     # errors
     "FsdpCkptError", "CheckpointNotFoundError", "CorruptCheckpointError", "ChecksumError",
     "NotACheckpointError", "UnsafePickleError", "RemoteStorageError", "RemoteTimeoutError",

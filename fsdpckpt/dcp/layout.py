@@ -26,7 +26,7 @@ from fsdpckpt.dcp.reader import METADATA_FILE
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError, RemoteStorageError
 
 __all__ = ["DATALOADER_STATE", "INCOMPLETE", "CheckpointLayout", "DcpPart", "SideFile",
-           "find_layout", "refuse_unfinished_save"]
+           "find_layout", "refuse_unfinished_save", "unfinished_save", "STAGING"]
 
 #: A dataloader's state: Accelerate's ``dl_state_dict.bin`` (``dl_state_dict_{i}.bin`` for
 #: loader i), which fsdpckpt's rank 0 writes too, and the other ranks' own states
@@ -59,7 +59,7 @@ _OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
 _CHECKPOINT_DIR = re.compile(r"^(checkpoint|ckpt|step|global_step)[-_]?\d+$")
 #: A save's staging folder, renamed into place once complete: CheckpointManager's
 #: ``.tmp-checkpoint_7``, HF Trainer's ``tmp-checkpoint-500``.
-_STAGING = re.compile(r"^\.?tmp-")
+STAGING = re.compile(r"^\.?tmp-")
 #: The intent marker of a save to object storage (training/_remote.py): written first,
 #: removed once the manifest, the commit, is in. dcp/ does not import training/.
 INCOMPLETE = ".fsdpckpt-incomplete"
@@ -168,7 +168,7 @@ def _holds_checkpoint(path: Place) -> bool:
         return False
 
 
-def _unfinished_save(folder: Place) -> bool:
+def unfinished_save(folder: Place) -> bool:
     """Whether ``folder`` is what a ``save_state`` that did not finish left: its intent
     marker and no manifest (the commit; training/_remote.py).
 
@@ -190,7 +190,7 @@ def refuse_unfinished_save(root: Place) -> None:
     if _MODEL_DIR.match(root.name) or _OPTIMIZER_DIR.match(root.name):
         folders.append(root.parent)  # a DCP folder of a checkpoint: its save's marker
     for folder in folders:
-        if _unfinished_save(folder):
+        if unfinished_save(folder):
             raise NotACheckpointError(
                 f"{folder}: a save into it did not finish (it holds {INCOMPLETE} and no "
                 f"{_MANIFEST}), so it is not a checkpoint; use an earlier one. On object "
@@ -205,7 +205,7 @@ def _natural_key(name: str) -> list[tuple[int, int | str]]:
 
 def _is_finished(path: Place) -> bool:
     """Whether a checkpoint folder's save finished: every DCP folder in it has ``.metadata``."""
-    if _unfinished_save(path):
+    if unfinished_save(path):
         return False
     if (path / METADATA_FILE).is_file():
         return True
@@ -226,8 +226,8 @@ def _several_checkpoints(root: Place, names: list[str]) -> NotACheckpointError:
     names = sorted(names, key=_natural_key)
     # A save's staging folder (CheckpointManager's .tmp-checkpoint_7, HF Trainer's
     # tmp-checkpoint-500) is an unfinished save, never a checkpoint to pick.
-    staged = [n for n in names if _STAGING.match(n)]
-    names = [n for n in names if not _STAGING.match(n)]
+    staged = [n for n in names if STAGING.match(n)]
+    names = [n for n in names if not STAGING.match(n)]
     unfinished = (f" and {len(staged)} unfinished save{'s' * (len(staged) != 1)} "
                   f"({', '.join(staged[:3])}{', ...' if len(staged) > 3 else ''}: left by saves "
                   "that did not finish, not checkpoints)") if staged else ""

@@ -155,12 +155,14 @@ class _Folder:
         return len(buffer.getvalue())
 
     def write(self, folder: Path) -> None:
-        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        from fsdpckpt._torch import dcp_metadata
 
         folder.mkdir(parents=True, exist_ok=True)
-        md = Metadata(self.entries, planner_data=self.planner, storage_data=self.storage,
-                      storage_meta=StorageMeta(checkpoint_id=str(folder), save_id="sim"),
-                      version="1.0.0")
+        md = dcp_metadata(self.entries, planner_data=self.planner, storage_data=self.storage,
+                          storage_meta=StorageMeta(checkpoint_id=str(folder), save_id="sim"),
+                          version="1.0.0")
         with open(folder / ".metadata", "wb") as f:
             pickle.dump(md, f)  # as FileSystemWriter.finish: the default protocol
         for rank, (name, end) in enumerate(zip(self.files, self.ends)):

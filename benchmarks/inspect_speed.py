@@ -32,11 +32,12 @@ def build(path: Path, n: int, rows: int = 1024) -> None:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
-        Metadata,
         MetadataIndex,
         TensorProperties,
         TensorStorageMetadata,
     )
+
+    from fsdpckpt._torch import dcp_metadata
 
     entries, storage, planner, ends = {}, {}, {}, [0, 0]
     for i in range(n):
@@ -54,7 +55,7 @@ def build(path: Path, n: int, rows: int = 1024) -> None:
         entries[name] = TensorStorageMetadata(TensorProperties(dtype=torch.float32),
                                               torch.Size([rows_i, cols]), chunks)
         planner[name] = tuple(name.split("."))
-    md = Metadata(entries, planner_data=planner, storage_data=storage, version="1.0.0")
+    md = dcp_metadata(entries, planner_data=planner, storage_data=storage, version="1.0.0")
     path.mkdir(parents=True, exist_ok=True)
     (path / ".metadata").write_bytes(pickle.dumps(md))
     for rank, end in enumerate(ends):

@@ -36,6 +36,7 @@ __all__ = [
     "PICKLED_NAMES", "is_torch_global", "storage_info", "flatten_state_dict",
     "set_writer_filesystem", "written_file_name", "store_loaded_value",
     "fsspec_writer", "fsspec_reader_class", "fsspec_filesystem_class",
+    "takes_no_dist", "dcp_metadata",
     "PurePythonPickler", "PurePythonUnpickler", "PickleStop",
 ]
 
@@ -251,3 +252,27 @@ def fsspec_reader_class() -> Any:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader
+
+
+def takes_no_dist(fn: Any) -> bool:
+    """Whether the DCP entry point ``fn`` (``dcp.save``, ``dcp.load``, ``async_save``) takes
+    ``no_dist=``: torch 2.7 added it; torch 2.6 decides from the process group alone, which
+    is the same answer where there is none."""
+    import inspect
+
+    try:
+        return "no_dist" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: call it the plain way
+        return False
+
+
+def dcp_metadata(entries: dict[str, Any], *, version: str | None, **fields: Any) -> Any:
+    """torch's ``Metadata`` of a checkpoint: ``version`` (the format version, torch 2.7 and
+    later) given only to a torch whose ``Metadata`` has the field."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if version is not None and "version" in {f.name for f in dataclasses.fields(Metadata)}:
+        fields["version"] = version
+    return Metadata(entries, **fields)

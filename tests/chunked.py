@@ -56,11 +56,12 @@ def write_dcp(path: Path, tensors: dict[str, tuple[torch.Tensor, Layout]], *,
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
-        Metadata,
         MetadataIndex,
         TensorProperties,
         TensorStorageMetadata,
     )
+
+    from fsdpckpt._torch import dcp_metadata
 
     path.mkdir(parents=True)
     entries, storage, planner = {}, {}, {}
@@ -78,8 +79,8 @@ def write_dcp(path: Path, tensors: dict[str, tuple[torch.Tensor, Layout]], *,
             entries[fqn] = TensorStorageMetadata(TensorProperties(dtype=tensor.dtype),
                                                  tensor.size(), chunks)
     with open(path / ".metadata", "wb") as meta:
-        pickle.dump(Metadata(entries, planner_data=planner, storage_data=storage,
-                             version="1.0.0"), meta)
+        pickle.dump(dcp_metadata(entries, planner_data=planner, storage_data=storage,
+                                 version="1.0.0"), meta)
     return path
 
 

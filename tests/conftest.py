@@ -263,3 +263,14 @@ def load_clean(model_class, folder: Path, caplog):
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert "newly initialized" not in caplog.text
     return model.eval()
+
+
+def single_process() -> dict:
+    """What ``dcp.save`` and ``dcp.load`` take to run in one process without a process group:
+    ``no_dist=True`` where torch has it (2.7 and later, which warns without it); torch 2.6
+    decides that from the missing process group alone."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdpckpt import _torch
+
+    return {"no_dist": True} if _torch.takes_no_dist(dcp.save) else {}

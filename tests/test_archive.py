@@ -16,6 +16,8 @@ from fsdpckpt.dcp._archive import SliceFile, locate_tensor
 from fsdpckpt.dcp.reader import read_dcp_folder
 from fsdpckpt.errors import CorruptCheckpointError
 
+from conftest import single_process
+
 
 def _chunks(folder):
     for tensor in read_dcp_folder(folder).metadata.tensors:
@@ -46,7 +48,7 @@ def test_non_contiguous_chunks_report_their_strides(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     dcp.save({"t": torch.arange(12.0).reshape(3, 4).t()}, checkpoint_id=tmp_path,
-             no_dist=True)
+             **single_process())
     ((tensor, chunk),) = _chunks(tmp_path)
     with open(tmp_path / chunk.file, "rb") as f:
         raw = locate_tensor(f, chunk.offset, chunk.length, source="t")
@@ -75,7 +77,7 @@ def test_untyped_storage_sizes_count_bytes_not_elements(tmp_path, dtype):
     import torch.distributed.checkpoint as dcp
 
     tensor = torch.tensor([0, 1, 2**16 - 1, 7, 3], dtype=torch.int64).to(dtype)
-    dcp.save({"u": tensor}, checkpoint_id=tmp_path, no_dist=True)
+    dcp.save({"u": tensor}, checkpoint_id=tmp_path, **single_process())
     ((_, chunk),) = _chunks(tmp_path)
     with open(tmp_path / chunk.file, "rb") as f:
         raw = locate_tensor(f, chunk.offset, chunk.length, source="u")
@@ -128,7 +130,7 @@ def _doctored_folder(folder, *, offset=None, shape=None, stride=None):
     from torch.distributed.checkpoint import FileSystemReader
 
     dcp.save({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}, checkpoint_id=folder,
-             no_dist=True)
+             **single_process())
     (data_file,) = folder.glob("*.distcp")
     with zipfile.ZipFile(data_file) as old:
         entries = {info.filename: old.read(info) for info in old.infolist()}

@@ -222,11 +222,12 @@ def write_sharded(folder, tensors, world):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
-        Metadata,
         MetadataIndex,
         TensorProperties,
         TensorStorageMetadata,
     )
+
+    from fsdpckpt._torch import dcp_metadata
 
     folder.mkdir(parents=True)
     handles = [open(folder / f"__{rank}_0.distcp", "wb")  # noqa: SIM115 - closed below
@@ -249,8 +250,8 @@ def write_sharded(folder, tensors, world):
     for handle in handles:
         handle.close()
     with open(folder / ".metadata", "wb") as meta:
-        pickle.dump(Metadata(entries, planner_data=planner, storage_data=storage,
-                             version="1.0.0"), meta)
+        pickle.dump(dcp_metadata(entries, planner_data=planner, storage_data=storage,
+                                 version="1.0.0"), meta)
     return folder
 
 

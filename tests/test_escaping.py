@@ -14,7 +14,7 @@ import pytest
 from fsdpckpt._printable import MAX_ERROR_CHARS, cap_line, printable
 from fsdpckpt.errors import CorruptCheckpointError
 
-from conftest import assert_one_line_error
+from conftest import assert_one_line_error, single_process
 from conftest import run_cli as run
 
 _EVIL = "w\n\r\t\x1b[2J\x9b31m\x7f\u202egpj.exe"
@@ -58,7 +58,7 @@ def evil_checkpoint(tmp_path):
 
     folder = tmp_path / "ck\x1b[31mpt"
     dcp.save({_EVIL: torch.arange(4.0), "ok": torch.zeros(2)}, checkpoint_id=folder,
-             no_dist=True)
+             **single_process())
     return folder
 
 

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from conftest import FIXTURES, peak_rss_mib
+from conftest import FIXTURES, peak_rss_mib, single_process
 
 # Fresh processes exporting a 2 x 64 MiB tied pair, each measured.
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def tied_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("tied")
     embed = torch.arange(8192 * 2048, dtype=torch.float32).reshape(8192, 2048)
     dcp.save({"model": {"model.embed_tokens.weight": embed, "lm_head.weight": embed.clone()}},
-             checkpoint_id=str(run / "checkpoint-1" / "pytorch_model_fsdp_0"), no_dist=True)
+             checkpoint_id=str(run / "checkpoint-1" / "pytorch_model_fsdp_0"), **single_process())
     config = json.loads((FIXTURES / "tiny_llama" / "tied" / "config.json").read_text())
     config["tie_word_embeddings"] = True
     (run / "config.json").write_text(json.dumps(config))

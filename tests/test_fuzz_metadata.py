@@ -137,8 +137,13 @@ def test_pickles_from_allowlisted_pieces_raise_only_fsdpckpt_errors(folder, data
 def _real_metadata():
     from torch.distributed.checkpoint import FileSystemReader
 
-    return [FileSystemReader(str(p.parent)).read_metadata()
-            for p in sorted(FIXTURES.glob("**/.metadata"))]
+    found = []
+    for path in sorted(FIXTURES.glob("**/.metadata")):
+        try:
+            found.append(FileSystemReader(str(path.parent)).read_metadata())
+        except AttributeError:  # a dtype newer than this torch (float8_e8m0fnu on 2.6)
+            continue
+    return found
 
 
 def _sites(md) -> list[tuple[object, str]]:

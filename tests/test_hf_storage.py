@@ -32,6 +32,7 @@ from fsdpckpt.dcp._hfstorage import MODEL_PART, SHARDS_PART, parse_header
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from tests.fuzzing import damaged, fuzz_settings
 
+from conftest import single_process
 from deep_compare import assert_same_tensors
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -56,7 +57,7 @@ def _torch_reads(folder: Path) -> dict[str, torch.Tensor]:
     meta = HuggingFaceStorageReader(str(folder)).read_metadata()
     state = {fqn: torch.empty(md.size, dtype=md.properties.dtype)
              for fqn, md in meta.state_dict_metadata.items()}
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=True)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)), **single_process())
     return state
 
 
@@ -162,7 +163,7 @@ def test_a_rank0_save_without_distribution_is_read(tmp_path):
     state = {"a": torch.arange(12, dtype=torch.float32).view(3, 4),
              "b": torch.arange(5, dtype=torch.int64), "empty": torch.ones(0, 3)}
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp_path / "ckpt")),
-             no_dist=True)
+             **single_process())
     assert find_layout(tmp_path / "ckpt").parts[0].name == MODEL_PART
     assert_same_tensors(load_full_state_dict(tmp_path / "ckpt"), state)
 

@@ -12,7 +12,7 @@ import fsdpckpt
 from fsdpckpt.merging.full import load_full_state_dict
 from fsdpckpt.merging.plan import MergePlanError
 
-from conftest import DCP_FOLDERS, FIXTURES, reference_state_dict
+from conftest import DCP_FOLDERS, FIXTURES, reference_state_dict, single_process
 from deep_compare import assert_same_state
 
 
@@ -49,7 +49,7 @@ def test_non_contiguous_stored_chunks_merge_exactly(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     state = {"model": {"t": torch.arange(12.0).reshape(3, 4).t(), "w": torch.arange(6.0)}}
-    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), **single_process())
     for fmt in ("safetensors", "bin"):
         (result,) = fsdpckpt.merge(tmp_path / "ckpt", tmp_path / fmt, format=fmt)
         assert_same_state(load_full_state_dict(result.path), state["model"])
@@ -143,7 +143,7 @@ def test_wrapper_segments_are_removed_by_default_and_kept_on_request(tmp_path):
     stored = ["_orig_mod.layers.0._checkpoint_wrapped_module.mlp.weight",
               "_fsdp_wrapped_module.embed._fsdp_wrapped_module.weight", "head._orig_modx"]
     dcp.save({"model": {name: torch.ones(2) for name in stored}},
-             checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+             checkpoint_id=str(tmp_path / "ckpt"), **single_process())
     (clean,) = fsdpckpt.merge(tmp_path / "ckpt", tmp_path / "clean")
     (kept,) = fsdpckpt.merge(tmp_path / "ckpt", tmp_path / "kept", keep_keys=True)
     with safe_open(str(clean.path), "pt") as a, safe_open(str(kept.path), "pt") as b:
@@ -155,7 +155,7 @@ def test_names_that_collide_after_cleanup_are_refused_before_writing(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     dcp.save({"model": {"_orig_mod.w": torch.ones(1), "w": torch.ones(1)}},
-             checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+             checkpoint_id=str(tmp_path / "ckpt"), **single_process())
     with pytest.raises(MergePlanError, match="both be named 'w'.*--keep-keys"):
         fsdpckpt.merge(tmp_path / "ckpt", tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -18,6 +18,7 @@ from conftest import (
     assert_one_line_error,
     reference_state_dict,
     sigint_as_in_a_terminal,
+    single_process,
 )
 from conftest import run_cli as run
 from deep_compare import assert_same_state
@@ -121,7 +122,7 @@ def test_convert_bin_round_trip_and_dcp_can_load_it(tmp_path):
     target = {"optimizer": {"state": {k: {n: torch.zeros_like(v) if isinstance(v, torch.Tensor)
                                           else v for n, v in s.items()}
                                       for k, s in expected["optimizer"]["state"].items()}}}
-    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), **single_process())
     assert_same_state(target["optimizer"]["state"], expected["optimizer"]["state"])
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from chunked import split, write_dcp
-from conftest import peak_rss_mib
+from conftest import peak_rss_mib, single_process
 
 # Fresh torch processes merging 128-256 MiB tensors, each measured.
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ def big_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("big") / "ckpt"
     state = {"model": {f"layers.{i}.weight": torch.full((2048, 2048), float(i))
                        for i in range(8)}}  # 8 x 16 MiB = 128 MiB
-    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    dcp.save(state, checkpoint_id=str(path), **single_process())
     return path
 
 

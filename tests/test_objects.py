@@ -23,7 +23,7 @@ from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS
 from fsdpckpt.dcp.dtypes import DTYPES
 from fsdpckpt.errors import CorruptCheckpointError, UnsafePickleError
 
-from conftest import reference_state_dict, run_cli
+from conftest import reference_state_dict, run_cli, single_process
 from deep_compare import assert_same_deep
 
 
@@ -42,7 +42,7 @@ def tensor_hyperparameters(tmp_path_factory):
     state = {"optimizer": optimizer.state_dict(),
              "extra": {"tags": {"a", "b"}, "frozen": frozenset({1, 2}), "phase": 1 - 2.5j,
                        "nan_phase": complex(float("nan"), float("inf"))}}
-    dcp.save(state, checkpoint_id=folder, no_dist=True)
+    dcp.save(state, checkpoint_id=folder, **single_process())
     return folder
 
 

@@ -19,13 +19,13 @@ from safetensors import safe_open
 import fsdpckpt
 from fsdpckpt.merging.plan import MergePlanError
 
-from conftest import DCP_FOLDERS, assert_one_line_error, reseal
+from conftest import DCP_FOLDERS, assert_one_line_error, reseal, single_process
 from conftest import run_cli as run
 from deep_compare import assert_same_state
 
 
 def _save(folder: Path, state: dict) -> Path:
-    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    dcp.save(state, checkpoint_id=str(folder), **single_process())
     return folder
 
 

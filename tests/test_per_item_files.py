@@ -15,7 +15,7 @@ from fsdpckpt.dcp.checks import check_folder, known_world_size
 from fsdpckpt.dcp.reader import read_dcp_folder
 from fsdpckpt.inspection.verify import verify_checkpoint
 
-from conftest import reference_state_dict, run_cli
+from conftest import reference_state_dict, run_cli, single_process
 from deep_compare import assert_same_state
 
 
@@ -51,7 +51,7 @@ def test_single_process_per_item_folder_is_whole_and_its_world_size_a_lower_boun
 
     folder = tmp_path / "ckpt"
     dcp.save(_state(True), storage_writer=FileSystemWriter(folder, single_file_per_rank=False),
-             no_dist=True)
+             **single_process())
     assert sorted(p.name for p in folder.glob("*.distcp")) == \
         ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
     _accepted_everywhere(folder, tmp_path)

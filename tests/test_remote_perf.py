@@ -17,7 +17,7 @@ from fsdpckpt._io import prefetch as prefetch_module
 from fsdpckpt._io.prefetch import Prefetcher
 from fsdpckpt.errors import CorruptCheckpointError, RemoteStorageError
 
-from conftest import FIXTURES, damaged_copy, peak_rss_mib, upload
+from conftest import FIXTURES, damaged_copy, peak_rss_mib, single_process, upload
 
 CKPT = FIXTURES / "fsdp2_accelerate"
 
@@ -286,7 +286,7 @@ def large_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("large") / "ckpt"
     state = {"model": {f"layers.{i}.weight": torch.full((2048, 4096), float(i))
                        for i in range(6)}}
-    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    dcp.save(state, checkpoint_id=str(path), **single_process())
     return path
 
 

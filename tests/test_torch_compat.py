@@ -21,6 +21,8 @@ from fsdpckpt import _torch
 from fsdpckpt.dcp._allowlist import METADATA_GLOBALS
 from fsdpckpt.dcp.dtypes import DTYPES
 
+from conftest import single_process
+
 PACKAGE = Path(_torch.__file__).parent
 FIX = "update fsdpckpt/_torch.py"
 
@@ -70,7 +72,7 @@ def test_a_dcp_save_pickles_only_names_the_allowlist_knows(tmp_path):
 
     state = {"w": torch.ones(2, 3), "h": torch.zeros(2, dtype=torch.bfloat16), "step": 3,
              "nested": {"lr": 0.1, "ids": [1, 2]}}
-    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.save(state, checkpoint_id=str(tmp_path), **single_process())
     unknown = _globals_named((tmp_path / ".metadata").read_bytes()) - set(METADATA_GLOBALS)
     if unknown:
         pytest.fail(f"torch {torch.__version__} pickles {sorted(unknown)} into .metadata, "
@@ -112,7 +114,7 @@ def test_flatten_state_dict_gives_the_names_dcp_save_writes(tmp_path):
     state = {"optimizer": {"state": {"0.w": {"exp_avg": torch.ones(2)}},
                            "param_groups": [{"lr": 0.1, "params": ["0.w"]}]}}
     flat, mappings = _torch.flatten_state_dict(state)
-    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.save(state, checkpoint_id=str(tmp_path), **single_process())
     from fsdpckpt.dcp.reader import read_dcp_folder
 
     meta = read_dcp_folder(tmp_path).metadata
@@ -138,7 +140,7 @@ def test_the_writer_writes_through_its_fs_and_metadata_under_the_tmp_suffix(tmp_
 
     writer = FileSystemWriter(str(tmp_path))
     _torch.set_writer_filesystem(writer, Recording())
-    dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
+    dcp.save({"w": torch.ones(2)}, storage_writer=writer, **single_process())
     if not created:
         pytest.fail(f"torch {torch.__version__}'s FileSystemWriter no longer writes through "
                     f"its 'fs' attribute, so manifests record nothing: {FIX}")
@@ -159,7 +161,7 @@ def test_the_load_planner_keeps_the_attributes_store_loaded_value_uses(tmp_path)
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    dcp.save({"opt": {"groups": [{"lr": 0.5}]}}, checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.save({"opt": {"groups": [{"lr": 0.5}]}}, checkpoint_id=str(tmp_path), **single_process())
     state = {"opt": {"groups": [{"lr": 0.0}]}}
     planner = DefaultLoadPlanner()
     planner.set_up_planner(state, FileSystemReader(str(tmp_path)).read_metadata(), True)
@@ -180,7 +182,7 @@ def test_the_fsspec_writer_and_reader_go_through_the_filesystem_fsdpckpt_gives_t
     written = _torch.fsspec_filesystem_class()()
     written.fs = memory
     writer = _torch.fsspec_writer("memory://compat/ckpt", written)
-    dcp.save({"w": torch.arange(4.0)}, storage_writer=writer, no_dist=True)
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=writer, **single_process())
     names = {p.rsplit("/", 1)[1] for p in memory.ls("/compat/ckpt", detail=False)}
     if ".metadata" not in names or not any(n.endswith(".distcp") for n in names):
         pytest.fail(f"torch {torch.__version__}'s FsspecWriter no longer writes through the "
@@ -190,7 +192,7 @@ def test_the_fsspec_writer_and_reader_go_through_the_filesystem_fsdpckpt_gives_t
     read.fs = memory
     reader.fs = read
     state = {"w": torch.zeros(4)}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    dcp.load(state, storage_reader=reader, **single_process())
     assert torch.equal(state["w"], torch.arange(4.0))
 
 

@@ -23,7 +23,7 @@ import pytest
 from fsdpckpt import ExportMismatchError, export_hf
 from fsdpckpt.export._trainer_names import looks_like, trainer_names
 
-from conftest import FIXTURES
+from conftest import FIXTURES, single_process
 
 TUNE = FIXTURES / "torchtune" / "dist_epoch_0"
 TUNE_HF = FIXTURES / "torchtune_hf"
@@ -147,7 +147,7 @@ def test_the_key_check_says_whose_names_a_checkpoint_has(tmp_path: Path) -> None
 
     state = load_file(FIXTURES / "torchtune" / "reference_model.safetensors")
     state["layers.0.attn.q_norm.scale"] = torch.ones(8)  # no torchtune Llama has it
-    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), **single_process())
     with pytest.raises(ExportMismatchError) as caught:
         export_hf(tmp_path / "ckpt", tmp_path / "out", base=TUNE_HF)
     said = str(caught.value)
@@ -191,7 +191,7 @@ def test_a_tied_llama_without_an_output_weight_exports(tmp_path: Path) -> None:
     # torchtune's Llama 3.2 ties the output to the embeddings: no output.weight is saved.
     state = load_file(FIXTURES / "torchtune" / "reference_model.safetensors")
     del state["output.weight"]
-    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), **single_process())
     base = tmp_path / "base"
     shutil.copytree(TUNE_HF, base)
     config = json.loads((base / "config.json").read_text())
@@ -211,7 +211,7 @@ def test_a_tied_output_weight_under_the_trainers_name_is_left_out(tmp_path: Path
 
     state = load_file(FIXTURES / "torchtune" / "reference_model.safetensors")
     state["output.weight"] = state["tok_embeddings.weight"].clone()
-    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), **single_process())
     base = tmp_path / "base"
     shutil.copytree(TUNE_HF, base)
     config = json.loads((base / "config.json").read_text())

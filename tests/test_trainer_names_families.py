@@ -18,7 +18,7 @@ import pytest
 from fsdpckpt import ExportMismatchError, export_hf, load_full_state_dict
 from fsdpckpt.export._trainer_names import trainer_names
 
-from conftest import FIXTURES
+from conftest import FIXTURES, single_process
 
 QWEN3 = FIXTURES / "torchtitan_qwen3"
 GEMMA2 = FIXTURES / "torchtune_gemma2"
@@ -88,7 +88,7 @@ def test_the_key_check_says_whose_names_they_are(tmp_path: Path, checkpoint: Pat
     state = load_full_state_dict(checkpoint)
     state = dict(state.get("model", state))
     state[extra] = torch.ones(8)  # a name no family of the trainer has
-    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), **single_process())
     with pytest.raises(ExportMismatchError) as caught:
         export_hf(tmp_path / "ckpt", tmp_path / "out", base=base)
     said = str(caught.value)

@@ -14,7 +14,7 @@ import fsdpckpt
 from fsdpckpt.training.state import StateMismatchError
 
 import workers
-from conftest import FIXTURES
+from conftest import FIXTURES, single_process
 from deep_compare import assert_same_state, assert_same_tensors
 from multirank import run_ranks
 
@@ -416,7 +416,7 @@ def test_the_single_process_notice_is_silenced_only_inside_our_calls(tmp_path):
 
     _save_and_load_in_one_process(tmp_path / "ckpt")
     with pytest.warns(UserWarning, match="assuming the intent is to save in a single process"):
-        dcp.save({"x": torch.zeros(2)}, checkpoint_id=str(tmp_path / "own"), no_dist=True)
+        dcp.save({"x": torch.zeros(2)}, checkpoint_id=str(tmp_path / "own"), **single_process())
 
 
 class _Odd(torch.nn.Module):

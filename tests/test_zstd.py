@@ -21,6 +21,7 @@ from conftest import (
     assert_one_line_error,
     reference_state_dict,
     run_cli,
+    single_process,
 )
 from deep_compare import assert_same_state
 
@@ -34,7 +35,7 @@ def _save_compressed(folder: Path, state: dict) -> Path:
     from torch.distributed.checkpoint._extension import ZStandard
 
     dcp.save(state, storage_writer=FileSystemWriter(str(folder), _extensions=[ZStandard()]),
-             no_dist=True)
+             **single_process())
     return folder
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt import _torch
 from fsdpckpt._io.dcp_storage import dcp_reader
 from fsdpckpt._io.storage import Place
 from fsdpckpt._torch import storage_info, store_loaded_value
@@ -95,7 +96,6 @@ def _torch_metadata(folder: Place) -> tuple[Any, Mapping[Any, _Archive]]:
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
-        Metadata,
         TensorProperties,
         TensorStorageMetadata,
     )
@@ -129,8 +129,8 @@ def _torch_metadata(folder: Place) -> tuple[Any, Mapping[Any, _Archive]]:
         return (where.file, where.offset, where.length, where.transforms,
                 OBJECT_LIMIT if chunk is None else chunk_limit(entry, chunk))
 
-    return Metadata(entries, planner_data=planner, storage_data=_Located(meta, located),
-                    version=meta.version), _Located(meta, archive)
+    return _torch.dcp_metadata(entries, version=meta.version, planner_data=planner,
+                               storage_data=_Located(meta, located)), _Located(meta, archive)
 
 
 class _Located(Mapping[Any, Any]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from fsdpckpt import _torch
 from fsdpckpt.errors import FsdpCkptError
 
 __all__ = ["dist_or_none", "rank_world", "async_group", "everywhere", "dcp_call"]
@@ -86,4 +87,6 @@ def dcp_call(fn: Any, state: dict[str, Any], **kwargs: Any) -> Any:
         return fn(state, **kwargs)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE, category=UserWarning)
+        if not _torch.takes_no_dist(fn):  # torch 2.6: no process group means one process
+            return fn(state, **kwargs)
         return fn(state, no_dist=True, **kwargs)

@@ -26,7 +26,7 @@ from fsdpckpt.dcp import _graph
 from fsdpckpt.dcp._graph import bounded_repr, measure, node_budget, tree_items
 from fsdpckpt.errors import NotACheckpointError
 
-from conftest import FIXTURES, assert_one_line_error, run_cli
+from conftest import FIXTURES, assert_one_line_error, run_cli, torch_loads_fixture
 
 RANK_FILES = {
     "verl": (FIXTURES / "verl", "model_world_size_2_rank_0.pt"),
@@ -80,7 +80,7 @@ def _hostile_rank_files(layout: str, graph: str, tmp_path: Path) -> tuple[Path, 
     folder, name = RANK_FILES[layout]
     ckpt = tmp_path / "ckpt"
     shutil.copytree(folder, ckpt)
-    state = torch.load(ckpt / name, weights_only=True)
+    state = torch_loads_fixture(ckpt / name)
     _with_hostile_value(state, graph, ckpt / name)
     return ckpt, ckpt / name
 

@@ -27,6 +27,7 @@ from fsdpckpt import (
 )
 from fsdpckpt.errors import CheckpointNotFoundError, UnsafePickleError
 
+from conftest import torch_loads_fixture
 from deep_compare import tensor_bytes
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -55,7 +56,7 @@ def _torch_reference(folder: Path, pattern: str, world: int = 2) -> dict[str, to
     pieces: dict[str, list[torch.Tensor]] = {}
     dims: dict[str, int | None] = {}
     for rank in range(world):
-        state = torch.load(folder / pattern.format(rank), weights_only=True)
+        state = torch_loads_fixture(folder / pattern.format(rank))
         for name, value in _flat(state):
             if isinstance(value, DTensor):
                 (placement,) = value.placements

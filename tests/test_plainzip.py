@@ -252,3 +252,14 @@ def test_a_chunk_past_the_end_of_its_file_is_refused_alike_through_its_descripto
                 locate_tensor(handle, 0, len(ARCHIVES[0]), source="chunk")
             refusals.append(f"{type(caught.value).__name__}: {caught.value}")
     assert refusals[0] == refusals[1]
+
+
+def test_too_many_entries_in_the_plain_end_record_are_refused_as_before_even_with_zip64():
+    # Found by the fuzz above: the count in the plain end record, which a zip64 archive's
+    # reader otherwise ignores, is what open_archive refuses before it parses.
+    data = bytearray(ARCHIVES[0])
+    end = len(data) - 22
+    data[end + 10:end + 12] = (33).to_bytes(2, "little")
+    plain = _located(bytes(data), plain=True)
+    assert plain.startswith("CorruptCheckpointError") and "declares 33 entries" in plain
+    assert plain == _located(bytes(data), plain=False)

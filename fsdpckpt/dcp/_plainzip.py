@@ -263,6 +263,10 @@ def plain_archive(file: IO[bytes], start: int, length: int, max_entries: int,
     signature, disk, cd_disk, here, count, size, offset, comment = _END.unpack(tail[-_END.size:])
     if signature != b"PK\x05\x06" or comment:
         return None
+    if count != 0xFFFF and count > max_entries:
+        # open_archive refuses what this record declares before it parses (even where a
+        # zip64 record gives the counts): left to it, for that refusal.
+        return None
     directory_end = length - _END.size
     if tail[-_END.size - _LOCATOR.size:-_END.size][:4] == _ZIP64_LOCATOR:
         # torch.save ends every archive with zip64's records: zipfile then takes the counts

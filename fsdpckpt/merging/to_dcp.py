@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fsdpckpt import _torch
 from fsdpckpt._io import publish, storage
 from fsdpckpt._io.durable import Writeback
 from fsdpckpt._io.jsonio import parse_json
@@ -309,8 +310,8 @@ def _write_local(stage: Path, out: Place, source: Place, local: list[tuple[Path,
         os.fsync(data.fileno())
     if callback and reported < total:  # headers and pickles: the bar ends at 100%
         callback(total - reported)
-    metadata = dcp.Metadata(entries, planner_data=planner, storage_data=storage_data,
-                        version="1.0.0")
+    metadata = _torch.dcp_metadata(entries, planner_data=planner, storage_data=storage_data,
+                                   version="1.0.0")
     with open(stage / ".metadata", "wb") as meta:
         pickle.dump(metadata, meta)
         meta.flush()

@@ -36,7 +36,7 @@ __all__ = [
     "PICKLED_NAMES", "is_torch_global", "storage_info", "flatten_state_dict",
     "set_writer_filesystem", "written_file_name", "store_loaded_value",
     "fsspec_writer", "fsspec_reader_class", "fsspec_filesystem_class",
-    "takes_no_dist", "dcp_metadata",
+    "takes_no_dist", "dcp_metadata", "reads_transforms",
     "PurePythonPickler", "PurePythonUnpickler", "PickleStop",
 ]
 
@@ -276,3 +276,11 @@ def dcp_metadata(entries: dict[str, Any], *, version: str | None, **fields: Any)
     if version is not None and "version" in {f.name for f in dataclasses.fields(Metadata)}:
         fields["version"] = version
     return Metadata(entries, **fields)
+
+
+def reads_transforms() -> bool:
+    """Whether this torch's DCP loader decodes transformed (zstd-compressed) entries: its
+    ``_extension`` module, which torch 2.6 lacks."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch.distributed.checkpoint._extension") is not None

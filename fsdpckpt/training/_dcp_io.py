@@ -101,6 +101,13 @@ def _torch_metadata(folder: Place) -> tuple[Any, Mapping[Any, _Archive]]:
     )
 
     meta = read_dcp_folder(folder).metadata
+    if not _torch.reads_transforms() and any(c.transforms for t in meta.tensors
+                                              for c in t.chunks):
+        raise NotACheckpointError(
+            f"{folder}: its chunks are compressed (DCP's zstd extension), which the loader of "
+            f"torch {torch.__version__} cannot decode; load it with a torch whose DCP has "
+            "torch.distributed.checkpoint._extension (2.6 lacks it), or merge it with fsdpckpt, "
+            "which decodes it without torch")
     entries: dict[str, Any] = {}
     planner: dict[str, Any] = {}
     for tensor in meta.tensors:

@@ -20,7 +20,7 @@ from typing import Any
 from fsdpckpt._io.rawio import reusing_scratch
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._io.storage import Place
-from fsdpckpt.errors import StateMismatchError
+from fsdpckpt.errors import OptionError, StateMismatchError
 from fsdpckpt.training._buffers import recompute_buffers
 from fsdpckpt.training._dist import everywhere
 from fsdpckpt.training._hf_names import align_prefix, hf_name
@@ -119,6 +119,13 @@ def load_pretrained(model: Any, source: str | os.PathLike[str] | RemotePath, *,
     )
 
     root = location(source, storage_options=storage_options)
+    # Before torch is asked for the state dict: torch 2.6's get_model_state_dict of a model
+    # on the meta device fails inside, without a process group, on a question of its own.
+    on_meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
+    if on_meta is not None:
+        raise OptionError(f"model key '{hf_name(on_meta) or on_meta}' is on the meta device: "
+                          "it has no memory to load into. Call model.to_empty(device=...) "
+                          "after wrapping, then load_pretrained.")
     state = get_model_state_dict(model)
     # Tensors only: a module's extra state (``get_extra_state``) is no Hugging Face weight.
     names = {key: name for key, value in state.items()

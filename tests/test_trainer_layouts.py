@@ -142,12 +142,22 @@ def test_merge_optimizer_writes_the_optimizer(trainer, tmp_path):
 @trainers
 def test_load_full_state_dict_matches_the_frameworks_own(trainer):
     state = fsdpckpt.load_full_state_dict(TRAINERS[trainer][0])
-    if trainer == "lightning":  # consolidate_checkpoint's dict: test_lightning_meta.py
+    if trainer in NESTED:  # Lightning's consolidate_checkpoint, dcp_to_torch_save's nesting
         state = state["model"]
-    elif trainer in NESTED:  # as torch's dcp_to_torch_save nests it
-        assert list(state) == ["model"]
-        state = state["model"]
+    else:  # torchtitan's model entries sit at the top level, beside its other state
+        state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     _same(state, _reference(trainer))
+
+
+@pytest.mark.parametrize("trainer", ["torchtitan", "torchtune"])
+def test_load_full_state_dict_is_the_whole_folder_as_dcp_to_torch_save_gives_it(trainer,
+                                                                                tmp_path):
+    # Model, optimizer, scheduler, dataloader and training state: what torchtitan's docs
+    # consolidate a step-N/ folder with (issue 34; it gave the model alone before).
+    state = fsdpckpt.load_full_state_dict(TRAINERS[trainer][0])
+    whole = torch.load(_whole_reference(trainer, tmp_path), weights_only=False)  # a fixture
+    assert same_value(state, whole)
+    assert TRAINERS[trainer][1] in state and len(state) > 1
 
 
 @trainers

@@ -77,6 +77,10 @@ def _from_checkpoint(path: Place) -> dict[Any, Any] | None:
         return None  # a merged output, or nothing this reads (_merged_output says which)
     if layout.style == "lightning":
         return _lightning(layout.path)
+    if layout.style in ("torchtitan", "torchtune"):
+        # The folder whole, as their own consolidation (torch's dcp_to_torch_save, which
+        # torchtitan's docs name) gives it: model, optimizer, scheduler, dataloader, state.
+        return _from_folder(open_part(layout.path, layout.path.name), [])
     models = [part for part in layout.parts if part.kind == "model"]
     if layout.style != "dcp" and len(models) > 1:  # merge's refusal names its --model-index
         raise NotACheckpointError(f"{path}: holds {len(models)} models; pass one of: "
@@ -242,8 +246,11 @@ def load_full_state_dict(path: str | os.PathLike[str], *,
         For a DCP folder, the nested dict ``dcp_to_torch_save`` would save. For Lightning's
         ``*.ckpt/`` folder, what Lightning's own ``consolidate_checkpoint`` saves: that dict
         (``model``, ``optimizer_0``...) with ``meta.pt``'s entries (``epoch``, ``loops``,
-        ``lr_schedulers``...) at the top level. For another trainer's folder (torchtune's
-        ``dist_epoch_N/``, torchtitan's ``step-N/``), its model. For a merged
+        ``lr_schedulers``...) at the top level. For torchtune's ``dist_epoch_N/`` and
+        torchtitan's ``step-N/``, the folder whole, as ``dcp_to_torch_save`` gives it
+        (torchtitan's model entries at the top level beside ``optimizer``,
+        ``lr_scheduler``, ``dataloader`` and ``train_state``; torchtune's under ``model``
+        beside ``optimizer``, ``seed``, ``epochs_run``...). For a merged
         output, the merged state dict, nested again by the key paths the merge kept
         (optimizer state), with non-tensor entries restored.
 

@@ -159,6 +159,18 @@ def _run_python(block: Block, namespace: dict) -> None:
 ALL_BLOCKS = [b for doc in documents() for b in blocks(doc)]
 
 
+#: What each document's blocks wrote into its fresh checkout (files git does not track), by
+#: document, as the tests above ran them: what the pasted-in-one-checkout check compares.
+_WROTE: dict[str, set[str]] = {}
+
+
+def _written(checkout: Path) -> set[str]:
+    tracked = set(_tracked_files(ROOT) or ())
+    return {str(p.relative_to(checkout)) for p in checkout.rglob("*")
+            if (p.is_file() or p.is_symlink()) and str(p.relative_to(checkout)) not in tracked
+            and "__pycache__" not in p.parts}
+
+
 @pytest.mark.parametrize("doc", documents(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_block_of_the_document_runs_in_order(doc, tmp_path, monkeypatch):
     checkout = _scratch(tmp_path)
@@ -172,11 +184,28 @@ def test_every_block_of_the_document_runs_in_order(doc, tmp_path, monkeypatch):
             _run_python(block, namespace)
         else:
             _run_shell(block, checkout)
+    _WROTE[str(doc.relative_to(ROOT))] = _written(checkout)
 
 
 def test_the_documents_pasted_one_after_another_in_one_checkout(tmp_path, monkeypatch):
     """A reader goes from the README to the docs in one checkout: no document's commands
-    may trip over files an earlier one made (an output folder that already exists...)."""
+    may trip over files an earlier one made (an output folder that already exists...).
+
+    Each document ran in a fresh checkout above (so none needs another's outputs); pasted
+    one after another, one can only trip over what an earlier one wrote: so no two documents
+    may write the same file. The docs then run once, not twice (issue 34). Run on its own
+    (the documents' runs not in this session), it pastes them all into one checkout."""
+    names = [str(doc.relative_to(ROOT)) for doc in documents()]
+    if all(name in _WROTE for name in names):
+        seen: dict[str, str] = {}
+        for name in names:
+            for path in sorted(_WROTE[name]):
+                if path in seen:
+                    pytest.fail(f"{name} writes {path}, which {seen[path]} wrote before it: "
+                                "pasted one after another, the second trips over the first; "
+                                "name the outputs apart", pytrace=False)
+                seen[path] = name
+        return
     checkout = _scratch(tmp_path)
     monkeypatch.chdir(checkout)
     monkeypatch.setattr(sys, "argv", [""])

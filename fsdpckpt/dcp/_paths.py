@@ -7,8 +7,9 @@ a file a checkpoint names, locally or on object storage.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, cast, overload
 
 from fsdpckpt._io import storage, storage_paths
 from fsdpckpt._io.storage import Place
@@ -88,25 +89,23 @@ def open_data_file(folder: Place, name: str) -> storage.OpenFile:
     if storage_paths.plain_name(folder, name):
         # A plain name opened without following a link at its end is the folder's own
         # file: no lstat first (a 4,096-chunk tensor opens 4,096 files). A link is judged
-        # by where it leads, below.
-        try:
-            # A string path: a Path object per file costs as much as the open itself.
-            found = storage.open_unless_link(f"{folder}{os.sep}{name}")
-            if found is not None:
-                return found
-        except CheckpointNotFoundError:
-            path = folder / name
-            raise CheckpointNotFoundError(f"{path}: missing data file; copy it from the machine "
-                                          "that wrote the checkpoint") from None
-        except NotACheckpointError:
-            raise NotACheckpointError(f"{folder / name}: not a regular file; a data file must "
-                                      "be one") from None
+        # by where it leads, below. A string path: a Path per file costs as much as the open.
+        found = _opened(lambda: storage.open_unless_link(f"{folder}{os.sep}{name}"),
+                        lambda: folder / name)
+        if found is not None:
+            return found
     path = data_file_path(folder, name)
+    return cast(storage.OpenFile, _opened(lambda: storage.open_file(path), lambda: path))
+
+
+def _opened(open_it: Callable[[], storage.OpenFile | None],
+            path: Callable[[], Place]) -> storage.OpenFile | None:
+    """``open_it()``, its refusals said as a data file's (``path()`` made only for them)."""
     try:
-        return storage.open_file(path)
+        return open_it()
     except CheckpointNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: missing data file; copy it from the machine that "
-                                      "wrote the checkpoint") from None
+        raise CheckpointNotFoundError(f"{path()}: missing data file; copy it from the machine "
+                                      "that wrote the checkpoint") from None
     except NotACheckpointError:
-        raise NotACheckpointError(f"{path}: not a regular file; a data file must be one") \
+        raise NotACheckpointError(f"{path()}: not a regular file; a data file must be one") \
             from None

@@ -208,7 +208,8 @@ class EndsRead:
     def read(self, count: int = -1) -> bytes:
         at = self._pos
         if count >= 0:
-            for begin, data in self._windows or self._read_windows():
+            windows = self._windows if self._windows is not None else self._read_windows()
+            for begin, data in windows:
                 if begin <= at and at + count <= begin + len(data):
                     self._pos += count
                     return data[at - begin:at - begin + count]

@@ -228,15 +228,14 @@ def _several_checkpoints(root: Place, names: list[str]) -> NotACheckpointError:
     # tmp-checkpoint-500) is an unfinished save, never a checkpoint to pick.
     staged = [n for n in names if STAGING.match(n)]
     names = [n for n in names if not STAGING.match(n)]
-    unfinished = (f" and {len(staged)} unfinished save{'s' * (len(staged) != 1)} "
-                  f"({', '.join(staged[:3])}{', ...' if len(staged) > 3 else ''}: left by saves "
-                  "that did not finish, not checkpoints)") if staged else ""
+    saves = (f"{len(staged)} unfinished save{'s' * (len(staged) != 1)} "
+             f"({', '.join(staged[:3])}{', ...' if len(staged) > 3 else ''}")
+    unfinished = f" and {saves}: left by saves that did not finish, not checkpoints)" \
+        if staged else ""
     if not names:
         error = NotACheckpointError(
-            f"{root}: holds no finished checkpoint, only {len(staged)} unfinished "
-            f"save{'s' * (len(staged) != 1)} ({', '.join(staged[:3])}"
-            f"{', ...' if len(staged) > 3 else ''}), left by saves that did not finish; "
-            "pass a folder that holds a finished one")
+            f"{root}: holds no finished checkpoint, only {saves}), left by saves that did not "
+            "finish; pass a folder that holds a finished one")
     elif len(names) == 1:
         error = NotACheckpointError(f"{root}: holds one checkpoint ({names[0]}){unfinished}; "
                                     f"pass it: {root / names[0]}")

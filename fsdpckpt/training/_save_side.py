@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fsdpckpt.errors import CheckpointNotFoundError
 from fsdpckpt.export._config import (
@@ -78,16 +78,24 @@ def _own_generation(inner: Any) -> list[tuple[str, bytes]]:
     return []
 
 
-def _model_side(model: Any, output: Any) -> Side:
-    inner = unwrapped(model)
+def _own_config(inner: Any) -> dict[str, Any] | None:
+    """The model's own Hugging Face config as a document, or None where it has none."""
     config = getattr(inner, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
-        raise CheckpointNotFoundError(
-            f"{output}: the model has no Hugging Face config (model.config) to write beside "
-            "the weights; pass base= with the model folder the run started from")
+        return None
     doc = json.loads(config.to_json_string(use_diff=False))
     # As transformers' save_pretrained: the config names the class that is saved.
     doc["architectures"] = [strip_fsdp_prefix(type(inner).__name__)]
+    return cast(dict[str, Any], doc)
+
+
+def _model_side(model: Any, output: Any) -> Side:
+    inner = unwrapped(model)
+    doc = _own_config(inner)
+    if doc is None:
+        raise CheckpointNotFoundError(
+            f"{output}: the model has no Hugging Face config (model.config) to write beside "
+            "the weights; pass base= with the model folder the run started from")
     return Side(doc, output / CONFIG, (), tuple(_own_generation(inner)),
                 "no tokenizer: without base= none is written; to include one, pass base= with "
                 "the model folder the run started from")
@@ -121,9 +129,5 @@ def training_config_files(model: Any) -> list[tuple[str, bytes]]:
     and its generation config, so that ``export-hf`` of a run trained from a config needs
     no hand-made ``--base``. None for a model without a Hugging Face config."""
     inner = unwrapped(model)
-    config = getattr(inner, "config", None)
-    if config is None or not callable(getattr(config, "to_json_string", None)):
-        return []
-    doc = json.loads(config.to_json_string(use_diff=False))
-    doc["architectures"] = [strip_fsdp_prefix(type(inner).__name__)]
-    return [(CONFIG, config_bytes(doc)), *_own_generation(inner)]
+    doc = _own_config(inner)
+    return [] if doc is None else [(CONFIG, config_bytes(doc)), *_own_generation(inner)]

@@ -48,6 +48,9 @@ TORCHRUN_TIMEOUT = timedelta(hours=2)
 #: command line then ends it without C++ teardown (``fsdpckpt/__main__.py`` says why).
 made_a_process_group = False
 
+#: The groups :func:`torchrun_group` made and destroyed, kept from being freed (it says why).
+_ENDED_GROUPS: list[Any] = []
+
 
 @dataclass(frozen=True, order=True)
 class FileRef:
@@ -272,7 +275,13 @@ def torchrun_group() -> Iterator[Any]:
     global made_a_process_group
     dist.init_process_group("gloo", timeout=TORCHRUN_TIMEOUT)
     made_a_process_group = True
+    group = dist.group.WORLD
     try:
-        yield dist.group.WORLD
+        yield group
     finally:
+        # Kept, never freed: freeing a gloo group right after a collective can deadlock on
+        # torch 2.6 (~ProcessGroupGloo joins its worker threads holding the GIL while a
+        # worker waits for the GIL to free the finished collective's tensors; about one
+        # torchrun merge in four hung at exit). The command line ends with os._exit anyway.
+        _ENDED_GROUPS.append(group)
         dist.destroy_process_group()

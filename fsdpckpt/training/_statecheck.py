@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fsdpckpt import _torch
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp.reader import read_dcp_folder
 
-__all__ = ["Comparison", "ShapeMismatch", "compare", "flatten", "mismatch_message"]
+__all__ = ["Comparison", "ShapeMismatch", "compare", "flatten", "mismatch_message",
+           "without_options_it_lacks"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,29 @@ def compare(folder: Place, state: Mapping[str, Any], prefix: str) -> Comparison:
 def flatten(state: Mapping[str, Any]) -> dict[str, Any]:
     """DCP's flat names (``state.0.weight.exp_avg``) for a nested state dict."""
     return _torch.flatten_state_dict(dict(state))[0]
+
+
+def without_options_it_lacks(state: dict[str, Any], comparison: Comparison) -> Comparison:
+    """Leave out of ``state`` (an optimizer's, as ``get_optimizer_state_dict`` gives it) the
+    param-group options the checkpoint lacks; return ``comparison`` without them.
+
+    A newer torch adds options (AdamW's ``decoupled_weight_decay``, 2.7): a checkpoint an
+    older torch wrote lacks them. Loaded without them, the optimizer's ``__setstate__`` sets
+    its defaults, as torch's own ``Optimizer.load_state_dict`` of an older state dict does.
+    Per-parameter state and ``params`` are never left out.
+    """
+    groups = state.get("param_groups") or []
+    still: list[str] = []
+    for key in comparison.missing:
+        where, _, option = key.rpartition(".")
+        head, _, index = where.partition(".")
+        group = groups[int(index)] if head == "param_groups" and index.isdigit() and \
+            int(index) < len(groups) else None
+        if group is not None and option != "params" and option in group:
+            del group[option]
+        else:
+            still.append(key)
+    return replace(comparison, missing=still)
 
 
 def mismatch_message(folder: Place, comparison: Comparison, what: str = "model") -> str:

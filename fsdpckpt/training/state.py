@@ -52,7 +52,12 @@ from fsdpckpt.training._layout import (
 )
 from fsdpckpt.training._rng import prepare_rng, rng_state_bytes, torch_save_bytes
 from fsdpckpt.training._save_side import training_config_files
-from fsdpckpt.training._statecheck import compare, flatten, mismatch_message
+from fsdpckpt.training._statecheck import (
+    compare,
+    flatten,
+    mismatch_message,
+    without_options_it_lacks,
+)
 from fsdpckpt.training.manifest import (
     Archives,
     FileRecord,
@@ -383,6 +388,7 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     for i, optimizer_state in enumerate(optimizer_templates):
         folder = optimizer_folder(root, i)
         comparison = compare(folder, flatten(optimizer_state), "optimizer")
+        comparison = without_options_it_lacks(optimizer_state, comparison)
         if comparison.unloadable:  # a different optimizer (SGD for AdamW) or model
             raise StateMismatchError(mismatch_message(folder, comparison, "optimizer"))
     # Every archive the loads read, checked against its CRC-32s first (torch's loader does not).

@@ -33,6 +33,7 @@ from fsdpckpt.errors import (
     ResumeWarning,
     StateMismatchError,
     Terminated,
+    TorchTooOldError,
     UnsafePickleError,
 )
 
@@ -141,6 +142,7 @@ __all__ = [
     "LoadResult",
     "AsyncSave",
     "StateMismatchError",
+    "TorchTooOldError",
     "ResumeWarning",
     "CheckpointManager",
     "save_pretrained",

@@ -36,14 +36,14 @@ __all__ = [
     "PICKLED_NAMES", "is_torch_global", "storage_info", "flatten_state_dict",
     "set_writer_filesystem", "written_file_name", "store_loaded_value",
     "fsspec_writer", "fsspec_reader_class", "fsspec_filesystem_class",
-    "takes_no_dist", "dcp_metadata", "reads_transforms",
+    "takes_no_dist", "dcp_metadata", "reads_transforms", "DTYPE_SINCE", "dtype",
     "PurePythonPickler", "PurePythonUnpickler", "PickleStop",
 ]
 
 #: The newest torch release whose checkpoint classes the allowlists were checked against.
 #: A metadata global fsdpckpt does not know, in a torch module, is reported as "written by
 #: a torch newer than this?". Raise it after re-running tests/test_torch_compat.py.
-KNOWN_TORCH = "2.13"
+KNOWN_TORCH = "2.15"
 #: What fsdpckpt runs with (pyproject's floor), and what it reads metadata from.
 SUPPORTED_TORCH = "torch>=2.6 (metadata written by torch 2.4 or later is read)"
 
@@ -284,3 +284,29 @@ def reads_transforms() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("torch.distributed.checkpoint._extension") is not None
+
+
+#: The dtypes fsdpckpt reads that a torch from the declared floor (2.6) on may lack, with the
+#: release that added each. Without torch they are read, inspected, verified and merged as
+#: bytes; a verb that must build a torch tensor of one needs that release.
+DTYPE_SINCE: Mapping[str, str] = {"float8_e8m0fnu": "2.7", "float4_e2m1fn_x2": "2.7"}
+
+
+def dtype(name: str, *, what: str = "") -> Any:
+    """``torch.<name>``, the dtype a checkpoint names; one the installed torch lacks raises
+    :class:`~fsdpckpt.errors.TorchTooOldError` naming the release that has it, instead of
+    an ``AttributeError`` from inside."""
+    import torch
+
+    found = getattr(torch, name, None)
+    if isinstance(found, torch.dtype):
+        return found
+    from fsdpckpt.errors import TorchTooOldError
+
+    since = DTYPE_SINCE.get(name)
+    upgrade = f"torch {since} or later" if since else "a newer torch"
+    raise TorchTooOldError(
+        f"{what + ': ' if what else ''}{name} tensors cannot be made with torch "
+        f"{torch.__version__}, which lacks torch.{name}: install {upgrade}. Without "
+        "torch tensors, fsdpckpt inspects, verifies and diffs them, and merges them as "
+        "they are (no --dtype)")

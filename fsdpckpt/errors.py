@@ -27,6 +27,7 @@ __all__ = [
     "ExportMismatchError",
     "DiffOptionError",
     "StateMismatchError",
+    "TorchTooOldError",
     "ResumeWarning",
     "Terminated",
 ]
@@ -126,6 +127,11 @@ class StateMismatchError(FsdpCkptError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
+
+
+class TorchTooOldError(FsdpCkptError, RuntimeError):
+    """What was asked needs something the installed torch lacks (a dtype, a DCP feature);
+    the message names the torch release that has it and what works without it."""
 
 
 class ResumeWarning(UserWarning):

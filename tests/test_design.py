@@ -87,8 +87,9 @@ _TOP = {
     "_printable": set(),
     "_progress": set(),
     "_version": set(),
-    # Nothing at module level; store_loaded_value nests with dcp._nesting inside the function.
-    "_torch": {"dcp"},
+    # Nothing at module level; store_loaded_value nests with dcp._nesting inside the function,
+    # and a dtype the installed torch lacks is a TorchTooOldError.
+    "_torch": {"dcp", "errors"},
     # The public API: its names, loaded lazily from the packages.
     "__init__": {"_version", "errors", "dcp", "export", "inspection", "merging", "training"},
 }

@@ -14,13 +14,20 @@ import io
 import pytest
 import torch
 
-from fsdpckpt import inspect_checkpoint, load_full_state_dict
+from fsdpckpt import _torch, inspect_checkpoint, load_full_state_dict
 from fsdpckpt.dcp._archive import locate_tensor
 from fsdpckpt.dcp.dtypes import DTYPES, dtype_from_name
 from fsdpckpt.dcp.reader import read_dcp_folder
+from fsdpckpt.errors import TorchTooOldError
 from fsdpckpt.inspection.verify import verify_checkpoint
 
-from conftest import FIXTURES, assert_one_line_error, reference_state_dict, run_cli
+from conftest import (
+    FIXTURES,
+    assert_one_line_error,
+    reference_state_dict,
+    run_cli,
+    skip_unless_torch_has_dtypes,
+)
 from deep_compare import assert_same_deep as assert_same_state
 from deep_compare import tensor_bytes as _bytes
 
@@ -37,6 +44,10 @@ LAYOUTS = ("dim0", "dim1", "replicated", "scalar")
 NO_SAFETENSORS_CODE = ("float8_e8m0fnu", "float4_e2m1fn_x2", "complex32", "complex128")
 
 
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+
 def _without(tree: dict, dtypes) -> dict:
     model = {k: v for k, v in tree["model"].items() if k.split(".")[0] not in dtypes}
     return {**tree, "model": model}
@@ -46,6 +57,10 @@ def _without(tree: dict, dtypes) -> dict:
 
 @pytest.mark.parametrize("name", sorted(DTYPES))
 def test_every_known_dtype_is_torch_s_with_its_size(name):
+    if not hasattr(torch, name):  # only a dtype _torch.DTYPE_SINCE dates, on an older torch
+        since = _torch.DTYPE_SINCE[name]
+        assert _release(torch.__version__) < _release(since), name
+        pytest.skip(f"torch {torch.__version__} lacks {name} (torch {since} added it)")
     assert torch.empty(0, dtype=getattr(torch, name)).element_size() == DTYPES[name].itemsize
 
 
@@ -83,6 +98,7 @@ def test_the_matrix_verifies():
 
 
 def test_every_located_chunk_is_what_torch_loads_byte_for_byte():
+    skip_unless_torch_has_dtypes(MATRIX)
     folder = read_dcp_folder(MATRIX)
     for tensor in folder.metadata.tensors:
         for chunk in tensor.chunks:
@@ -97,6 +113,7 @@ def test_every_located_chunk_is_what_torch_loads_byte_for_byte():
 
 
 def test_the_matrix_loads_as_torch_loads_it():
+    skip_unless_torch_has_dtypes(MATRIX)
     assert_same_state(load_full_state_dict(MATRIX), reference_state_dict(MATRIX))
 
 
@@ -136,6 +153,7 @@ def test_a_safetensors_merge_of_every_dtype_with_a_code_loads_in_safetensors(tmp
 def test_a_bf16_export_of_the_matrix_is_torch_s_own_cast(tmp_path):
     # Floating dtypes (every float8 included) become bfloat16 as tensor.to() makes them;
     # float4_e2m1fn_x2, integers, bool and complex keep their dtype and bytes.
+    skip_unless_torch_has_dtypes(MATRIX)
     result = run_cli("merge", MATRIX, tmp_path / "out", "--format", "bin", "--dtype", "bf16")
     assert result.exit_code == 0, result.output
     with torch.serialization.safe_globals([set, frozenset, complex]):
@@ -145,3 +163,45 @@ def test_a_bf16_export_of_the_matrix_is_torch_s_own_cast(tmp_path):
         want = tensor.to(torch.bfloat16) if cast else tensor
         assert merged[key].dtype == want.dtype, key
         assert _bytes(merged[key]) == _bytes(want), key
+
+
+# ----------------------------------------------------------------- on a torch without a dtype
+# torch 2.6 (the declared floor) lacks float8_e8m0fnu and float4_e2m1fn_x2. Taking one away
+# from the installed torch makes that torch on any release, so CI pins the behaviour on
+# every torch it runs.
+
+
+@pytest.fixture
+def torch_without_e8m0(monkeypatch):
+    monkeypatch.delattr(torch, "float8_e8m0fnu", raising=False)  # 2.6 lacks it already
+
+
+@pytest.mark.parametrize("verb", [("inspect",), ("verify",), ("diff", MATRIX),
+                                  ("merge", "{out}", "--format", "bin")])
+def test_a_torch_without_a_dtype_still_reads_it_as_bytes(verb, torch_without_e8m0, tmp_path):
+    args = [str(a).format(out=tmp_path / "out") for a in verb[1:]]
+    result = run_cli(verb[0], MATRIX, *args)
+    assert result.exit_code == 0, result.output
+
+
+def test_a_torch_without_a_dtype_says_which_torch_casts_it(torch_without_e8m0, tmp_path):
+    result = run_cli("merge", MATRIX, tmp_path / "out", "--format", "bin", "--dtype", "bf16")
+    assert_one_line_error(result, "float8_e8m0fnu", torch.__version__, "torch 2.7 or later")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_torch_without_a_dtype_says_which_torch_loads_it(torch_without_e8m0):
+    with pytest.raises(TorchTooOldError, match="float8_e8m0fnu.*torch 2.7 or later"):
+        load_full_state_dict(MATRIX)
+
+
+def test_a_torch_without_a_dtype_says_which_torch_loads_its_bin(tmp_path):
+    # Here torch's own loader meets the dtype, and caches the dtypes it knows: only a torch
+    # that really lacks it (2.6, which CI runs) shows what a user of that torch sees.
+    if hasattr(torch, "float8_e8m0fnu"):
+        pytest.skip(f"torch {torch.__version__} has float8_e8m0fnu; CI runs this on torch 2.6")
+    assert run_cli("merge", MATRIX, tmp_path / "out", "--format", "bin").exit_code == 0
+    with pytest.raises(TorchTooOldError, match="pytorch_model.bin: float8_e8m0fnu"):
+        load_full_state_dict(tmp_path / "out")
+    result = run_cli("convert", tmp_path / "out" / "pytorch_model.bin", tmp_path / "back")
+    assert_one_line_error(result, "float8_e8m0fnu", "torch 2.7 or later")

@@ -24,7 +24,7 @@ PUBLIC = {
     # errors
     "FsdpCkptError", "CheckpointNotFoundError", "CorruptCheckpointError", "ChecksumError",
     "NotACheckpointError", "UnsafePickleError", "RemoteStorageError", "RemoteTimeoutError",
-    "DiffOptionError", "OptionError", "Terminated", "RankLocalStateError",
+    "DiffOptionError", "OptionError", "Terminated", "RankLocalStateError", "TorchTooOldError",
     # merging and converting
     "merge", "merge_fsdp_weights", "MergeResult", "load_full_state_dict", "convert",
     "ConvertResult", "plan_merge", "MergePlan", "MergePlanError", "OutputExistsError",

@@ -19,6 +19,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import IO, Any
 
+from fsdpckpt import _torch
 from fsdpckpt.dcp._archive import check_view, read_archive_with_tensors
 from fsdpckpt.dcp._checked import check_archive
 from fsdpckpt.dcp._graph import MAX_DEPTH, measure, node_budget
@@ -57,7 +58,7 @@ class TensorValue:
         """The real tensor: a copy of the storage viewed as torch.save's loader views it."""
         import torch
 
-        dtype = getattr(torch, self.dtype.name)
+        dtype = _torch.dtype(self.dtype.name)
         flat = torch.frombuffer(bytearray(self.storage), dtype=torch.uint8).view(dtype) \
             if self.storage else torch.empty(0, dtype=dtype)
         return torch.as_strided(flat, self.shape, self.stride, self.storage_offset)
@@ -180,7 +181,14 @@ def torch_load_allowlisted(path: Any, *, mmap: bool = False) -> Any:
     with torch.serialization.safe_globals([set, frozenset, complex, slice]):
         # safe: weights_only=True is torch's restricted unpickler; the globals added are
         # four builtin types that construct plain values and run no code.
-        value = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        try:
+            value = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except (pickle.UnpicklingError, AttributeError) as exc:
+            # A dtype this torch lacks (float8_e8m0fnu on 2.6) is no unsafe global: say so.
+            for name in _torch.DTYPE_SINCE:
+                if name in str(exc):
+                    _torch.dtype(name, what=str(path))  # raises where torch lacks it
+            raise
     check_plain_value(value, source=str(path), size=_pickle_size(path))
     return value
 

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fsdpckpt import _torch
 from fsdpckpt.dcp._datafiles import DataFiles
 from fsdpckpt.export._keycheck import key_problems
 from fsdpckpt.export._tied import read_box
@@ -263,10 +264,10 @@ def _cut(plan: MergePlan, planned: Mapping[str, PlannedTensor],
             entry, out = tensor.source, tensor.spec.dtype
             memory = bytearray(math.prod(piece.sizes) * entry.dtype.itemsize)
             read_box(files, entry, piece.offsets, piece.sizes, memoryview(memory))
-            stored = getattr(torch, entry.dtype.name)
+            stored = _torch.dtype(entry.dtype.name)
             value = torch.frombuffer(memory, dtype=stored) if memory else \
                 torch.empty(0, dtype=stored)
-            yield piece.name, value.view(piece.shape).to(getattr(torch, out.name))
+            yield piece.name, value.view(piece.shape).to(_torch.dtype(out.name))
     finally:
         files.close()
 

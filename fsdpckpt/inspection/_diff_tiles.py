@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fsdpckpt import _torch
 from fsdpckpt._io.rawio import ReadAt, pread_into, scratch
 from fsdpckpt.dcp._checked import CheckedRead
 from fsdpckpt.dcp._zstd import ZstdEntry
@@ -212,7 +213,7 @@ def flat_tile(buffer: memoryview, dtype: str, sizes: Sequence[int], strides: Seq
     the tile lies in another order."""
     import torch
 
-    torch_dtype, count = getattr(torch, dtype), math.prod(sizes)
+    torch_dtype, count = _torch.dtype(dtype), math.prod(sizes)
     view = tile_view(buffer, torch_dtype, sizes, strides)
     if not view.is_contiguous():  # to the tile's row-major order, bit for bit
         rows = scratch(count * torch_dtype.itemsize, slot)

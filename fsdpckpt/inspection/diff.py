@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fsdpckpt import _torch
 from fsdpckpt._io.rawio import reusing_scratch, scratch
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._checked import CheckedRead
@@ -276,7 +277,7 @@ def _compare_boxes(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, acc: Ac
     per_box = min(BOX_ELEMENTS, max(ta.numel, 1))
     buf_a = scratch(per_box * ta.dtype.itemsize, "diff-a")
     buf_b = scratch(per_box * tb.dtype.itemsize, "diff-b")
-    dtype_a, dtype_b = getattr(torch, ta.dtype.name), getattr(torch, tb.dtype.name)
+    dtype_a, dtype_b = _torch.dtype(ta.dtype.name), _torch.dtype(tb.dtype.name)
     for offsets, sizes in boxes(ta.shape, BOX_ELEMENTS):
         count = math.prod(sizes)
         view_a = buf_a[:count * ta.dtype.itemsize]

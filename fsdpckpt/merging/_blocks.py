@@ -16,6 +16,7 @@ import math
 import os
 from collections.abc import Sequence
 
+from fsdpckpt import _torch
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.merging import _casts
 
@@ -116,7 +117,7 @@ def reorder(stored: memoryview, count: int, sizes: Sequence[int], stride: Sequen
     if np is None or dtype.itemsize not in _UNSIGNED:
         torch = _casts.import_torch()
 
-        kind = getattr(torch, dtype.name)
+        kind = _torch.dtype(dtype.name)
         torch.frombuffer(target, dtype=kind, count=numel).view(tuple(sizes)).copy_(
             torch.frombuffer(stored, dtype=kind, count=count).as_strided(
                 tuple(sizes), tuple(stride), offset))
@@ -132,7 +133,7 @@ def _transpose_torch(stored: memoryview, pitch: int, width: int, height: int, dt
                      target: memoryview, skip: int, row_pitch: int) -> None:
     torch = _casts.import_torch()
 
-    kind = getattr(torch, dtype.name)
+    kind = _torch.dtype(dtype.name)
     columns = torch.frombuffer(stored, dtype=kind, count=(width - 1) * pitch + skip + height)
     rows = torch.frombuffer(target, dtype=kind, count=(height - 1) * row_pitch + width)
     rows.as_strided((height, width), (row_pitch, 1)).copy_(

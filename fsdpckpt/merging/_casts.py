@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from fsdpckpt import _torch
 from fsdpckpt._io.rawio import release_scratch, scratch
 from fsdpckpt.dcp.dtypes import DTYPES
 
@@ -206,5 +207,5 @@ def import_torch() -> Any:
 def _torch_cast(source: str, target: str, src: memoryview, dst: memoryview) -> None:
     torch = import_torch()
 
-    out = torch.frombuffer(dst, dtype=getattr(torch, target))
-    out.copy_(torch.frombuffer(src, dtype=getattr(torch, source)))
+    out = torch.frombuffer(dst, dtype=_torch.dtype(target))
+    out.copy_(torch.frombuffer(src, dtype=_torch.dtype(source)))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from fsdpckpt import _torch
 from fsdpckpt._io import storage
 from fsdpckpt._io.rawio import reusing_scratch
 from fsdpckpt._io.remote import location
@@ -50,8 +51,8 @@ def _empty(dtype: DType, shape: tuple[int, ...]) -> tuple[Any, MemorySink]:
 
     memory = bytearray(math.prod(shape) * dtype.itemsize)
     if not memory:
-        return torch.empty(shape, dtype=getattr(torch, dtype.name)), MemorySink(memoryview(memory))
-    flat = torch.frombuffer(memory, dtype=getattr(torch, dtype.name))  # keeps ``memory`` alive
+        return torch.empty(shape, dtype=_torch.dtype(dtype.name)), MemorySink(memoryview(memory))
+    flat = torch.frombuffer(memory, dtype=_torch.dtype(dtype.name))  # keeps ``memory`` alive
     return flat.view(shape), MemorySink(memoryview(memory))
 
 

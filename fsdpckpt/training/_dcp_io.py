@@ -111,11 +111,8 @@ def _torch_metadata(folder: Place) -> tuple[Any, Mapping[Any, _Archive]]:
     entries: dict[str, Any] = {}
     planner: dict[str, Any] = {}
     for tensor in meta.tensors:
-        dtype = getattr(torch, tensor.dtype.name, None)
-        if not isinstance(dtype, torch.dtype):  # a dtype newer than this torch
-            raise NotACheckpointError(f"{folder / METADATA_FILE}: tensor '{tensor.name}' has "
-                                      f"dtype {tensor.dtype.name}, which this torch "
-                                      f"({torch.__version__}) lacks; load it with a newer torch")
+        dtype = _torch.dtype(tensor.dtype.name,
+                             what=f"{folder / METADATA_FILE}: tensor '{tensor.name}'")
         chunks = [ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes))
                   for chunk in tensor.chunks]
         # Only the dtype is kept: layout, memory format and the rest are what DCP always

@@ -19,7 +19,7 @@ import torch.distributed.tensor  # registers DTensor for weights_only loading
 
 import fsdpckpt
 
-from conftest import FIXTURES, run_cli, upload
+from conftest import FIXTURES, run_cli, torch_loads_fixture, upload
 
 # torch's DTensor unpickling warns that it runs in one process, as the tests mean it to.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -48,7 +48,7 @@ def merged(tmp_path_factory):
 def _change_rank_file(file: Path) -> str:
     """Add 1 to the first element of the first tensor of a ``torch.save`` rank file (its
     DTensors' local shards are plain tensors under the wrapper); returns the tensor's key."""
-    state = torch.load(file, weights_only=True)
+    state = torch_loads_fixture(file)
     key, value = next((k, v) for k, v in state.items() if isinstance(v, torch.Tensor))
     local = value._local_tensor if isinstance(value, torch.distributed.tensor.DTensor) else value
     local.view(-1)[0] += 1

@@ -32,7 +32,7 @@ from fsdpckpt.dcp._hfstorage import MODEL_PART, SHARDS_PART, parse_header
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 from tests.fuzzing import damaged, fuzz_settings
 
-from conftest import single_process
+from conftest import single_process, torch_dcp_class
 from deep_compare import assert_same_tensors
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -52,8 +52,8 @@ FOLDERS = {"shards": SHARDS, "consolidated": CONSOLIDATED,
 def _torch_reads(folder: Path) -> dict[str, torch.Tensor]:
     """The full state dict torch's own HuggingFaceStorageReader loads from ``folder``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+    HuggingFaceStorageReader = torch_dcp_class("HuggingFaceStorageReader")
     meta = HuggingFaceStorageReader(str(folder)).read_metadata()
     state = {fqn: torch.empty(md.size, dtype=md.properties.dtype)
              for fqn, md in meta.state_dict_metadata.items()}
@@ -158,8 +158,8 @@ def test_the_shards_merge_to_the_trained_llama_and_consolidation_to_its_files(tm
 
 def test_a_rank0_save_without_distribution_is_read(tmp_path):
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+    HuggingFaceStorageWriter = torch_dcp_class("HuggingFaceStorageWriter")
     state = {"a": torch.arange(12, dtype=torch.float32).view(3, 4),
              "b": torch.arange(5, dtype=torch.int64), "empty": torch.ones(0, 3)}
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp_path / "ckpt")),

@@ -25,7 +25,7 @@ import fsdpckpt
 from fsdpckpt.dcp import _datafiles
 from fsdpckpt.dcp._datafiles import OPEN_FILES, DataFiles
 
-from conftest import ROOT
+from conftest import ROOT, reference_state_dict
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _simulate
@@ -57,16 +57,6 @@ def _cli(*args: object, limit: int = LIMIT) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def _torch_load(folder: Path) -> dict:
-    import warnings
-
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
-        return _load_state_dict_from_keys(checkpoint_id=str(folder))
-
-
 def test_the_simulated_checkpoint_has_more_rank_files_than_the_limit(many):
     assert len(list((many / "pytorch_model_fsdp_0").glob("*.distcp"))) == RANKS > LIMIT
 
@@ -82,7 +72,7 @@ def test_verify_reads_every_chunk_under_the_limit(many):
 def test_merge_under_the_limit_gives_what_torch_loads(many, tmp_path):
     _cli("merge", many, tmp_path / "out")
     merged = load_file(tmp_path / "out" / "model.safetensors")
-    want = _torch_load(many / "pytorch_model_fsdp_0")["model"]
+    want = reference_state_dict(many / "pytorch_model_fsdp_0")["model"]
     assert sorted(merged) == sorted(want)
     assert all(torch.equal(merged[k], want[k]) for k in want)
 

@@ -28,6 +28,7 @@ from fsdpckpt.errors import (
     UnsafePickleError,
 )
 
+from conftest import torch_loads_fixture
 from deep_compare import tensor_bytes
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -64,7 +65,7 @@ def _load_sharded(path: Path, monkeypatch) -> dict:
                MEM_FORMAT_ENCODING, _remote_device, ChunkShardingSpec, getattr,
                ShardedTensor.ProcessGroupState]
     with torch.serialization.safe_globals(allowed):
-        return torch.load(path, weights_only=True)
+        return torch_loads_fixture(path)
 
 
 def _torch_reference(folder: Path, pattern: str, monkeypatch) -> dict[str, torch.Tensor]:
@@ -224,7 +225,7 @@ def test_param_groups_are_kept_as_a_dcp_optimizer_merge_keeps_them(tmp_path):
 def test_ranks_whose_param_groups_disagree_are_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(FSDP2, ckpt)
-    state = torch.load(ckpt / "optimizer_0_rank1.bin", weights_only=True)
+    state = torch_loads_fixture(ckpt / "optimizer_0_rank1.bin")
     state["param_groups"][0]["lr"] = 0.5
     torch.save(state, ckpt / "optimizer_0_rank1.bin")
     with pytest.raises(CorruptCheckpointError,

@@ -110,10 +110,16 @@ def test_fuse_onto_the_full_precision_base_is_peft_s_merge(tmp_path, run):
         str(out), output_loading_info=True, trust_remote_code=False)
     assert not any(info.values()), info
     assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.bfloat16
-    reference = load_file(QLORA / run / "logits.safetensors")
+    stored = load_file(QLORA / run / "logits.safetensors")
+    # PEFT's fused folder computed here, in this process, is the exact reference: float sums
+    # are exact only on one machine's kernels (and torch release), so the run's stored
+    # logits are matched within bfloat16's rounding.
+    peft_fused = transformers.AutoModelForCausalLM.from_pretrained(str(want.parent),
+                                                                   trust_remote_code=False)
     with torch.no_grad():
-        logits = model(input_ids=reference["tokens"]).logits
-    assert torch.equal(logits, reference["logits"])
+        logits = model(input_ids=stored["tokens"]).logits
+        assert torch.equal(logits, peft_fused(input_ids=stored["tokens"]).logits)
+    torch.testing.assert_close(logits, stored["logits"], atol=2e-2, rtol=1.6e-2)
 
 
 def test_fuse_without_base_says_to_pass_it(tmp_path):

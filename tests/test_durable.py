@@ -108,3 +108,30 @@ def test_fsync_dir_closes_its_descriptor_when_fsync_fails(tmp_path, monkeypatch)
 def test_fsync_dir_of_a_missing_folder_raises(tmp_path):
     with pytest.raises(FileNotFoundError):
         fsync_dir(tmp_path / "missing")
+
+
+def test_every_file_a_save_writes_is_fsynced_whole(tmp_path, monkeypatch):
+    """torch's DCP writer fsyncs ``.metadata.tmp`` before its buffered bytes are flushed (an
+    fsync of an empty file): each file a save writes must be fsynced once all its bytes are
+    in it, before the rename that publishes ``.metadata``."""
+    import torch
+
+    import fsdpckpt
+
+    synced: dict[tuple[int, int], int] = {}  # (device, inode) -> the largest size fsynced
+    real = os.fsync
+
+    def record(fd):
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        synced[key] = max(synced.get(key, -1), st.st_size)
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    model = torch.nn.Linear(4, 3)
+    fsdpckpt.save_state(tmp_path / "ckpt", model, torch.optim.AdamW(model.parameters()))
+    files = [p for p in (tmp_path / "ckpt").rglob("*") if p.is_file()]
+    assert any(p.name == ".metadata" for p in files)
+    for path in files:
+        st = path.stat()
+        assert synced.get((st.st_dev, st.st_ino)) == st.st_size, path.name

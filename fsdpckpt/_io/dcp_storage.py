@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
+from fsdpckpt._io.durable import fsync_file
 from fsdpckpt._io.storage import Place, is_remote
 from fsdpckpt._torch import (
     fsspec_filesystem_class,
@@ -80,6 +81,11 @@ def dcp_writer(folder: str | os.PathLike[str] | Place, wrap: Callable[[Any], _Pr
                     return
                 proxy = wrap(stream)
                 yield proxy
+            if not is_remote(folder):
+                # Durable once closed: torch's writer fsyncs its Python-buffered stream
+                # without flushing it first, so the tail (all of a small .metadata) reached
+                # the disk only at close, after the fsync. Before the rename that publishes it.
+                fsync_file(path)
             written(str(path), proxy)
 
     filesystem = _WrappedStreams()

@@ -9,7 +9,7 @@ from pathlib import Path
 from fsdpckpt._io import background
 from fsdpckpt._io.checksums import crc32
 
-__all__ = ["Writeback", "fsync_dir", "start_writeback", "write_bytes"]
+__all__ = ["Writeback", "fsync_dir", "fsync_file", "start_writeback", "write_bytes"]
 
 #: Bytes of adjacent output a :class:`Writeback` gathers before it hands them to the kernel:
 #: 2.4 GB in one tensor merged in 1.61 s with 256 MiB steps, 1.68 s with 512, 1.80 s with
@@ -18,13 +18,22 @@ __all__ = ["Writeback", "fsync_dir", "start_writeback", "write_bytes"]
 WRITEBACK_STEP = 256 * 2**20
 
 
-def fsync_dir(path: Path) -> None:
-    """Make the names in ``path`` (new files, renames) durable."""
+def _fsync(path: str | os.PathLike[str]) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in ``path`` (new files, renames) durable."""
+    _fsync(path)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Make the bytes of the closed file ``path`` durable (its page cache written to disk)."""
+    _fsync(path)
 
 
 def write_bytes(path: Path, data: bytes, *, sync: bool = True) -> tuple[int, int]:

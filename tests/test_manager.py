@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fsdpckpt
+from fsdpckpt._io.publish import exchange
 
 import workers
 from multirank import run_ranks, start_ranks
@@ -210,9 +211,48 @@ def test_saving_an_existing_step_without_overwrite_is_refused_and_keeps_it(tmp_p
     assert after == before
 
 
+def test_a_replacing_save_swaps_the_copies_in_one_step(tmp_path, monkeypatch):
+    import fsdpckpt._io.publish_folders as folders
+
+    manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=3)
+    manager.save(30, **_parts())
+    swaps = []
+
+    def swapped_then_crash(a, b):
+        swaps.append(exchange(a, b))
+        raise KeyboardInterrupt  # the job dies right after the swap, before any cleanup
+
+    monkeypatch.setattr(folders, "exchange", swapped_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(30, overwrite=True, **_parts())
+    assert swaps == [True]  # this file system swaps (ext4, tmpfs, xfs, btrfs do)
+    # The new copy is committed; the old one, under the hidden name, goes at the next start.
+    assert _steps(fsdpckpt.CheckpointManager(tmp_path)) == [30]
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_exchange_swaps_two_folders(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x").write_text("a")
+    (tmp_path / "b").mkdir()
+    assert exchange(tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "b" / "x").read_text() == "a" and not list((tmp_path / "a").iterdir())
+
+
+def test_exchange_of_a_missing_name_raises_naming_it(tmp_path):
+    (tmp_path / "a").mkdir()
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        exchange(tmp_path / "a", tmp_path / "nowhere")
+
+
 def test_a_crash_before_the_rename_of_a_replacing_save_loses_nothing(tmp_path, monkeypatch):
+    # Where the system cannot swap (an old kernel, a file system without RENAME_EXCHANGE),
+    # the old copy is renamed out of sight first: a crash then leaves the new copy whole
+    # under the hidden name, and the next start commits it.
+    import fsdpckpt._io.publish_folders as folders
     import fsdpckpt.training.manager as manager_module
 
+    monkeypatch.setattr(folders, "exchange", lambda a, b: False)
     manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=3)
     manager.save(30, **_parts())
     real_rename = os.rename

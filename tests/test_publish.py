@@ -108,6 +108,36 @@ def test_a_failed_new_folder_leaves_the_old_one_and_no_stage(tmp_path):
     assert _names(out) == ["old"] and _names(tmp_path) == ["out"]
 
 
+def test_a_new_folder_swaps_in_one_step_so_a_crash_leaves_old_or_new(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old").write_bytes(b"old")
+    real = publish.exchange
+    seen = []
+
+    def swap_then_crash(a, b):
+        seen.append(sorted(p.name for p in b.iterdir()))  # the old folder, whole, until now
+        assert real(a, b)
+        raise KeyboardInterrupt  # dies right after the swap: nothing else ran
+
+    monkeypatch.setattr(publish, "exchange", swap_then_crash)
+    with pytest.raises(KeyboardInterrupt), publish.new_folder(out) as stage:
+        (stage / "new").write_bytes(b"new")
+    assert seen == [["old"]]
+    assert _names(out) == ["new"] and _names(tmp_path) == ["out"]
+
+
+def test_without_exchange_a_new_folder_takes_the_old_one_out_of_sight_first(tmp_path,
+                                                                            monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old").write_bytes(b"old")
+    monkeypatch.setattr(publish, "exchange", lambda a, b: False)
+    with publish.new_folder(out) as stage:
+        (stage / "new").write_bytes(b"new")
+    assert _names(out) == ["new"] and _names(tmp_path) == ["out"]
+
+
 def test_a_published_folder_gets_the_mode_the_umask_gives(tmp_path):
     old = os.umask(0o027)
     try:

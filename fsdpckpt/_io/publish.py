@@ -36,8 +36,8 @@ from fsdpckpt._io.storage import Place, is_remote
 from fsdpckpt.errors import DiskFullError, OutputNotWritableError
 
 __all__ = ["STAGING_PREFIX", "host", "clear_stale_stages", "stage_in", "rename_into", "beside",
-           "new_folder", "folder", "files_into", "FilesTarget", "discard", "signals_deferred",
-           "make_stage", "output_mode"]
+           "new_folder", "folder", "files_into", "FilesTarget", "discard", "exchange",
+           "signals_deferred", "make_stage", "output_mode"]
 
 log = logging.getLogger("fsdpckpt")
 
@@ -209,11 +209,17 @@ def new_folder(out: Path) -> Iterator[Path]:
             stage = make_stage(out.parent, f".{out.name}.fsdpckpt-tmp-",
                                published_as_folder=True)
         yield stage
-        if out.exists():
-            shutil.rmtree(out)
+        # Swapped in one step where the system can: a crash leaves the old folder or the
+        # new one under ``out``, never none and never a half-deleted one.
+        if out.exists() and exchange(stage, out):
+            fsync_dir(out.parent)
+            return  # ``stage`` now holds the old folder: removed below
+        replaced = discard(out, f".{out.name}.fsdpckpt-tmp-") if out.exists() else None
         os.replace(stage, out)
         stage = None
         fsync_dir(out.parent)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
     finally:
         if stage is not None:
             with signals_deferred():  # a second Ctrl-C does not cut the cleanup short
@@ -311,6 +317,34 @@ class _Uploading:
 
     def drop(self, stale: Iterable[Any]) -> None:
         self._uploads.drop(stale)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` (two folders, or two files) in one atomic step: Linux's
+    ``renameat2(RENAME_EXCHANGE)``, so a crash leaves one or the other under each name, never
+    neither. False, with nothing changed, where the kernel, C library or file system has no
+    such rename (the caller then replaces in two steps); the caller fsyncs the folder."""
+    import ctypes
+    import ctypes.util
+    import errno
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # not Linux, or a C library older than glibc 2.28
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # no exchange here
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
 def discard(path: Path, prefix: str) -> Path:

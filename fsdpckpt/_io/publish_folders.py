@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
 from fsdpckpt._io.durable import fsync_dir
-from fsdpckpt._io.publish import discard
+from fsdpckpt._io.publish import discard, exchange
 from fsdpckpt._io.storage import Place, commits_by_rename
 
 __all__ = ["Commits", "RenameCommits", "commits"]
@@ -74,6 +74,10 @@ class RenameCommits:
         final = self.root / f"{self.final}{key}"
         replaced = None
         if final.exists():  # the same key published again: the old copy goes only after
+            if exchange(self.writing(key), final):  # one step: old or new, never neither
+                fsync_dir(self.root)
+                shutil.rmtree(self.writing(key), ignore_errors=True)  # now the old copy
+                return final
             replaced = discard(final, f"{self.hidden}deleting-{final.name}-")
         os.rename(self.writing(key), final)
         fsync_dir(self.root)

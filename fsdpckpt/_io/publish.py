@@ -167,7 +167,16 @@ def stage_in(output_dir: Path) -> Iterator[Path]:
 
 def rename_into(staged: Iterable[Path], output_dir: Path) -> list[Path]:
     """Publish staged files: renamed into ``output_dir`` in this order (the commit file
-    last), then the renames made durable; their final paths."""
+    last), then the renames made durable; their final paths.
+
+    Files over an earlier output: its commit file (a shard index) is removed, durably,
+    before the first new file lands, so no crash leaves the old index naming new shards: the
+    folder holds the old output whole, then none, then the new one whole."""
+    staged = list(staged)
+    commit_file = output_dir / staged[-1].name if staged else None
+    if len(staged) > 1 and commit_file is not None and commit_file.exists():
+        commit_file.unlink()
+        fsync_dir(output_dir)
     final = []
     for path in staged:
         target = output_dir / path.name

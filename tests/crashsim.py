@@ -297,8 +297,9 @@ def record(code: str, root: Path, *, cwd: Path, timeout: float = 300) -> Recordi
     recording = Recording(root, cwd)
     recording.snapshot()
     trace = cwd / "strace.txt"
-    run = subprocess.run(["strace", "-f", "-y", "-qq", "-s", "0", "-e", f"trace={_CALLS}",
-                          "-o", str(trace), sys.executable, "-c", code],
+    # --seccomp-bpf: the calls not traced cost nothing (a run takes 1.1x, not 1.7x).
+    run = subprocess.run(["strace", "-f", "--seccomp-bpf", "-y", "-qq", "-s", "0",
+                          "-e", f"trace={_CALLS}", "-o", str(trace), sys.executable, "-c", code],
                          cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if run.returncode != 0:
         raise AssertionError(f"the recorded run failed:\n{run.stderr[-3000:]}")

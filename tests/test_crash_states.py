@@ -236,3 +236,195 @@ def test_the_explorer_finds_a_commit_that_renames_without_an_fsync(tmp_path):
     result = crashsim.explore(recording, check, tmp_path / "states")
     assert any("(all unsynced lost): the merged output was lost" in v
                for v in result.violations), result.violations
+
+
+def test_a_save_whose_metadata_is_never_fsynced_is_caught(tmp_path):
+    # torch's writer fsyncs .metadata.tmp before its bytes are flushed; without fsdpckpt's own
+    # fsync of each closed file, a power loss can cut a reported checkpoint's .metadata.
+    root = tmp_path / "out"
+    root.mkdir()
+
+    def check(copy: Path, reported: list[str]) -> list[str]:
+        target = model_at(0)
+        try:
+            fsdpckpt.load_state(copy / "ckpt", target)
+        except fsdpckpt.FsdpCkptError:
+            return ["the saved checkpoint does not load"] if reported else []
+        return []
+
+    program = ("import fsdpckpt._io.dcp_storage as storage\n"
+               "storage.fsync_file = lambda path: None  # the bug\n"
+               f"fsdpckpt.save_state({str(root / 'ckpt')!r}, model_at(5))\n" +
+               crashsim.report("saved"))
+    recording = crashsim.record(PRELUDE + program, root, cwd=tmp_path)
+    result = crashsim.explore(recording, check, tmp_path / "states")
+    assert any("the saved checkpoint does not load" in v for v in result.violations), \
+        result.violations
+
+
+# -- outputs replaced whole: convert, export-hf, save_pretrained ----------------------------
+
+
+def _files(folder: Path) -> dict[str, bytes] | None:
+    """Every visible file under ``folder`` (hidden stages left out); None: no folder."""
+    if not folder.is_dir():
+        return None
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not any(part.startswith(".") for part in
+                                       p.relative_to(folder).parts)}
+
+
+#: The files whose presence makes a folder an export: a folder without one is plainly
+#: unfinished to from_pretrained and PeftModel.from_pretrained (the export's commit files).
+COMMIT_FILES = ("config.json", "adapter_config.json")
+
+
+def _replaced_whole(tmp_path: Path, root: Path, program: str, old, new) -> None:
+    """``program`` replaces the export in ``root/out`` (``old``) with ``new``: in every crash
+    state the folder holds the old export whole, none (no commit file), or the new one whole
+    (only that, once reported)."""
+    assert old != new and old is not None
+
+    old, new = _as_loaded(old), _as_loaded(new)
+
+    def check(copy: Path, reported: list[str]) -> list[str]:
+        now = _as_loaded(_files(copy / "out"))
+        allowed = [new] if reported else [old, new, None]
+        return [] if now in allowed else [f"out is neither old nor new: {sorted(now or {})}"]
+
+    _explore(tmp_path, root, program + crashsim.report("written"), check)
+
+
+def _as_loaded(files: dict[str, bytes] | None) -> dict[str, bytes] | None:
+    """An export folder as loaders read it: the files of a kind whose commit file is absent
+    are inert (a full model's weights without ``config.json``, an adapter's without
+    ``adapter_config.json``: what remains of an earlier export of the other kind until the
+    new one, committed, removes it); a folder with no commit file holds no export (None)."""
+    if files is None or not any(name in files for name in COMMIT_FILES):
+        return None
+    inert = set()
+    if "adapter_config.json" not in files:
+        inert |= {"adapter_model.safetensors", "adapter_model.bin"}
+    if "config.json" not in files:
+        inert |= {n for n in files if n == "generation_config.json" or n.startswith("model")}
+    return {n: b for n, b in files.items() if n not in inert}
+
+
+def _twice(tmp_path: Path, first, second) -> tuple[dict, dict]:
+    """The folder after ``first`` alone, and after ``first`` then ``second`` over it: the
+    old export and the new one as it must end (what the new one keeps of the old included)."""
+    first(tmp_path / "expected")
+    old = _files(tmp_path / "expected")
+    second(tmp_path / "expected")
+    return old, _files(tmp_path / "expected")
+
+
+def test_convert_over_an_output_leaves_the_old_or_the_new_whole(tmp_path):
+    from safetensors.torch import save_file
+
+    root = tmp_path / "work"
+    root.mkdir()
+    for step in (1, 2):
+        save_file(model_at(step).state_dict(), str(root / f"step{step}.safetensors"))
+    fsdpckpt.convert(root / "step1.safetensors", root / "out")
+    old = fsdpckpt.load_full_state_dict(root / "out")["model"]
+    new = model_at(2).state_dict()
+
+    def check(copy: Path, reported: list[str]) -> list[str]:
+        if not (copy / "out").exists():
+            return ["the converted folder was lost"] if reported else []
+        try:
+            now = fsdpckpt.load_full_state_dict(copy / "out")["model"]
+        except fsdpckpt.FsdpCkptError as exc:
+            return [f"out does not load: {exc}"]
+        wanted = [new] if reported else [old, new]
+        if not any(now.keys() == w.keys() and all(torch.equal(now[k], w[k]) for k in w)
+                   for w in wanted):
+            return ["out is neither old nor new"]
+        return []
+
+    program = (f"fsdpckpt.convert({str(root / 'step2.safetensors')!r}, {str(root / 'out')!r}, "
+               "overwrite=True)\n" + crashsim.report("converted"))
+    _explore(tmp_path, root, program, check)
+
+
+LLAMA = Path(__file__).parent.parent / "fixtures" / "tiny_llama" / "untied"
+LORA = Path(__file__).parent.parent / "fixtures" / "hf_trainer_lora"
+
+
+def test_export_hf_over_an_export_leaves_the_old_or_the_new_whole(tmp_path):
+    root = tmp_path / "work"
+    source = LLAMA / "checkpoint-3"
+    old, new = _twice(tmp_path, lambda out: fsdpckpt.export_hf(source, out),
+                      lambda out: fsdpckpt.export_hf(source, out, dtype="bf16", overwrite=True))
+    fsdpckpt.export_hf(source, root / "out")
+    program = (f"fsdpckpt.export_hf({str(source)!r}, {str(root / 'out')!r}, dtype='bf16', "
+               "overwrite=True)\n")
+    _replaced_whole(tmp_path, root, program, old, new)
+
+
+@pytest.mark.parametrize("old_kind,new_kind", [("fuse", "adapter"), ("adapter", "fuse")])
+def test_a_lora_export_over_another_leaves_the_old_or_the_new_whole(tmp_path, old_kind,
+                                                                    new_kind):
+    root = tmp_path / "work"
+    source, base = LORA / "run" / "checkpoint-3", LORA / "base"
+    old, new = _twice(tmp_path, lambda out: fsdpckpt.export_hf(source, out, base=base,
+                                                               lora=old_kind),
+                      lambda out: fsdpckpt.export_hf(source, out, base=base, lora=new_kind,
+                                                     overwrite=True))
+    fsdpckpt.export_hf(source, root / "out", base=base, lora=old_kind)
+    program = (f"fsdpckpt.export_hf({str(source)!r}, {str(root / 'out')!r}, base={str(base)!r}, "
+               f"lora={new_kind!r}, overwrite=True)\n")
+    _replaced_whole(tmp_path, root, program, old, new)
+
+
+def test_an_adapter_export_over_a_full_one_leaves_no_full_model_beside_it(tmp_path):
+    source, base = LORA / "run" / "checkpoint-3", LORA / "base"
+    fsdpckpt.export_hf(source, tmp_path / "out", base=base, lora="fuse")
+    fsdpckpt.export_hf(source, tmp_path / "out", base=base, lora="adapter", overwrite=True)
+    names = set(_files(tmp_path / "out"))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= names
+    assert not names & {"config.json", "generation_config.json", "model.safetensors"}
+
+
+def test_a_full_export_over_an_adapter_export_leaves_no_adapter_beside_it(tmp_path):
+    source, base = LORA / "run" / "checkpoint-3", LORA / "base"
+    fsdpckpt.export_hf(source, tmp_path / "out", base=base, lora="adapter")
+    fsdpckpt.export_hf(source, tmp_path / "out", base=base, lora="fuse", overwrite=True)
+    names = set(_files(tmp_path / "out"))
+    assert {"config.json", "model.safetensors"} <= names
+    assert not names & {"adapter_config.json", "adapter_model.safetensors"}
+
+
+def test_an_export_over_one_of_the_other_kind_needs_overwrite(tmp_path):
+    source, base = LORA / "run" / "checkpoint-3", LORA / "base"
+    fsdpckpt.export_hf(source, tmp_path / "out", base=base, lora="adapter")
+    with pytest.raises(fsdpckpt.OutputExistsError, match="adapter_"):
+        fsdpckpt.export_hf(source, tmp_path / "out", base=base, lora="fuse")
+    fsdpckpt.export_hf(source, tmp_path / "full", base=base, lora="fuse")
+    with pytest.raises(fsdpckpt.OutputExistsError, match="config.json|model.safetensors"):
+        fsdpckpt.export_hf(source, tmp_path / "full", base=base, lora="adapter")
+
+
+_LLAMA_AT = f"""
+import transformers
+
+
+def llama_at(seed):
+    config = transformers.LlamaConfig.from_pretrained({str(LLAMA)!r})
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config)
+"""
+
+
+def test_save_pretrained_over_a_save_leaves_the_old_or_the_new_whole(tmp_path):
+    shared: dict = {}
+    exec(PRELUDE + _LLAMA_AT, shared)
+    llama_at = shared["llama_at"]
+    root = tmp_path / "work"
+    old, new = _twice(tmp_path, lambda out: fsdpckpt.save_pretrained(llama_at(1), out),
+                      lambda out: fsdpckpt.save_pretrained(llama_at(2), out, overwrite=True))
+    fsdpckpt.save_pretrained(llama_at(1), root / "out")
+    program = _LLAMA_AT + (f"fsdpckpt.save_pretrained(llama_at(2), {str(root / 'out')!r}, "
+                           "overwrite=True)\n")
+    _replaced_whole(tmp_path, root, program, old, new)

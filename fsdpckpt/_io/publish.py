@@ -36,7 +36,8 @@ from fsdpckpt._io.storage import Place, is_remote
 from fsdpckpt.errors import DiskFullError, OutputNotWritableError
 
 __all__ = ["STAGING_PREFIX", "host", "clear_stale_stages", "stage_in", "rename_into", "beside",
-           "new_folder", "folder", "files_into", "FilesTarget", "discard", "exchange",
+           "new_folder", "folder", "files_into", "FilesTarget", "discard", "exchange", "retract",
+           "remove_replaced",
            "signals_deferred", "make_stage", "output_mode"]
 
 log = logging.getLogger("fsdpckpt")
@@ -173,10 +174,8 @@ def rename_into(staged: Iterable[Path], output_dir: Path) -> list[Path]:
     before the first new file lands, so no crash leaves the old index naming new shards: the
     folder holds the old output whole, then none, then the new one whole."""
     staged = list(staged)
-    commit_file = output_dir / staged[-1].name if staged else None
-    if len(staged) > 1 and commit_file is not None and commit_file.exists():
-        commit_file.unlink()
-        fsync_dir(output_dir)
+    if len(staged) > 1:
+        retract(output_dir / staged[-1].name)
     final = []
     for path in staged:
         target = output_dir / path.name
@@ -184,6 +183,31 @@ def rename_into(staged: Iterable[Path], output_dir: Path) -> list[Path]:
         final.append(target)
     fsync_dir(output_dir)
     return final
+
+
+def retract(*commit_files: Path) -> None:
+    """Remove an earlier output's commit files (an index, a ``config.json``), durably, before
+    the first file of a new output lands: no crash then leaves an old commit file naming new
+    files. The folder then holds the old output whole, then none, then the new one."""
+    folders = []
+    for path in commit_files:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        folders.append(path.parent)
+    for folder in dict.fromkeys(folders):
+        fsync_dir(folder)
+
+
+def remove_replaced(paths: Iterable[Path]) -> None:
+    """Remove files a new output replaced (after its commit), the removals made durable."""
+    folders = []
+    for path in paths:
+        path.unlink(missing_ok=True)
+        folders.append(path.parent)
+    for folder in dict.fromkeys(folders):
+        fsync_dir(folder)
 
 
 @contextlib.contextmanager
@@ -283,8 +307,7 @@ class _Local:
         return list(files)
 
     def drop(self, stale: Iterable[Any]) -> None:
-        for path in stale:
-            cast(Path, path).unlink(missing_ok=True)
+        remove_replaced(cast("Iterable[Path]", stale))
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.durable import write_bytes
+from fsdpckpt._io.publish import remove_replaced, retract
 from fsdpckpt._io.publish_built import built_into
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressFactory
@@ -52,9 +53,11 @@ from fsdpckpt.export._config import (
     read_config,
     side_file_bytes,
 )
+from fsdpckpt.export._earlier import earlier_adapter_export
 from fsdpckpt.export._expect_cache import recall, remember
 from fsdpckpt.export._fuse_hf import plan_fused
 from fsdpckpt.export._keycheck import check_against_base, check_declared_sizes, custom_code
+from fsdpckpt.export._lora_config import ADAPTER_CONFIG
 from fsdpckpt.export._lora_keys import refuse_unasked
 from fsdpckpt.export._lora_read import folder_source
 from fsdpckpt.export._model import (
@@ -175,7 +178,7 @@ def _placed(result: ExportResult | AdapterExport,
 
 def _check_outputs(side: SideFiles, out: Path, overwrite: bool) -> None:
     names = [name for _, name in side.copied] + [name for name, _ in side.made] + [CONFIG]
-    existing = [out / n for n in names if (out / n).exists()]
+    existing = [out / n for n in names if (out / n).exists()] + earlier_adapter_export(out)
     if existing and not overwrite:
         # The parameter, and the flag beside it (tests/test_export_hf.py pins "--overwrite"
         # here); the command line's error boundary says the flag alone.
@@ -376,12 +379,15 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
         if names is not None and any(not p.whole or p.name != p.source for p in names.pieces):
             job = hub_plan(job, names.pieces, overwrite=overwrite,
                            max_shard_size=request.options.max_shard_size)
+        # An earlier export's commit files go first: never an old config over new weights.
+        retract(request.output_dir / CONFIG, request.output_dir / ADAPTER_CONFIG)
         (result,) = commit_job(job, write_job(job, stage, progress))
         for target in nested:
             (request.output_dir / target.parent.name).mkdir(exist_ok=True)
         nested_files = [commit([t], request.output_dir / t.parent.name)[0] for t in nested]
         # The config last: a folder without it is plainly unfinished to from_pretrained.
         files = nested_files + commit([*copies, config_file], request.output_dir)
+        remove_replaced(earlier_adapter_export(request.output_dir))  # an adapter export's
     return ExportResult(result.source, request.output_dir, result.files, tuple(files),
                         result.tensors, result.bytes, export_dtype, tuple(sorted(tied.items())),
                         side.config, expect.model_class if isinstance(expect, ModelExpectation)

@@ -24,9 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
 
+from fsdpckpt._io.publish import beside, remove_replaced, retract
 from fsdpckpt._io.remote import RemotePath, is_url, location
 from fsdpckpt.errors import NotACheckpointError, OutputExistsError
 from fsdpckpt.export._adapter_copy import copy_adapter, copyable
+from fsdpckpt.export._config import CONFIG
+from fsdpckpt.export._earlier import earlier_full_export
 from fsdpckpt.export._fuse_hf import plan_fused
 from fsdpckpt.export._lora_base import with_base
 from fsdpckpt.export._lora_config import (
@@ -203,7 +206,12 @@ def export_adapter(checkpoint: _Where, output: str | os.PathLike[str],
         if key is not None:
             saved[stored] = key
     entries = copyable(source, saved, dtype)
-    _prepare_output(out, [ADAPTER_WEIGHTS, ADAPTER_CONFIG], overwrite, make=False)
+    earlier = earlier_full_export(out)  # a full export's files: replaced by this one
+    _prepare_output(out, [ADAPTER_WEIGHTS, ADAPTER_CONFIG, *(p.name for p in earlier)],
+                    overwrite, make=False)
+    # The earlier commit files first: never an old adapter_config.json (or a full export's
+    # config.json) beside the new weights.
+    retract(out / ADAPTER_CONFIG, out / CONFIG)
     if entries is not None:  # from a DCP folder: copied as a merge copies, no torch
         written = copy_adapter(source, entries, dtype, out)
     else:  # every tensor read (small) before the folder is made
@@ -218,7 +226,9 @@ def export_adapter(checkpoint: _Where, output: str | os.PathLike[str],
 
     from fsdpckpt._io.durable import write_bytes
 
-    write_bytes(out / ADAPTER_CONFIG, (json.dumps(dict(config.raw), indent=2) + "\n").encode())
+    with beside([out / ADAPTER_CONFIG]) as (staged,):  # renamed in whole, folder fsynced
+        write_bytes(staged, (json.dumps(dict(config.raw), indent=2) + "\n").encode())
+    remove_replaced(earlier)
     count = sum(m.adapter == name for m in layout.modules)
     return AdapterExport(out, (ADAPTER_WEIGHTS, ADAPTER_CONFIG), written, name, count)
 

@@ -19,8 +19,9 @@ from fsdpckpt.merging.writer import output_paths
 
 if TYPE_CHECKING:
     from fsdpckpt._io.remote import RemotePath
+    from fsdpckpt.formats import OutputFormat
 
-__all__ = ["claim_outputs", "earlier_outputs"]
+__all__ = ["claim_outputs", "earlier_files", "earlier_outputs"]
 
 #: A local folder or one on object storage: the checks below ask both the same questions.
 _P = TypeVar("_P", "Path", "RemotePath")
@@ -66,15 +67,24 @@ def earlier_outputs(plan: MergePlan, out: _P) -> list[_P]:
     """
     if not out.is_dir():
         return []
-    fmt = plan.format
-    names = {fmt.single_file_name(plan.stem)}
-    if plan.index_name is None:
-        names.add(plan.files[0].name)
-    index = out / fmt.index_file_name(plan.stem)
-    found = [out / n for n in names if (out / n).is_file()]
+    own = out / plan.files[0].name
+    found = earlier_files(out, plan.format, plan.stem)
+    if plan.index_name is None and own.is_file() and own not in found:
+        found.insert(0, own)
+    return found
+
+
+def earlier_files(out: _P, fmt: OutputFormat, stem: str) -> list[_P]:
+    """The files of an earlier output of ``fmt`` under ``stem`` in ``out``: its single file,
+    its index and the shards the index names with our shard names."""
+    if not out.is_dir():
+        return []
+    found = [out / fmt.single_file_name(stem)]
+    found = [p for p in found if p.is_file()]
+    index = out / fmt.index_file_name(stem)
     if index.is_file():
         found.append(index)
-        found += [out / n for n in _index_files(index) if fmt.is_shard_file_name(plan.stem, n)
+        found += [out / n for n in _index_files(index) if fmt.is_shard_file_name(stem, n)
                   and (out / n).is_file()]
     return found
 

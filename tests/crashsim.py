@@ -44,11 +44,16 @@ _FD = re.compile(r"^(-?\d+|AT_FDCWD)(?:<(.*)>)?$")
 _MARK = "/crashsim-reported/"
 
 
-def report(what: str) -> str:
+def report(what: str, root: Path) -> str:
     """Code for a recorded program: mark in the trace that it reported ``what`` (a step
-    committed, an output written), for the invariants of the states after that moment."""
-    return (f"import os\ntry:\n    os.open({_MARK + what!r}, os.O_RDONLY)\n"
-            "except OSError:\n    pass\n")
+    committed, an output written) of the files under ``root``, for the invariants of the
+    states after that moment."""
+    mark = f"{_MARK}{_tag(str(root))}/{what}"
+    return f"import os\ntry:\n    os.open({mark!r}, os.O_RDONLY)\nexcept OSError:\n    pass\n"
+
+
+def _tag(root: str) -> str:
+    return hashlib.sha256(root.encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -190,7 +195,9 @@ class Recording:
                 raw = self._pending.pop(resumed.group(1), "") + resumed.group(2)
             match = _LINE.match(raw)
             if match and match.group(2) in ("openat", "open") and _MARK in raw:
-                self.ops.append(Op("mark", raw.split(_MARK, 1)[1].split('"', 1)[0]))
+                tag, _, what = raw.split(_MARK, 1)[1].split('"', 1)[0].partition("/")
+                if tag == _tag(self.root):  # another root's mark is no moment of this one
+                    self.ops.append(Op("mark", what))
                 continue
             if match and int(match.group(4)) >= 0:
                 self._call(match.group(2), _split_args(match.group(3)), int(match.group(4)),
@@ -294,8 +301,16 @@ class Recording:
 def record(code: str, root: Path, *, cwd: Path, timeout: float = 300) -> Recording:
     """Run ``code`` (a Python program) under strace; the operations on files under
     ``root`` (whose present contents are taken as durable)."""
-    recording = Recording(root, cwd)
-    recording.snapshot()
+    return record_all(code, [root], cwd=cwd, timeout=timeout)[0]
+
+
+def record_all(code: str, roots: list[Path], *, cwd: Path,
+               timeout: float = 300) -> list[Recording]:
+    """:func:`record` of one program for several roots (one run, one trace: a program that
+    goes through several commit paths, each in its own root, pays for one start)."""
+    recordings = [Recording(root, cwd) for root in roots]
+    for recording in recordings:
+        recording.snapshot()
     trace = cwd / "strace.txt"
     # --seccomp-bpf: the calls not traced cost nothing (a run takes 1.1x, not 1.7x).
     run = subprocess.run(["strace", "-f", "--seccomp-bpf", "-y", "-qq", "-s", "0",
@@ -303,9 +318,11 @@ def record(code: str, root: Path, *, cwd: Path, timeout: float = 300) -> Recordi
                          cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if run.returncode != 0:
         raise AssertionError(f"the recorded run failed:\n{run.stderr[-3000:]}")
-    recording.parse(trace.read_text(errors="replace"))
-    recording.finish()
-    return recording
+    text = trace.read_text(errors="replace")
+    for recording in recordings:
+        recording.parse(text)
+        recording.finish()
+    return recordings
 
 
 # -- crash states -------------------------------------------------------------------------

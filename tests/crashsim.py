@@ -17,7 +17,9 @@ The crash model: ext4 in ``data=ordered`` mode, taken harshly.
 For each prefix of the recording (a crash after every operation) it builds the harshest
 states: every unsynced folder operation and every unsynced byte lost; only the last
 folder operation lost; folder operations kept, unsynced data zeroed; nothing lost. Equal
-states are checked once; :class:`Exploration` counts both.
+states are checked once; :class:`Exploration` counts both. ``FSDPCKPT_CRASH_STATES=all`` (the
+benchmark machine's longer mode) takes every prefix of the unsynced folder operations instead,
+each with unsynced data lost, zeroed and kept.
 
 Out of reach: file systems that reorder more than ext4's journal allows (a later rename
 durable without an earlier one), and writes through ``mmap``.
@@ -397,7 +399,8 @@ def _content(inode: _Inode, k: int, mode: str, truncations: list[tuple[int, int]
     return bytes(out)
 
 
-def _states(rec: Recording, k: int) -> Iterator[tuple[str, dict[str, bytes | None]]]:
+def _states(rec: Recording, k: int,
+            thorough: bool = False) -> Iterator[tuple[str, dict[str, bytes | None]]]:
     ops = rec.ops
     folder_ops = [i for i in range(k) if ops[i].kind in
                   ("mkdir", "create", "unlink", "rmdir", "rename", "exchange")]
@@ -411,6 +414,10 @@ def _states(rec: Recording, k: int) -> Iterator[tuple[str, dict[str, bytes | Non
               "kept"),
              ("unsynced data zeroed", k - 1, "zeroed"),
              ("nothing lost", k - 1, "kept")]
+    if thorough:  # every prefix of the unsynced folder operations, with each kind of data
+        cuts = [durable] + [j for j in folder_ops if j > durable]
+        plans = [(f"folder operations to {cut} kept, data {mode}", cut, mode)
+                 for cut in cuts for mode in ("lost", "zeroed", "kept")]
     for name, upto, mode in plans:
         upto = max(upto, durable)
         rec.names = dict(rec.initial)
@@ -439,16 +446,22 @@ def materialize(tree: dict[str, bytes | None], root: str, into: Path) -> Path:
 
 
 def explore(rec: Recording, check: Callable[[Path, list[str]], list[str]], workdir: Path,
-            *, stride: int = 1) -> Exploration:
+            *, stride: int = 1, thorough: bool | None = None) -> Exploration:
     """Build the crash states after every ``stride``-th operation (and after the last),
     materialize each distinct one in ``workdir`` and collect the violations
     ``check(copy_of_root, reported)`` finds (``reported``: what the program had reported,
-    by :func:`report`, before the crash)."""
+    by :func:`report`, before the crash).
+
+    ``thorough`` (default: the environment's ``FSDPCKPT_CRASH_STATES=all``, the benchmark
+    machine's longer mode): instead of the four harshest states of each prefix, every prefix
+    of its unsynced folder operations, each with unsynced data lost, zeroed and kept."""
+    if thorough is None:
+        thorough = os.environ.get("FSDPCKPT_CRASH_STATES") == "all"
     result = Exploration(operations=len(rec.ops))
     seen: set[str] = set()
     points = sorted(set(range(0, len(rec.ops) + 1, stride)) | {len(rec.ops)})
     for k in points:
-        for name, tree in _states(rec, k):
+        for name, tree in _states(rec, k, thorough):
             result.states += 1
             digest = hashlib.sha256()
             for path in sorted(tree):

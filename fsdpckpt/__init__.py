@@ -34,6 +34,7 @@ from fsdpckpt.errors import (
     StateMismatchError,
     Terminated,
     TorchTooOldError,
+    UnfinishedSaveError,
     UnsafePickleError,
 )
 
@@ -143,6 +144,7 @@ __all__ = [
     "AsyncSave",
     "StateMismatchError",
     "TorchTooOldError",
+    "UnfinishedSaveError",
     "ResumeWarning",
     "CheckpointManager",
     "save_pretrained",

@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "NotACheckpointError",
     "RankLocalStateError",
+    "UnfinishedSaveError",
     "UnsafePickleError",
     "CorruptCheckpointError",
     "DiskFullError",
@@ -58,6 +59,12 @@ class RankLocalStateError(NotACheckpointError):
     state of flat parameters, as VeRL saves it): a valid save for the ranks that wrote it,
     which nothing can merge into one tensor. ``merge --optimizer`` refuses it by name;
     ``inspect`` and ``verify`` show such a part as rank-local instead of failing."""
+
+
+class UnfinishedSaveError(NotACheckpointError):
+    """A folder a save began and never finished: data files and no ``.metadata``, a save's
+    intent marker and no manifest, or only a save's staging folders. Not a checkpoint; use
+    an earlier one."""
 
 
 class UnsafePickleError(FsdpCkptError, pickle.UnpicklingError):

@@ -25,6 +25,7 @@ PUBLIC = {
     "FsdpCkptError", "CheckpointNotFoundError", "CorruptCheckpointError", "ChecksumError",
     "NotACheckpointError", "UnsafePickleError", "RemoteStorageError", "RemoteTimeoutError",
     "DiffOptionError", "OptionError", "Terminated", "RankLocalStateError", "TorchTooOldError",
+    "UnfinishedSaveError",
     # merging and converting
     "merge", "merge_fsdp_weights", "MergeResult", "load_full_state_dict", "convert",
     "ConvertResult", "plan_merge", "MergePlan", "MergePlanError", "OutputExistsError",

@@ -81,3 +81,30 @@ def test_inspect_of_a_text_file_says_what_fsdpckpt_reads_not_what_convert_reads(
     assert result.exit_code == 1
     assert "it holds text" in result.stderr and "convert" not in result.stderr
     assert "fsdpckpt reads a .safetensors file" in result.stderr
+
+
+@pytest.mark.parametrize("what", ["data without .metadata", "only staging folders",
+                                  "intent marker without manifest"])
+def test_every_kind_of_unfinished_save_is_an_unfinished_save_error(run, what):
+    from fsdpckpt.dcp.layout import INCOMPLETE, find_layout
+
+    if what == "data without .metadata":
+        target = run / ".tmp-checkpoint_7" / "pytorch_model_fsdp_0"
+    elif what == "only staging folders":
+        shutil.rmtree(run / "checkpoint_3")
+        target = run
+    else:
+        target = run / "checkpoint_3"
+        (target / "fsdpckpt.json").unlink()
+        (target / INCOMPLETE).write_bytes(b"")
+    with pytest.raises(fsdpckpt.UnfinishedSaveError):
+        find_layout(target)
+    assert issubclass(fsdpckpt.UnfinishedSaveError, fsdpckpt.NotACheckpointError)
+
+
+def test_a_damaged_checkpoint_is_no_unfinished_save(run):
+    model = run / "checkpoint_3" / "pytorch_model_fsdp_0"
+    (model / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(fsdpckpt.FsdpCkptError) as caught:
+        fsdpckpt.load_full_state_dict(model)
+    assert not isinstance(caught.value, fsdpckpt.UnfinishedSaveError)

@@ -23,7 +23,12 @@ from fsdpckpt.dcp._hfstorage import find_hf_storage
 from fsdpckpt.dcp._perrank import find_rank_sets
 from fsdpckpt.dcp._trainers import ROLES, TRAINER_META, trainer_of
 from fsdpckpt.dcp.reader import METADATA_FILE
-from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError, RemoteStorageError
+from fsdpckpt.errors import (
+    CheckpointNotFoundError,
+    NotACheckpointError,
+    RemoteStorageError,
+    UnfinishedSaveError,
+)
 
 __all__ = ["DATALOADER_STATE", "INCOMPLETE", "CheckpointLayout", "DcpPart", "SideFile",
            "find_layout", "refuse_unfinished_save", "unfinished_save", "STAGING"]
@@ -191,7 +196,7 @@ def refuse_unfinished_save(root: Place) -> None:
         folders.append(root.parent)  # a DCP folder of a checkpoint: its save's marker
     for folder in folders:
         if unfinished_save(folder):
-            raise NotACheckpointError(
+            raise UnfinishedSaveError(
                 f"{folder}: a save into it did not finish (it holds {INCOMPLETE} and no "
                 f"{_MANIFEST}), so it is not a checkpoint; use an earlier one. On object "
                 "storage the next CheckpointManager on its parent deletes it")
@@ -233,7 +238,7 @@ def _several_checkpoints(root: Place, names: list[str]) -> NotACheckpointError:
     unfinished = f" and {saves}: left by saves that did not finish, not checkpoints)" \
         if staged else ""
     if not names:
-        error = NotACheckpointError(
+        error: NotACheckpointError = UnfinishedSaveError(
             f"{root}: holds no finished checkpoint, only {saves}), left by saves that did not "
             "finish; pass a folder that holds a finished one")
     elif len(names) == 1:
@@ -347,7 +352,7 @@ def find_layout(path: str | os.PathLike[str] | Place) -> CheckpointLayout:
         if nested:
             raise _several_checkpoints(root, nested)
         if any(name.endswith(".distcp") for name in other):
-            raise NotACheckpointError(
+            raise UnfinishedSaveError(
                 f"{root}: has .distcp data files but no .metadata, so the save never finished "
                 "(DCP writes .metadata last); use an earlier checkpoint.")
         raise NotACheckpointError(

@@ -24,7 +24,12 @@ from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._io.storage import Place
 from fsdpckpt._io.storage_tree import modified, tree_size
 from fsdpckpt.dcp.layout import METADATA_FILE, STAGING, find_layout, unfinished_save
-from fsdpckpt.errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
+from fsdpckpt.errors import (
+    CheckpointNotFoundError,
+    FsdpCkptError,
+    NotACheckpointError,
+    UnfinishedSaveError,
+)
 
 __all__ = ["CheckpointEntry", "CheckpointList", "STATES", "list_checkpoints"]
 
@@ -167,9 +172,8 @@ def _state(path: Place) -> tuple[str, str | None]:
     try:
         layout = find_layout(path)
     except FsdpCkptError as exc:
-        text = str(exc)
-        never = "never finished" in text or "did not finish" in text
-        return ("unfinished" if never else "unreadable"), text.split("\n", 1)[0][:300]
+        state = "unfinished" if isinstance(exc, UnfinishedSaveError) else "unreadable"
+        return state, str(exc).split("\n", 1)[0][:300]
     missing = [p.name for p in layout.parts if not p.complete]
     if missing:
         return "unfinished", f"no .metadata in {', '.join(missing)} (DCP writes it last)"

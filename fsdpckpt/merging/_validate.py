@@ -21,7 +21,12 @@ from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.layout import CheckpointLayout, DcpPart, find_layout
 from fsdpckpt.dcp.parts import open_part
 from fsdpckpt.dcp.reader import DcpFolder
-from fsdpckpt.errors import CheckpointNotFoundError, MergePlanError, NotACheckpointError
+from fsdpckpt.errors import (
+    CheckpointNotFoundError,
+    MergePlanError,
+    NotACheckpointError,
+    UnfinishedSaveError,
+)
 from fsdpckpt.formats import OutputFormat, get_format
 from fsdpckpt.merging.plan import parse_dtype, parse_size
 
@@ -92,7 +97,7 @@ def choose_parts(layout: CheckpointLayout, *, optimizer: bool = False,
             raise NotACheckpointError(f"{layout.path}: has no optimizer folder to merge")
     for part in chosen:
         if part in incomplete:
-            raise NotACheckpointError(f"{part.path}: no .metadata, so this save never finished; "
+            raise UnfinishedSaveError(f"{part.path}: no .metadata, so this save never finished; "
                                       "use an earlier checkpoint")
     return chosen
 

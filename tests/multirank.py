@@ -19,6 +19,8 @@ from datetime import timedelta
 from typing import Any
 
 _CONTEXT = None
+#: Each rank's process group, kept from being freed until the process ends (_worker says why).
+_KEPT: list = []
 
 
 def _context():
@@ -49,6 +51,10 @@ def _worker(fn, rank, world_size, rendezvous, args, queue):
             # handles that die with this process before the parent reads them.
             queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         finally:
+            # Kept, never freed: on torch 2.6 freeing a gloo group right after a collective
+            # can deadlock (~ProcessGroupGloo joins a worker thread that waits for the GIL),
+            # and with it the queue's feeder thread: the result never reached the parent.
+            _KEPT.append(dist.group.WORLD)
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         queue.put((rank, False, traceback.format_exc()))

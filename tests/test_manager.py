@@ -212,7 +212,7 @@ def test_saving_an_existing_step_without_overwrite_is_refused_and_keeps_it(tmp_p
 
 
 def test_a_replacing_save_swaps_the_copies_in_one_step(tmp_path, monkeypatch):
-    import fsdpckpt._io.publish_folders as folders
+    import fsdpckpt._io.publish as publish
 
     manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=3)
     manager.save(30, **_parts())
@@ -222,7 +222,7 @@ def test_a_replacing_save_swaps_the_copies_in_one_step(tmp_path, monkeypatch):
         swaps.append(exchange(a, b))
         raise KeyboardInterrupt  # the job dies right after the swap, before any cleanup
 
-    monkeypatch.setattr(folders, "exchange", swapped_then_crash)
+    monkeypatch.setattr(publish, "exchange", swapped_then_crash)
     with pytest.raises(KeyboardInterrupt):
         manager.save(30, overwrite=True, **_parts())
     assert swaps == [True]  # this file system swaps (ext4, tmpfs, xfs, btrfs do)
@@ -249,10 +249,10 @@ def test_a_crash_before_the_rename_of_a_replacing_save_loses_nothing(tmp_path, m
     # Where the system cannot swap (an old kernel, a file system without RENAME_EXCHANGE),
     # the old copy is renamed out of sight first: a crash then leaves the new copy whole
     # under the hidden name, and the next start commits it.
-    import fsdpckpt._io.publish_folders as folders
+    import fsdpckpt._io.publish as publish
     import fsdpckpt.training.manager as manager_module
 
-    monkeypatch.setattr(folders, "exchange", lambda a, b: False)
+    monkeypatch.setattr(publish, "exchange", lambda a, b: False)
     manager = fsdpckpt.CheckpointManager(tmp_path, keep_last=3)
     manager.save(30, **_parts())
     real_rename = os.rename

@@ -36,8 +36,8 @@ from fsdpckpt._io.storage import Place, is_remote
 from fsdpckpt.errors import DiskFullError, OutputNotWritableError
 
 __all__ = ["STAGING_PREFIX", "host", "clear_stale_stages", "stage_in", "rename_into", "beside",
-           "new_folder", "folder", "files_into", "FilesTarget", "discard", "exchange", "retract",
-           "remove_replaced",
+           "new_folder", "folder", "files_into", "FilesTarget", "discard", "exchange", "swap_in",
+           "remove_durably",
            "signals_deferred", "make_stage", "output_mode"]
 
 log = logging.getLogger("fsdpckpt")
@@ -175,7 +175,7 @@ def rename_into(staged: Iterable[Path], output_dir: Path) -> list[Path]:
     folder holds the old output whole, then none, then the new one whole."""
     staged = list(staged)
     if len(staged) > 1:
-        retract(output_dir / staged[-1].name)
+        remove_durably([output_dir / staged[-1].name])
     final = []
     for path in staged:
         target = output_dir / path.name
@@ -185,12 +185,15 @@ def rename_into(staged: Iterable[Path], output_dir: Path) -> list[Path]:
     return final
 
 
-def retract(*commit_files: Path) -> None:
-    """Remove an earlier output's commit files (an index, a ``config.json``), durably, before
-    the first file of a new output lands: no crash then leaves an old commit file naming new
-    files. The folder then holds the old output whole, then none, then the new one."""
+def remove_durably(paths: Iterable[Path]) -> None:
+    """Remove files (those missing are nothing to do), the removals made durable.
+
+    Two moments of a publish use it: an earlier output's commit files (an index, a
+    ``config.json``) before the first file of the new output lands, so no crash leaves an
+    old commit file naming new files (the folder holds the old output whole, then none,
+    then the new one); and the files the new output replaced, once it is committed."""
     folders = []
-    for path in commit_files:
+    for path in paths:
         try:
             path.unlink()
         except FileNotFoundError:
@@ -200,14 +203,21 @@ def retract(*commit_files: Path) -> None:
         fsync_dir(folder)
 
 
-def remove_replaced(paths: Iterable[Path]) -> None:
-    """Remove files a new output replaced (after its commit), the removals made durable."""
-    folders = []
-    for path in paths:
-        path.unlink(missing_ok=True)
-        folders.append(path.parent)
-    for folder in dict.fromkeys(folders):
-        fsync_dir(folder)
+def swap_in(new: Path, final: Path, prefix: str) -> None:
+    """The folder ``new`` takes the name ``final``, the rename made durable. An existing
+    ``final`` is swapped out in one step where the system can (:func:`exchange`): a crash
+    leaves the old folder or the new one, never none and never a half-deleted one; elsewhere
+    it is first taken out of sight (:func:`discard`, under ``prefix``). The old one is then
+    removed."""
+    if final.exists() and exchange(new, final):
+        fsync_dir(final.parent)
+        shutil.rmtree(new, ignore_errors=True)  # now the old folder
+        return
+    replaced = discard(final, prefix) if final.exists() else None
+    os.rename(new, final)
+    fsync_dir(final.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -242,17 +252,8 @@ def new_folder(out: Path) -> Iterator[Path]:
             stage = make_stage(out.parent, f".{out.name}.fsdpckpt-tmp-",
                                published_as_folder=True)
         yield stage
-        # Swapped in one step where the system can: a crash leaves the old folder or the
-        # new one under ``out``, never none and never a half-deleted one.
-        if out.exists() and exchange(stage, out):
-            fsync_dir(out.parent)
-            return  # ``stage`` now holds the old folder: removed below
-        replaced = discard(out, f".{out.name}.fsdpckpt-tmp-") if out.exists() else None
-        os.replace(stage, out)
+        swap_in(stage, out, f".{out.name}.fsdpckpt-tmp-")
         stage = None
-        fsync_dir(out.parent)
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
     finally:
         if stage is not None:
             with signals_deferred():  # a second Ctrl-C does not cut the cleanup short
@@ -307,7 +308,7 @@ class _Local:
         return list(files)
 
     def drop(self, stale: Iterable[Any]) -> None:
-        remove_replaced(cast("Iterable[Path]", stale))
+        remove_durably(cast("Iterable[Path]", stale))
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
 from fsdpckpt._io.durable import fsync_dir
-from fsdpckpt._io.publish import discard, exchange
+from fsdpckpt._io.publish import discard, swap_in
 from fsdpckpt._io.storage import Place, commits_by_rename
 
 __all__ = ["Commits", "RenameCommits", "commits"]
@@ -72,17 +72,8 @@ class RenameCommits:
 
     def commit(self, key: int) -> Path:
         final = self.root / f"{self.final}{key}"
-        replaced = None
-        if final.exists():  # the same key published again: the old copy goes only after
-            if exchange(self.writing(key), final):  # one step: old or new, never neither
-                fsync_dir(self.root)
-                shutil.rmtree(self.writing(key), ignore_errors=True)  # now the old copy
-                return final
-            replaced = discard(final, f"{self.hidden}deleting-{final.name}-")
-        os.rename(self.writing(key), final)
-        fsync_dir(self.root)
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
+        # The same key published again: the old copy goes only once the new one is in.
+        swap_in(self.writing(key), final, f"{self.hidden}deleting-{final.name}-")
         return final
 
     def recover(self, complete: Callable[[Place], bool], final: re.Pattern[str]) -> None:

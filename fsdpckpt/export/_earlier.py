@@ -4,10 +4,9 @@ A full export (``config.json`` and the weights) and an adapter export
 (``adapter_config.json`` and the adapter's weights) cannot share a folder: a loader finding
 both loads the wrong one (transformers, with PEFT installed, follows ``adapter_config.json``
 to the base model and loads the adapter over it). Over an earlier export of the other kind,
-its commit file is retracted before the first new file lands, and its other files are
-removed once the new export is committed (:func:`fsdpckpt._io.publish.retract`,
-:func:`~fsdpckpt._io.publish.remove_replaced`). Tokenizer and processor files, which either
-kind may sit beside, are kept.
+its commit file is removed before the first new file lands, and its other files once the
+new export is committed (:func:`fsdpckpt._io.publish.remove_durably`, both). Tokenizer and
+processor files, which either kind may sit beside, are kept.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.durable import write_bytes
-from fsdpckpt._io.publish import remove_replaced, retract
+from fsdpckpt._io.publish import remove_durably
 from fsdpckpt._io.publish_built import built_into
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._progress import ProgressFactory
@@ -380,14 +380,14 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
             job = hub_plan(job, names.pieces, overwrite=overwrite,
                            max_shard_size=request.options.max_shard_size)
         # An earlier export's commit files go first: never an old config over new weights.
-        retract(request.output_dir / CONFIG, request.output_dir / ADAPTER_CONFIG)
+        remove_durably([request.output_dir / CONFIG, request.output_dir / ADAPTER_CONFIG])
         (result,) = commit_job(job, write_job(job, stage, progress))
         for target in nested:
             (request.output_dir / target.parent.name).mkdir(exist_ok=True)
         nested_files = [commit([t], request.output_dir / t.parent.name)[0] for t in nested]
         # The config last: a folder without it is plainly unfinished to from_pretrained.
         files = nested_files + commit([*copies, config_file], request.output_dir)
-        remove_replaced(earlier_adapter_export(request.output_dir))  # an adapter export's
+        remove_durably(earlier_adapter_export(request.output_dir))  # an adapter export's
     return ExportResult(result.source, request.output_dir, result.files, tuple(files),
                         result.tensors, result.bytes, export_dtype, tuple(sorted(tied.items())),
                         side.config, expect.model_class if isinstance(expect, ModelExpectation)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from fsdpckpt._io.publish import beside, remove_replaced, retract
+from fsdpckpt._io.publish import beside, remove_durably
 from fsdpckpt._io.remote import RemotePath, is_url, location
 from fsdpckpt.errors import NotACheckpointError, OutputExistsError
 from fsdpckpt.export._adapter_copy import copy_adapter, copyable
@@ -211,7 +211,7 @@ def export_adapter(checkpoint: _Where, output: str | os.PathLike[str],
                     overwrite, make=False)
     # The earlier commit files first: never an old adapter_config.json (or a full export's
     # config.json) beside the new weights.
-    retract(out / ADAPTER_CONFIG, out / CONFIG)
+    remove_durably([out / ADAPTER_CONFIG, out / CONFIG])
     if entries is not None:  # from a DCP folder: copied as a merge copies, no torch
         written = copy_adapter(source, entries, dtype, out)
     else:  # every tensor read (small) before the folder is made
@@ -228,7 +228,7 @@ def export_adapter(checkpoint: _Where, output: str | os.PathLike[str],
 
     with beside([out / ADAPTER_CONFIG]) as (staged,):  # renamed in whole, folder fsynced
         write_bytes(staged, (json.dumps(dict(config.raw), indent=2) + "\n").encode())
-    remove_replaced(earlier)
+    remove_durably(earlier)
     count = sum(m.adapter == name for m in layout.modules)
     return AdapterExport(out, (ADAPTER_WEIGHTS, ADAPTER_CONFIG), written, name, count)
 

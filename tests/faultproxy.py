@@ -13,7 +13,11 @@ connection) and, while a fault is set, answers requests that match it wrongly:
   offset ``offset`` when the answer holds it (a ranged GET starting at its ``Range``), else
   the middle one;
 - ``"down"``: the connection is closed at once, as a server that was killed (nothing
-  reaches the upstream until the fault is cleared: a "restart").
+  reaches the upstream until the fault is cleared: a "restart");
+- ``"cut"``: this request's connection is closed before it reaches the upstream (the next
+  request is served: a network fault, not a dead server);
+- ``"lost"``: the request reaches the upstream, which does it; its answer never comes back
+  (the connection is closed instead).
 
 Everything is bounded: it listens on ``127.0.0.1`` only, on a free port; each connection
 has its own daemon thread with socket timeouts; a stalled request waits at most until
@@ -29,7 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-__all__ = ["FaultProxy", "Request"]
+__all__ = ["FaultProxy", "Request", "MUTATING", "send"]
+
+#: The methods of requests that change what the store holds (a GET or a HEAD never does).
+MUTATING = ("PUT", "POST", "DELETE")
 
 _TIMEOUT = 30.0  # any socket operation of the proxy
 _MAX_HEAD = 64 << 10
@@ -64,6 +71,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._mode: str | None = None
+        self._modes: tuple[str | None, ...] = (None,)
         self._when: Callable[[Request], bool] = lambda _r: True
         self._times: int | None = None
         self._skip = 0
@@ -72,6 +80,10 @@ class FaultProxy:
         self.faulted = 0  # requests answered wrongly so far
         self.seen: list[tuple[Request, str | None]] = []  # every request and its fault
         self.forwarded = 0  # requests passed through
+        #: While not None, every request that changes the store (:data:`MUTATING`) as it is
+        #: sent upstream, head and body, in that order: what tests/s3crash.py replays.
+        #: Each is ``[head, body, answer]``, the answer filled in once it came.
+        self.recorded: list[list[bytes]] | None = None
         self._threads: list[threading.Thread] = []
         self._sockets: set[socket.socket] = set()
         self._acceptor = threading.Thread(target=self._accept, daemon=True)
@@ -80,7 +92,7 @@ class FaultProxy:
     # -- control -----------------------------------------------------------------------------
     def fault(
         self,
-        mode: str | None,
+        mode: str | tuple[str, ...] | None,
         *,
         when: Callable[[Request], bool] | None = None,
         times: int | None = None,
@@ -91,10 +103,14 @@ class FaultProxy:
         """Answer requests matching ``when`` (all by default) with ``mode``: the first
         ``after`` matching requests pass, then ``times`` of them (all by default) are
         faulted. ``then`` runs once, before the first faulted request is answered (e.g.
-        killing the upstream server). ``None`` clears the fault."""
-        assert mode in (None, "error", "stall", "truncate", "flip", "down"), mode
+        killing the upstream server). ``None`` clears the fault; a tuple of modes: each
+        faulted request gets the next in turn."""
+        modes = (mode,) if mode is None or isinstance(mode, str) else tuple(mode)
+        assert modes and all(m in (None, "error", "stall", "truncate", "flip", "down", "cut",
+                                    "lost") for m in modes), mode
         with self._lock:
-            self._mode, self._when = mode, when or (lambda _r: True)
+            self._mode, self._modes = modes[0], modes
+            self._when = when or (lambda _r: True)
             self._times, self._skip, self.faulted = times, after, 0
             self._offset, self._then = offset, then
 
@@ -157,7 +173,7 @@ class FaultProxy:
             if self._times is not None and self.faulted >= self._times:
                 return None
             self.faulted += 1
-            return self._mode
+            return self._modes[(self.faulted - 1) % len(self._modes)]
 
     def _serve(self, client: socket.socket) -> None:
         try:
@@ -166,7 +182,7 @@ class FaultProxy:
                 return
             request = _parse(head)
             mode = self._choose(request)
-            if mode == "down":
+            if mode in ("down", "cut"):
                 return
             if mode == "stall":
                 self._closed.wait(_TIMEOUT * 4)
@@ -174,9 +190,15 @@ class FaultProxy:
             if mode == "error":
                 client.sendall(_ERROR_503)
                 return
-            answer = self._forward(head, body)
+            record = [head, body, b""]
+            with self._lock:
+                if self.recorded is not None and request.method in MUTATING:
+                    self.recorded.append(record)
+            answer = record[2] = self._forward(head, body)
             with self._lock:
                 self.forwarded += 1
+            if mode == "lost":
+                return
             split = answer.find(b"\r\n\r\n") + 4
             if mode == "truncate":
                 answer = answer[: split + max(0, (len(answer) - split) // 2)]
@@ -201,25 +223,14 @@ class FaultProxy:
 
     def _forward(self, head: bytes, body: bytes) -> bytes:
         """The upstream's whole answer to the request (its connection closed after it)."""
-        lines = head.split(b"\r\n")
-        kept = [
-            line
-            for line in lines[1:]
-            if line and not line.lower().startswith((b"connection:", b"keep-alive:", b"expect:"))
-        ]
-        request = b"\r\n".join([lines[0], *kept, b"Connection: close", b"", b""]) + body
         with socket.create_connection(self._upstream, timeout=_TIMEOUT) as upstream:
             with self._lock:
                 self._sockets.add(upstream)
             try:
-                upstream.sendall(request)
-                chunks = []
-                while chunk := upstream.recv(1 << 16):
-                    chunks.append(chunk)
+                answer = _exchange(upstream, head, body)
             finally:
                 with self._lock:
                     self._sockets.discard(upstream)
-        answer = b"".join(chunks)
         split = answer.find(b"\r\n\r\n")
         if split < 0:
             return answer
@@ -227,6 +238,29 @@ class FaultProxy:
         status, *headers = answer[:split].split(b"\r\n")
         headers = [h for h in headers if not h.lower().startswith((b"connection:", b"keep-alive:"))]
         return b"\r\n".join([status, *headers, b"Connection: close"]) + answer[split:]
+
+
+def _exchange(upstream: socket.socket, head: bytes, body: bytes) -> bytes:
+    """Send the request (head and body) on its own connection; the whole answer."""
+    lines = head.split(b"\r\n")
+    kept = [
+        line
+        for line in lines[1:]
+        if line and not line.lower().startswith((b"connection:", b"keep-alive:", b"expect:"))
+    ]
+    upstream.sendall(b"\r\n".join([lines[0], *kept, b"Connection: close", b"", b""]) + body)
+    chunks = []
+    while chunk := upstream.recv(1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def send(endpoint: str, head: bytes, body: bytes) -> bytes:
+    """Send a request (as :attr:`FaultProxy.recorded` holds it) to ``endpoint``; the answer."""
+    parts = urlsplit(endpoint)
+    with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80),
+                                  timeout=_TIMEOUT) as upstream:
+        return _exchange(upstream, head, body)
 
 
 _ERROR_BODY = (

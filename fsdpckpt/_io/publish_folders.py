@@ -38,11 +38,9 @@ _C = TypeVar("_C", bound="Commits")
 class Commits(Protocol):
     """How folders ``{final}{key}`` in a root are written, committed, recovered and deleted."""
 
-    def writing(self, key: int) -> Place:
-        """Where the folder of ``key`` is written before it is committed."""
-
-    def start(self, key: int) -> None:
-        """Before the folder of ``key`` is written (one process): clear what is in the way."""
+    def start(self, key: int) -> Place:
+        """Before the folder of ``key`` is written (one process): clear what is in the way;
+        where it is written before it is committed."""
 
     def commit(self, key: int) -> Place:
         """Commit the written folder of ``key`` (one process); its final place."""
@@ -66,9 +64,10 @@ class RenameCommits:
     def writing(self, key: int) -> Path:
         return self.root / f"{self.hidden}{key}"
 
-    def start(self, key: int) -> None:
+    def start(self, key: int) -> Path:
         if self.writing(key).exists():
             shutil.rmtree(self.writing(key))
+        return self.writing(key)
 
     def commit(self, key: int) -> Path:
         final = self.root / f"{self.final}{key}"

@@ -7,8 +7,11 @@ complete (a multipart upload is invisible until its last part is in). So an outp
 built in a local temporary folder (``$TMPDIR``: it needs room for the output), then
 uploaded file by file, the file a reader opens first last (a shard index, a DCP folder's
 ``.metadata``, an export's ``config.json``): it appears only once everything it names is
-there. A failure (or Ctrl-C, SIGTERM) during the upload deletes the objects this publish
-already uploaded, so nothing of it is left and an earlier output is left as it was.
+there. An earlier output in the folder is uncommitted first (its commit file of the same
+name deleted), so that its other files, replaced one by one, are never named by a commit
+file beside files of the new one. A failure (or Ctrl-C, SIGTERM) during the upload deletes
+the objects this publish already uploaded, so nothing of it is left; an earlier output the
+upload did not replace a file of is left as it was.
 """
 
 from __future__ import annotations
@@ -127,6 +130,11 @@ class Uploads:
                 ) -> list[RemotePath]:
         """Upload ``files`` in this order (as ``names``, by default their own names)."""
         files = list(files)
+        if len(files) > 1:
+            # An earlier output's commit file of the same name is deleted first: from then
+            # on that output is not one, so a crash while its other files are replaced one
+            # by one leaves no commit file naming old and new files mixed.
+            delete([self.out / (names[-1] if names else files[-1].name)])
         return [upload(path, self.out, self.uploaded, name=names[i] if names else None)
                 for i, path in enumerate(files)]
 

@@ -19,7 +19,8 @@ completes them all: the ETags it gathers are a few dozen bytes a part, and with 
 making every object appear, none appears before every rank said it finished every part.
 The commit, as :mod:`fsdpckpt._io.publish_remote`'s: the uploads are completed in the order
 opened and the small files put (:meth:`_Target.put`) after them, the ``commit`` file (the
-one a reader opens first) last; each appears whole or not at all.
+one a reader opens first) last, an earlier one of its name deleted first; each appears
+whole or not at all.
 
 A failure on any rank (an error, a failed upload, Ctrl-C) reaches every rank at its next
 exchange; then rank 0 aborts the uploads not completed and deletes the objects already
@@ -259,6 +260,8 @@ class _Target:
 
     def _publish(self) -> None:
         last = self.commit_name
+        if len(self.files) + len(self.puts) > 1:
+            delete([self.out / last])  # an earlier output uncommitted first (publish_remote)
         for file in sorted(self.files, key=lambda f: f.name == last):
             etags = self.etags[file.index]
             if sorted(etags) != list(range(1, file.count + 1)):

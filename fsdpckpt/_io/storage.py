@@ -390,6 +390,15 @@ def sync_names(folder: Place) -> None:
         fsync_dir(cast(Path, folder))
 
 
+def remove_file(file: Place) -> None:
+    """Delete one file (gone already: nothing to do); one request on object storage."""
+    with contextlib.suppress(FileNotFoundError):
+        if is_remote(file):
+            cast("RemotePath", file).fs.rm_file(cast("RemotePath", file).path)
+        else:
+            cast(Path, file).unlink()
+
+
 def remove(place: Place, *, strict: bool = False) -> None:
     """Delete a file or a folder and everything under it.
 

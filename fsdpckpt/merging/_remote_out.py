@@ -9,11 +9,14 @@ protocol for a remote output folder:
 2. Merge into a local temporary folder (``$TMPDIR``: it needs room for the output).
 3. Upload the files one by one (each in parts), in the merge's order: shards first,
    the index last. A sharded output without its index is not a model to any loader,
-   and a single-file output is whole the moment its one object appears.
+   and a single-file output is whole the moment its one object appears. An earlier
+   index of the same name is deleted before the first shard, so it never names old and
+   new shards mixed.
 4. Only then remove earlier outputs of ours that the new ones replace.
 
 A failure (or Ctrl-C, SIGTERM) during the upload deletes the objects this merge already
-uploaded, so nothing of it is left, and an earlier output is left as it was.
+uploaded, so nothing of it is left; an earlier output whose files it did not replace is
+left as it was.
 :func:`publish_results` is that last step for either kind of output folder: locally the
 files are already in place (renamed by the commit stage), remotely they are uploaded.
 """

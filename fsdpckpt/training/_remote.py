@@ -15,6 +15,17 @@ marker and no manifest is the leftover of a save (or a deletion) that did not fi
 nothing reads it as a checkpoint (:func:`fsdpckpt.dcp.layout.refuse_unfinished_save`), and
 :func:`sweep` deletes it. Deleting a checkpoint runs the same steps backwards: marker,
 manifest, data, marker last.
+
+Saving again a step that is committed (``CheckpointManager.save(step, overwrite=True)``)
+keeps a committed copy of that step at every moment. The new copy is saved, by the steps
+above, into ``checkpoint_N.replacement``; once it is committed, :func:`replace_with` makes
+it ``checkpoint_N``: the old copy is uncommitted (from then on the replacement is the
+step's committed copy), the replacement is copied into ``checkpoint_N`` on the server
+(``CopyObject``: no byte comes back to this process) by the save protocol, its manifest
+last, and the replacement is deleted. A crash at any request leaves a committed
+``checkpoint_N``, a committed replacement, or both; the next manager finishes the switch
+(:meth:`MarkerCommits.recover`), and until then :meth:`CheckpointManager.checkpoints`
+counts a committed replacement as its step.
 """
 
 from __future__ import annotations
@@ -29,12 +40,15 @@ from fsdpckpt._io.remote import RemotePath
 from fsdpckpt._io.storage import Place, put_bytes, refresh
 from fsdpckpt.dcp.layout import INCOMPLETE  # the intent marker: written first, removed last
 
-__all__ = ["INCOMPLETE", "begin_save", "end_save", "delete", "sweep", "MarkerCommits"]
+__all__ = ["INCOMPLETE", "REPLACEMENT", "begin_save", "end_save", "delete", "sweep",
+           "replace_with", "MarkerCommits"]
 
 log = logging.getLogger("fsdpckpt")
 
 _MANIFEST = "fsdpckpt.json"  # training.manifest.MANIFEST; not imported: manifest imports us
 _MARKER_TEXT = b"a save or a deletion of this checkpoint has not finished\n"
+#: ``checkpoint_N{REPLACEMENT}``: a new copy of the committed step N, before it replaces it.
+REPLACEMENT = ".replacement"
 
 #: Delete a file or a folder and everything under it (gone already: nothing to do): the
 #: seam's own, named here so that a test can cut a deletion short between two removals.
@@ -42,13 +56,22 @@ _remove = storage.remove
 
 
 def _clear(folder: RemotePath, keep: str | None) -> None:
-    """Delete the folder's contents, the manifest first, ``keep`` (a name) not at all."""
+    """Delete the folder's contents, the manifest first, ``keep`` (a name) not at all: the
+    rest in batches (one request per thousand objects), not a round of requests each."""
     refresh(folder)
-    entries = folder.iterdir()
-    for entry in sorted(entries, key=lambda p: p.name != _MANIFEST):
+    found = set(folder.fs.find(folder.path))
+    manifest = (folder / _MANIFEST).path
+    if manifest in found:
+        _remove(folder / _MANIFEST)  # from here on the folder is not committed
+    rest = sorted(found - {manifest, (folder / keep).path if keep else ""})
+    if rest:
+        folder.fs.rm(rest)
+    refresh(folder)
+    for entry in folder.iterdir():  # what is left: folders a store keeps once emptied
         if entry.name != keep:
             _remove(entry)
     refresh(folder)
+
 
 
 def begin_save(folder: RemotePath) -> None:
@@ -59,7 +82,7 @@ def begin_save(folder: RemotePath) -> None:
 
 def end_save(folder: Place) -> None:
     """After the manifest is written (rank 0): the intent marker goes."""
-    _remove(folder / INCOMPLETE)
+    storage.remove_file(folder / INCOMPLETE)  # a local save writes none: nothing to do
     refresh(folder)
 
 
@@ -69,6 +92,36 @@ def delete(folder: RemotePath) -> None:
     _clear(folder, keep=INCOMPLETE)
     _remove(folder)  # only the marker is left: it goes last, with the folder
     refresh(folder)
+
+
+def _committed(folder: RemotePath) -> bool:
+    return (folder / _MANIFEST).is_file()
+
+
+def _copy_committed(source: RemotePath, target: RemotePath) -> None:
+    """Copy the committed checkpoint ``source`` into ``target`` on the server, by the save
+    protocol: intent marker, an emptied folder, every file, the manifest last, no marker."""
+    begin_save(target)
+    refresh(source)
+    files = sorted(source.fs.find(source.path))
+    manifest = f"{source.path}/{_MANIFEST}"
+    for path in [*(f for f in files if f != manifest), manifest]:
+        name = path[len(source.path) + 1:]
+        if name != INCOMPLETE:
+            source.fs.copy(path, (target / name).path)
+    end_save(target)
+
+
+def replace_with(final: RemotePath, replacement: RemotePath) -> None:
+    """The committed ``replacement`` becomes ``final`` (see the module's docstring); run
+    again after a crash, it finishes what is left (a copy already whole is not redone)."""
+    refresh(final)
+    if _committed(final) and (final / _MANIFEST).read_bytes() == \
+            (replacement / _MANIFEST).read_bytes():
+        end_save(final)  # copied whole: at most the intent marker is left to remove
+    else:
+        _copy_committed(replacement, final)  # uncommits the old copy first (its manifest)
+    delete(replacement)
 
 
 def sweep(root: RemotePath, names: list[str]) -> list[RemotePath]:
@@ -99,20 +152,36 @@ class MarkerCommits:
     def __init__(self, root: RemotePath, final: str) -> None:
         self.root, self.final = root, final
 
-    def writing(self, key: int) -> RemotePath:
-        # In place: save_state uncommits an older copy of this key first (manifest first),
-        # so re-saving leaves no committed copy of it until it commits.
-        return self.root / f"{self.final}{key}"
+    def _names(self, key: int) -> tuple[RemotePath, RemotePath]:
+        final = self.root / f"{self.final}{key}"
+        return final, final.parent / f"{final.name}{REPLACEMENT}"
 
-    def start(self, key: int) -> None:
-        """Nothing: :func:`begin_save` clears the folder once the intent marker is in."""
+    def start(self, key: int) -> RemotePath:
+        """Where the save of ``key`` writes: in place (:func:`begin_save` clears the folder
+        once the intent marker is in), or beside a committed copy of it."""
+        refresh(self.root)
+        final, replacement = self._names(key)
+        if _committed(replacement):  # a switch that failed: finished before a new save
+            replace_with(final, replacement)
+        return replacement if _committed(final) else final
 
     def commit(self, key: int) -> RemotePath:
-        # save_state committed it (the manifest); the listings are made fresh.
+        # save_state committed it (the manifest); a replacement takes the final name.
         refresh(self.root)
-        return self.root / f"{self.final}{key}"
+        final, replacement = self._names(key)
+        if _committed(replacement):
+            replace_with(final, replacement)
+        return final
 
     def recover(self, complete: Callable[[Any], bool], final: re.Pattern[str]) -> None:
+        refresh(self.root)
+        names = [p.name for p in self.root.iterdir() if final.match(p.name)]
+        for name in names:
+            replacement = self.root / name
+            if name.endswith(REPLACEMENT) and _committed(replacement):
+                log.warning("fsdpckpt: finishing the replacement of %s by %s, left by a save "
+                            "that did not finish", name.removesuffix(REPLACEMENT), replacement)
+                replace_with(self.root / name.removesuffix(REPLACEMENT), replacement)
         refresh(self.root)
         names = [p.name for p in self.root.iterdir() if final.match(p.name)]
         for swept in sweep(self.root, names):

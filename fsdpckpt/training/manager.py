@@ -15,7 +15,9 @@ checkpoint is written in place into ``checkpoint_{step}`` by the protocol of
 :mod:`fsdpckpt.training._remote` (intent marker first, manifest last), a folder counts as
 committed exactly when its manifest exists, retention runs only after the new checkpoint
 is committed and deletes a checkpoint's manifest before its data, and the leftovers of an
-unfinished save are swept by the next manager (docs/remote-training.md).
+unfinished save are swept by the next manager (docs/remote-training.md). A step saved
+again is written beside its committed copy as ``checkpoint_{step}.replacement`` and
+switched in once committed, so the step has a committed copy at every moment.
 """
 
 from __future__ import annotations
@@ -32,15 +34,21 @@ from fsdpckpt._io.remote import location
 from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import OptionError, OutputExistsError, ResumeWarning
 from fsdpckpt.training._dist import dist_or_none, everywhere, rank_world
-from fsdpckpt.training._remote import MarkerCommits
+from fsdpckpt.training._remote import REPLACEMENT, MarkerCommits
 from fsdpckpt.training.manifest import MANIFEST, manifest_digest
 from fsdpckpt.training.state import AsyncSave, LoadResult, load_state, save_state
 
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger("fsdpckpt")
-_COMMITTED = re.compile(r"^checkpoint_(\d+)$")
+# A step's folder; on object storage also a new copy of it not yet switched in (_remote.py).
+_COMMITTED = re.compile(rf"^checkpoint_(\d+)({re.escape(REPLACEMENT)})?$")
 _TEMPORARY = ".tmp-checkpoint_"
+
+
+def _step_of(path: Any) -> int:
+    match = _COMMITTED.match(path.name)
+    return int(match.group(1)) if match else -1
 
 
 def _from_rank_zero(value: Any) -> Any:
@@ -106,12 +114,14 @@ class CheckpointManager:
         """The committed checkpoints (paths, or :class:`RemotePath` on object storage),
         oldest first."""
         self._commits.refresh()  # another process may have committed or deleted
-        found = []
+        found: dict[int, Any] = {}
         for entry in self.root.iterdir() if self.root.is_dir() else []:
             match = _COMMITTED.match(entry.name)
-            if match and (entry / MANIFEST).is_file():
-                found.append((int(match.group(1)), entry))
-        return [path for _step, path in sorted(found)]
+            # A committed replacement counts while its step's own folder is not.
+            if match and (entry / MANIFEST).is_file() and \
+                    (not match.group(2) or int(match.group(1)) not in found):
+                found[int(match.group(1))] = entry
+        return [found[step] for step in sorted(found)]
 
     def latest(self) -> Any:
         """The newest committed checkpoint, or None."""
@@ -123,8 +133,8 @@ class CheckpointManager:
         step ``step``.
 
         A step saved before is refused (before anything is written), unless ``overwrite``:
-        then the new copy replaces it once complete (locally; on object storage the old
-        copy is uncommitted as the save starts, docs/remote-training.md).
+        then the new copy replaces it once complete: the step has a committed copy, the old
+        or the new, at every moment (docs/remote-training.md for object storage).
 
         Raises:
             OutputExistsError: ``step`` is committed already and ``overwrite`` is False.
@@ -132,18 +142,18 @@ class CheckpointManager:
         self.wait()
         rank, _world = rank_world()
 
-        def start() -> None:
+        def start() -> str | None:
             if rank != 0:
-                return
+                return None
             committed = self.root / f"checkpoint_{step}"
             if not overwrite and (committed / MANIFEST).is_file():
                 raise OutputExistsError(
                     f"{committed}: step {step} is saved already; nothing was written. Save "
                     "another step, or pass overwrite=True to replace it.")
-            self._commits.start(step)
+            return self._commits.start(step).name
 
-        everywhere(start)
-        self._finish(step, save_state(self._commits.writing(step), step=step,
+        writing = self.root / _from_rank_zero(everywhere(start))  # the same on every rank
+        self._finish(step, save_state(writing, step=step,
                                       async_save=self.async_save, manifest=True,
                                       digest=self.digest, overwrite=True, **parts))
 
@@ -205,7 +215,7 @@ class CheckpointManager:
         keep = set(committed[-self.keep_last:] if self.keep_last else committed)
         keep.add(just_committed)  # even when its step is lower than older ones (a rewind)
         if self.keep_every:
-            keep |= {p for p in committed if int(p.name.split("_")[1]) % self.keep_every == 0}
+            keep |= {p for p in committed if _step_of(p) % self.keep_every == 0}
         for path in committed:
             if path not in keep:
                 self._commits.delete(path)

@@ -23,7 +23,9 @@ Each document runs in a scratch copy of the repository, from its root, as a read
 fresh checkout would run it: blocks share files (and Python names) within a document, in
 document order. Then all of them run one after another in one checkout (README first, then
 docs/ by name), as a reader who follows them all would: name outputs so they do not clash.
-``fsdpckpt`` is the one installed beside the interpreter running the tests.
+``fsdpckpt`` is the one installed beside the interpreter running the tests, its command
+line run warm: each command forked from one process that imported torch once
+(tests/warmcli.py; the console script itself is tested by tests/test_entry_point.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import warmcli
 
 from conftest import ROOT
 
@@ -137,9 +140,22 @@ def _shell(block: Block) -> str:
     return block.code
 
 
+#: The folder of the warm ``fsdpckpt`` shim while this module's tests run.
+_WARM: list[Path] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_fsdpckpt(tmp_path_factory):
+    with warmcli.start(tmp_path_factory.mktemp("warm")) as bin_folder:
+        _WARM.append(bin_folder)
+        yield
+        _WARM.remove(bin_folder)
+
+
 def _run_shell(block: Block, cwd: Path) -> None:
     env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = os.pathsep.join([*map(str, _WARM), str(Path(sys.executable).parent),
+                                   env.get("PATH", "")])
     done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + _shell(block)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     if done.returncode != 0:

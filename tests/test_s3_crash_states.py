@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +34,7 @@ import s3crash
 import torch
 
 import fsdpckpt
+from fsdpckpt.training import _remote
 
 from faultproxy import FaultProxy
 
@@ -129,6 +133,19 @@ def _same_model(state: dict, step: int) -> bool:
     return state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
 
 
+_VERDICTS: dict = {}
+
+
+def _whole_if_verified(store: Store, folder: str, weights: tuple[int, ...]) -> bool:
+    """False when ``verify`` says OK of the step folder and it does not load as one of
+    ``weights``."""
+    if not store.verify_ok(f"s3://{folder}"):
+        return True
+    model = fsdpckpt.load_full_state_dict(f"s3://{folder}/pytorch_model_fsdp_0",
+                                          storage_options=store.options)["model"]
+    return any(_same_model(model, w) for w in weights)
+
+
 def _restores(store: Store, copy: str, allowed: dict[int, list[int]],
               kept: list[int] = ()) -> list[str]:
     """In the copy ``copy``: ``verify`` says OK of no step folder that is not whole (asked
@@ -137,14 +154,22 @@ def _restores(store: Store, copy: str, allowed: dict[int, list[int]],
     still there or has two newer ones (keep_last=2)."""
     problems = []
     store.fs.invalidate_cache()
-    for folder in store.fs.ls(f"{copy}/run") if store.fs.exists(f"{copy}/run") else []:
-        name = folder.rsplit("/", 1)[-1]
-        if name.startswith("checkpoint_") and store.verify_ok(f"s3://{folder}"):
-            step = int(name.split("_")[1].split(".")[0])
-            model = fsdpckpt.load_full_state_dict(
-                f"s3://{folder}/pytorch_model_fsdp_0", storage_options=store.options)["model"]
-            if not any(_same_model(model, w) for w in allowed.get(step, [step])):
-                problems.append(f"verify says OK of {name}, which is not whole")
+    found = store.fs.find(f"{copy}/run", detail=True) if store.fs.exists(f"{copy}/run") else {}
+    folders: dict[str, set] = {}
+    for key, info in found.items():
+        relative = key[len(copy) + 5:]
+        if relative.startswith("checkpoint_") and "/" in relative:
+            name, rest = relative.split("/", 1)
+            folders.setdefault(name, set()).add((rest, info.get("ETag")))
+    for name, content in sorted(folders.items()):
+        step = int(name.split("_")[1].split(".")[0])
+        # The same files (names and ETags) as a folder seen in an earlier state: the same
+        # verdict, asked once.
+        key = (step, tuple(allowed.get(step, [step])), frozenset(content))
+        if key not in _VERDICTS:
+            _VERDICTS[key] = _whole_if_verified(store, f"{copy}/run/{name}", key[1])
+        if not _VERDICTS[key]:
+            problems.append(f"verify says OK of {name}, which is not whole")
     target = model_at(0)
     try:
         manager = fsdpckpt.CheckpointManager(store.url(copy, "run"), keep_last=2,
@@ -194,7 +219,7 @@ def test_a_save_with_retention_keeps_the_last_committed_step_at_every_request(st
     _explore(store, proxy, _run_with([1, 2]), _saving([(3, 3, False)]), check, "retention")
 
 
-def test_a_save_over_a_step_keeps_a_committed_copy_of_it_at_every_request(store, proxy):
+def _over_a_step(store: Store) -> s3crash.Check:
     def check(copy: str, reported: list[str]) -> list[str]:
         # Step 2 again, with the weights of "step 20": a committed copy, old or new, of
         # step 2 at every moment (seen before any recovery), then the restore's rules.
@@ -204,8 +229,23 @@ def test_a_save_over_a_step_keeps_a_committed_copy_of_it_at_every_request(store,
             ["no committed copy of step 2"]
         allowed = {2: [20]} if "2" in reported else {2: [2, 20]}
         return problems + _restores(store, copy, allowed, kept=[1, 2])
+    return check
 
-    _explore(store, proxy, _run_with([1, 2]), _saving([(2, 20, True)]), check, "over_a_step")
+
+def test_a_save_over_a_step_keeps_a_committed_copy_of_it_at_every_request(store, proxy):
+    _explore(store, proxy, _run_with([1, 2]), _saving([(2, 20, True)]), _over_a_step(store),
+             "over_a_step")
+
+
+def test_the_explorer_finds_a_save_over_a_step_that_uncommits_it_first(store, proxy,
+                                                                      monkeypatch):
+    # The protocol before: the new copy saved in place, the old one uncommitted as it starts.
+    monkeypatch.setattr(_remote.MarkerCommits, "start",
+                        lambda self, key: self.root / f"{self.final}{key}")
+    _run_with([1, 2])(store.root)
+    result = s3crash.explore(store.server, proxy, store.root,
+                             _saving([(2, 20, True)])(store.root), _over_a_step(store))
+    assert any("no committed copy of step 2" in v for v in result.violations), result
 
 
 def test_the_replacement_of_a_step_is_finished_by_the_next_manager(store):
@@ -215,9 +255,6 @@ def test_the_replacement_of_a_step_is_finished_by_the_next_manager(store):
     url = store.url(store.root, "run")
     fsdpckpt.save_state(f"{url}/checkpoint_2.replacement", model_at(20), step=2,
                         manifest=True, storage_options=store.options)
-    from fsdpckpt.training import _remote
-
-    fsdpckpt.load_state  # noqa: B018 - the public API, imported for the manager below
     store.fs.rm(f"{store.root}/run/checkpoint_2", recursive=True)  # crash mid-switch
     assert _remote.REPLACEMENT == ".replacement"
     target = model_at(0)
@@ -280,11 +317,13 @@ def _export(store: Store, folder: str) -> dict[str, bytes] | None:
 
 def _replaced_output(store: Store, proxy: FaultProxy, name: str,
                      write: Callable[[str, int, dict, bool], None],
-                     seen: Callable[[Store, str], dict[str, bytes] | None]) -> None:
+                     seen: Callable[[Store, str], dict[str, bytes] | None],
+                     commit: Callable[[str, int, dict, bool], None] | None = None) -> None:
     """``write(url, version, options, overwrite)`` writes an output; version 1 is there,
     the program writes version 2 over it: in every state the output (as ``seen`` finds it)
     is the old one whole, none, or the new one whole (only that, once reported); ``verify``
-    says OK of nothing else."""
+    says OK of nothing else. ``commit``, when given, is the program's write (the others'
+    files the same, made faster)."""
     expected = f"{store.root}-expected"
     write(store.url(expected), 2, store.options, False)
     new = seen(store, expected)
@@ -294,7 +333,7 @@ def _replaced_output(store: Store, proxy: FaultProxy, name: str,
 
     def program_at(folder: str) -> s3crash.Program:
         def program(options: dict, report: Callable[[str], None]) -> None:
-            write(store.url(folder, "out"), 2, options, True)
+            (commit or write)(store.url(folder, "out"), 2, options, True)
             report("written")
         return program
 
@@ -360,3 +399,29 @@ def test_export_hf_over_an_export_leaves_the_old_or_the_new_whole(store, proxy):
                            overwrite=overwrite, storage_options=options)
 
     _replaced_output(store, proxy, "export-hf", write, _export)
+
+
+@pytest.mark.multirank
+def test_a_spread_merge_over_an_output_leaves_the_old_or_the_new_whole(store, proxy, tmp_path):
+    # torchrun's 2 ranks each upload their parts of each file (multipart); rank 0 completes
+    # the uploads, the index last: the spread merge's final publish on S3.
+    for version in (1, 2):
+        fsdpckpt.save_state(tmp_path / f"ckpt{version}", model_at(version))
+
+    def merge(url: str, version: int, options: dict, overwrite: bool) -> None:
+        fsdpckpt.merge(tmp_path / f"ckpt{version}", url, overwrite=overwrite,
+                       max_shard_size="600B", storage_options=options)
+
+    def spread(url: str, version: int, options: dict, overwrite: bool) -> None:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        run = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", "-m", "fsdpckpt", "merge", str(tmp_path / f"ckpt{version}"), url,
+             "--max-shard-size", "600B", "--storage-options", json.dumps(options),
+             *(["--overwrite"] if overwrite else [])],
+            capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+        if run.returncode != 0:
+            raise fsdpckpt.FsdpCkptError(run.stderr[-2000:])
+
+    _replaced_output(store, proxy, "spread merge", merge, _output, commit=spread)

@@ -2,8 +2,9 @@
 
 The ranks need no shared file system: each writes its share of the output files (the same
 :func:`~fsdpckpt.merging._distributed.assign_files` split as on a shared disk) into its own
-local temporary folder and uploads them under their final names; once every rank's
-uploads are in, rank 0 writes and uploads each index, last, then removes the earlier
+local temporary folder and uploads them under their final names (an earlier index of the
+same name deleted first); once every rank's uploads are in, rank 0 writes and uploads each
+index, last, then removes the earlier
 outputs the new ones replace (the protocol of :mod:`fsdpckpt.merging._remote_out`; the uploads are
 :mod:`fsdpckpt._io.publish_remote`'s).
 
@@ -56,6 +57,14 @@ def run_spread_remote(out: RemotePath, plan: Callable[[Path], MergeJob], group: 
                                 "call merge with the same checkpoint and options")
         stale = ranks.agree(lambda: claim_outputs(job.plans, out, overwrite=overwrite))
         mine = assign_files(job.plans, ranks.world)[ranks.rank]
+
+        def uncommit() -> None:
+            # An earlier index of a name the new one takes goes before any shard is
+            # replaced: it never names old and new shards mixed (publish_remote's rule).
+            if ranks.rank == 0:
+                delete([out / p.index_name for p in job.plans if p.index_name])
+
+        ranks.agree(uncommit)
 
         def share() -> list[float]:
             local.mkdir(parents=True, exist_ok=True)

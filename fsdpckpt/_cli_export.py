@@ -144,12 +144,16 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
                    "removed on both sides, as merge removes them.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document on stdout (schema in docs/cli.md).")
+@click.option("--html", "html", metavar="FILE",
+              help="Also write a self-contained HTML page: per layer and module, the "
+                   "relative change ||a-b||/||a|| and max |a-b|, and the largest changes "
+                   "(computed in the same read; --json then carries rel_change too).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_storage_options_option
 @_debug_option
 def diff(a: str, b: str, atol: float, rtol: float, names: tuple[str, ...], optimizer: bool,
-         model_index: int | None, keep_keys: bool, as_json: bool, quiet: bool,
-         storage_options: dict | None) -> None:
+         model_index: int | None, keep_keys: bool, as_json: bool, html: str | None,
+         quiet: bool, storage_options: dict | None) -> None:
     """Compare two state sources tensor by tensor, streaming.
 
     A and B are each a DCP folder, a whole checkpoint (its model folder; --optimizer:
@@ -172,14 +176,20 @@ def diff(a: str, b: str, atol: float, rtol: float, names: tuple[str, ...], optim
       fsdpckpt diff ckpt/ export/ --rtol 1e-2      # a bf16 export, within bf16's precision
       fsdpckpt diff a.safetensors b.bin --name 'layers.0.*' --json
       fsdpckpt diff s3://bucket/run/checkpoint-500 merged/
+      fsdpckpt diff run/checkpoint-1000 run/checkpoint-2000 --html moved.html
     """
     from fsdpckpt._render import render_diff
     from fsdpckpt.inspection.diff import diff as diff_sources
 
     report = diff_sources(a, b, atol=atol, rtol=rtol, names=names, optimizer=optimizer,
                           model_index=model_index, keep_keys=keep_keys,
-                          progress=_progress(quiet, "comparing"),
+                          progress=_progress(quiet, "comparing"), norms=bool(html),
                           storage_options=storage_options)
+    if html:
+        from fsdpckpt.inspection._html import write_page
+        from fsdpckpt.inspection.html_diff import diff_html
+
+        click.echo(f"wrote {printable(write_page(html, diff_html(report)))}", err=True)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:

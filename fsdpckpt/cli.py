@@ -86,10 +86,13 @@ def main() -> None:
               help="Also list every chunk: offsets, sizes, file, byte range.")
 @click.option("--summary", is_flag=True,
               help="Only the summary: no table of tensors, and each part's rank files on one line.")
+@click.option("--html", "html", metavar="FILE",
+              help="Also write a self-contained HTML page: bytes by part, rank file and "
+                   "dtype, a shard map, the problems (docs/reports.md).")
 @_storage_options_option
 @_debug_option
 def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: bool,
-            storage_options: dict | None) -> None:
+            html: str | None, storage_options: dict | None) -> None:
     """Show what a checkpoint holds and check that its structure is whole.
 
     PATH is a DCP folder (the one holding .metadata) or a whole checkpoint folder
@@ -110,12 +113,19 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
       fsdpckpt inspect ckpt/pytorch_model_fsdp_0 --name 'layers.0.*' --chunks
       fsdpckpt inspect ckpt/ --json | jq '.parts[0].tensors[].name'
       fsdpckpt inspect exported/model.safetensors
+      fsdpckpt inspect ckpt/ --summary --html ckpt-report.html
       AWS_ENDPOINT_URL=http://localhost:9000 fsdpckpt inspect s3://runs/llama/checkpoint-100
     """
     from fsdpckpt._render import render_inspect
     from fsdpckpt.inspection.inspect import inspect_checkpoint
 
     report = inspect_checkpoint(path, names=names, storage_options=storage_options)
+    if html:
+        from fsdpckpt.inspection._html import write_page
+        from fsdpckpt.inspection.html_inspect import inspect_html
+
+        written = write_page(html, inspect_html(report))
+        click.echo(f"wrote {printable(written)}", err=True)
     if as_json:
         for piece in json_pieces(report):  # written as made: never the whole document
             click.echo(piece, nl=False)

@@ -251,6 +251,19 @@ def upload(server, local: Path, url: str) -> str:
 
 
 @pytest.fixture
+def quiet_fsdpckpt():
+    """fsdpckpt's log lines (errors aside) and every warning silenced for the test."""
+    import logging
+    import warnings
+
+    logging.getLogger("fsdpckpt").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    logging.getLogger("fsdpckpt").setLevel(logging.NOTSET)
+
+
+@pytest.fixture
 def default_sigint():
     """SIGINT raising KeyboardInterrupt, as in a terminal: a job started in the background
     by a non-interactive shell (nohup, ``cmd &``) inherits SIGINT ignored, and Python then

@@ -278,18 +278,42 @@ class Accumulator:
     """The running comparison of one tensor, box after box (``diff``'s rule of what is
     equal: :mod:`fsdpckpt.inspection.diff`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, norms: bool = False) -> None:
         self.identical = True
         self.comparable = True
         self.max_abs = 0.0
         self.max_rel = 0.0
         self.mismatched = 0
+        #: With ``norms``, the sums of ``|a|**2`` and ``|a - b|**2`` (float64), box by box.
+        self.norms, self.sq_a, self.sq_diff = norms, 0.0, 0.0
+
+    @property
+    def rel_change(self) -> float | None:
+        """``||a - b|| / ||a||`` over the whole tensor (0 when equal; ``inf`` when only
+        ``a`` is all zeros); None without ``norms`` or when not comparable by value."""
+        if not self.norms or not self.comparable:
+            return None
+        if self.sq_diff == 0:
+            return 0.0
+        return math.sqrt(self.sq_diff / self.sq_a) if self.sq_a > 0 else math.inf
+
+    def same(self, a: Any) -> None:
+        """A box whose bytes are the same on both sides (1-D ``a``): only ``||a||`` grows."""
+        if self.norms:
+            import torch
+
+            wide = torch.complex128 if a.is_complex() else torch.float64
+            try:
+                self.sq_a += float(a.to(wide).abs().square().sum())
+            except (RuntimeError, TypeError):  # float4: compared as bytes, no norm
+                self.comparable = False
 
     def add(self, a: Any, b: Any, same_dtype: bool, atol: float, rtol: float) -> None:
         """Compare one box: ``a`` and ``b`` are 1-D tensors of equal length."""
         import torch
 
         if same_dtype and same_bits(a, b):
+            self.same(a)
             return
         self.identical = False
         wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
@@ -308,6 +332,9 @@ class Accumulator:
         close = same | ((size <= atol + rtol * scale) & ~infinite)
         rel = torch.where(size == 0, 0.0, size / scale).nan_to_num(nan=math.inf)
         self.mismatched += int((~close).sum())
+        if self.norms:
+            self.sq_a += float(x.abs().square().sum())
+            self.sq_diff += float(size.square().sum())
         if size.numel():
             self.max_abs = max(self.max_abs, float(size.max()))
             self.max_rel = max(self.max_rel, float(rel.max()))

@@ -81,6 +81,8 @@ class TensorDiff:
         max_rel: the largest ``|a - b| / |b|`` (``inf`` where ``b`` is 0 and ``a`` is not).
         mismatched: elements outside the tolerance.
         numel: elements compared (0 when shapes differ).
+        rel_change: ``||a - b|| / ||a||`` over the whole tensor, computed with ``norms``
+            (``diff --html``); None otherwise, or when not comparable by value.
     """
 
     name: str
@@ -94,6 +96,7 @@ class TensorDiff:
     max_rel: float | None
     mismatched: int
     numel: int
+    rel_change: float | None = None
 
     @property
     def dtype_differs(self) -> bool:
@@ -108,7 +111,7 @@ class TensorDiff:
                 "shape": [list(self.shape_a), list(self.shape_b)], "equal": self.equal,
                 "identical": self.identical, "max_abs": _number(self.max_abs),
                 "max_rel": _number(self.max_rel), "mismatched": self.mismatched,
-                "numel": self.numel}
+                "numel": self.numel, "rel_change": _number(self.rel_change)}
 
 
 @dataclass(frozen=True)
@@ -204,14 +207,14 @@ def _tolerance(name: str, value: float) -> float:
 
 
 def _compare_tensor(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, atol: float,
-                    rtol: float, advance: ProgressCallback | None) -> TensorDiff:
+                    rtol: float, advance: ProgressCallback | None, norms: bool) -> TensorDiff:
 
     exact = atol == 0 and rtol == 0
     same_dtype = ta.dtype == tb.dtype
     if ta.shape != tb.shape:
         return TensorDiff(ta.name, ta.dtype.name, tb.dtype.name, ta.shape, tb.shape, False,
                           False, None, None, 0, 0)
-    acc = Accumulator()
+    acc = Accumulator(norms)
     pieces_a, pieces_b = a.pieces(ta.name), b.pieces(tb.name)
     if pieces_a is not None and pieces_b is not None:
         _compare_tiles(pieces_a, pieces_b, ta, tb, acc, atol, rtol, advance)
@@ -221,7 +224,8 @@ def _compare_tensor(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, atol: 
     known = acc.comparable
     return TensorDiff(ta.name, ta.dtype.name, tb.dtype.name, ta.shape, tb.shape, equal,
                       acc.identical and same_dtype, acc.max_abs if known else None,
-                      acc.max_rel if known else None, acc.mismatched, ta.numel)
+                      acc.max_rel if known else None, acc.mismatched, ta.numel,
+                      acc.rel_change)
 
 
 def _compare_tiles(pieces_a: list[Piece], pieces_b: list[Piece], ta: TensorInfo,
@@ -255,8 +259,11 @@ def _compare_tiles(pieces_a: list[Piece], pieces_b: list[Piece], ta: TensorInfo,
             strides_b = read_tile(pb, corner, part, buffer_b, later=True)
             nbytes = count * ta.dtype.itemsize
             # Laid out alike in the two buffers: the same bytes are the same elements.
-            if not (same_dtype and strides_a == strides_b and
-                    same_bytes(buffer_a[:nbytes], buffer_b[:nbytes])):
+            if same_dtype and strides_a == strides_b and \
+                    same_bytes(buffer_a[:nbytes], buffer_b[:nbytes]):
+                if acc.norms:  # only then is torch needed for a tile the same on both sides
+                    acc.same(flat_tile(buffer_a, ta.dtype.name, part, strides_a, "diff-a-rows"))
+            else:
                 acc.add(flat_tile(buffer_a, ta.dtype.name, part, strides_a, "diff-a-rows"),
                         flat_tile(buffer_b, tb.dtype.name, part, strides_b, "diff-b-rows"),
                         same_dtype, atol, rtol)
@@ -293,7 +300,7 @@ def _compare_boxes(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, acc: Ac
 def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 0.0,
          rtol: float = 0.0, names: Sequence[str] | str = (), optimizer: bool = False,
          model_index: int | None = None, keep_keys: bool = False,
-         progress: ProgressFactory | None = None,
+         progress: ProgressFactory | None = None, norms: bool = False,
          storage_options: dict[str, Any] | None = None) -> DiffReport:
     """Compare two state sources tensor by tensor, streaming.
 
@@ -316,6 +323,8 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 
         keep_keys: compare names with wrapper segments (``_fsdp_wrapped_module.``...)
             kept; by default they are dropped on both sides, as merge drops them.
         progress: a factory of byte-count callbacks (:mod:`fsdpckpt._progress`).
+        norms: also compute each tensor's ``rel_change``, ``||a - b|| / ||a||``, in the
+            same single read of each side (what ``diff --html`` plots).
         storage_options: fsspec options for a side on object storage (``s3://...``; one
             value for both sides); None uses the environment's credentials and endpoint.
 
@@ -346,11 +355,11 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 
         # A trainer's folder against its framework's whole consolidation: both whole; a
         # checkpoint against its export: read under the export's names (._diff_names).
         left, right, mapped = mapped_sides(left, right)
-        return replace(_diff(left, right, atol, rtol, keep, progress), names=mapped)
+        return replace(_diff(left, right, atol, rtol, keep, progress, norms), names=mapped)
 
 
 def _diff(left: Source, right: Source, atol: float, rtol: float, keep: Any,
-          progress: ProgressFactory | None) -> DiffReport:
+          progress: ProgressFactory | None, norms: bool) -> DiffReport:
     objects_a = [n for n in left.object_names() if keep(n)]
     objects_b = [n for n in right.object_names() if keep(n)]
     names_a = [n for n in left.tensors if keep(n)] + objects_a
@@ -375,7 +384,7 @@ def _diff(left: Source, right: Source, atol: float, rtol: float, keep: Any,
         if (name in left.tensors) != (name in right.tensors):
             kinds.append(name)
     for ta, tb in pairs:
-        tensors.append(_compare_tensor(left, right, ta, tb, atol, rtol, advance))
+        tensors.append(_compare_tensor(left, right, ta, tb, atol, rtol, advance, norms))
     for i, t in enumerate(tied, len(tensors) - len(tied)):  # named as the target
         tensors[i] = replace(tensors[i], name=t.name)
     values_a = left.objects() if objects_a else {}

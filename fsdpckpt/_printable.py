@@ -1,4 +1,4 @@
-"""Making names from files safe to print on a terminal, on one line.
+"""Making names from files safe to print on a terminal, on one line; and sizes as people read them.
 
 Tensor names, file names inside archives and paths come from checkpoints, which may be
 crafted: a newline in a name would forge lines of a report, an ESC sequence could
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["MAX_ERROR_CHARS", "cap_line", "printable"]
+__all__ = ["MAX_ERROR_CHARS", "cap_line", "human_bytes", "printable"]
 
 # C0 controls (tab, newline, ESC, ...), DEL, C1 controls (0x80-0x9f: CSI among them), the
 # line and paragraph separators, and the bidi embedding/override/isolate/mark characters.
@@ -48,3 +48,13 @@ def cap_line(text: str, limit: int = MAX_ERROR_CHARS) -> str:
         return text
     kept = max(0, limit - 80)  # the marker takes fewer than 80 characters
     return text[:kept] + f" ... [cut: {len(text) - kept} more characters; --debug shows all]"
+
+
+def human_bytes(n: int | float) -> str:
+    """``1536`` -> ``"1.5 KiB"``: a size as the text output and the HTML reports show it."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

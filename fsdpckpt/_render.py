@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from fsdpckpt._printable import printable
+from fsdpckpt._printable import human_bytes, printable
 from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.dcp.layout import SideFile
 from fsdpckpt.dcp.metadata import DataFile
@@ -31,16 +31,6 @@ __all__ = ["human_bytes", "table", "render_inspect", "render_verify", "render_di
 def _part_name(name: str) -> str:
     """A DCP folder's name with its slash; a set of per-rank files (``..._rank*.bin``) as is."""
     return _p(name) if "*" in name else _p(name) + "/"
-
-def human_bytes(n: int | float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
 
 def table(rows: Sequence[Sequence[Any]], *, header: Sequence[str] | None = None,
           indent: str = "  ", right: Sequence[int] = ()) -> list[str]:

@@ -111,7 +111,7 @@ def explore(server, proxy: FaultProxy, root: str, program: Program, check: Check
     recorded, reports = _record(proxy, program)
     _restore(fs, root, snapshot)
     result = Exploration(requests=len(recorded), states=len(recorded) + 1)
-    seen: set[frozenset[tuple[str, str]]] = set()
+    seen: set[tuple[frozenset[tuple[str, str]], tuple[str, ...]]] = set()
     multipart = [_line(head) for head, _body, _answer in recorded if b"uploadId=" in head
                  or b"?uploads" in head.split(b"\r\n", 1)[0]]
     if multipart:
@@ -121,13 +121,14 @@ def explore(server, proxy: FaultProxy, root: str, program: Program, check: Check
             head, body, _answer = recorded[k - 1]
             send(server.endpoint, head, body)
         state = _objects(fs, root)
-        if (key := frozenset(state.items())) in seen:
+        reported = [what for at, what in reports if at <= k]
+        # The same objects with the same reports: the same verdict, checked once.
+        if (key := (frozenset(state.items()), tuple(reported))) in seen:
             continue
         seen.add(key)
         result.checked += 1
         copy = f"{root}-state{k:04d}"
         _copy(fs, root, sorted(state), copy)
-        reported = [what for at, what in reports if at <= k]
         where = f"after request {k} ({_line(recorded[k - 1][0])})" if k else "at the start"
         result.violations += [f"{where}: {problem}" for problem in check(copy, reported)]
     return result

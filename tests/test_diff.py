@@ -263,8 +263,9 @@ def test_json_is_one_document_with_the_verdict_and_every_tensor(merged, tmp_path
     assert doc["equal"] is False and doc["summary"]["differing"] == 1
     bad = next(t for t in doc["tensors"] if t["name"] == "2.bias")
     assert set(bad) == {"name", "dtype", "shape", "equal", "identical", "max_abs", "max_rel",
-                        "mismatched", "numel"}
+                        "mismatched", "numel", "rel_change"}
     assert bad["dtype"] == ["float32", "float32"] and bad["shape"] == [[5], [5]]
+    assert bad["rel_change"] is None  # computed with --html (tests/test_reports.py)
 
 
 def test_json_writes_infinity_as_a_string(tmp_path):

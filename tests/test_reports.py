@@ -155,7 +155,7 @@ def test_the_relative_change_is_the_norm_of_the_difference_over_the_norm_of_a(tm
     assert by_name["z"].rel_change == math.inf  # a was all zeros
 
 
-@pytest.mark.parametrize("form", ["dcp", "safetensors"])
+@pytest.mark.parametrize("form", ["dcp", "safetensors", "bin"])
 def test_the_relative_change_counts_the_tiles_that_are_the_same_on_both_sides(tmp_path, form):
     # 1.1M elements: three tiles of diff's 2**19, only the last one changed; ||a|| must
     # still sum all three.
@@ -171,6 +171,9 @@ def test_the_relative_change_counts_the_tiles_that_are_the_same_on_both_sides(tm
             model.weight.data.copy_(value)
             fsdpckpt.save_state(tmp_path / name, model)
             paths.append(tmp_path / name)
+        elif form == "bin":  # read box by box through torch's loader, not in tiles
+            torch.save({"weight": value}, tmp_path / f"{name}.bin")
+            paths.append(tmp_path / f"{name}.bin")
         else:
             save_file({"weight": value}, str(tmp_path / f"{name}.safetensors"))
             paths.append(tmp_path / f"{name}.safetensors")

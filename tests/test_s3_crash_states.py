@@ -258,6 +258,19 @@ def test_the_replacement_of_a_step_is_finished_by_the_next_manager(store):
     assert not store.fs.exists(f"{store.root}/run/checkpoint_2.replacement")
 
 
+def test_a_step_whose_replacement_is_committed_is_refused_without_overwrite(store):
+    # Another process's switch cut short after this manager started: step 2 is saved (as
+    # its replacement), so a save of step 2 without overwrite is refused, as for any step.
+    _run_with([1, 2])(store.root)
+    url = store.url(store.root, "run")
+    manager = fsdpckpt.CheckpointManager(url, keep_last=2, storage_options=store.options)
+    fsdpckpt.save_state(f"{url}/checkpoint_2.replacement", model_at(20), step=2,
+                        manifest=True, storage_options=store.options)
+    store.fs.rm(f"{store.root}/run/checkpoint_2", recursive=True)
+    with pytest.raises(fsdpckpt.OutputExistsError, match="step 2 is saved already"):
+        manager.save(2, model=model_at(30))
+
+
 # -- save_state into a new folder -----------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ from fsdpckpt.errors import (
 _T = TypeVar("_T")
 
 __all__ = ["check_remote_output", "refuse_held", "local_stage", "upload", "delete",
-           "Uploads", "publish_folder"]
+           "uncommit_replaced", "Uploads", "publish_folder"]
 
 
 def check_remote_output(out: RemotePath) -> None:
@@ -86,6 +86,30 @@ def _put(local: Path, target: RemotePath) -> None:
     target.fs.put_file(str(local), target.path)
 
 
+def uncommit_replaced(out: RemotePath, files: Sequence[str], commits: Sequence[str]) -> None:
+    """Before ``files`` are uploaded into ``out`` (relative names), then ``commits`` (the
+    files a reader opens first: an index, ``.metadata``, ``config.json``): where one of
+    ``files`` replaces an object there by name, the earlier ``commits`` of the same names
+    are deleted first. From then on the earlier output is not one, so a crash while its
+    files are replaced one by one leaves no commit file naming old and new files mixed.
+    Where no name is shared, the earlier output stays whole until the new commit file
+    replaces its own (one PUT).
+
+    Raises:
+        RemoteStorageError: an earlier commit file could not be deleted (nothing uploaded).
+    """
+    if not files or not commits:
+        return
+    out.forget_listings()
+    prefix = out.path + "/"
+    held = {p[len(prefix):] for p in out.fs.find(out.path)} if out.exists() else set()
+    doomed = [out / n for n in commits if n in held] if held & set(files) else []
+    if doomed and (left := delete(doomed)):
+        raise RemoteStorageError(f"{left[0]}: the earlier output's commit file could not be "
+                                 "deleted before its files are replaced; nothing was "
+                                 "uploaded; check the store and run again")
+
+
 def delete(paths: list[RemotePath]) -> list[RemotePath]:
     """Delete these objects, in this order, ignoring any already gone; return those left.
 
@@ -130,12 +154,9 @@ class Uploads:
                 ) -> list[RemotePath]:
         """Upload ``files`` in this order (as ``names``, by default their own names)."""
         files = list(files)
-        if len(files) > 1:
-            # An earlier output's commit file of the same name is deleted first: from then
-            # on that output is not one, so a crash while its other files are replaced one
-            # by one leaves no commit file naming old and new files mixed.
-            delete([self.out / (names[-1] if names else files[-1].name)])
-        return [upload(path, self.out, self.uploaded, name=names[i] if names else None)
+        shown = list(names) if names else [p.name for p in files]
+        uncommit_replaced(self.out, shown[:-1], shown[-1:])
+        return [upload(path, self.out, self.uploaded, name=shown[i])
                 for i, path in enumerate(files)]
 
     def drop(self, stale: Iterable[RemotePath]) -> None:

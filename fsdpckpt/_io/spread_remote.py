@@ -38,7 +38,12 @@ from typing import Any, cast
 
 from fsdpckpt._io import multipart
 from fsdpckpt._io.checksums import crc32
-from fsdpckpt._io.publish_remote import check_remote_output, delete, refuse_held
+from fsdpckpt._io.publish_remote import (
+    check_remote_output,
+    delete,
+    refuse_held,
+    uncommit_replaced,
+)
 from fsdpckpt._io.remote import RemotePath
 from fsdpckpt._io.spread_rounds import (
     CLEANUP,
@@ -260,8 +265,8 @@ class _Target:
 
     def _publish(self) -> None:
         last = self.commit_name
-        if len(self.files) + len(self.puts) > 1:
-            delete([self.out / last])  # an earlier output uncommitted first (publish_remote)
+        # An earlier output uncommitted first where the new files replace its own by name.
+        uncommit_replaced(self.out, [n for n in self.names if n != last], [last])
         for file in sorted(self.files, key=lambda f: f.name == last):
             etags = self.etags[file.index]
             if sorted(etags) != list(range(1, file.count + 1)):

@@ -267,7 +267,7 @@ def export_hf(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str]
                                lora_config=lora_config, untie=untie, progress=progress,
                                storage_options=storage_options,
                                trust_remote_code=trust_remote_code),
-        overwrite=overwrite, last=(CONFIG,))
+        overwrite=overwrite, last=(ADAPTER_CONFIG, CONFIG))  # an adapter's, or a model's
     return _placed(exported, placed)
 
 

@@ -33,7 +33,7 @@ from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.dcp.parts import open_part
-from fsdpckpt.errors import NotACheckpointError
+from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
 from fsdpckpt.inspection._diff_tiles import Piece
 from fsdpckpt.merging._copy import MemorySink, checked_source, locate_stored_chunk, place_chunk
 from fsdpckpt.merging._keys import output_name, shares_top_key
@@ -294,29 +294,35 @@ class Accumulator:
         self.max_abs = 0.0
         self.max_rel = 0.0
         self.mismatched = 0
-        #: With ``norms``, the sums of ``|a|**2`` and ``|a - b|**2`` (float64), box by box.
-        self.norms, self.sq_a, self.sq_diff = norms, 0.0, 0.0
+        #: With ``norms``, the sums of ``|a|**2`` and ``|a - b|**2`` (float64), box by box;
+        #: ``normless`` once a box's values could not be had (a dtype torch cannot build).
+        self.norms, self.sq_a, self.sq_diff, self.normless = norms, 0.0, 0.0, False
 
     @property
     def rel_change(self) -> float | None:
         """``||a - b|| / ||a||`` over the whole tensor (0 when equal; ``inf`` when only
         ``a`` is all zeros); None without ``norms`` or when not comparable by value."""
-        if not self.norms or not self.comparable:
+        if not self.norms or not self.comparable or self.normless:
             return None
+        if math.isnan(self.sq_a) or math.isnan(self.sq_diff):  # a NaN in A, or one side's
+            return math.nan
         if self.sq_diff == 0:
             return 0.0
         return math.sqrt(self.sq_diff / self.sq_a) if self.sq_a > 0 else math.inf
 
     def same(self, a: Any) -> None:
-        """A box whose bytes are the same on both sides (1-D ``a``): only ``||a||`` grows."""
-        if self.norms:
-            import torch
+        """A box whose bytes are the same on both sides: only ``||a||`` grows. ``a`` is the
+        1-D tensor, or a function that makes it (not called without ``norms``)."""
+        if not self.norms or self.normless:
+            return
+        import torch
 
+        try:
+            a = a() if callable(a) else a
             wide = torch.complex128 if a.is_complex() else torch.float64
-            try:
-                self.sq_a += _sum_of_squares(a.to(wide))
-            except (RuntimeError, TypeError):  # float4: compared as bytes, no norm
-                self.comparable = False
+            self.sq_a += _sum_of_squares(a.to(wide))
+        except (RuntimeError, TypeError, FsdpCkptError):  # float4, or a dtype this torch
+            self.normless = True                          # lacks: equal as bytes, no norm
 
     def add(self, a: Any, b: Any, same_dtype: bool, atol: float, rtol: float) -> None:
         """Compare one box: ``a`` and ``b`` are 1-D tensors of equal length."""

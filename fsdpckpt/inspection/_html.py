@@ -195,7 +195,7 @@ def lines(series: dict[str, list[tuple[int, float]]], *, x_label: str, y_label: 
 
     def y_of(y: float) -> float:
         if log:
-            lo, hi = math.log10(min(positive)), math.log10(max(positive)) or 1
+            lo, hi = math.log10(min(positive)), math.log10(max(positive))
             v = (math.log10(y) - lo) / ((hi - lo) or 1) if y > 0 else 0
         else:
             top = max(y for _, y in points) or 1

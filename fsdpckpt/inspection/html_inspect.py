@@ -14,7 +14,7 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
-from fsdpckpt._render import human_bytes
+from fsdpckpt._printable import human_bytes
 from fsdpckpt.dcp.metadata import rank_of_file
 from fsdpckpt.inspection import _html as h
 from fsdpckpt.inspection.report import InspectReport, PartReport

@@ -19,7 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdpckpt._io.publish_remote import check_remote_output, delete, local_stage, upload
+from fsdpckpt._io.publish_remote import (
+    check_remote_output,
+    delete,
+    local_stage,
+    uncommit_replaced,
+    upload,
+)
 from fsdpckpt._progress import ProgressFactory
 from fsdpckpt.errors import FsdpCkptError
 from fsdpckpt.merging._distributed import _outline, _Ranks, _write_share, assign_files
@@ -58,24 +64,32 @@ def run_spread_remote(out: RemotePath, plan: Callable[[Path], MergeJob], group: 
         stale = ranks.agree(lambda: claim_outputs(job.plans, out, overwrite=overwrite))
         mine = assign_files(job.plans, ranks.world)[ranks.rank]
 
-        def uncommit() -> None:
-            # An earlier index of a name the new one takes goes before any shard is
-            # replaced: it never names old and new shards mixed (publish_remote's rule).
-            if ranks.rank == 0:
-                delete([out / p.index_name for p in job.plans if p.index_name])
-
-        ranks.agree(uncommit)
+        written: list[Path] = []
 
         def share() -> list[float]:
             local.mkdir(parents=True, exist_ok=True)
-            written: list[Path] = []
-            seconds = _write_share(job, mine, local, written, progress)
+            return _write_share(job, mine, local, written, progress)
+
+        seconds = [max(t) for t in zip(*ranks.agree_all(share))]
+
+        def uncommit() -> None:
+            # Once every share is written, before the first upload: an earlier index whose
+            # shards the new ones replace by name goes, so it never names old and new
+            # shards mixed (publish_remote's rule); without a shared name it stays until
+            # the new index is in.
+            if ranks.rank == 0:
+                uncommit_replaced(out, [n for p in job.plans for n in
+                                        (f.name for f in p.files)],
+                                  [p.index_name for p in job.plans if p.index_name])
+
+        ranks.agree(uncommit)
+
+        def upload_share() -> None:
             for path in written:
                 upload(path, out, uploaded)
                 path.unlink()  # local disk holds this rank's share, and only until uploaded
-            return seconds
 
-        seconds = [max(t) for t in zip(*ranks.agree_all(share))]
+        ranks.agree(upload_share)
 
         def commit() -> None:
             if ranks.rank != 0:

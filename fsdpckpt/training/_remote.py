@@ -103,12 +103,14 @@ def _copy_committed(source: RemotePath, target: RemotePath) -> None:
     protocol: intent marker, an emptied folder, every file, the manifest last, no marker."""
     begin_save(target)
     refresh(source)
-    files = sorted(source.fs.find(source.path))
     manifest = f"{source.path}/{_MANIFEST}"
-    for path in [*(f for f in files if f != manifest), manifest]:
-        name = path[len(source.path) + 1:]
-        if name != INCOMPLETE:
-            source.fs.copy(path, (target / name).path)
+    files = [f for f in sorted(source.fs.find(source.path))
+             if f != manifest and f != f"{source.path}/{INCOMPLETE}"]
+    # The data in one batch (the client copies them concurrently, each on the server),
+    # then the manifest: the commit, alone and last.
+    for batch in (files, [manifest]):
+        if batch:
+            source.fs.copy(batch, [(target / f[len(source.path) + 1:]).path for f in batch])
     end_save(target)
 
 

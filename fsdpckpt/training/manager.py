@@ -146,7 +146,9 @@ class CheckpointManager:
             if rank != 0:
                 return None
             committed = self.root / f"checkpoint_{step}"
-            if not overwrite and (committed / MANIFEST).is_file():
+            # A committed replacement (a switch a crash cut short) is that step saved too.
+            if not overwrite and any((self.root / f"{committed.name}{suffix}" / MANIFEST)
+                                     .is_file() for suffix in ("", REPLACEMENT)):
                 raise OutputExistsError(
                     f"{committed}: step {step} is saved already; nothing was written. Save "
                     "another step, or pass overwrite=True to replace it.")

@@ -14,14 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from fsdpckpt.export._config import CONFIG, GENERATION_CONFIG
-from fsdpckpt.export._lora_config import ADAPTER_CONFIG
+from fsdpckpt.export._lora_config import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from fsdpckpt.formats import get_format
 from fsdpckpt.merging._outputs import earlier_files
 
 __all__ = ["ADAPTER_FILES", "earlier_adapter_export", "earlier_full_export"]
 
 #: An adapter export's files, as PEFT's ``save_pretrained`` names them (either weights format).
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", ADAPTER_CONFIG)
+ADAPTER_FILES = (ADAPTER_WEIGHTS, "adapter_model.bin", ADAPTER_CONFIG)
 
 
 def earlier_full_export(out: Path) -> list[Path]:

@@ -19,10 +19,13 @@ from fsdpckpt._io.jsonio import loads_json
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
-__all__ = ["ADAPTER_CONFIG", "LoraConfig", "parse_lora_config", "read_lora_config"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LoraConfig", "parse_lora_config",
+           "read_lora_config"]
 
 #: The file PEFT's ``save_pretrained`` writes beside the adapter weights.
 ADAPTER_CONFIG = "adapter_config.json"
+#: The adapter's weights, as PEFT's ``save_pretrained`` names them (safetensors).
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 # adapter_config.json of a large model is a few KB; anything this big is not one.
 _MAX_CONFIG_BYTES = 16 << 20

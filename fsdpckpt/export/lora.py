@@ -34,6 +34,7 @@ from fsdpckpt.export._fuse_hf import plan_fused
 from fsdpckpt.export._lora_base import with_base
 from fsdpckpt.export._lora_config import (
     ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     LoraConfig,
     parse_lora_config,
     read_lora_config,
@@ -60,7 +61,6 @@ __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "AdapterExport", 
 _Where: TypeAlias = str | os.PathLike[str] | RemotePath
 _Config: TypeAlias = _Where | Mapping[str, Any]
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: PEFT's EMBEDDING_LAYER_NAMES: adapted modules saved whole in the adapter file.
 _EMBEDDING_LAYERS = ("embed_tokens", "lm_head")
 

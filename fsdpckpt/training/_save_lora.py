@@ -17,7 +17,12 @@ from functools import partial
 from typing import Any
 
 from fsdpckpt.errors import MergePlanError
-from fsdpckpt.export._lora_config import ADAPTER_CONFIG, LoraConfig, parse_lora_config
+from fsdpckpt.export._lora_config import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    LoraConfig,
+    parse_lora_config,
+)
 from fsdpckpt.export._lora_fuse import LoraFuser, fuse_weight, pick_adapter
 from fsdpckpt.export._lora_keys import LoraLayout, LoraModule, find_lora
 from fsdpckpt.merging._keys import clean_key
@@ -27,7 +32,6 @@ from fsdpckpt.training._save_write import Elements, elements_of, plain_elements
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Lora", "find_peft", "adapter_state",
            "fused_state", "gather_full"]
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: PEFT's EMBEDDING_LAYER_NAMES: an adapted one is saved whole in the adapter file.
 _EMBEDDING_LAYERS = ("embed_tokens", "lm_head")
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._io.storage import refresh
 from fsdpckpt.errors import (
     FsdpCkptError,
     OutputExistsError,
@@ -100,9 +101,9 @@ def uncommit_replaced(out: RemotePath, files: Sequence[str], commits: Sequence[s
     """
     if not files or not commits:
         return
-    out.forget_listings()
+    refresh(out)  # what another process wrote there since, too
     prefix = out.path + "/"
-    held = {p[len(prefix):] for p in out.fs.find(out.path)} if out.exists() else set()
+    held = {p[len(prefix):] for p in out.fs.find(out.path)}  # none there: an empty list
     doomed = [out / n for n in commits if n in held] if held & set(files) else []
     if doomed and (left := delete(doomed)):
         raise RemoteStorageError(f"{left[0]}: the earlier output's commit file could not be "

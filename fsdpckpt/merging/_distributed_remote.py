@@ -2,10 +2,10 @@
 
 The ranks need no shared file system: each writes its share of the output files (the same
 :func:`~fsdpckpt.merging._distributed.assign_files` split as on a shared disk) into its own
-local temporary folder and uploads them under their final names (an earlier index of the
-same name deleted first); once every rank's uploads are in, rank 0 writes and uploads each
-index, last, then removes the earlier
-outputs the new ones replace (the protocol of :mod:`fsdpckpt.merging._remote_out`; the uploads are
+local temporary folder and uploads them under their final names (where they replace an
+earlier output's shards by name, its index deleted first); once every rank's uploads are
+in, rank 0 writes and uploads each index, last, then removes the earlier outputs the new
+ones replace (the protocol of :mod:`fsdpckpt.merging._remote_out`; the uploads are
 :mod:`fsdpckpt._io.publish_remote`'s).
 
 Every step ends with the ranks agreeing: a failure on any rank makes every rank delete
@@ -78,8 +78,7 @@ def run_spread_remote(out: RemotePath, plan: Callable[[Path], MergeJob], group: 
             # shards mixed (publish_remote's rule); without a shared name it stays until
             # the new index is in.
             if ranks.rank == 0:
-                uncommit_replaced(out, [n for p in job.plans for n in
-                                        (f.name for f in p.files)],
+                uncommit_replaced(out, [f.name for p in job.plans for f in p.files],
                                   [p.index_name for p in job.plans if p.index_name])
 
         ranks.agree(uncommit)

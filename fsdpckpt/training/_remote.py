@@ -73,7 +73,6 @@ def _clear(folder: RemotePath, keep: str | None) -> None:
     refresh(folder)
 
 
-
 def begin_save(folder: RemotePath) -> None:
     """Step 1 of a save into ``folder`` (rank 0): intent marker, then an empty folder."""
     put_bytes(folder / INCOMPLETE, _MARKER_TEXT)

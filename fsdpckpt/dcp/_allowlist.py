@@ -17,7 +17,7 @@ from fsdpckpt.dcp.dtypes import DTYPES, DType
 from fsdpckpt.errors import UnsafePickleError
 
 __all__ = ["Record", "_Refusal", "Sealed", "Size", "DTypeGlobal", "METADATA_GLOBALS",
-           "BUILTIN_GLOBALS", "STORAGE_INFO_KIND", "brief", "cap"]
+           "BUILTIN_GLOBALS", "STORAGE_INFO_KIND", "brief", "cap", "layout_name"]
 
 
 class _Refusal(UnsafePickleError):
@@ -149,8 +149,20 @@ def _path(*parts: Any) -> str:
     return "/".join(parts).replace("//", "/")
 
 
-def _identity_str(value: Any) -> str:
-    return str(value)
+#: The longest name ``_get_layout`` may be given: torch's longest layout name
+#: (``torch.sparse_coo``...) with room to spare.
+_LAYOUT_NAME = 64
+
+
+def layout_name(name: Any) -> str:
+    """What a pickled ``torch.serialization._get_layout(name)`` stands for: ``name``, which
+    torch writes as a layout's name (``"torch.strided"``). Anything else is refused before
+    it is turned into text: ``str()`` of a crafted value (a list whose elements are one
+    shared list, level after level) is gigabytes from a few kilobytes of pickle."""
+    if type(name) is not str or len(name) > _LAYOUT_NAME:
+        raise pickle.UnpicklingError(f"a layout (torch.serialization._get_layout) given "
+                                     f"{brief(name)}, not a layout's name")
+    return name
 
 
 def _torch_constants(names: tuple[str, ...]) -> dict[tuple[str, str], Any]:
@@ -193,7 +205,7 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     _torch.OLD_MEM_FORMAT_ENCODING: _sealed_factory("MEM_FORMAT_ENCODING", int),
     _torch.STORAGE_INFO: _record_class(_torch.STORAGE_INFO[1]),
     _torch.TORCH_SIZE: Size,
-    _torch.GET_LAYOUT: _sealed_factory("_get_layout", _identity_str),
+    _torch.GET_LAYOUT: _sealed_factory("_get_layout", layout_name),
     **_torch_constants(_torch.TORCH_CONSTANTS),
     **{
         (module, cls): _sealed_factory(cls, _path)

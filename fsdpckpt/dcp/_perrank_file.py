@@ -21,7 +21,7 @@ from typing import IO, Any
 
 from fsdpckpt import _torch
 from fsdpckpt._io.storage import Place
-from fsdpckpt.dcp._allowlist import BUILTIN_GLOBALS, brief
+from fsdpckpt.dcp._allowlist import BUILTIN_GLOBALS, brief, layout_name
 from fsdpckpt.dcp._archive import (
     _STORAGE_GLOBALS,
     RawTensor,
@@ -98,7 +98,7 @@ _GLOBALS: dict[tuple[str, str], Any] = {
     **_SPEC_CLASSES,
     **SHARDED_GLOBALS,
     _torch.TORCH_SIZE: lambda dims=(): tuple(dims),
-    _torch.GET_LAYOUT: str,
+    _torch.GET_LAYOUT: layout_name,
     _torch.TORCH_DEVICE: lambda *a: "device",
     _torch.DTENSOR: _DTensorType,
     _torch.REBUILD_WRAPPER_SUBCLASS: _rebuild_wrapper,

@@ -1,0 +1,118 @@
+"""Memory and time bombs, and the smaller leaks (issue 42): each hostile input ends in one
+error within seconds and a few hundred MB, and a Ctrl-C at any moment in one line.
+
+Inputs that took memory run in a child (``_bounded`` of ``tests/test_bounds.py``), whose
+peak memory beyond its imports is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES
+from test_bounds import _bounded
+
+#: The installed command, as a user starts it: the console script pip wrote beside python.
+COMMAND = Path(sys.executable).with_name("fsdpckpt")
+
+
+# --- a Ctrl-C at any moment of the command's start ----------------------------------------
+
+@pytest.mark.skipif(not COMMAND.exists(), reason="the fsdpckpt command is not installed here")
+def test_ctrl_c_in_the_first_300_ms_of_export_hf_is_never_a_traceback(tmp_path):
+    # The console script imports the package (fsdpckpt/__init__.py) before run() and its
+    # guard: an interrupt there printed a traceback. A signal that lands before Python has
+    # its handler ends the process by the signal itself (-2), which prints nothing either;
+    # one during Python's import of site is Python's own fatal error, before any of ours.
+    seen = []
+    for delay in [0.0, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.07, 0.1, 0.15,
+                  0.2, 0.3] * 2:
+        proc = subprocess.Popen([str(COMMAND), "export-hf", str(FIXTURES / "fsdp2_accelerate"),
+                                 str(tmp_path / "out")], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        seen.append((delay, proc.returncode, err))
+    for delay, code, err in seen:
+        if err.startswith("Fatal Python error: init_import_site"):
+            continue  # Python's own start (site, .pth files), before any code of ours runs
+        assert "Traceback" not in err, (delay, err)
+        assert code in (130, -signal.SIGINT, 1), (delay, code, err)
+        assert len(err.strip().splitlines()) <= 1, (delay, err)
+        if code == 130:
+            assert err == "fsdpckpt: error: interrupted\n"
+    assert not (tmp_path / "out").exists()
+
+
+# --- torch's _get_layout stand-in: only a layout's name ------------------------------------
+
+class _LayoutOf:
+    """Pickles as ``torch.serialization._get_layout(value)``, as torch pickles a layout."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __reduce__(self):
+        import torch.serialization
+
+        return (torch.serialization._get_layout, (self.value,))
+
+
+def _text_bomb():
+    # A few KB of pickle (every level memoized) whose str() is about 600 MB.
+    line = "x" * 1000
+    rows = [line] * 100
+    block = [rows] * 100
+    return [block] * 60
+
+
+def test_a_layout_whose_text_is_huge_is_refused_in_a_metadata(dtensor_copy, tmp_path):
+    meta = pickle.loads((dtensor_copy / ".metadata").read_bytes())  # our fixture: trusted
+    meta.version = _LayoutOf(_text_bomb())
+    data = pickle.dumps(meta)
+    assert len(data) < 20_000
+    (dtensor_copy / ".metadata").write_bytes(data)
+    out = _bounded(f"""
+        import time
+        start = time.monotonic()
+        try:
+            fsdpckpt.inspect_checkpoint({str(dtensor_copy)!r})
+        except fsdpckpt.NotACheckpointError as exc:
+            print("REFUSED", len(str(exc)), exc)
+        print("SECONDS", time.monotonic() - start)
+    """, tmp_path)
+    assert "REFUSED" in out and "layout" in out
+    assert int(out.split("REFUSED")[1].split()[0]) < 1000
+    assert float(out.split("SECONDS")[1].split()[0]) < 5
+
+
+def test_a_layout_whose_text_is_huge_is_refused_in_a_rank_file(tmp_path):
+    import torch
+
+    ckpt = Path(shutil.copytree(FIXTURES / "accelerate_rank_bin", tmp_path / "ckpt"))
+    rank0 = ckpt / "pytorch_model_fsdp_0_rank0.bin"
+    state = torch.load(rank0, weights_only=False)  # our fixture: trusted
+    state[next(iter(state))] = _LayoutOf(_text_bomb())
+    torch.save(state, rank0)
+    out = _bounded(f"""
+        import time
+        start = time.monotonic()
+        try:
+            fsdpckpt.inspect_checkpoint({str(ckpt)!r})
+        except fsdpckpt.FsdpCkptError as exc:
+            print("REFUSED", len(str(exc)), exc)
+        print("SECONDS", time.monotonic() - start)
+    """, tmp_path)
+    assert "REFUSED" in out and "layout" in out
+    assert int(out.split("REFUSED")[1].split()[0]) < 1000
+    assert float(out.split("SECONDS")[1].split()[0]) < 5

@@ -18,7 +18,7 @@ from typing import IO, Any, cast
 
 from fsdpckpt import _torch
 from fsdpckpt._printable import printable
-from fsdpckpt.dcp._allowlist import BUILTIN_GLOBALS
+from fsdpckpt.dcp._allowlist import BUILTIN_GLOBALS, brief
 from fsdpckpt.dcp._plainzip import EndsRead
 from fsdpckpt.dcp._safe_pickle import safe_loads
 from fsdpckpt.dcp._ziparchive import (
@@ -138,7 +138,11 @@ def _persistent_storage(pid: Any) -> _Storage:
     if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
             and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)
             and is_plain_int(pid[4]) and pid[4] >= 0):
-        raise NotACheckpointError(f"unexpected persistent id {pid!r}")
+        # The id is untrusted and may be huge (a 1 GB string): quoted bounded, never whole.
+        raise NotACheckpointError(
+            f"the archive's pickle names the persistent id {brief(pid, 200)}, where torch.save "
+            "writes ('storage', storage type, key, location, size); the file is damaged or "
+            "crafted.")
     dtype = pid[1].dtype
     # torch.save records a typed (legacy) storage's size in elements, an UntypedStorage's
     # (every dtype without a legacy class: uint16, float8, complex32...) in bytes.

@@ -34,7 +34,7 @@ import zlib
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["EndsRead", "PlainArchive", "plain_archive"]
+__all__ = ["EndsRead", "PlainArchive", "end_records", "plain_archive"]
 
 _END = struct.Struct("<4sHHHHIIH")  # signature, disks, entries here, entries, size, offset, comment
 _CENTRAL = struct.Struct("<4s4B4HL2L5H2L")  # zipfile's structCentralDir
@@ -102,8 +102,11 @@ class PlainArchive:
 
     def __init__(self, file: IO[bytes] | int, start: int, length: int,
                  fields: dict[str, tuple[bytes, tuple[Any, ...], int]], crcs: tuple[int, ...],
-                 fallback: Callable[[], zipfile.ZipFile]) -> None:
+                 fallback: Callable[[], zipfile.ZipFile],
+                 ends: tuple[int, int, int]) -> None:
         self._file, self._start, self._length = file, start, length
+        #: What :func:`end_records` read: the entry count, the directory's offset and size.
+        self.ends = ends
         self._fields, self._crcs, self._fallback = fields, crcs, fallback
         self._entries: dict[str, _Entry] = {}  # made when asked for: a reader uses three
         self._zip: zipfile.ZipFile | None = None
@@ -246,6 +249,52 @@ def _read(file: IO[bytes] | int, offset: int, count: int) -> bytes:
     return b"".join(parts)
 
 
+def end_records(tail: bytes, length: int) -> tuple[int, int, int] | str:
+    """The entry count, offset and size of the central directory the end records declare,
+    from ``tail``, the last ``min(length, _TAIL)`` bytes of an archive of ``length`` bytes;
+    or why they can be read two ways (the text goes into open_archive's refusal).
+
+    The one rule of where an archive's directory is, for both readings (issue 42). torch's
+    reader (miniz) takes the end record it finds last, the zip64 end record where zip64's
+    locator points, and the directory at its declared offset; Python's ``zipfile`` takes
+    the zip64 record just before the locator, and the directory just before the end
+    records, inferring prepended bytes (its ``concat``) where the declared offset differs.
+    Accepted: only the layout where all of these are the same bytes, as ``torch.save``
+    writes it: the plain end record the last 22 bytes (no comment, nothing after it), the
+    zip64 records (if any) exactly before it and pointing at each other, and the directory
+    ending exactly where they begin.
+    """
+    if len(tail) < _END.size or tail[-_END.size:][:4] != b"PK\x05\x06":
+        return "has no zip end record as its last 22 bytes (cut short, or bytes after it)"
+    _, disk, cd_disk, here, count, size, offset, comment = _END.unpack(tail[-_END.size:])
+    if comment:
+        return "ends in a zip comment"
+    directory_end = length - _END.size
+    if len(tail) >= _END.size + _LOCATOR.size and \
+            tail[-_END.size - _LOCATOR.size:-_END.size][:4] == _ZIP64_LOCATOR:
+        # torch.save ends every archive with zip64's records, which then give the counts
+        # and the directory's place (to both readers, whatever the plain record says).
+        if len(tail) < _TAIL:
+            return "has a zip64 locator but no room for its record"
+        _, locator_disk, at, disks = _LOCATOR.unpack(tail[_END64.size:_END64.size + _LOCATOR.size])
+        record = _END64.unpack(tail[:_END64.size])
+        if record[0] != b"PK\x06\x06" or at != length - _TAIL or record[1] != _END64.size - 12:
+            return "has a zip64 locator that does not point at the zip64 record just before it"
+        if locator_disk or disks != 1:
+            return "spans several disks"
+        disk, cd_disk, here, count, size, offset = record[4:]
+        directory_end = length - _TAIL
+    if disk or cd_disk or here != count:
+        return "spans several disks"
+    if offset + size != directory_end:
+        return (f"declares its central directory at bytes {offset}-{offset + size}, not "
+                f"where it ends, at byte {directory_end}: Python's zipfile reads another "
+                "directory there (prepended or appended bytes) than torch's reader")
+    if count * _CENTRAL.size > size or count == 0:
+        return f"declares {count} entries in a central directory of {size} bytes"
+    return count, offset, size
+
+
 def plain_archive(file: IO[bytes], start: int, length: int, max_entries: int,
                   fallback: Callable[[], zipfile.ZipFile]) -> PlainArchive | None:
     """The archive at ``start`` (``length`` bytes) of ``file`` when it is plain, its entries
@@ -259,29 +308,14 @@ def plain_archive(file: IO[bytes], start: int, length: int, max_entries: int,
         return None
     tail_size = min(length, _TAIL)
     tail = _read(file, start + length - tail_size, tail_size)
-    if len(tail) < tail_size:
-        return None
-    signature, disk, cd_disk, here, count, size, offset, comment = _END.unpack(tail[-_END.size:])
-    if signature != b"PK\x05\x06" or comment:
-        return None
-    if count != 0xFFFF and count > max_entries:
-        # open_archive refuses what this record declares before it parses (even where a
-        # zip64 record gives the counts): left to it, for that refusal.
-        return None
-    directory_end = length - _END.size
-    if tail[-_END.size - _LOCATOR.size:-_END.size][:4] == _ZIP64_LOCATOR:
-        # torch.save ends every archive with zip64's records: zipfile then takes the counts
-        # and the directory's place from the zip64 end record just before the locator.
-        if tail_size < _TAIL:
-            return None
-        locator = _LOCATOR.unpack(tail[_END64.size:_END64.size + _LOCATOR.size])
-        record = _END64.unpack(tail[:_END64.size])
-        if locator[1] != 0 or locator[3] > 1 or record[0] != b"PK\x06\x06":
-            return None
-        disk, cd_disk, here, count, size, offset = record[4:]
-        directory_end = length - _TAIL
-    if disk or cd_disk or here != count or not 0 < count <= max_entries or \
-            count * _CENTRAL.size > size or offset + size != directory_end:
+    ends = end_records(tail, length)
+    if isinstance(ends, str):
+        return None  # open_archive refuses it, saying why
+    count, offset, size = ends
+    declared = struct.unpack_from("<H", tail, len(tail) - 12)[0]
+    if count > max_entries or 0xFFFF != declared > max_entries:
+        # open_archive refuses what the plain record declares before it parses (even where
+        # a zip64 record gives the counts): left to it, for that refusal.
         return None
     directory = _read(file, start + offset, size)
     if len(directory) != size:
@@ -296,7 +330,7 @@ def plain_archive(file: IO[bytes], start: int, length: int, max_entries: int,
             _LAYOUTS.clear()
         _LAYOUTS[size] = layout
     return PlainArchive(file, start, length, layout.fields, layout.crcs.unpack_from(directory),
-                        fallback)
+                        fallback, ends)
 
 
 def _parse_directory(directory: bytes, count: int, length: int) -> _Layout | None:

@@ -11,6 +11,23 @@ Example:
 
 from __future__ import annotations
 
+import sys as _sys
+
+if _sys.argv and _sys.argv[0].rpartition("/")[2] == "fsdpckpt":
+    # The installed command imports this package before fsdpckpt.__main__.run's guard: a
+    # Ctrl-C from here until run() takes over is the command's one line, not a traceback.
+    # Nothing is written yet, so the process just ends; raised instead, an exception can
+    # land in an import lock's callback, which Python prints and ignores.
+    import _signal  # built in (the signal module would be one more import to interrupt)
+    import os as _os  # already loaded by Python's start
+
+    def _interrupted_at_start(*_: object) -> None:
+        _sys.stderr.write("fsdpckpt: error: interrupted\n")
+        _sys.stderr.flush()
+        _os._exit(130)  # 128 + SIGINT, as in __main__.run
+
+    _signal.signal(_signal.SIGINT, _interrupted_at_start)
+
 from typing import TYPE_CHECKING
 
 from fsdpckpt._version import __version__

@@ -28,6 +28,12 @@ def run() -> None:
     # user's own setting wins; a library caller's process is left as it is.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
+        import signal
+
+        if signal.getsignal(signal.SIGINT) is _started_guard():
+            # The package's start-up guard (fsdpckpt/__init__.py) hands over to Python's
+            # own: from here a Ctrl-C is a KeyboardInterrupt, which the cleanups expect.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         from fsdpckpt.cli import main
 
         main(prog_name="fsdpckpt")
@@ -46,6 +52,10 @@ def run() -> None:
         sys.stderr.flush()
         os._exit(status)
     sys.exit(code)
+
+
+def _started_guard() -> object:
+    return getattr(sys.modules.get("fsdpckpt"), "_interrupted_at_start", None)
 
 
 if __name__ == "__main__":

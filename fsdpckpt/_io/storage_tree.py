@@ -19,7 +19,9 @@ __all__ = ["modified", "tree_size"]
 
 
 def tree_size(folder: Place) -> tuple[int, int]:
-    """Bytes and files under ``folder`` (links not followed)."""
+    """Bytes and files under ``folder`` (links under it not followed). ``folder`` itself is
+    walked where it resolves, so a caller judges it first (``list`` never hands it a link
+    out of the run folder: :func:`fsdpckpt._io.storage_paths.leads_out`)."""
     if is_remote(folder):
         remote = cast("RemotePath", folder)
         sizes = remote.fs.du(remote.path, total=False)

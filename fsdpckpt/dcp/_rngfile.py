@@ -23,7 +23,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from fsdpckpt._io import storage
+from fsdpckpt._io import storage, storage_paths
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._archive import is_plain_int, read_archive_with_tensors
 from fsdpckpt.dcp._graph import bounded_repr
@@ -131,12 +131,16 @@ def _one_line(exc: FsdpCkptError) -> FsdpCkptError:
 
 
 def side_file_size(path: Place, what: str) -> int:
-    """The size of the side file ``path`` (``what`` it holds, for messages), local or remote.
+    """The size of the side file ``path`` (``what`` it holds, for messages), local or remote;
+    the first question every side-file reader asks, so it is where a link out of the
+    checkpoint folder is refused whoever named the file (the layout refuses it first).
 
     Raises:
         CheckpointNotFoundError: it does not exist.
-        NotACheckpointError: it cannot be read.
+        NotACheckpointError: it cannot be read, or it is a link leading out of its folder.
     """
+    storage_paths.inside(path.parent, path.name, rule="fsdpckpt reads a checkpoint's side "
+                         "files only from inside its folder")
     try:
         return path.stat().st_size
     except FileNotFoundError:

@@ -8,15 +8,20 @@ and shared ``scheduler.bin``, ``sampler.bin``, ``scaler.pt``... HF Trainer
 writes ``rng_state_{rank}.pth``, ``scheduler.pt`` and ``trainer_state.json``.
 This module only names what is there; it opens no file. A checkpoint on object
 storage (a URL) is named the same way, from its listing.
+
+Contained (docs/reliability.md): a link is judged once, by where it leads from where the
+folder resolves; one out of it is never followed, and refuses the checkpoint when the layout
+reads its name (:func:`refuse_links_out`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from fsdpckpt._io import storage
+from fsdpckpt._io import storage, storage_paths
 from fsdpckpt._io.remote import location
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import find_hf_storage
@@ -31,7 +36,8 @@ from fsdpckpt.errors import (
 )
 
 __all__ = ["DATALOADER_STATE", "INCOMPLETE", "CheckpointLayout", "DcpPart", "SideFile",
-           "find_layout", "refuse_unfinished_save", "unfinished_save", "STAGING"]
+           "find_layout", "refuse_links_out", "refuse_unfinished_save", "unfinished_save",
+           "STAGING"]
 
 #: A dataloader's state: Accelerate's ``dl_state_dict.bin`` (``dl_state_dict_{i}.bin`` for
 #: loader i), which fsdpckpt's rank 0 writes too, and the other ranks' own states
@@ -69,6 +75,9 @@ STAGING = re.compile(r"^\.?tmp-")
 #: removed once the manifest, the commit, is in. dcp/ does not import training/.
 INCOMPLETE = ".fsdpckpt-incomplete"
 _MANIFEST = "fsdpckpt.json"  # training.manifest.MANIFEST
+#: What a refused link is told (storage_paths.link_refusal says where it leads).
+_CONTAINED = ("fsdpckpt reads a checkpoint's part folders and side files only from inside "
+              "its folder")
 
 
 @dataclass(frozen=True)
@@ -133,22 +142,50 @@ class CheckpointLayout:
 
 
 class _Entry:
-    """One entry of a folder as the layout sees it: a local link is what it leads to (a
-    linked model folder is a model folder), as :func:`os.scandir`'s answers follow links."""
+    """One entry of a folder as the layout sees it: a link that stays inside is what it
+    leads to (a linked model folder is a model folder); one out (``out``) is never followed."""
 
-    def __init__(self, entry: storage.Entry) -> None:
+    def __init__(self, entry: storage.Entry, folder: Place) -> None:
         self.path, self.name, self._entry = entry.path, entry.name, entry
+        self.out = storage_paths.leads_out(folder, entry.name) if entry.is_link else None
 
     def is_dir(self) -> bool:
-        return self._entry.is_dir or (self._entry.is_link and self.path.is_dir())
+        return self._entry.is_dir or (self._entry.is_link and self.out is None and
+                                      self.path.is_dir())
 
     def size(self) -> int:
+        if self.out is not None:
+            return 0  # never followed: the layout refuses it where it would read it
         return storage.size(self.path) if self._entry.is_link else self._entry.size
 
 
 def _scan(folder: Place) -> list[_Entry]:
-    """The entries of ``folder``, sorted by name."""
-    return [_Entry(e) for e in storage.entries(folder)]
+    """The entries of ``folder``, sorted by name, each link judged."""
+    return [_Entry(e, folder) for e in storage.entries(folder)]
+
+
+def _read_by_name(name: str) -> bool:
+    """Whether the layout reads an entry called ``name``: a part folder, a nested
+    checkpoint, a side file, Lightning's ``meta.pt``."""
+    return bool(_MODEL_DIR.match(name) or _OPTIMIZER_DIR.match(name) or
+                _CHECKPOINT_DIR.match(name) or name in (METADATA_FILE, TRAINER_META) or
+                any(pattern.match(name) for pattern, _kind in _SIDE_FILES))
+
+
+def _refuse_out(root: Place, links: Iterable[tuple[str, Place | None]]) -> None:
+    for name, out in links:
+        if out is not None and _read_by_name(name):
+            raise storage_paths.link_refusal(root / name, out, root, _CONTAINED)
+
+
+def refuse_links_out(root: Place) -> None:
+    """Refuse ``root`` when a part folder, nested checkpoint or side file in it is a link
+    leading out (as :func:`find_layout` does, for readers that open them by name).
+
+    Raises:
+        NotACheckpointError: one line naming the link and where it leads.
+    """
+    _refuse_out(root, storage_paths.links_out(root))
 
 
 def _classify_dir(path: Place) -> DcpPart | None:
@@ -300,6 +337,7 @@ def find_layout(path: str | os.PathLike[str] | Place) -> CheckpointLayout:
     entries = _scan(root)
     if not entries:
         raise NotACheckpointError(f"{root}: the folder is empty; pass a checkpoint folder.")
+    _refuse_out(root, [(e.name, e.out) for e in entries])
     parts, side, other, nested = [], [], [], []
     for entry in entries:
         if entry.is_dir():
@@ -371,7 +409,9 @@ def _trainer_layout(root: Place, trainer: str) -> CheckpointLayout:
     of the one folder, Lightning's ``meta.pt`` as a side file."""
     parts = tuple(DcpPart(f"{trainer}:{role}", role, None, root, True) for role in ROLES)
     side, other = [], []
-    for entry in _scan(root):
+    entries = _scan(root)
+    _refuse_out(root, [(e.name, e.out) for e in entries])
+    for entry in entries:
         if entry.name == TRAINER_META and not entry.is_dir():
             side.append(SideFile(entry.name, "trainer_meta", None, entry.size()))
         elif entry.name != METADATA_FILE and not entry.name.endswith(".distcp"):

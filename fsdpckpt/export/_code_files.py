@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from fsdpckpt._io import storage, storage_paths
+from fsdpckpt._io import storage_paths
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
@@ -110,13 +110,16 @@ def check_inside(path: Place, folder: Place) -> None:
         NotACheckpointError: ``path`` resolves outside ``folder``.
     """
     # Object stores have no links (and RemotePath refuses '..' in names): there a file is
-    # always inside the folder it was listed in.
-    root = storage.resolved(folder)
-    target = storage.resolved(path)
-    roots = [root]
-    if root.parent.name == "snapshots":  # hub cache: models--org--name/snapshots/<rev>
+    # always inside the folder it was listed in. The containment rule's own resolution,
+    # which a link loop cannot crash (storage_paths.real: None).
+    root = storage_paths.real(folder)
+    target = storage_paths.real(path)
+    roots = [] if root is None else [root]
+    if root is not None and root.parent.name == "snapshots":  # hub cache: .../snapshots/<rev>
         roots.append(root.parent.parent / "blobs")
-    if not any(storage_paths.within(target, r) for r in roots):
-        raise NotACheckpointError(f"{path}: a symlink to {target}, outside {folder}; side "
-                                  "files are only copied from inside their folder: copy the "
-                                  "file into the folder or pass base= with one that holds it")
+    if target is None or not any(storage_paths.within(target, r) for r in roots):
+        where = "itself (a loop)" if target is None else storage_paths.shown(target)
+        raise NotACheckpointError(f"{storage_paths.shown(path)}: a symlink to {where}, outside "
+                                  f"{storage_paths.shown(folder)}; side files are only copied "
+                                  "from inside their folder: copy the file into the folder or "
+                                  "pass base= with one that holds it")

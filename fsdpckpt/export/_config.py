@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from fsdpckpt._io import storage_paths
 from fsdpckpt._io.jsonio import parse_json
 from fsdpckpt._io.storage import Place
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
@@ -75,16 +77,50 @@ class SideFiles:
     no_tokenizer: str | None = None
 
 
-def _candidates(checkpoint_root: Place) -> list[Place]:
+#: The side folder VeRL (and some trainers) leave the HF files in: inside the checkpoint,
+#: and in the run folder above it.
+_HF_DIR = "huggingface"
+_CONTAINED = ("export-hf copies side files only from inside the folders they are looked up "
+              "in, never through a link out of them")
+
+
+def _candidates(checkpoint_root: Place) -> list[tuple[Place, Place | None]]:
     # Where trainers leave the HF files: the checkpoint folder (HF Trainer), VeRL's
     # huggingface/ inside it, and the run's output folder above it (Accelerate and HF
-    # Trainer runs: output/checkpoint-500), with its huggingface/ too.
-    found: list[Place] = []
-    for folder in (checkpoint_root, checkpoint_root / "huggingface", checkpoint_root.parent,
-                   checkpoint_root.parent / "huggingface"):
-        if folder not in found:
-            found.append(folder)
+    # Trainer runs: output/checkpoint-500), with its huggingface/ too. Each with the folder
+    # a huggingface/ is looked up in, which it must not lead out of.
+    found: list[tuple[Place, Place | None]] = []
+    for folder, parent in ((checkpoint_root, None),
+                           (checkpoint_root / _HF_DIR, checkpoint_root),
+                           (checkpoint_root.parent, None),
+                           (checkpoint_root.parent / _HF_DIR, checkpoint_root.parent)):
+        if folder not in [f for f, _ in found]:
+            found.append((folder, parent))
     return found
+
+
+class _Search:
+    """The folders side files are looked for in, in order. A ``huggingface/`` side folder
+    is judged the first time a search reaches it, by where it leads
+    (:func:`~fsdpckpt._io.storage_paths.leads_out`): one that is a link out of the folder it
+    is looked up in refuses the export, in one line naming it, and is never looked in (its
+    bytes would go into a folder made for upload). The folders the caller names (the
+    checkpoint, the run folder above it, a base) are its own."""
+
+    def __init__(self, folders: list[tuple[Place, Place | None]]) -> None:
+        self.folders = [folder for folder, _ in folders]
+        self._unjudged = {folder: parent for folder, parent in folders if parent is not None}
+
+    def looked(self, folders: list[Place]) -> Iterator[Place]:
+        for folder in folders:
+            parent = self._unjudged.pop(folder, None)
+            out = None if parent is None else storage_paths.leads_out(parent, folder.name)
+            if parent is not None and out is not None:
+                raise storage_paths.link_refusal(
+                    folder, out, parent, _CONTAINED, what="the folder",
+                    fix=f"pass --base {storage_paths.shown(out)} if that is the model folder "
+                        "the run started from, or put a copy in place of the link")
+            yield folder
 
 
 def _has_tokenizer(folder: Place) -> bool:
@@ -104,7 +140,9 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
     their ``*_tokenizer/``) and ``additional_chat_templates/`` come with the tokenizer; the
     custom code ``auto_map`` names (trust_remote_code models), and the modules it imports
     relatively, with the config (and the tokenizer's, with it). No symlink is followed out
-    of the folder a file comes from. Either may be on object storage
+    of the folder a file comes from, each file judged before it is read, nor a
+    ``huggingface/`` folder that links out of the folder it is looked up in (:class:`_Search`).
+    Either may be on object storage
     (:class:`~fsdpckpt._io.remote.RemotePath`): the files are then found in its listings,
     and read by :func:`side_file_bytes`.
 
@@ -115,7 +153,8 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
         CheckpointNotFoundError: ``base`` is not a folder; no ``config.json`` was found (the
             message lists where it looked and says to pass ``base``); a custom code file
             ``auto_map`` needs is missing.
-        NotACheckpointError: a side file is a symlink out of its folder; ``auto_map``
+        NotACheckpointError: a side file is a symlink out of its folder, or a ``huggingface/``
+            folder searched is one out of the folder above it; ``auto_map``
             names something that is not a module name; the config is not a JSON object
             with a ``model_type`` (where a generation config is to be made from it).
     """
@@ -123,18 +162,22 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
         if not base.is_dir():
             raise CheckpointNotFoundError(f"{base}: not a folder; pass base= with the Hugging "
                                           "Face model folder the run started from")
-        folders = [base]
+        search = _Search([(base, None)])
     else:
-        folders = _candidates(checkpoint_root)
+        search = _Search(_candidates(checkpoint_root))
+    folders = search.folders
     where = ", ".join(str(f) for f in folders)
     # The first said with the flag: tests/test_export_hf.py pins "--base" on it.
     hint = ("pass --base with the model folder the run started from" if base is None else
             "pass base= with a folder that holds it (the one from_pretrained loaded)")
-    config = next((f / CONFIG for f in folders if (f / CONFIG).is_file()), None)
+    config = next((f / CONFIG for f in search.looked(folders) if (f / CONFIG).is_file()),
+                  None)
     if config is None:
         raise CheckpointNotFoundError(f"no {CONFIG} found for {checkpoint_root}; looked in "
                                       f"{where}; {hint}")
-    tokenizer = next((f for f in [config.parent, *folders] if _has_tokenizer(f)), None)
+    check_inside(config, config.parent)  # before it is read: read_config, code_files
+    tokenizer = next((f for f in search.looked([config.parent, *folders])
+                      if _has_tokenizer(f)), None)
     copied: list[tuple[Place, str]] = []
     no_tokenizer = None
     if tokenizer is None:
@@ -144,10 +187,13 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
                            if base is None else "pass a base that holds it"))
     else:
         copied += _tokenizer_files(tokenizer)
-    generation = next((f / GENERATION_CONFIG for f in [config.parent, *folders]
+        for source, _name in copied:  # before code_files reads tokenizer_config.json
+            check_inside(source, source.parent)
+    generation = next((f / GENERATION_CONFIG for f in search.looked([config.parent, *folders])
                        if (f / GENERATION_CONFIG).is_file()), None)
     made: list[tuple[str, bytes]] = []
     if generation is not None:
+        check_inside(generation, generation.parent)
         copied.insert(0, (generation, GENERATION_CONFIG))
     else:  # as VeRL's merger and transformers' save_pretrained: made from the config
         doc = generation_config(read_config(config))
@@ -159,9 +205,7 @@ def find_side_files(checkpoint_root: Place, base: Place | None) -> SideFiles:
     if tokenizer is not None and (tokenizer / "tokenizer_config.json").is_file():
         code += [c for c in code_files(tokenizer / "tokenizer_config.json", tokenizer)
                  if c[1] not in {name for _, name in code}]
-    copied += code
-    for source, _name in copied:
-        check_inside(source, source.parent)
+    copied += code  # each checked by code_files before it was read
     return SideFiles(config, tuple(copied), tuple(folders), tuple(made), no_tokenizer)
 
 

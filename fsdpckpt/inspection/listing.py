@@ -9,6 +9,13 @@ never trusted by name alone: a manifest (``fsdpckpt.json``, written last) makes 
 committed; every DCP folder with its ``.metadata`` makes it complete; a staging name, an
 intent marker without a manifest, or a DCP folder without ``.metadata`` makes it an
 unfinished save. Nothing is unpickled: names, sizes and times only.
+
+Contained: the walk stays inside the folder given (judged where it resolves, so the root
+may itself be a link). A link in it is judged once by where it leads
+(:func:`fsdpckpt._io.storage_paths.leads_out`): one inside (``latest -> checkpoint_3``) is
+listed as what it leads to; one out of the root is never followed, sized or walked (a link
+to ``/`` costs nothing), and when its name is a checkpoint's it is listed ``unreadable``,
+its ``why`` naming where it leads; any other is left out.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from fsdpckpt._io import storage
+from fsdpckpt._io import storage, storage_paths
 from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._io.storage import Place
 from fsdpckpt._io.storage_tree import modified, tree_size
@@ -122,7 +129,8 @@ def list_checkpoints(root: str | os.PathLike[str] | RemotePath, *,
             f"fsdpckpt inspect {place}, or list the folder above it")
     found = _candidates(place)
     for nested in _NESTED:  # Accelerate's project folder: its checkpoints/ holds them
-        if not found and (place / nested).is_dir():
+        if not found and storage_paths.leads_out(place, nested) is None and \
+                (place / nested).is_dir():
             place = place / nested
             found = _candidates(place)
     if not found:
@@ -130,20 +138,37 @@ def list_checkpoints(root: str | os.PathLike[str] | RemotePath, *,
             f"{place}: holds no checkpoint folder (checkpoint_N, checkpoint-N, step-N, "
             "global_step_N, epoch_N or *.ckpt, holding a DCP save); pass the folder a run "
             "saves its checkpoints in, or inspect a single checkpoint with fsdpckpt inspect")
-    entries = [_entry(path) for path in found]
+    entries = [_refused(place, path, out) if out is not None else _entry(path)
+               for path, out in found]
     entries.sort(key=lambda e: (e.step is None, e.step or 0, e.name))
     return CheckpointList(place, tuple(entries))
 
 
-def _candidates(folder: Place) -> list[Place]:
-    paths = []
+def _candidates(folder: Place) -> list[tuple[Place, Place | None]]:
+    """The checkpoint folders in ``folder``, each with where it leads when it is a link out
+    of ``folder`` (None for the others): such a link is judged here, once, not followed."""
+    paths: list[tuple[Place, Place | None]] = []
     for entry in storage.entries(folder):
-        if not (entry.is_dir or entry.is_link and entry.path.is_dir()):
-            continue
-        if _NAMED.match(entry.name) or entry.name.endswith(".ckpt") or \
-                _holds_a_save(entry.path):
-            paths.append(entry.path)
+        named = bool(_NAMED.match(entry.name)) or entry.name.endswith(".ckpt")
+        out = storage_paths.leads_out(folder, entry.name) if entry.is_link else None
+        if out is not None:
+            if named:  # said as refused; another name was never a checkpoint it could see
+                paths.append((entry.path, out))
+        elif (entry.is_dir or entry.is_link and entry.path.is_dir()) and \
+                (named or _holds_a_save(entry.path)):
+            paths.append((entry.path, None))
     return paths
+
+
+def _refused(root: Place, path: Place, out: Place) -> CheckpointEntry:
+    """A checkpoint name that is a link out of ``root``: listed, never followed."""
+    match = _NAMED.match(path.name)
+    why = storage_paths.link_refusal(
+        path, out, root, "list reads only what is inside the folder it is given",
+        what="the run folder", fix=f"see what it leads to with fsdpckpt inspect "
+        f"{storage_paths.shown(out)}, or move that checkpoint into the run folder")
+    return CheckpointEntry(path.name, path, int(match.group(1)) if match else None,
+                           "unreadable", None, 0, 0, str(why))
 
 
 def _holds_a_save(path: Place) -> bool:

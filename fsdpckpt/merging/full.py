@@ -26,7 +26,7 @@ from fsdpckpt.dcp._objects import loads, read_object, to_torch, torch_load_allow
 from fsdpckpt.dcp._trainers import trainer_meta, with_trainer_meta
 from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
-from fsdpckpt.dcp.layout import find_layout
+from fsdpckpt.dcp.layout import find_layout, refuse_links_out
 from fsdpckpt.dcp.parts import open_part
 from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
@@ -69,6 +69,7 @@ def _from_checkpoint(path: Place) -> dict[Any, Any] | None:
         NotACheckpointError: the folder holds several models, or several checkpoints and
             no merged output (the message lists them: pass one).
     """
+    refuse_links_out(path)  # said as such, not taken below for "no DCP part here"
     try:
         layout = find_layout(path)
     except NotACheckpointError as exc:

@@ -24,7 +24,7 @@ from fsdpckpt._io.remote import RemotePath, location
 from fsdpckpt._io.storage import Place, put_bytes, refresh
 from fsdpckpt.dcp._objects import to_torch
 from fsdpckpt.dcp._sidefiles import read_state_file
-from fsdpckpt.dcp.layout import refuse_unfinished_save
+from fsdpckpt.dcp.layout import refuse_links_out, refuse_unfinished_save
 from fsdpckpt.dcp.reader import shared_parses
 from fsdpckpt.errors import (
     FsdpCkptError,
@@ -368,6 +368,7 @@ def load_state(checkpoint_dir: str | os.PathLike[str] | RemotePath, model: Any =
     loaders = [] if "dataloader" in skip else stateful(dataloader)
     refresh(root)  # another process saved it: list it anew
     refuse_unfinished_save(root)  # a save cut short, or a copy of one
+    refuse_links_out(root)  # a part or side file linking out of it: never read
     check_parts(root, models, optimizers, schedulers)
     # All or nothing: every part is read and checked (on every rank, which agree) before
     # the first one is loaded, so a damaged file changes no training state.

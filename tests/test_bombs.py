@@ -121,3 +121,26 @@ def test_a_layout_whose_text_is_huge_is_refused_in_a_rank_file(tmp_path):
     assert "REFUSED" in out and "layout" in out
     assert int(out.split("REFUSED")[1].split()[0]) < 1000
     assert float(out.split("SECONDS")[1].split()[0]) < 5
+
+
+# --- chunks: no more than the .metadata's bytes can describe -------------------------------
+
+def test_a_metadata_listing_one_chunk_two_million_times_is_refused_before_building(
+        dtensor_copy, tmp_path):
+    # Memoized, each copy is a 2-byte reference: 4 MB stood for 2 million chunks, built
+    # (1.1 GB, 11 s) and then checked for overlaps.
+    meta = pickle.loads((dtensor_copy / ".metadata").read_bytes())  # our fixture: trusted
+    entry = next(iter(meta.state_dict_metadata.values()))
+    entry.chunks = [entry.chunks[0]] * 2_000_000
+    (dtensor_copy / ".metadata").write_bytes(pickle.dumps(meta))
+    out = _bounded(f"""
+        import time
+        start = time.monotonic()
+        try:
+            fsdpckpt.inspect_checkpoint({str(dtensor_copy)!r})
+        except fsdpckpt.NotACheckpointError as exc:
+            print("REFUSED", exc)
+        print("SECONDS", time.monotonic() - start)
+    """, tmp_path)
+    assert "REFUSED" in out and "2000000 chunks" in out
+    assert float(out.split("SECONDS")[1].split()[0]) < 5

@@ -25,7 +25,7 @@ from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, DcpMetadata, KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.errors import NotACheckpointError
 
-__all__ = ["parse_metadata"]
+__all__ = ["chunk_budget", "parse_metadata"]
 
 
 # -- the schema of a DCP .metadata -------------------------------------------------------
@@ -202,15 +202,35 @@ def _chunk(fqn: str, i: int, chunk: Any) -> tuple[tuple[int, ...], tuple[int, ..
     return offsets, sizes
 
 
+#: Chunks a ``.metadata`` may list: a floor, plus one per this many of its bytes. torch
+#: writes a chunk and its storage entry in 160 to 740 bytes (a simulated 256-rank 70B run:
+#: 168); a pickle's memo makes a chunk listed again cost 2 bytes, so 2 million copies of
+#: one fit in 4 MB and would be built, and checked for overlaps, one by one.
+_CHUNK_FLOOR = 4096
+_BYTES_PER_CHUNK = 16
+
+
+def chunk_budget(nbytes: int) -> int:
+    """How many chunks, all tensors together, a ``.metadata`` of ``nbytes`` may list."""
+    return _CHUNK_FLOOR + nbytes // _BYTES_PER_CHUNK
+
+
 def _tensor(fqn: str, entry: Any, locations: dict[Any, _Location],
-            key_path: KeyPath) -> TensorEntry:
+            key_path: KeyPath, budget: list[int]) -> TensorEntry:
+    """One tensor's entry; ``budget[0]``, the chunks the file may still list, goes down by
+    its chunks, counted before any is built."""
     where = f"tensor {brief(fqn)}"
     fields = _fields(entry, "TensorStorageMetadata", where)
     shape = _ints(fields.get("size"), f"{where}: size")
+    listed = _list(fields.get("chunks"), f"{where}: chunks")
+    budget[0] -= len(listed)
+    if budget[0] < 0:
+        raise _SchemaError(f"{where} lists {len(listed)} chunks, more than a .metadata of "
+                           f"this size describes (at most {budget[1]} chunks in all)")
     chunks = []
     plain_types, chunk_class, top = _INTS.issuperset, _CHUNK_CLASS, _INT64
     missing, get = (None, 0, 0, ()), locations.get
-    for i, chunk in enumerate(_list(fields.get("chunks"), f"{where}: chunks")):
+    for i, chunk in enumerate(listed):
         state = getattr(chunk, "state", None)
         if type(chunk) is chunk_class and type(state) is dict:
             offsets, sizes = state.get("offsets"), state.get("sizes")
@@ -228,8 +248,9 @@ def _tensor(fqn: str, entry: Any, locations: dict[Any, _Location],
     return TensorEntry(fqn, dtype, shape, tuple(chunks), key_path)
 
 
-def _parse(root: Any) -> DcpMetadata:
-    """Check ``root`` (the unpickled stand-ins) against the schema and convert it."""
+def _parse(root: Any, nbytes: int) -> DcpMetadata:
+    """Check ``root`` (the unpickled stand-ins of ``nbytes`` of pickle) against the schema
+    and convert it."""
     fields = _fields(root, "Metadata", "the root")
     entries = _dict(fields.get("state_dict_metadata"), "state_dict_metadata")
     storage = _dict(fields.get("storage_data"), "storage_data", optional=True)
@@ -247,6 +268,7 @@ def _parse(root: Any) -> DcpMetadata:
     locations = _locations(storage)
     tensors: list[TensorEntry] = []
     objects: list[ObjectEntry] = []
+    budget = [chunk_budget(nbytes)] * 2  # what is left, and the whole
     for fqn in list(entries):
         entry = entries.pop(fqn)  # its records go once converted
         if type(fqn) is not str:
@@ -258,7 +280,7 @@ def _parse(root: Any) -> DcpMetadata:
             file, offset, length, transforms = locations.get((fqn, None), (None, 0, 0, ()))
             objects.append(ObjectEntry(fqn, file, offset, length, key_path, transforms))
         elif isinstance(entry, Record) and type(entry).kind == "TensorStorageMetadata":
-            tensors.append(_tensor(fqn, entry, locations, key_path))
+            tensors.append(_tensor(fqn, entry, locations, key_path, budget))
         else:
             raise _SchemaError(f"entry {brief(fqn)} has an unknown storage kind "
                                f"({_kind(entry)})")
@@ -292,7 +314,7 @@ def _checked_parse(data: bytes, source: str) -> DcpMetadata:
             f"{source}: holds a {_kind(root)}, not DCP checkpoint metadata."
         )
     try:
-        return _parse(root)
+        return _parse(root, len(data))
     except _SchemaError as exc:
         raise NotACheckpointError(
             f"{source}: {exc}; the file is damaged, crafted, or from an unsupported torch "

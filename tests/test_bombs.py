@@ -144,3 +144,32 @@ def test_a_metadata_listing_one_chunk_two_million_times_is_refused_before_buildi
     """, tmp_path)
     assert "REFUSED" in out and "2000000 chunks" in out
     assert float(out.split("SECONDS")[1].split()[0]) < 5
+
+
+# --- files read whole: bounded by the bytes on disk, not their apparent size ---------------
+
+def test_a_sparse_metadata_beside_sparse_data_files_is_refused_unread(dtensor_copy, tmp_path):
+    # The bound by the data files' sizes let it through: they were made 10 GB too.
+    os.truncate(dtensor_copy / "__0_0.distcp", 10 * 2**30)
+    os.truncate(dtensor_copy / ".metadata", 2**30)
+    out = _bounded(f"""
+        try:
+            fsdpckpt.inspect_checkpoint({str(dtensor_copy)!r})
+        except fsdpckpt.NotACheckpointError as exc:
+            print("REFUSED", exc)
+    """, tmp_path)
+    assert "REFUSED" in out and "sparse" in out
+
+
+def test_verify_refuses_a_sparse_manifest_unread(tmp_path):
+    from conftest import save_small_checkpoint
+
+    ckpt = save_small_checkpoint(tmp_path / "ckpt")
+    os.truncate(ckpt / "fsdpckpt.json", 2**30)
+    out = _bounded(f"""
+        try:
+            fsdpckpt.verify_checkpoint({str(ckpt)!r})
+        except fsdpckpt.CorruptCheckpointError as exc:
+            print("REFUSED", exc)
+    """, tmp_path)
+    assert "REFUSED" in out and "sparse" in out

@@ -50,8 +50,8 @@ except ImportError:  # not on Windows
 
 __all__ = ["Place", "OpenFile", "LocalFile", "Entry", "Closeable", "is_remote",
            "commits_by_rename", "open_file", "opened", "descriptor", "prefetch", "local_file",
-           "names", "entries", "size", "walk", "resolved", "free_space", "read_bytes",
-           "put_bytes", "sync_names", "remove", "refresh"]
+           "names", "entries", "size", "present_size", "walk", "resolved", "free_space",
+           "read_bytes", "put_bytes", "sync_names", "remove", "refresh"]
 
 #: A local folder or file, or one on object storage.
 Place: TypeAlias = "Path | RemotePath"
@@ -309,6 +309,41 @@ def size(file: Place) -> int:
         return os.stat(cast(Path, file)).st_size
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{file}: no such file") from None
+
+
+def present_size(file: Place) -> int:
+    """The bytes of ``file`` that hold data, not holes: a local file's size less its holes
+    (``lseek`` ``SEEK_DATA``/``SEEK_HOLE``), so a 1 GiB file made by ``truncate`` holds 0.
+    Holes rather than ``st_blocks``: a compressing file system (ZFS, btrfs) allocates fewer
+    blocks than an honest file's size. Where the file system cannot tell, no holes; object
+    stores have none: the size.
+
+    Raises:
+        CheckpointNotFoundError: no such file.
+    """
+    total = size(file)
+    if is_remote(file) or not hasattr(os, "SEEK_HOLE"):
+        return total
+    try:
+        fd = os.open(cast(Path, file), os.O_RDONLY)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{file}: no such file") from None
+    present, at = 0, 0
+    try:
+        while at < total:
+            try:
+                start = os.lseek(fd, at, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:  # ENXIO: nothing but a hole to the end
+                    raise
+                break
+            at = os.lseek(fd, start, os.SEEK_HOLE)
+            present += at - start
+    except OSError:
+        return total  # a file system without SEEK_DATA: taken as all data
+    finally:
+        os.close(fd)
+    return present
 
 
 def walk(root: Place) -> tuple[list[str], list[str]]:

@@ -22,10 +22,10 @@ from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._paths import METADATA_FILE, data_file_path, open_data_file, path_inside
 from fsdpckpt.dcp._schema import parse_metadata
 from fsdpckpt.dcp.metadata import DataFile, DcpMetadata
-from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
+from fsdpckpt.errors import CheckpointNotFoundError, FsdpCkptError, NotACheckpointError
 
 __all__ = ["DcpFolder", "read_dcp_folder", "parse_metadata", "shared_parses", "is_dcp_folder",
-           "METADATA_FILE", "data_file_path", "open_data_file", "path_inside"]
+           "METADATA_FILE", "data_file_path", "open_data_file", "path_inside", "read_whole"]
 
 @dataclass(frozen=True)
 class DcpFolder:
@@ -70,6 +70,30 @@ def _data_files(folder: Place) -> list[tuple[str, int]]:
             if e.name.endswith(".distcp") and e.is_file]
 
 
+#: A file read whole may be mostly holes only up to this size: past it, a file whose holes
+#: are more than half of it is refused unread (``truncate`` makes a 6 GB file in no disk).
+SPARSE_FLOOR = 1 << 20
+
+
+def read_whole(path: Place, error: type[FsdpCkptError] = NotACheckpointError) -> bytes:
+    """All the bytes of ``path``, a file read whole (metadata, a manifest), bounded by the
+    bytes it holds: a sparse file (over :data:`SPARSE_FLOOR`, under half of it data) is
+    refused with ``error`` before any of it is read. Data files, read by ranges, are left
+    to their own checks (simulated checkpoints keep them sparse on purpose).
+
+    Raises:
+        CheckpointNotFoundError: no such file.
+    """
+    size = storage.size(path)
+    if size > SPARSE_FLOOR:
+        present = storage.present_size(path)
+        if present * 2 < size:
+            raise error(f"{path}: {size} bytes long but only {present} of them on disk (a "
+                        "sparse file, as truncate makes): no save writes one, so it is "
+                        "damaged or crafted; use an intact copy")
+    return storage.read_bytes(path)
+
+
 def _read_metadata_bounded(folder: Place, meta_path: Place) -> bytes:
     """The bytes of ``.metadata``, refused unread when larger than the data it could describe."""
     path = path_inside(folder, METADATA_FILE)
@@ -82,7 +106,7 @@ def _read_metadata_bounded(folder: Place, meta_path: Place) -> bytes:
                 f".metadata is a small part of its checkpoint (at most {METADATA_SLACK} bytes "
                 "more than its data files), so this one is damaged, crafted, or its data "
                 "files are missing: use an intact copy")
-    return storage.read_bytes(path)
+    return read_whole(path)
 
 
 def read_dcp_folder(path: str | os.PathLike[str] | Place) -> DcpFolder:

@@ -34,6 +34,7 @@ from fsdpckpt._io.storage import Place
 from fsdpckpt._torch import written_file_name
 from fsdpckpt.dcp._archive import _open_archive, entry_data_start
 from fsdpckpt.dcp._ziparchive import CHUNK_ENTRIES
+from fsdpckpt.dcp.reader import read_whole
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["MANIFEST", "Archives", "FileRecord", "build_manifest", "checksum_writer",
@@ -269,7 +270,7 @@ def manifest_digest(root: str | os.PathLike[str] | RemotePath) -> str:
     if not path.is_file():
         raise CheckpointNotFoundError(f"{path}: no manifest; only checkpoints saved by "
                                       "fsdpckpt (save_state, CheckpointManager) have one")
-    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    return "sha256:" + hashlib.sha256(read_whole(path, CorruptCheckpointError)).hexdigest()
 
 
 def read_manifest(root: Place) -> dict[str, Any] | None:
@@ -280,7 +281,8 @@ def read_manifest(root: Place) -> dict[str, Any] | None:
             its content does not match its own checksum.
     """
     path = root / MANIFEST
-    return parse_manifest(path.read_bytes(), path) if path.is_file() else None
+    return parse_manifest(read_whole(path, CorruptCheckpointError), path) \
+        if path.is_file() else None
 
 
 def parse_manifest(data: bytes, path: Place) -> dict[str, Any]:

@@ -8,143 +8,28 @@ takes minutes over it. Here pickle's C unpickler does the work, under the same r
   sealed (:class:`~fsdpckpt.dcp._allowlist.Sealed`): a BUILD, SETITEM(S), APPEND(S) or
   ADDITEMS aimed at one of them is refused by the value itself, so no pickle changes how a
   later file is read;
-- before the C unpickler sees a byte, :func:`scan` walks the opcodes once (a regular
-  expression runs the common ones in C; the few that carry a length or a memo index are
-  checked here). The C unpickler grows its memo array to the largest index a PUT names and
-  allocates a BYTEARRAY8 before reading it, so 9 bytes could ask for gigabytes: a PUT
-  index beyond the pickle's own size, or a length beyond the bytes left, is refused
-  first. Anything the scan cannot walk (an unknown opcode, a cut argument, no STOP) is not
-  a readable pickle, refused before the C unpickler runs.
-
-The walk and the C unpickler read opcodes alike: FRAME only announces how many bytes
-follow, and each opcode's argument has the length pickle's own reader gives it.
+- before the C unpickler sees a byte, the walks of :mod:`fsdpckpt.dcp._pickle_walk` run:
+  :func:`~fsdpckpt.dcp._pickle_walk.scan` (a regular expression, in C) finds every opcode,
+  checks that frames tile them and refuses a memo index or a length past the pickle's
+  size (the C unpickler would allocate for it first); the shape walk refuses keys that
+  are costly to hash and nesting past a bound (the C unpickler hashes without a guard).
+  The pure-Python reader runs the same walks, so both accept and refuse alike.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from fsdpckpt.dcp._allowlist import _Refusal
+from fsdpckpt.dcp._pickle_scan import _Unwalkable, scan
+from fsdpckpt.dcp._pickle_walk import WALK_LIMIT, walk
 from fsdpckpt.dcp._safe_pickle import refusal, refuse_global, unreadable
 from fsdpckpt.errors import FsdpCkptError
 
 __all__ = ["fast_loads", "scan"]
-
-
-def _one_of(opcodes: bytes) -> bytes:
-    return b"[" + b"".join(re.escape(bytes([c])) for c in opcodes) + b"]"
-
-
-# Opcodes by the shape of their argument (pickletools' table); STOP, the PUTs and the
-# length-prefixed ones are left to _walk_special.
-_NO_ARGUMENT = b"()012NQRabd}el]ostu)" + bytes([0x81, 0x85, 0x86, 0x87, 0x88, 0x89, 0x8F,
-                                                 0x90, 0x91, 0x92, 0x93, 0x94, 0x97, 0x98])
-_ONE_BYTE = b"Khq" + bytes([0x80, 0x82])  # BININT1, BINGET, BINPUT (<= 255), PROTO, EXT1
-_TWO_BYTES = b"M" + bytes([0x83])  # BININT2, EXT2
-_FOUR_BYTES = b"Jj" + bytes([0x84])  # BININT, LONG_BINGET, EXT4
-_EIGHT_BYTES = b"G" + bytes([0x95])  # BINFLOAT, FRAME
-_ONE_LINE = b"ILFSVgP"  # INT, LONG, FLOAT, STRING, UNICODE, GET, PERSID
-_TWO_LINES = b"ci"  # GLOBAL, INST
-
-
-def _counted(opcode: int, lengths: range) -> bytes:
-    """``opcode``, a one-byte length n, then n bytes: one alternative per length."""
-    return re.escape(bytes([opcode])) + b"(?:" + b"|".join(
-        re.escape(bytes([n])) + (b".{%d}" % n if n else b"") for n in lengths) + b")"
-
-
-# LONG1 of up to 9 bytes (every int64 offset) and SHORT_BINUNICODE (names) in the
-# expression; longer LONG1s, and the other counted opcodes, walked below.
-_LONG1 = _counted(0x8A, range(10))
-_SHORT_UNICODE = _counted(0x8C, range(256))
-
-#: As many ordinary opcodes as follow, in one C-level match (possessive: no backtracking
-#: state is kept, however many opcodes it runs over).
-_ORDINARY = re.compile(b"(?:" + b"|".join([
-    _one_of(_NO_ARGUMENT),
-    _one_of(_ONE_BYTE) + b".",
-    _one_of(_TWO_BYTES) + b".{2}",
-    _one_of(_FOUR_BYTES) + b".{4}",
-    _one_of(_EIGHT_BYTES) + b".{8}",
-    _LONG1,
-    _one_of(_ONE_LINE) + b"[^\n]*\n",
-    _one_of(_TWO_LINES) + b"[^\n]*\n[^\n]*\n",
-    _SHORT_UNICODE,
-]) + b")*+", re.DOTALL)
-
-_STOP = ord(".")
-_LENGTH_BYTES = {
-    0x8C: 1, ord("U"): 1, ord("C"): 1, 0x8A: 1,  # SHORT_BINUNICODE/BINSTRING/BINBYTES, LONG1
-    ord("X"): 4, ord("T"): 4, ord("B"): 4, 0x8B: 4,  # BINUNICODE, BINSTRING, BINBYTES, LONG4
-    0x8D: 8, 0x8E: 8, 0x96: 8,  # BINUNICODE8, BINBYTES8, BYTEARRAY8
-}
-_LONG_BINPUT, _PUT = ord("r"), ord("p")
-
-
-class _Unwalkable(Exception):
-    """What stops the walk; said as "not a readable pickle" at the byte it names."""
-
-    def __init__(self, where: int, message: str) -> None:
-        super().__init__(message)
-        self.where = where
-
-
-def scan(data: bytes) -> int:
-    """Walk ``data``'s opcodes up to STOP; return STOP's offset.
-
-    Raises:
-        _Unwalkable: an opcode pickle does not know, an argument cut short, a length past
-            the end, a memo index beyond ``len(data)``, or no STOP.
-    """
-    size = len(data)
-    match = _ORDINARY.match
-    pos = 0
-    while True:
-        pos = match(data, pos).end()  # type: ignore[union-attr]  # "*+" always matches
-        if pos >= size:
-            raise _Unwalkable(pos, "the pickle ends before its STOP opcode")
-        opcode = data[pos]
-        if opcode == _STOP:
-            return pos
-        width = _LENGTH_BYTES.get(opcode)
-        if width is not None:
-            if pos + 1 + width > size:
-                raise _Unwalkable(pos, f"opcode {opcode:#x}'s length is cut short")
-            length = int.from_bytes(data[pos + 1:pos + 1 + width], "little",
-                                    signed=width == 4 and opcode in (ord("T"), 0x8B))
-            end = pos + 1 + width + length
-            if length < 0 or end > size:
-                raise _Unwalkable(pos, f"opcode {opcode:#x} declares {length} bytes, "
-                                       f"{max(0, size - pos - 1 - width)} present")
-            pos = end
-        elif opcode == _LONG_BINPUT:
-            if pos + 5 > size:
-                raise _Unwalkable(pos, "LONG_BINPUT's index is cut short")
-            _memo_index(int.from_bytes(data[pos + 1:pos + 5], "little"), pos, size)
-            pos += 5
-        elif opcode == _PUT:
-            end = data.find(b"\n", pos + 1)
-            if end < 0:
-                raise _Unwalkable(pos, "PUT's index has no end of line")
-            try:
-                index = int(data[pos + 1:end])
-            except ValueError:
-                raise _Unwalkable(pos, "PUT's index is not a number") from None
-            _memo_index(index, pos, size)
-            pos = end + 1
-        else:
-            raise _Unwalkable(pos, f"no pickle opcode or a cut argument: {data[pos:pos + 1]!r}")
-
-
-def _memo_index(index: int, pos: int, size: int) -> None:
-    # An honest pickle numbers its memo from 0, at least one opcode per entry: an index
-    # beyond the pickle's size is one pickle's C unpickler would grow its memo array to.
-    if not 0 <= index <= size:
-        raise _Unwalkable(pos, f"a memo index of {index} in a pickle of {size} bytes")
 
 
 class _Unpickler(pickle.Unpickler):
@@ -173,6 +58,8 @@ def fast_loads(data: bytes, *, allowed: Mapping[tuple[str, str], Any], source: s
     """
     try:
         scan(data)
+        if len(data) <= WALK_LIMIT:
+            walk(data, allowed)
     except _Unwalkable as exc:
         raise unreadable(source, exc.where, len(data), exc) from None
     unpickler = _Unpickler(data, allowed, source)

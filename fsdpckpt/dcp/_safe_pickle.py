@@ -27,6 +27,8 @@ from fsdpckpt.dcp._allowlist import (
     brief,
     cap,
 )
+from fsdpckpt.dcp._pickle_scan import _Unwalkable, scan
+from fsdpckpt.dcp._pickle_walk import walk
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError, UnsafePickleError
 
 __all__ = [
@@ -380,6 +382,11 @@ def safe_loads(
         >>> safe_loads(pickle.dumps({"a": 1}), allowed=BUILTIN_GLOBALS, source="x")
         {'a': 1}
     """
+    try:
+        scan(data)
+        walk(data, allowed, persistent_ids=persistent_load is not None)
+    except _Unwalkable as exc:
+        raise unreadable(source, exc.where, len(data), exc) from None
     unpickler = (unpickler_class or RestrictedUnpickler)(
         io.BytesIO(data), allowed=allowed, source=source, persistent_load=persistent_load
     )

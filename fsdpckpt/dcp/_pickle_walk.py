@@ -1,0 +1,341 @@
+"""The shape walk: what a pickle would build, checked before any unpickler builds it.
+
+pickle's unpicklers (the C one that reads ``.metadata``, the pure-Python one that reads
+every other file) build as they go, and some of what they build runs C code that no
+limit guards: a dict hashes its keys (a tuple nested 300,000 deep segfaults the hash, a
+tuple of shared tuples takes hours, integer keys ``k * (2**61 - 1)`` all collide), a set
+hashes its members. :func:`walk` runs the pickle's opcodes over *kinds* instead of values
+(a string, a small integer, a tuple of some depth, a container, a global, what a call
+returned) and refuses, before anything is built:
+
+- a dict key or set member that is not a string, bytes, an integer below 2**61 - 1 in
+  size, a bool, None, or a record an allowlisted class's NEWOBJ made (whose hash is its
+  identity): the only keys torch writes, and none of them costs more than its length to
+  hash or can be made to collide;
+- tuples nested more than :data:`MAX_DEPTH` deep, and marks (containers being built)
+  nested more than :data:`MAX_DEPTH` deep: honest files nest a few levels;
+- opcodes no checkpoint pickle uses (extension codes, out-of-band buffers, persistent ids
+  where the format has none), and a stack or memo that does not hold what an opcode needs.
+
+It runs after :func:`fsdpckpt.dcp._pickle_scan.scan`, which has already checked that the
+opcodes tile the bytes, frames included, with every length and memo index in bounds; both
+readers go through both walks, so they accept and refuse the same pickles alike.
+
+The walk is pure Python, about 0.15 us an opcode: every pickle but a ``.metadata`` of more
+than :data:`WALK_LIMIT` bytes is walked (docs/reliability.md says what that leaves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fsdpckpt.dcp._pickle_scan import _Unwalkable
+
+__all__ = ["MAX_DEPTH", "WALK_LIMIT", "walk"]
+
+#: How deep tuples and marks may nest (honest checkpoint pickles: a few levels).
+MAX_DEPTH = 64
+
+#: The largest ``.metadata`` walked (about 1.3 s); larger ones get the opcode scan only.
+WALK_LIMIT = 16 << 20
+
+#: Integers whose hash is themselves: no two of them collide (2**61 - 1 is the modulus).
+_HASH_MODULUS = (1 << 61) - 1
+
+# Kinds. A string is its bytes (STACK_GLOBAL needs the names); everything else an int.
+KEY = 0  # bytes, a small int, a bool, None: hashable in O(len), no crafted collisions
+SCALAR = 1  # a float, a large int: not a key
+CONTAINER = 2  # a list, a dict, a set, a bytearray: unhashable
+GLOBAL = 3  # an allowlisted global that is not a record class
+RECORD_CLASS = 4  # a record class: what its NEWOBJ makes hashes by identity
+RECORD = 5  # what NEWOBJ of a record class made
+VALUE = 6  # what a call returned: anything; not a key
+_TUPLE = 100  # _TUPLE + depth: a tuple nesting ``depth`` tuples
+
+
+#: Opcodes that push a small scalar, and their widths.
+_SMALL = {0x4B: 2, 0x4D: 3, 0x4A: 5, 0x4E: 1, 0x88: 1, 0x89: 1}
+
+
+def _classify(allowed: Mapping[tuple[str, str], Any]) -> dict[tuple[bytes, bytes], int]:
+    from fsdpckpt.dcp._allowlist import Record
+
+    kinds: dict[tuple[bytes, bytes], int] = {}
+    for (module, name), value in allowed.items():
+        record = isinstance(value, type) and issubclass(value, Record) and \
+            value.__hash__ is object.__hash__
+        kinds[(module.encode(), name.encode())] = RECORD_CLASS if record else GLOBAL
+    return kinds
+
+
+_classified: tuple[Mapping[tuple[str, str], Any], dict[tuple[bytes, bytes], int]] | None = None
+
+
+def _kinds_of(allowed: Mapping[tuple[str, str], Any]) -> dict[tuple[bytes, bytes], int]:
+    global _classified
+    if _classified is None or _classified[0] is not allowed:
+        _classified = (allowed, _classify(allowed))
+    return _classified[1]
+
+
+def _deeper(kinds: list[Any], pos: int) -> int:
+    """The kind of a tuple of ``kinds``: one deeper than its deepest tuple."""
+    depth = 0
+    for kind in kinds:
+        if type(kind) is int and kind >= _TUPLE and kind - _TUPLE > depth:
+            depth = kind - _TUPLE
+    if depth >= MAX_DEPTH:
+        raise _Unwalkable(pos, f"tuples nested more than {MAX_DEPTH} deep")
+    return _TUPLE + depth + 1
+
+
+def _check_keys(kinds: list[Any], pos: int, what: str) -> None:
+    for kind in kinds:
+        if not (type(kind) is bytes or kind in (KEY, RECORD)):
+            raise _Unwalkable(pos, f"{what} is a {_name(kind)}; a checkpoint's keys are "
+                                  "strings, small integers or records")
+
+
+def _name(kind: Any) -> str:
+    if type(kind) is bytes:
+        return "string"
+    if kind >= _TUPLE:
+        return "tuple"
+    return ("small scalar", "float or large integer", "container", "global", "class",
+            "record", "value built by a call")[kind]
+
+
+def _int_kind(value: int) -> int:
+    return KEY if -_HASH_MODULUS < value < _HASH_MODULUS else SCALAR
+
+
+def _line(data: bytes, pos: int) -> tuple[bytes, int]:
+    end = data.index(b"\n", pos)
+    return data[pos:end], end + 1
+
+
+def walk(data: bytes, allowed: Mapping[tuple[str, str], Any], *,
+         persistent_ids: bool = False) -> None:
+    """Walk the pickle ``data`` (already :func:`~fsdpckpt.dcp._pickle_scan.scan`-ned) over
+    kinds; raise :class:`_Unwalkable` for what no checkpoint pickle holds.
+
+    ``allowed`` is the allowlist the unpickler will use (its record classes are what may
+    key a dict); ``persistent_ids`` whether the format has them (torch.save's storages).
+    """
+    globals_ = _kinds_of(allowed)
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[int, Any] = {}
+    push, pop = stack.append, stack.pop
+    frombytes = int.from_bytes
+    pos = 0
+    try:
+        while True:
+            op = data[pos]
+            if op == 0x94:  # MEMOIZE
+                memo[len(memo)] = stack[-1]
+                pos += 1
+            elif op == 0x8C:  # SHORT_BINUNICODE
+                end = pos + 2 + data[pos + 1]
+                push(data[pos + 2:end])
+                pos = end
+            elif op == 0x68:  # BINGET
+                push(memo[data[pos + 1]])
+                pos += 2
+            elif op == 0x6A:  # LONG_BINGET
+                push(memo[frombytes(data[pos + 1:pos + 5], "little")])
+                pos += 5
+            elif op in _SMALL:  # BININT1/2, BININT, None, bools
+                push(KEY)
+                pos += _SMALL[op]
+            elif op == 0x28:  # MARK
+                marks.append(len(stack))
+                if len(marks) > MAX_DEPTH:
+                    raise _Unwalkable(pos, f"containers nested more than {MAX_DEPTH} deep")
+                pos += 1
+            elif op == 0x85:  # TUPLE1
+                stack[-1] = _deeper(stack[-1:], pos)
+                pos += 1
+            elif op == 0x86:  # TUPLE2
+                stack[-2:] = [_deeper(stack[-2:], pos)]
+                pos += 1
+            elif op == 0x87:  # TUPLE3
+                stack[-3:] = [_deeper(stack[-3:], pos)]
+                pos += 1
+            elif op == 0x29:  # EMPTY_TUPLE
+                push(_TUPLE)
+                pos += 1
+            elif op in (0x81, 0x52):  # NEWOBJ, REDUCE
+                pop()
+                callee = stack[-1]
+                stack[-1] = RECORD if callee == RECORD_CLASS and op == 0x81 else VALUE
+                pos += 1
+            elif op == 0x62:  # BUILD
+                pop()
+                pos += 1
+            elif op in (0x7D, 0x5D, 0x8F):  # EMPTY_DICT, EMPTY_LIST, EMPTY_SET
+                push(CONTAINER)
+                pos += 1
+            elif op == 0x75 or op == 0x64:  # SETITEMS, DICT
+                start = marks.pop()
+                items = stack[start:]
+                if len(items) % 2:
+                    raise _Unwalkable(pos, "a dict's items do not pair up")
+                _check_keys(items[::2], pos, "a dict key")
+                del stack[start:]
+                if op == 0x64:
+                    push(CONTAINER)
+                pos += 1
+            elif op == 0x73:  # SETITEM
+                _check_keys(stack[-2:-1], pos, "a dict key")
+                del stack[-2:]
+                pos += 1
+            elif op in (0x65, 0x6C, 0x74, 0x90, 0x91):  # APPENDS, LIST, TUPLE, ADDITEMS, FROZENSET
+                start = marks.pop()
+                items = stack[start:]
+                del stack[start:]
+                if op in (0x90, 0x91):
+                    _check_keys(items, pos, "a set member")
+                if op == 0x74:
+                    push(_deeper(items, pos))
+                elif op != 0x65 and op != 0x90:
+                    push(CONTAINER if op == 0x6C else VALUE)
+                pos += 1
+            elif op == 0x61:  # APPEND
+                pop()
+                pos += 1
+            elif op == 0x8A:  # LONG1
+                n = data[pos + 1]
+                push(_int_kind(frombytes(data[pos + 2:pos + 2 + n], "little", signed=True))
+                     if n <= 9 else SCALAR)
+                pos += 2 + n
+            elif op == 0x93:  # STACK_GLOBAL
+                name, module = pop(), stack[-1]
+                if type(name) is not bytes or type(module) is not bytes:
+                    raise _Unwalkable(pos, "STACK_GLOBAL's names are not strings")
+                stack[-1] = _global(globals_, module, name, pos)
+                pos += 1
+            elif op == 0x95:  # FRAME: the scan checked that frames tile the opcodes
+                pos += 9
+            elif op == 0x2E:  # STOP
+                if len(stack) != 1 or marks:
+                    raise _Unwalkable(pos, "STOP with more than one object left")
+                return
+            else:
+                pos = _walk_rare(data, pos, op, stack, marks, memo, globals_, persistent_ids)
+    except _Unwalkable:
+        raise
+    except (IndexError, KeyError, ValueError) as exc:
+        # An empty stack, a mark missing, a memo entry never made: pickle fails too.
+        raise _Unwalkable(pos, f"opcode {data[pos]:#04x} at a stack or memo that cannot "
+                              f"feed it ({type(exc).__name__})") from None
+
+
+def _global(globals_: dict[tuple[bytes, bytes], int], module: bytes, name: bytes,
+            pos: int) -> int:
+    # An unknown global is the unpickler's to refuse, with its own message.
+    return globals_.get((module, name), GLOBAL)
+
+
+def _walk_rare(data: bytes, pos: int, op: int, stack: list[Any], marks: list[int],
+               memo: dict[int, Any], globals_: dict[tuple[bytes, bytes], int],
+               persistent_ids: bool) -> int:
+    """The opcodes honest protocol 2 and 4 pickles seldom use; returns the next offset."""
+    push, pop, frombytes = stack.append, stack.pop, int.from_bytes
+    if op == 0x71:  # BINPUT
+        memo[data[pos + 1]] = stack[-1]
+        return pos + 2
+    if op == 0x72:  # LONG_BINPUT
+        memo[frombytes(data[pos + 1:pos + 5], "little")] = stack[-1]
+        return pos + 5
+    if op == 0x70:  # PUT
+        text, end = _line(data, pos + 1)
+        memo[int(text)] = stack[-1]
+        return end
+    if op == 0x67:  # GET
+        text, end = _line(data, pos + 1)
+        push(memo[int(text)])
+        return end
+    if op == 0x80:  # PROTO
+        return pos + 2
+    if op == 0x47:  # BINFLOAT
+        push(SCALAR)
+        return pos + 9
+    if op in (0x58, 0x8D):  # BINUNICODE, BINUNICODE8
+        width = 4 if op == 0x58 else 8
+        start = pos + 1 + width
+        end = start + frombytes(data[pos + 1:start], "little")
+        push(data[start:end])
+        return end
+    if op in (0x43, 0x42, 0x8E, 0x55, 0x54):  # (SHORT_)BINBYTES(8), (SHORT_)BINSTRING
+        width = {0x43: 1, 0x42: 4, 0x8E: 8, 0x55: 1, 0x54: 4}[op]
+        start = pos + 1 + width
+        push(KEY)
+        return start + frombytes(data[pos + 1:start], "little", signed=op == 0x54)
+    if op == 0x96:  # BYTEARRAY8
+        start = pos + 9
+        push(CONTAINER)
+        return start + frombytes(data[pos + 1:start], "little")
+    if op == 0x8B:  # LONG4: more than 2**32 bits is no key
+        start = pos + 5
+        push(SCALAR)
+        return start + frombytes(data[pos + 1:start], "little", signed=True)
+    if op in (0x49, 0x4C):  # INT, LONG as text
+        text, end = _line(data, pos + 1)
+        digits = text.rstrip(b"L")
+        push(_int_kind(int(digits)) if len(digits) <= 20 else SCALAR)
+        return end
+    if op == 0x46:  # FLOAT as text
+        push(SCALAR)
+        return _line(data, pos + 1)[1]
+    if op == 0x56:  # UNICODE as text (raw-unicode-escape; a name, said as itself)
+        text, end = _line(data, pos + 1)
+        push(text)
+        return end
+    if op == 0x53:  # STRING as text: a quoted repr
+        push(KEY)
+        return _line(data, pos + 1)[1]
+    if op == 0x63:  # GLOBAL module\nname\n
+        module, mid = _line(data, pos + 1)
+        name, end = _line(data, mid)
+        push(_global(globals_, module, name, pos))
+        return end
+    if op == 0x69:  # INST module\nname\n: a call of the global on the items to the mark
+        module, mid = _line(data, pos + 1)
+        _name_bytes, end = _line(data, mid)
+        del stack[marks.pop():]
+        push(VALUE)
+        return end
+    if op == 0x6F:  # OBJ: the class, then its arguments, to the mark
+        start = marks.pop()
+        if len(stack) <= start:
+            raise _Unwalkable(pos, "OBJ without a class")
+        del stack[start:]
+        push(VALUE)
+        return pos + 1
+    if op == 0x92:  # NEWOBJ_EX: class, args, kwargs
+        del stack[-2:]
+        stack[-1] = RECORD if stack[-1] == RECORD_CLASS else VALUE
+        return pos + 1
+    if op == 0x30:  # POP
+        if marks and marks[-1] == len(stack):
+            marks.pop()  # pickle's POP of a mark drops the mark
+        else:
+            pop()
+        return pos + 1
+    if op == 0x31:  # POP_MARK
+        del stack[marks.pop():]
+        return pos + 1
+    if op == 0x32:  # DUP
+        push(stack[-1])
+        return pos + 1
+    if op in (0x50, 0x51):  # PERSID, BINPERSID
+        if not persistent_ids:
+            raise _Unwalkable(pos, "a persistent id, which a file of this kind never holds")
+        if op == 0x51:
+            stack[-1] = VALUE
+            return pos + 1
+        push(VALUE)
+        return _line(data, pos + 1)[1]
+    raise _Unwalkable(pos, f"opcode {op:#04x}, which no checkpoint pickle uses")

@@ -169,9 +169,59 @@ def _torch_constants(names: tuple[str, ...]) -> dict[tuple[str, str], Any]:
     return {(_torch.TORCH_MODULE, n): _SealedValue(f"torch.{n}") for n in names}
 
 
+#: Integers whose hash is themselves: no two of them collide.
+_HASH_MODULUS = (1 << 61) - 1
+
+
+def _hash_safe(value: Any) -> bool:
+    """Whether ``value`` hashes in time linear in its length with no crafted collisions:
+    a string, bytes, an integer below 2**61 - 1, a bool, None, or an object hashed by its
+    identity (a record). Never a tuple (hashed recursively, unguarded) or a float."""
+    kind = type(value)
+    if kind is str or kind is bytes or kind is bool or value is None:
+        return True
+    if kind is int:
+        return -_HASH_MODULUS < value < _HASH_MODULUS
+    return kind.__hash__ is object.__hash__
+
+
+def _hash_safe_items(items: Any, what: str) -> list[Any]:
+    items = list(items)
+    for item in items:
+        if not _hash_safe(item):
+            raise pickle.UnpicklingError(f"a {what} holds a {type(item).__name__}, which no "
+                                         "checkpoint's sets or keys hold")
+    return items
+
+
+def _checked_set(*args: Any) -> set[Any]:
+    """``set(items)`` (protocol 2's pickled set), its members checked before hashing."""
+    return set(_hash_safe_items(args[0], "set")) if args else set()
+
+
+def _checked_frozenset(*args: Any) -> frozenset[Any]:
+    return frozenset(_hash_safe_items(args[0], "frozenset")) if args else frozenset()
+
+
+def _checked_dict(*args: Any) -> dict[Any, Any]:
+    """``OrderedDict(pairs)`` as a dict, its keys checked before hashing."""
+    if not args:
+        return {}
+    source = args[0]
+    if isinstance(source, dict):  # its keys were checked when it was built
+        return dict(source)
+    pairs = [tuple(pair) for pair in source]
+    if any(len(pair) != 2 for pair in pairs):
+        raise pickle.UnpicklingError("an OrderedDict's items are not pairs")
+    _hash_safe_items((key for key, _ in pairs), "dict's keys")
+    return dict(pairs)
+
+
+# The builtins a pickle may call; those that hash what they are given check it first (the
+# shape walk of _pickle_walk.py cannot see what a list holds when it is called).
 _HARMLESS_BUILTINS: dict[str, Any] = {
-    "set": set,
-    "frozenset": frozenset,
+    "set": _checked_set,
+    "frozenset": _checked_frozenset,
     "slice": slice,
     "complex": complex,
 }
@@ -179,7 +229,7 @@ _HARMLESS_BUILTINS: dict[str, Any] = {
 #: Harmless builtins any of our pickles may name. Pickle protocol 2 (torch.save's) names
 #: them as Python 2 did, ``__builtin__.set``; later protocols say ``builtins.set``.
 BUILTIN_GLOBALS: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): dict,
+    ("collections", "OrderedDict"): _checked_dict,
     **{(module, name): value for module in ("builtins", "__builtin__")
        for name, value in _HARMLESS_BUILTINS.items()},
 }

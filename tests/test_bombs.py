@@ -173,3 +173,34 @@ def test_verify_refuses_a_sparse_manifest_unread(tmp_path):
             print("REFUSED", exc)
     """, tmp_path)
     assert "REFUSED" in out and "sparse" in out
+
+
+# --- torch's loader: our error, in our words ----------------------------------------------
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_load_full_state_dict_of_a_hostile_bin_is_our_refusal_not_torchs_advice(tmp_path):
+    import torch
+
+    import fsdpckpt
+
+    hostile = tmp_path / "pytorch_model.bin"
+    torch.save({"w": torch.ones(2), "extra": _RunsCode()}, hostile)
+    with pytest.raises(fsdpckpt.UnsafePickleError) as caught:
+        fsdpckpt.load_full_state_dict(hostile)
+    message = str(caught.value)
+    assert str(hostile) in message and "posix.system" in message
+    assert "weights_only" not in message and len(message) < 500
+
+
+def test_load_full_state_dict_of_a_bin_that_is_no_archive_is_not_a_checkpoint(tmp_path):
+    import fsdpckpt
+
+    garbage = tmp_path / "pytorch_model.bin"
+    garbage.write_bytes(b"\x80\x02}q\x00." + b"\x00" * 100)  # a legacy pickle, cut
+    with pytest.raises(fsdpckpt.NotACheckpointError) as caught:
+        fsdpckpt.load_full_state_dict(garbage)
+    assert str(garbage) in str(caught.value) and "weights_only" not in str(caught.value)

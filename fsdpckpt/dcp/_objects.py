@@ -27,10 +27,16 @@ from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS, brief
 from fsdpckpt.dcp._zstd import OBJECT_LIMIT, open_entry
 from fsdpckpt.dcp.dtypes import DType, dtype_from_name
 from fsdpckpt.dcp.metadata import ObjectEntry
-from fsdpckpt.errors import CorruptCheckpointError, FsdpCkptError
+from fsdpckpt.errors import (
+    CorruptCheckpointError,
+    FsdpCkptError,
+    NotACheckpointError,
+    UnsafePickleError,
+)
 
-__all__ = ["TensorValue", "DecodedObject", "latin1_bytes", "torch_load_allowlisted", "read_object",
-           "encode_value", "decode_value", "dumps", "loads", "to_torch", "check_plain_value"]
+__all__ = ["TensorValue", "DecodedObject", "latin1_bytes", "torch_load_allowlisted",
+           "refused_load", "read_object", "encode_value", "decode_value", "dumps", "loads",
+           "to_torch", "check_plain_value"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,14 +189,43 @@ def torch_load_allowlisted(path: Any, *, mmap: bool = False) -> Any:
         # four builtin types that construct plain values and run no code.
         try:
             value = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        except (pickle.UnpicklingError, AttributeError) as exc:
-            # A dtype this torch lacks (float8_e8m0fnu on 2.6) is no unsafe global: say so.
-            for name in _torch.DTYPE_SINCE:
-                if name in str(exc):
-                    _torch.dtype(name, what=str(path))  # raises where torch lacks it
-            raise
+        except Exception as exc:  # noqa: BLE001 - torch's many ways to fail, said as ours
+            if isinstance(exc, (pickle.UnpicklingError, AttributeError)):
+                # A dtype this torch lacks (float8_e8m0fnu on 2.6) is no unsafe global.
+                for name in _torch.DTYPE_SINCE:
+                    if name in str(exc):
+                        _torch.dtype(name, what=str(path))  # raises where torch lacks it
+            raise refused_load(path, exc, "torch.save") from None
     check_plain_value(value, source=str(path), size=_pickle_size(path))
     return value
+
+
+def refused_load(path: Any, exc: BaseException, what: str) -> BaseException:
+    """The error for a file ``torch.load(weights_only=True)`` would not load, in our words:
+    torch's own advises ``weights_only=False``, which runs the file's code. The one
+    translation of torch's loader's failures (``training/_rng.py`` words RNG and DCP entries
+    with it). fsdpckpt's own errors (a checksum that fails before torch reads) and a real
+    I/O error, which names its file, stay as they are; a Ctrl-C torch turned into its own
+    error is a Ctrl-C again.
+
+    ``what`` names the kind of file (``"torch.save"``, ``"RNG state"``...)."""
+    import re
+
+    if isinstance(exc, FsdpCkptError) or isinstance(exc, OSError) and exc.filename:
+        return exc
+    if isinstance(exc.__context__, KeyboardInterrupt):
+        return KeyboardInterrupt()
+    if isinstance(exc, pickle.UnpicklingError):
+        found = re.search(r"GLOBAL ([\w.]{1,200})", str(exc))
+        named = f"the global '{found.group(1)}'" if found else "an object outside the allowlist"
+        return UnsafePickleError(f"{path}: refused to load {named}, which a {what} file never "
+                                 "holds; the file may be hostile. Nothing was executed: nothing "
+                                 "in it was run, nor any state changed. Delete the file, or use "
+                                 "an intact copy.")
+    detail = (str(exc).strip().splitlines() or [""])[0]
+    detail = type(exc).__name__ if not detail or "weights_only" in detail else detail[:200]
+    return NotACheckpointError(f"{path}: not a readable {what} file ({detail}); it is "
+                               "truncated, damaged or not a torch.save file")
 
 
 def to_torch(value: Any) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._rngfile import read_rng_archive, rng_fields
-from fsdpckpt.errors import FsdpCkptError, NotACheckpointError, UnsafePickleError
+from fsdpckpt.errors import NotACheckpointError
 
 __all__ = ["capture_rng_state", "rng_state_bytes", "load_rng_file", "restore_rng", "rng_file",
            "prepare_rng", "PreparedRng"]
@@ -89,23 +89,13 @@ def load_rng_file(path: Place) -> dict[str, Any]:
     return _normalize(read_rng_archive(path), path)
 
 
-def refused(path: Place, exc: BaseException, what: str) -> Exception:
+def refused(path: Place, exc: BaseException, what: str) -> BaseException:
     """The error for a file ``torch.load(weights_only=True)`` would not load (fsdpckpt's own
-    errors, a checksum that fails before torch reads, as they are)."""
-    import pickle
-    import re
+    errors, a checksum that fails before torch reads, as they are): the one translation,
+    :func:`fsdpckpt.dcp._objects.refused_load`."""
+    from fsdpckpt.dcp._objects import refused_load
 
-    if isinstance(exc, FsdpCkptError):
-        return exc
-
-    if isinstance(exc, pickle.UnpicklingError):
-        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        named = f"the global '{found.group(1)}'" if found else "an object outside the allowlist"
-        return UnsafePickleError(f"{path}: refusing to load {named}, which a {what} file never "
-                                 "holds; the file may be hostile. Nothing was executed. Delete "
-                                 "the file to resume without it.")
-    return NotACheckpointError(f"{path}: not a readable {what} file ({type(exc).__name__}); "
-                               "it is damaged or not a torch.save file")
+    return refused_load(path, exc, what)
 
 
 def _normalize(state: dict[Any, Any], path: Place) -> dict[str, Any]:

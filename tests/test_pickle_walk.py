@@ -224,3 +224,30 @@ def test_a_scheduler_file_whose_keys_cannot_be_hashed_is_refused(accelerate_ckpt
 def test_the_honest_fixtures_walk():
     for path in sorted(FIXTURES.glob("**/.metadata")):
         parse_metadata(path.read_bytes(), source=str(path))
+
+
+# -- bytes handed to torch's own reader are walked first ------------------------------
+
+def test_a_bin_whose_pickle_torch_would_crash_on_is_refused_before_torch_reads_it(tmp_path):
+    # load_full_state_dict and convert hand a .bin to torch.load(weights_only=True), whose
+    # unpickler hashes keys as unguarded as pickle's: a deep key segfaulted it.
+    _raw_torch_save(tmp_path / "model.bin", b"\x80\x02}N" + b"\x85" * 300_000 + b"Ns.")
+    _one_error_line(_cli("convert", str(tmp_path / "model.bin"), str(tmp_path / "dcp")),
+                    "model.bin", "tuples nested")
+    assert not (tmp_path / "dcp").exists()
+
+
+def test_a_legacy_bin_is_walked_too(tmp_path):
+    import torch
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "old.bin", _use_new_zipfile_serialization=False)
+    honest = (tmp_path / "old.bin").read_bytes()
+    # The object pickle (the fourth) swapped for a dict keyed by a deep tuple.
+    pos = 0
+    for _ in range(3):
+        pos += [p for _, _, p in pickletools.genops(honest[pos:])][-1] + 1
+    end = pos + [p for _, _, p in pickletools.genops(honest[pos:])][-1] + 1
+    hostile = honest[:pos] + b"\x80\x02}N" + b"\x85" * 300_000 + b"Ns." + honest[end:]
+    (tmp_path / "old.bin").write_bytes(hostile)
+    _one_error_line(_cli("convert", str(tmp_path / "old.bin"), str(tmp_path / "dcp")),
+                    "old.bin", "tuples nested")

@@ -283,25 +283,32 @@ def check_saved_file(file: IO[bytes], *, source: str) -> None:
 def check_archive(file: IO[bytes], start: int, length: int, *, source: str) -> None:
     """Read every entry of the ``torch.save`` archive at ``start`` against its CRC-32, in
     bounded blocks, before the bytes are handed to a reader that does not check them
-    (``torch.load``). Bytes that are not a zip archive (the legacy format) record nothing
-    and pass unchecked.
+    (``torch.load``), and walk its pickle as fsdpckpt's own readers do
+    (:func:`fsdpckpt.dcp._safe_pickle.check_pickle`): torch's weights-only unpickler hashes
+    keys as unguarded as pickle's. Bytes that are not a zip archive (the legacy format)
+    record no CRC-32; their pickles are walked all the same.
 
     Raises:
         ChecksumError: an entry's bytes do not match its recorded CRC-32.
         CorruptCheckpointError: the archive is damaged.
+        NotACheckpointError: its pickle holds what no checkpoint's does.
     """
     if not ENABLED:
         return
     from fsdpckpt.dcp._archive import entry_data_start
-    from fsdpckpt.dcp._ziparchive import open_archive, zip_errors
+    from fsdpckpt.dcp._safe_pickle import check_legacy_pickles, check_pickle
+    from fsdpckpt.dcp._ziparchive import entry_info, open_archive, zip_errors
 
     file.seek(start)
     if file.read(4) != b"PK\x03\x04":
+        check_legacy_pickles(file, start, length, source=source)
         return
     where = f"the archive at offset {start} (length {length})"
     with open_archive(file, start, length, source) as archive:
+        pkl = entry_info(archive, "/data.pkl", source).filename
         for info in archive.infolist():
             at = entry_data_start(file, start, length, info, source=source)
+            kept = bytearray() if info.filename == pkl else None
             crc, left = 0, info.file_size
             buffer = scratch(min(left, _BLOCK), "crc") if left else memoryview(b"")
             with zip_errors(source, where):
@@ -312,6 +319,11 @@ def check_archive(file: IO[bytes], start: int, length: int, *, source: str) -> N
                     if not got:
                         raise EOFError(f"the entry '{info.filename}' is cut short")
                     crc = crc32(block[:got], crc)
+                    if kept is not None:
+                        kept += block[:got]
                     left -= got
             if crc != info.CRC:
                 raise checksum_error(source, info.filename, info.CRC, crc)
+            if kept is not None:
+                check_pickle(bytes(kept), source=f"{source} ({info.filename})",
+                             persistent_ids=True)

@@ -32,6 +32,8 @@ from fsdpckpt.dcp._pickle_walk import walk
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError, UnsafePickleError
 
 __all__ = [
+    "check_legacy_pickles",
+    "check_pickle",
     "Record",
     "RestrictedUnpickler",
     "safe_loads",
@@ -403,3 +405,51 @@ def safe_loads(
         # (UnpicklingError, EOFError, struct.error, IndexError, TypeError, ValueError,
         # OverflowError, RecursionError, UnicodeDecodeError, LookupError, MemoryError...).
         raise unreadable(source, unpickler.position, len(data), exc) from exc
+
+
+def check_pickle(data: bytes, *, source: str, persistent_ids: bool = False) -> None:
+    """Walk ``data`` as every reader of fsdpckpt's does, building nothing: for bytes handed
+    to a reader of torch's (``torch.load(weights_only=True)``, which hashes as unguarded).
+
+    Raises:
+        NotACheckpointError: what no checkpoint's pickle holds (see :mod:`._pickle_walk`).
+    """
+    try:
+        scan(data)
+        walk(data, {}, persistent_ids=persistent_ids)
+    except _Unwalkable as exc:
+        raise unreadable(source, exc.where, len(data), exc) from None
+
+
+#: The most bytes the pickles of a legacy ``torch.save`` file may take before its storages.
+LEGACY_PICKLE_LIMIT = 64 << 20
+
+#: A legacy ``torch.save`` file: magic number, protocol, system info, the object (its
+#: tensors' storages as persistent ids), the storage keys; then the storages' raw bytes.
+_LEGACY_PICKLES = (False, False, False, True, False)
+
+
+def check_legacy_pickles(file: Any, start: int, length: int, *, source: str) -> None:
+    """Walk the pickles of the legacy (pre-zip) ``torch.save`` file at ``start``, which
+    ``torch.load`` reads one after another before the storages.
+
+    Raises:
+        NotACheckpointError: bytes torch would not read as that format (a tar archive of
+            torch < 0.4, say), a pickle no checkpoint holds, or pickles past
+            :data:`LEGACY_PICKLE_LIMIT`.
+    """
+    file.seek(start)
+    data = file.read(min(length, LEGACY_PICKLE_LIMIT))
+    pos = 0
+    for persistent in _LEGACY_PICKLES:
+        if data[pos:pos + 1] != pickle.PROTO:
+            raise NotACheckpointError(
+                f"{source}: neither a zip archive nor a legacy torch.save file (no pickle at "
+                f"byte {pos}); it is damaged, or not a torch.save file")
+        try:
+            end = scan(data[pos:]) + 1
+        except _Unwalkable as exc:
+            raise unreadable(source, pos + exc.where, len(data), exc) from None
+        check_pickle(data[pos:pos + end], source=source, persistent_ids=persistent)
+        pos += end
+

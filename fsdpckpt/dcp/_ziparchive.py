@@ -19,7 +19,12 @@ from typing import IO, Any
 from fsdpckpt._io.rawio import SizedReader
 from fsdpckpt._printable import printable
 from fsdpckpt.dcp._plainzip import _TAIL, end_records, plain_archive
-from fsdpckpt.errors import ChecksumError, CorruptCheckpointError, FsdpCkptError
+from fsdpckpt.errors import (
+    ChecksumError,
+    CorruptCheckpointError,
+    FsdpCkptError,
+    NotACheckpointError,
+)
 
 __all__ = ["CHUNK_ENTRIES", "CHUNK_PICKLE_BYTES", "SliceFile", "entry_info", "open_archive",
            "read_entry", "zip_errors"]
@@ -203,6 +208,12 @@ def _check_entries(archive: Any, file: IO[bytes], start: int, length: int,
             raise CorruptCheckpointError(f"{source}: {where}: the entry "
                                          f"'{printable(name)}' {why}; the file is "
                                          "damaged or crafted.")
+        if prefix is None:
+            # Not read two ways: torch's reader finds no record in it at all.
+            raise NotACheckpointError(f"{source}: {where}: not a readable torch.save file: its "
+                                      f"entry '{printable(name)}' lies in no folder, where "
+                                      "torch.save puts every entry; it is not a torch.save "
+                                      "file, or it is damaged")
         if not name.isascii() or "\0" in name or folder is None or folder != prefix:
             raise _TwoWays(f"has an entry named '{printable(name)}' (not ASCII, holding a NUL, "
                            f"or outside the folder '{printable(prefix)}' of its first entry)")

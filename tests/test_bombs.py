@@ -7,6 +7,7 @@ peak memory beyond its imports is bounded.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
@@ -204,3 +205,25 @@ def test_load_full_state_dict_of_a_bin_that_is_no_archive_is_not_a_checkpoint(tm
     with pytest.raises(fsdpckpt.NotACheckpointError) as caught:
         fsdpckpt.load_full_state_dict(garbage)
     assert str(garbage) in str(caught.value) and "weights_only" not in str(caught.value)
+
+
+# --- messages quote a file's names and numbers only so far ---------------------------------
+
+def test_problems_quote_a_megabyte_tensor_name_and_a_thousand_dims_only_briefly(dtensor_copy):
+    from fsdpckpt.dcp.checks import check_folder
+    from fsdpckpt.dcp.reader import read_dcp_folder
+
+    meta = pickle.loads((dtensor_copy / ".metadata").read_bytes())  # our fixture: trusted
+    fqn, entry = next(iter(meta.state_dict_metadata.items()))
+    long_name = "w" * 1_000_000
+    meta.state_dict_metadata[long_name] = meta.state_dict_metadata.pop(fqn)
+    for index in [k for k in meta.storage_data if k.fqn == fqn]:
+        moved = dataclasses.replace(index, fqn=long_name)
+        meta.storage_data[moved] = meta.storage_data.pop(index)
+    meta.planner_data.pop(fqn, None)
+    size = type(entry.chunks[0].offsets)
+    entry.chunks[0].offsets, entry.chunks[0].sizes = size([0] * 1000), size([1] * 1000)
+    (dtensor_copy / ".metadata").write_bytes(pickle.dumps(meta))
+    problems = check_folder(read_dcp_folder(dtensor_copy))
+    assert problems and all(len(p.message) < 600 for p in problems), \
+        [len(p.message) for p in problems]

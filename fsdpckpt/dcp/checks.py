@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
+from fsdpckpt.dcp._allowlist import cap
 from fsdpckpt.dcp._bulk import paused_gc
 from fsdpckpt.dcp._objects import DecodedObject
 from fsdpckpt.dcp._zstd import MAX_RATIO
@@ -63,6 +64,18 @@ class Problem:
     def __getitem__(self, key: str) -> str:
         """``problem["message"]``, as when problems were dicts; prefer ``problem.message``."""
         return self.to_json()[key]
+
+
+def _named(name: str) -> str:
+    """A name from ``.metadata`` as messages quote it: at most 200 characters."""
+    return f"'{cap(name, 200)}'"
+
+
+def _dims(values: Sequence[int]) -> str:
+    """Offsets, sizes or a shape as messages give them: at most 8 dims written out."""
+    if len(values) <= 8:
+        return str(list(values))
+    return str(list(values[:8]))[:-1] + f", ... ({len(values)} dims)]"
 
 
 def _overlaps(a: Chunk, b: Chunk) -> bool:
@@ -197,11 +210,11 @@ def check_tensor_chunks(tensor: TensorEntry) -> list[str]:
         return []
     for chunk in tensor.chunks:
         if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
-            found.append(f"chunk at {list(chunk.offsets)} has {len(chunk.sizes)} dims, "
+            found.append(f"chunk at {_dims(chunk.offsets)} has {len(chunk.sizes)} dims, "
                          f"the tensor has {len(shape)}")
         elif any(o < 0 or s < 0 or o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, shape)):
-            found.append(f"chunk at {list(chunk.offsets)} of size {list(chunk.sizes)} reaches "
-                         f"outside the shape {list(shape)}")
+            found.append(f"chunk at {_dims(chunk.offsets)} of size {_dims(chunk.sizes)} reaches "
+                         f"outside the shape {_dims(shape)}")
     if found:
         return found[:_SHOWN] + ([f"{len(found) - _SHOWN} more such chunks"]
                                  if len(found) > _SHOWN else [])
@@ -211,7 +224,7 @@ def check_tensor_chunks(tensor: TensorEntry) -> list[str]:
         return [overlap]
     if overlap is not None:
         a, b = sorted(overlap, key=lambda c: c.offsets)
-        found.append(f"chunks at {list(a.offsets)} and {list(b.offsets)} overlap")
+        found.append(f"chunks at {_dims(a.offsets)} and {_dims(b.offsets)} overlap")
     elif total < tensor.numel:
         found.append(f"chunks cover {total} of {tensor.numel} elements: there is a gap")
     return found
@@ -262,7 +275,7 @@ def _check_folder(folder: DcpFolder) -> list[Problem]:
     add_range = ranges.append
     for tensor in folder.metadata.tensors:
         for message in check_tensor_chunks(tensor):
-            problems.append(Problem(base, f"tensor '{tensor.name}': {message}"))
+            problems.append(Problem(base, f"tensor {_named(tensor.name)}: {message}"))
         itemsize = tensor.dtype.itemsize
         for chunk in tensor.chunks:
             file, offset, length = chunk.file, chunk.offset, chunk.length
@@ -282,7 +295,7 @@ def _check_folder(folder: DcpFolder) -> list[Problem]:
                 problems.append(Problem(
                     f"{base}/{file}",
                     f"{what} declares {nbytes} bytes of "
-                    f"{tensor.dtype.name} (sizes {list(chunk.sizes)}), but its archive holds "
+                    f"{tensor.dtype.name} (sizes {_dims(chunk.sizes)}), but its archive holds "
                     f"only {stored} bytes: the metadata is damaged or crafted"))
             if file is not None and nbytes:
                 # Empty chunks of one tensor share one storage entry (DCP keys it by
@@ -291,9 +304,10 @@ def _check_folder(folder: DcpFolder) -> list[Problem]:
     for obj in folder.metadata.objects:
         if isinstance(obj, DecodedObject):
             continue  # decoded already (a per-rank file's inline value): no bytes to check
-        check_location(f"object '{obj.name}'", obj.file, obj.offset, obj.length)
+        what = f"object {_named(obj.name)}"
+        check_location(what, obj.file, obj.offset, obj.length)
         if obj.file is not None:
-            ranges.append((obj.file, obj.offset, obj.offset + obj.length, f"object '{obj.name}'"))
+            ranges.append((obj.file, obj.offset, obj.offset + obj.length, what))
     problems.extend(_shared_bytes(base, ranges))
 
     for file, (what, offset, end, count, last) in cut.items():
@@ -331,7 +345,7 @@ def _chunk_what(owner: Any) -> str:
     if isinstance(owner, str):
         return owner
     tensor, chunk = owner
-    return f"tensor '{tensor.name}' chunk at {list(chunk.offsets)}"
+    return f"tensor {_named(tensor.name)} chunk at {_dims(chunk.offsets)}"
 
 
 def _shared_bytes(base: str, ranges: list[tuple[str, int, int, Any]]) -> list[Problem]:

@@ -307,11 +307,13 @@ def decode_value(data: Any) -> Any:
 def _decode_tensor(doc: Any) -> TensorValue:
     # The JSON comes from a file: check it as strictly as a torch.save archive.
     where = "a tensor in the fsdpckpt.objects metadata"
-    dtype = dtype_from_name(str(doc.get("dtype"))) if isinstance(doc, dict) else None
+    name = doc.get("dtype") if isinstance(doc, dict) else None
+    dtype = dtype_from_name(name) if isinstance(name, str) and len(name) < 64 else None
     storage = doc.get("storage") if isinstance(doc, dict) else None
     if dtype is None or not isinstance(storage, str):
-        raise CorruptCheckpointError(f"{where} has no known dtype or no storage: {doc!r:.200}; "
-                                     "the file is damaged or was not written by fsdpckpt.")
+        raise CorruptCheckpointError(f"{where} has no known dtype or no storage: "
+                                     f"{brief(doc, 200)}; the file is damaged or was not "
+                                     "written by fsdpckpt.")
     try:
         data = base64.b64decode(storage, validate=True)
     except ValueError:

@@ -168,8 +168,8 @@ def _mesh(spec: StandIn, source: str) -> tuple[tuple[int, ...], tuple[int, ...]]
     coordinate = _ints(tuple(coordinate) if isinstance(coordinate, (tuple, list)) else None,
                        "the rank's mesh coordinate", source)
     if len(coordinate) != len(shape) or any(c >= s for c, s in zip(coordinate, shape)):
-        raise CorruptCheckpointError(f"{source}: mesh coordinate {list(coordinate)} outside "
-                                     f"the mesh {list(shape)}.")
+        raise CorruptCheckpointError(f"{source}: mesh coordinate {brief(list(coordinate))} "
+                                     f"outside the mesh {brief(list(shape))}.")
     return shape, coordinate
 
 
@@ -177,14 +177,14 @@ def _place(name: str, value: _Wrapper, raw: RawTensor,
            source: str) -> tuple[tuple[int, ...], int]:
     """Where the rank's local tensor starts in the global tensor (torch.chunk's split), and
     how many ranks its mesh spans."""
-    shape = _ints(value.size, f"the global shape of '{name}'", source)
+    shape = _ints(value.size, f"the global shape of {brief(name, 200)}", source)
     spec = value.spec
     if not isinstance(spec, StandIn) or spec.kind != "DTensorSpec":
-        raise CorruptCheckpointError(f"{source}: DTensor '{name}' has no spec.")
+        raise CorruptCheckpointError(f"{source}: DTensor {brief(name, 200)} has no spec.")
     mesh_shape, coordinate = _mesh(spec, source)
     placements = spec.field("placements")
     if not isinstance(placements, tuple) or len(placements) != len(mesh_shape):
-        raise CorruptCheckpointError(f"{source}: DTensor '{name}' has placements "
+        raise CorruptCheckpointError(f"{source}: DTensor {brief(name, 200)} has placements "
                                      f"{brief(placements)} for a mesh of {len(mesh_shape)} dims.")
     offsets, sizes = [0] * len(shape), list(shape)
     for placement, parts, at in zip(placements, mesh_shape, coordinate):
@@ -195,16 +195,18 @@ def _place(name: str, value: _Wrapper, raw: RawTensor,
         dim = placement.field("dim") if kind == "Shard" else None
         if not isinstance(dim, int) or not is_plain_int(dim) or not 0 <= dim < len(shape):
             raise NotACheckpointError(
-                f"{source}: DTensor '{name}' is placed as {kind or brief(placement)}; fsdpckpt "
-                "reads Shard(dim) and Replicate() placements (FSDP2, HSDP, tensor parallel).")
+                f"{source}: DTensor {brief(name, 200)} is placed as "
+                f"{kind or brief(placement)}; fsdpckpt reads Shard(dim) and Replicate() "
+                "placements (FSDP2, HSDP, tensor parallel).")
         full = -(-sizes[dim] // parts)
         start = min(at * full, sizes[dim])
         offsets[dim] += start
         sizes[dim] = max(0, min(full, sizes[dim] - start))
     if tuple(sizes) != raw.shape:
         raise CorruptCheckpointError(
-            f"{source}: DTensor '{name}' holds a local tensor of shape {list(raw.shape)}, but "
-            f"its placements give this rank {sizes} of {list(shape)}; the file is damaged.")
+            f"{source}: DTensor {brief(name, 200)} holds a local tensor of shape "
+            f"{brief(list(raw.shape))}, but its placements give this rank {brief(sizes)} of "
+            f"{brief(list(shape))}; the file is damaged.")
     return tuple(offsets), math.prod(mesh_shape)
 
 
@@ -214,13 +216,13 @@ def _refuse_placement(name: str, placement: Any, source: str) -> None:
     if kind == "Partial":
         op = placement.field("reduce_op") or (placement.args[0] if placement.args else "sum")
         raise NotACheckpointError(
-            f"{source}: DTensor '{name}' is placed as Partial({brief(op)}): each rank holds a "
-            "partial value that must be reduced across ranks, not placed, so the file alone "
-            "cannot give the tensor. Save a full (or replicated) state dict instead, e.g. "
+            f"{source}: DTensor {brief(name, 200)} is placed as Partial({brief(op)}): each rank "
+            "holds a partial value that must be reduced across ranks, not placed, so the file "
+            "alone cannot give the tensor. Save a full (or replicated) state dict instead, e.g. "
             "get_state_dict(..., options=StateDictOptions(full_state_dict=True)).")
     if kind == "_StridedShard":
         raise NotACheckpointError(
-            f"{source}: DTensor '{name}' is placed as _StridedShard(dim="
+            f"{source}: DTensor {brief(name, 200)} is placed as _StridedShard(dim="
             f"{brief(placement.field('dim'))}, split_factor="
             f"{brief(placement.field('split_factor'))}) (FSDP2 over tensor parallelism): "
             "fsdpckpt does not reassemble its interleaved pieces from per-rank files. Save "
@@ -311,8 +313,8 @@ def read_rank(folder: Place, name: str) -> tuple[dict[KeyPath, list[RankTensor]]
                     raw = locate(record, what)
                     if raw.shape != sizes:
                         raise CorruptCheckpointError(
-                            f"{what}: a shard declared {list(sizes)} holds a tensor of "
-                            f"shape {list(raw.shape)}; the file is damaged.")
+                            f"{what}: a shard declared {brief(list(sizes))} holds a tensor "
+                            f"of shape {brief(list(raw.shape))}; the file is damaged.")
                     pieces.append(RankTensor(raw.dtype, shape, offsets, raw,
                                              crcs[raw.storage_start]))
                 tensors[path] = pieces

@@ -154,12 +154,16 @@ def test_a_sparse_metadata_beside_sparse_data_files_is_refused_unread(dtensor_co
     os.truncate(dtensor_copy / "__0_0.distcp", 10 * 2**30)
     os.truncate(dtensor_copy / ".metadata", 2**30)
     out = _bounded(f"""
+        import time
+        start = time.monotonic()
         try:
             fsdpckpt.inspect_checkpoint({str(dtensor_copy)!r})
         except fsdpckpt.NotACheckpointError as exc:
             print("REFUSED", exc)
+        print("SECONDS", time.monotonic() - start)
     """, tmp_path)
     assert "REFUSED" in out and "sparse" in out
+    assert float(out.split("SECONDS")[1].split()[0]) < 5
 
 
 def test_verify_refuses_a_sparse_manifest_unread(tmp_path):
@@ -168,12 +172,16 @@ def test_verify_refuses_a_sparse_manifest_unread(tmp_path):
     ckpt = save_small_checkpoint(tmp_path / "ckpt")
     os.truncate(ckpt / "fsdpckpt.json", 2**30)
     out = _bounded(f"""
+        import time
+        start = time.monotonic()
         try:
             fsdpckpt.verify_checkpoint({str(ckpt)!r})
         except fsdpckpt.CorruptCheckpointError as exc:
             print("REFUSED", exc)
+        print("SECONDS", time.monotonic() - start)
     """, tmp_path)
     assert "REFUSED" in out and "sparse" in out
+    assert float(out.split("SECONDS")[1].split()[0]) < 5
 
 
 # --- torch's loader: our error, in our words ----------------------------------------------

@@ -18,7 +18,7 @@ if _sys.argv and _sys.argv[0].rpartition("/")[2] == "fsdpckpt":
     # Ctrl-C from here until run() takes over is the command's one line, not a traceback.
     # Nothing is written yet, so the process just ends; raised instead, an exception can
     # land in an import lock's callback, which Python prints and ignores.
-    import _signal  # built in (the signal module would be one more import to interrupt)
+    import _signal  # type: ignore[import-not-found]  # built in: signal.py is one more import
     import os as _os  # already loaded by Python's start
 
     def _interrupted_at_start(*_: object) -> None:

@@ -26,7 +26,7 @@ from fsdpckpt.dcp._allowlist import METADATA_GLOBALS
 from fsdpckpt.dcp._fast_pickle import fast_loads
 from fsdpckpt.dcp._safe_pickle import BUILTIN_GLOBALS, safe_loads
 from fsdpckpt.dcp.reader import parse_metadata
-from fsdpckpt.errors import NotACheckpointError
+from fsdpckpt.errors import NotACheckpointError, UnsafePickleError
 
 from conftest import DCP_FOLDERS, FIXTURES
 
@@ -66,10 +66,10 @@ def _deep_key(depth: int) -> bytes:
 
 def _shared_key(levels: int) -> bytes:
     """A key of ``levels`` tuples, each holding the one below twice: 2**levels to hash."""
-    ops = b"N\x94"
+    ops = b"N\x940"  # each level memoized, then popped: the stack holds only the dict
     for level in range(levels):
-        ops += b"h" + bytes([level]) + b"h" + bytes([level]) + b"\x86\x94"
-    return b"\x80\x04}" + ops + b"Ns."
+        ops += b"h" + bytes([level]) + b"h" + bytes([level]) + b"\x86\x940"
+    return b"\x80\x04}" + ops + b"h" + bytes([levels]) + b"Ns."
 
 
 def _colliding_keys(count: int) -> bytes:
@@ -251,3 +251,24 @@ def test_a_legacy_bin_is_walked_too(tmp_path):
     (tmp_path / "old.bin").write_bytes(hostile)
     _one_error_line(_cli("convert", str(tmp_path / "old.bin"), str(tmp_path / "dcp")),
                     "old.bin", "tuples nested")
+
+
+# -- both readers refuse alike -----------------------------------------------------------
+
+@pytest.mark.parametrize("data", [
+    b"\x80\x04\x8c\x01aNNs.",  # SETITEM aimed at a string
+    b"\x80\x04N]a.",  # APPEND aimed at None
+    b"\x80\x04\x8c\x01a}b.",  # BUILD on a string
+    b"\x80\x04)(Ne.",  # APPENDS onto a tuple
+], ids=["setitem-str", "append-none", "build-str", "appends-tuple"])
+def test_a_state_setting_opcode_aimed_at_a_literal_is_refused_alike(data):
+    for loads in (fast_loads, safe_loads):
+        with pytest.raises(UnsafePickleError, match="which takes no state"):
+            loads(data, allowed=METADATA_GLOBALS, source="x")
+
+
+def test_a_global_outside_the_allowlist_is_named_before_what_follows_it():
+    data = b"\x80\x04cos\nsystem\n}N\x85\x85Ns."  # then a tuple key
+    for loads in (fast_loads, safe_loads):
+        with pytest.raises(UnsafePickleError, match="'os.system'"):
+            loads(data, allowed=METADATA_GLOBALS, source="x")

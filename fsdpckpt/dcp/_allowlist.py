@@ -136,7 +136,8 @@ def _sealed_factory(name: str, make: Any) -> type:
     """A sealed class whose call returns ``make(*args)`` (a plain value, not an instance)."""
     def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
         return make(*args, **kwargs)
-    return Sealed(name, (), {"__new__": __new__, "__slots__": ()})
+    # ``makes``: what a call returns, for the shape walk (dcp/_pickle_walk.py).
+    return Sealed(name, (), {"__new__": __new__, "__slots__": (), "makes": make})
 
 
 def _record_class(kind: str) -> type[Record]:

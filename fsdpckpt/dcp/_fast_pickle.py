@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from fsdpckpt.dcp._allowlist import _Refusal
-from fsdpckpt.dcp._pickle_scan import _Unwalkable, scan
-from fsdpckpt.dcp._pickle_walk import WALK_LIMIT, walk
-from fsdpckpt.dcp._safe_pickle import refusal, refuse_global, unreadable
+from fsdpckpt.dcp._pickle_scan import _Unwalkable, scan  # noqa: F401 - both as before
+from fsdpckpt.dcp._pickle_walk import WALK_LIMIT
+from fsdpckpt.dcp._safe_pickle import refusal, refuse_global, unreadable, walked
 from fsdpckpt.errors import FsdpCkptError
 
 __all__ = ["fast_loads", "scan"]
@@ -56,12 +56,7 @@ def fast_loads(data: bytes, *, allowed: Mapping[tuple[str, str], Any], source: s
     a state-setting opcode aimed at one inside it, :class:`~fsdpckpt.errors.NotACheckpointError`
     for bytes that are not a readable pickle.
     """
-    try:
-        scan(data)
-        if len(data) <= WALK_LIMIT:
-            walk(data, allowed)
-    except _Unwalkable as exc:
-        raise unreadable(source, exc.where, len(data), exc) from None
+    walked(data, allowed, source=source, shape=len(data) <= WALK_LIMIT)
     unpickler = _Unpickler(data, allowed, source)
     try:
         return unpickler.load()

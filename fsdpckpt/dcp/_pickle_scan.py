@@ -21,11 +21,18 @@ __all__ = ["_Unwalkable", "scan"]
 
 
 class _Unwalkable(Exception):
-    """What stops either walk; said as "not a readable pickle" at the byte it names."""
+    """What stops either walk; said as "not a readable pickle" at the byte it names, or,
+    where an unpickler would refuse the pickle as unsafe, as that: ``refused``, a global
+    ``(module, name)`` outside the allowlist; ``state``, ``(what, opcode)`` for a
+    state-setting opcode aimed at what it may not change."""
 
-    def __init__(self, where: int, message: str) -> None:
+    def __init__(self, where: int, message: str, *,
+                 refused: tuple[str, str] | None = None,
+                 state: tuple[str, str] | None = None) -> None:
         super().__init__(message)
         self.where = where
+        self.refused = refused
+        self.state = state
 
 
 def _one_of(opcodes: bytes) -> bytes:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fsdpckpt.dcp._allowlist import Record, Size, _checked_dict, _checked_set
 from fsdpckpt.dcp._pickle_scan import _Unwalkable
 
 __all__ = ["MAX_DEPTH", "WALK_LIMIT", "walk"]
@@ -43,40 +44,73 @@ WALK_LIMIT = 16 << 20
 #: Integers whose hash is themselves: no two of them collide (2**61 - 1 is the modulus).
 _HASH_MODULUS = (1 << 61) - 1
 
-# Kinds. A string is its bytes (STACK_GLOBAL needs the names); everything else an int.
+# Kinds. A string is its UTF-8 bytes (STACK_GLOBAL needs the names), a global its
+# ``(module, name)``, everything else an int.
 KEY = 0  # bytes, a small int, a bool, None: hashable in O(len), no crafted collisions
 SCALAR = 1  # a float, a large int: not a key
-CONTAINER = 2  # a list, a dict, a set, a bytearray: unhashable
-GLOBAL = 3  # an allowlisted global that is not a record class
-RECORD_CLASS = 4  # a record class: what its NEWOBJ makes hashes by identity
-RECORD = 5  # what NEWOBJ of a record class made
-VALUE = 6  # what a call returned: anything; not a key
+DICT, LIST, SET, BYTES_ARRAY = 2, 3, 4, 9  # containers: unhashable; each takes its own items
+RECORD = 5  # what a call of a record class made: a key, given state by BUILD
+VALUE = 6  # what a call returned, of no kind known here: the unpickler judges it
+#: What a call returned that takes no state, by the type it is: a Size, a path's string...
+FROZEN = {Size: -1, str: -2, int: -3, frozenset: -4, slice: -5, complex: -6}
 _TUPLE = 100  # _TUPLE + depth: a tuple nesting ``depth`` tuples
+
+#: What each state-setting opcode may change: a container of its own kind, or a value
+#: the unpickler judges (it knows the stand-in); what RECORD may take: BUILD.
+_TAKES = {"SETITEM": (DICT, VALUE), "SETITEMS": (DICT, VALUE), "APPEND": (LIST, VALUE),
+          "APPENDS": (LIST, VALUE), "ADDITEMS": (SET, VALUE), "BUILD": (RECORD, VALUE)}
 
 
 #: Opcodes that push a small scalar, and their widths.
 _SMALL = {0x4B: 2, 0x4D: 3, 0x4A: 5, 0x4E: 1, 0x88: 1, 0x89: 1}
 
 
-def _classify(allowed: Mapping[tuple[str, str], Any]) -> dict[tuple[bytes, bytes], int]:
-    from fsdpckpt.dcp._allowlist import Record
+class _Globals:
+    """An allowlist as the walk sees it: each name's global, and what a call of it makes."""
 
-    kinds: dict[tuple[bytes, bytes], int] = {}
-    for (module, name), value in allowed.items():
-        record = isinstance(value, type) and issubclass(value, Record) and \
-            value.__hash__ is object.__hash__
-        kinds[(module.encode(), name.encode())] = RECORD_CLASS if record else GLOBAL
-    return kinds
+    def __init__(self, allowed: Mapping[tuple[str, str], Any] | None) -> None:
+        self.judged = allowed is not None
+        self.made: dict[tuple[str, str], int] = {}
+        for key, value in (allowed or {}).items():
+            self.made[key] = _made_by(value)
+
+    def named(self, module: str, name: str, pos: int) -> tuple[str, str]:
+        if self.judged and (module, name) not in self.made:
+            raise _Unwalkable(pos, "a global outside the allowlist", refused=(module, name))
+        return (module, name)
+
+    def result(self, callee: Any) -> int:
+        if type(callee) is tuple:
+            return self.made.get(callee, VALUE)
+        return VALUE  # not a global: the call fails in the unpickler, as it should
 
 
-_classified: tuple[Mapping[tuple[str, str], Any], dict[tuple[bytes, bytes], int]] | None = None
+def _made_by(value: Any) -> int:
+    make = getattr(value, "makes", value)
+    if make is _checked_dict:
+        return DICT
+    if make is _checked_set:
+        return SET
+    if isinstance(value, type) and issubclass(value, Record) and \
+            value.__hash__ is object.__hash__:
+        return RECORD
+    if isinstance(value, type) and issubclass(value, Size):
+        return FROZEN[Size]
+    if make in (slice, complex, int):
+        return FROZEN[make]
+    made = {"_checked_frozenset": frozenset, "_path": str, "layout_name": str}.get(
+        getattr(make, "__name__", ""))
+    return VALUE if made is None else FROZEN[made]
 
 
-def _kinds_of(allowed: Mapping[tuple[str, str], Any]) -> dict[tuple[bytes, bytes], int]:
-    global _classified
-    if _classified is None or _classified[0] is not allowed:
-        _classified = (allowed, _classify(allowed))
-    return _classified[1]
+_judged: tuple[Any, _Globals] | None = None
+
+
+def _globals_of(allowed: Mapping[tuple[str, str], Any] | None) -> _Globals:
+    global _judged
+    if _judged is None or _judged[0] is not allowed:
+        _judged = (allowed, _Globals(allowed))
+    return _judged[1]
 
 
 def _deeper(kinds: list[Any], pos: int) -> int:
@@ -97,13 +131,31 @@ def _check_keys(kinds: list[Any], pos: int, what: str) -> None:
                                   "strings, small integers or records")
 
 
+def _target(kind: Any, opcode: str, pos: int) -> None:
+    """Refuse ``opcode`` aimed at ``kind`` unless it may change it (both readers would
+    refuse, each its own way: the walk says it once, for both)."""
+    if kind in _TAKES[opcode]:
+        return
+    if type(kind) is tuple:
+        what = f"the allowlisted global '{kind[0]}.{kind[1]}'"
+    else:
+        what = f"a {_name(kind)}, which takes no state" if kind != RECORD or opcode != "BUILD" \
+            else "a record"
+    raise _Unwalkable(pos, f"{opcode} aimed at {what}", state=(what, opcode))
+
+
 def _name(kind: Any) -> str:
     if type(kind) is bytes:
         return "string"
+    if type(kind) is tuple:
+        return "global"
     if kind >= _TUPLE:
         return "tuple"
-    return ("small scalar", "float or large integer", "container", "global", "class",
-            "record", "value built by a call")[kind]
+    return {KEY: "small scalar", SCALAR: "float or large integer", DICT: "dict", LIST: "list",
+            SET: "set", BYTES_ARRAY: "bytearray", RECORD: "record",
+            VALUE: "value built by a call",
+            **{code: ("tuple" if made is Size else made.__name__)
+               for made, code in FROZEN.items()}}[kind]
 
 
 def _int_kind(value: int) -> int:
@@ -115,15 +167,26 @@ def _line(data: bytes, pos: int) -> tuple[bytes, int]:
     return data[pos:end], end + 1
 
 
-def walk(data: bytes, allowed: Mapping[tuple[str, str], Any], *,
+def _text(raw: Any, pos: int) -> str:
+    if type(raw) is not bytes:
+        raise _Unwalkable(pos, "a global's name that is not a string")
+    try:
+        return raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        raise _Unwalkable(pos, "a global's name that is not UTF-8") from None
+
+
+def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
          persistent_ids: bool = False) -> None:
     """Walk the pickle ``data`` (already :func:`~fsdpckpt.dcp._pickle_scan.scan`-ned) over
     kinds; raise :class:`_Unwalkable` for what no checkpoint pickle holds.
 
-    ``allowed`` is the allowlist the unpickler will use (its record classes are what may
-    key a dict); ``persistent_ids`` whether the format has them (torch.save's storages).
+    ``allowed`` is the allowlist the unpickler will use: a global outside it is refused
+    here, where the unpickler would refuse it, and its record classes are what may key a
+    dict; None for bytes another reader judges the globals of (torch's weights-only
+    loader). ``persistent_ids``: whether the format has them (torch.save's storages).
     """
-    globals_ = _kinds_of(allowed)
+    globals_ = _globals_of(allowed)
     stack: list[Any] = []
     marks: list[int] = []
     memo: dict[int, Any] = {}
@@ -166,44 +229,45 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any], *,
             elif op == 0x29:  # EMPTY_TUPLE
                 push(_TUPLE)
                 pos += 1
-            elif op in (0x81, 0x52):  # NEWOBJ, REDUCE
+            elif op == 0x81 or op == 0x52:  # NEWOBJ, REDUCE: callee, arguments
                 pop()
-                callee = stack[-1]
-                stack[-1] = RECORD if callee == RECORD_CLASS and op == 0x81 else VALUE
+                stack[-1] = globals_.result(stack[-1])
                 pos += 1
-            elif op == 0x62:  # BUILD
+            elif op == 0x62:  # BUILD: target, state
                 pop()
+                _target(stack[-1], "BUILD", pos)
                 pos += 1
-            elif op in (0x7D, 0x5D, 0x8F):  # EMPTY_DICT, EMPTY_LIST, EMPTY_SET
-                push(CONTAINER)
+            elif op == 0x7D:  # EMPTY_DICT
+                push(DICT)
                 pos += 1
-            elif op == 0x75 or op == 0x64:  # SETITEMS, DICT
+            elif op == 0x5D:  # EMPTY_LIST
+                push(LIST)
+                pos += 1
+            elif op == 0x75 or op == 0x64:  # SETITEMS (onto the dict below the mark), DICT
                 start = marks.pop()
                 items = stack[start:]
+                del stack[start:]
+                if op == 0x75:
+                    _target(stack[-1], "SETITEMS", pos)
                 if len(items) % 2:
                     raise _Unwalkable(pos, "a dict's items do not pair up")
                 _check_keys(items[::2], pos, "a dict key")
-                del stack[start:]
                 if op == 0x64:
-                    push(CONTAINER)
+                    push(DICT)
                 pos += 1
-            elif op == 0x73:  # SETITEM
+            elif op == 0x73:  # SETITEM: dict, key, value
+                _target(stack[-3], "SETITEM", pos)
                 _check_keys(stack[-2:-1], pos, "a dict key")
                 del stack[-2:]
                 pos += 1
-            elif op in (0x65, 0x6C, 0x74, 0x90, 0x91):  # APPENDS, LIST, TUPLE, ADDITEMS, FROZENSET
+            elif op == 0x65:  # APPENDS
                 start = marks.pop()
-                items = stack[start:]
                 del stack[start:]
-                if op in (0x90, 0x91):
-                    _check_keys(items, pos, "a set member")
-                if op == 0x74:
-                    push(_deeper(items, pos))
-                elif op != 0x65 and op != 0x90:
-                    push(CONTAINER if op == 0x6C else VALUE)
+                _target(stack[-1], "APPENDS", pos)
                 pos += 1
             elif op == 0x61:  # APPEND
                 pop()
+                _target(stack[-1], "APPEND", pos)
                 pos += 1
             elif op == 0x8A:  # LONG1
                 n = data[pos + 1]
@@ -211,16 +275,14 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any], *,
                      if n <= 9 else SCALAR)
                 pos += 2 + n
             elif op == 0x93:  # STACK_GLOBAL
-                name, module = pop(), stack[-1]
-                if type(name) is not bytes or type(module) is not bytes:
-                    raise _Unwalkable(pos, "STACK_GLOBAL's names are not strings")
-                stack[-1] = _global(globals_, module, name, pos)
+                name = pop()
+                stack[-1] = globals_.named(_text(stack[-1], pos), _text(name, pos), pos)
                 pos += 1
             elif op == 0x95:  # FRAME: the scan checked that frames tile the opcodes
                 pos += 9
             elif op == 0x2E:  # STOP
-                if len(stack) != 1 or marks:
-                    raise _Unwalkable(pos, "STOP with more than one object left")
+                if len(stack) == (marks[-1] if marks else 0):
+                    raise _Unwalkable(pos, "STOP with nothing to return")
                 return
             else:
                 pos = _walk_rare(data, pos, op, stack, marks, memo, globals_, persistent_ids)
@@ -232,15 +294,8 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any], *,
                               f"feed it ({type(exc).__name__})") from None
 
 
-def _global(globals_: dict[tuple[bytes, bytes], int], module: bytes, name: bytes,
-            pos: int) -> int:
-    # An unknown global is the unpickler's to refuse, with its own message.
-    return globals_.get((module, name), GLOBAL)
-
-
 def _walk_rare(data: bytes, pos: int, op: int, stack: list[Any], marks: list[int],
-               memo: dict[int, Any], globals_: dict[tuple[bytes, bytes], int],
-               persistent_ids: bool) -> int:
+               memo: dict[int, Any], globals_: _Globals, persistent_ids: bool) -> int:
     """The opcodes honest protocol 2 and 4 pickles seldom use; returns the next offset."""
     push, pop, frombytes = stack.append, stack.pop, int.from_bytes
     if op == 0x71:  # BINPUT
@@ -275,7 +330,7 @@ def _walk_rare(data: bytes, pos: int, op: int, stack: list[Any], marks: list[int
         return start + frombytes(data[pos + 1:start], "little", signed=op == 0x54)
     if op == 0x96:  # BYTEARRAY8
         start = pos + 9
-        push(CONTAINER)
+        push(BYTES_ARRAY)
         return start + frombytes(data[pos + 1:start], "little")
     if op == 0x8B:  # LONG4: more than 2**32 bits is no key
         start = pos + 5
@@ -289,9 +344,9 @@ def _walk_rare(data: bytes, pos: int, op: int, stack: list[Any], marks: list[int
     if op == 0x46:  # FLOAT as text
         push(SCALAR)
         return _line(data, pos + 1)[1]
-    if op == 0x56:  # UNICODE as text (raw-unicode-escape; a name, said as itself)
+    if op == 0x56:  # UNICODE as text (raw-unicode-escape), kept as its UTF-8 like the rest
         text, end = _line(data, pos + 1)
-        push(text)
+        push(text.decode("raw-unicode-escape").encode("utf-8", "surrogatepass"))
         return end
     if op == 0x53:  # STRING as text: a quoted repr
         push(KEY)
@@ -299,24 +354,44 @@ def _walk_rare(data: bytes, pos: int, op: int, stack: list[Any], marks: list[int
     if op == 0x63:  # GLOBAL module\nname\n
         module, mid = _line(data, pos + 1)
         name, end = _line(data, mid)
-        push(_global(globals_, module, name, pos))
+        push(globals_.named(_text(module, pos), _text(name, pos), pos))
         return end
     if op == 0x69:  # INST module\nname\n: a call of the global on the items to the mark
         module, mid = _line(data, pos + 1)
-        _name_bytes, end = _line(data, mid)
+        name, end = _line(data, mid)
+        named = globals_.named(_text(module, pos), _text(name, pos), pos)
         del stack[marks.pop():]
-        push(VALUE)
+        push(globals_.result(named))
         return end
     if op == 0x6F:  # OBJ: the class, then its arguments, to the mark
         start = marks.pop()
         if len(stack) <= start:
             raise _Unwalkable(pos, "OBJ without a class")
+        made = globals_.result(stack[start])
         del stack[start:]
-        push(VALUE)
+        push(made)
         return pos + 1
     if op == 0x92:  # NEWOBJ_EX: class, args, kwargs
         del stack[-2:]
-        stack[-1] = RECORD if stack[-1] == RECORD_CLASS else VALUE
+        stack[-1] = globals_.result(stack[-1])
+        return pos + 1
+    if op == 0x8F:  # EMPTY_SET
+        push(SET)
+        return pos + 1
+    if op in (0x6C, 0x74, 0x90, 0x91):  # LIST, TUPLE, ADDITEMS, FROZENSET: items to the mark
+        start = marks.pop()
+        items = stack[start:]
+        del stack[start:]
+        if op == 0x6C:
+            push(LIST)
+        elif op == 0x74:
+            push(_deeper(items, pos))
+        else:
+            _check_keys(items, pos, "a set member")
+            if op == 0x90:
+                _target(stack[-1], "ADDITEMS", pos)
+            else:
+                push(FROZEN[frozenset])
         return pos + 1
     if op == 0x30:  # POP
         if marks and marks[-1] == len(stack):

@@ -32,6 +32,7 @@ from fsdpckpt.dcp._pickle_walk import walk
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError, UnsafePickleError
 
 __all__ = [
+    "walked",
     "check_legacy_pickles",
     "check_pickle",
     "Record",
@@ -384,11 +385,7 @@ def safe_loads(
         >>> safe_loads(pickle.dumps({"a": 1}), allowed=BUILTIN_GLOBALS, source="x")
         {'a': 1}
     """
-    try:
-        scan(data)
-        walk(data, allowed, persistent_ids=persistent_load is not None)
-    except _Unwalkable as exc:
-        raise unreadable(source, exc.where, len(data), exc) from None
+    walked(data, allowed, source=source, persistent_ids=persistent_load is not None)
     unpickler = (unpickler_class or RestrictedUnpickler)(
         io.BytesIO(data), allowed=allowed, source=source, persistent_load=persistent_load
     )
@@ -407,6 +404,25 @@ def safe_loads(
         raise unreadable(source, unpickler.position, len(data), exc) from exc
 
 
+def walked(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *, source: str,
+           persistent_ids: bool = False, shape: bool = True) -> None:
+    """The walks every pickle goes through before a reader builds it: the opcode scan,
+    then (``shape``) the shape walk; their refusals said as the unpicklers say theirs
+    (a global outside ``allowed`` and a state-setting opcode aimed at what it may not
+    change as :class:`UnsafePickleError`, anything else as :class:`NotACheckpointError`).
+    """
+    try:
+        scan(data)
+        if shape:
+            walk(data, allowed, persistent_ids=persistent_ids)
+    except _Unwalkable as exc:
+        if exc.refused is not None:
+            refuse_global(source, *exc.refused)
+        if exc.state is not None:
+            raise refusal(source, *exc.state) from None
+        raise unreadable(source, exc.where, len(data), exc) from None
+
+
 def check_pickle(data: bytes, *, source: str, persistent_ids: bool = False) -> None:
     """Walk ``data`` as every reader of fsdpckpt's does, building nothing: for bytes handed
     to a reader of torch's (``torch.load(weights_only=True)``, which hashes as unguarded).
@@ -414,11 +430,7 @@ def check_pickle(data: bytes, *, source: str, persistent_ids: bool = False) -> N
     Raises:
         NotACheckpointError: what no checkpoint's pickle holds (see :mod:`._pickle_walk`).
     """
-    try:
-        scan(data)
-        walk(data, {}, persistent_ids=persistent_ids)
-    except _Unwalkable as exc:
-        raise unreadable(source, exc.where, len(data), exc) from None
+    walked(data, None, source=source, persistent_ids=persistent_ids)
 
 
 #: The most bytes the pickles of a legacy ``torch.save`` file may take before its storages.

@@ -91,6 +91,13 @@ def test_a_part_folder_linking_out_is_refused_by_the_verbs(accelerate_ckpt, tmp_
     assert not (tmp_path / "out").exists()
 
 
+def test_a_part_folder_linking_out_is_named_by_diff(accelerate_ckpt, tmp_path):
+    outside = _linked_out(accelerate_ckpt, "pytorch_model_fsdp_0", tmp_path / "other_model")
+    assert_one_line_error(run_cli("diff", accelerate_ckpt, ACCELERATE),
+                          f"{accelerate_ckpt / 'pytorch_model_fsdp_0'}: "
+                          f"a symlink to {outside}, outside the checkpoint folder")
+
+
 def test_a_part_folder_linking_out_is_refused_by_load_full_state_dict(accelerate_ckpt,
                                                                        tmp_path):
     _linked_out(accelerate_ckpt, "pytorch_model_fsdp_0", tmp_path / "other_model")

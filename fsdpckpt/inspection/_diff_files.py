@@ -26,7 +26,7 @@ from fsdpckpt.dcp._hfstorage import parse_header
 from fsdpckpt.dcp._objects import loads, to_torch
 from fsdpckpt.dcp._trainers import trainer_of
 from fsdpckpt.dcp.dtypes import dtype_from_name
-from fsdpckpt.dcp.layout import find_layout
+from fsdpckpt.dcp.layout import find_layout, refuse_links_out
 from fsdpckpt.dcp.metadata import KeyPath
 from fsdpckpt.dcp.reader import is_dcp_folder
 from fsdpckpt.errors import (
@@ -336,6 +336,7 @@ def open_source(path: str | os.PathLike[str] | Place, *, optimizer: bool = False
     for name in wanted:
         if (p / name).is_file():
             return _file_source(p / name, keep_keys=keep_keys, shown=p / name)
+    refuse_links_out(p)  # said as itself, not as "neither a checkpoint nor a model"
     try:
         layout = find_layout(p)
     except NotACheckpointError as exc:

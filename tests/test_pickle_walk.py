@@ -272,3 +272,15 @@ def test_a_global_outside_the_allowlist_is_named_before_what_follows_it():
     for loads in (fast_loads, safe_loads):
         with pytest.raises(UnsafePickleError, match="'os.system'"):
             loads(data, allowed=METADATA_GLOBALS, source="x")
+
+
+def test_a_state_dict_with_its_metadata_still_converts(tmp_path):
+    # torch.save of a module's state_dict() gives its OrderedDict a _metadata by BUILD:
+    # the walk before torch's loader leaves what BUILD may change to torch.
+    import torch
+
+    state = torch.nn.Linear(3, 2).state_dict()
+    assert hasattr(state, "_metadata")
+    torch.save(state, tmp_path / "model.bin")
+    result = _cli("convert", str(tmp_path / "model.bin"), str(tmp_path / "dcp"))
+    assert result.returncode == 0, result.stderr

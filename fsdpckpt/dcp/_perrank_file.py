@@ -113,6 +113,7 @@ class _RankUnpickler(RestrictedUnpickler):
     its ``_metadata`` attribute (per-module version numbers), which is dropped."""
 
     dispatch = dict(RestrictedUnpickler.dispatch)
+    builds_dicts = True  # for the shape walk: BUILD may be aimed at a dict (this one case)
 
     def _load_build_state_dict(self) -> None:
         state, target = self.stack[-1], self.stack[-2]

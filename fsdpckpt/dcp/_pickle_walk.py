@@ -144,6 +144,10 @@ def _target(kind: Any, opcode: str, pos: int) -> None:
     raise _Unwalkable(pos, f"{opcode} aimed at {what}", state=(what, opcode))
 
 
+def _anything(kind: Any, opcode: str, pos: int) -> None:
+    """:func:`_target` where the reader the bytes go to judges state-setting itself."""
+
+
 def _name(kind: Any) -> str:
     if type(kind) is bytes:
         return "string"
@@ -177,16 +181,21 @@ def _text(raw: Any, pos: int) -> str:
 
 
 def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
-         persistent_ids: bool = False) -> None:
+         persistent_ids: bool = False, builds_dicts: bool = False) -> None:
     """Walk the pickle ``data`` (already :func:`~fsdpckpt.dcp._pickle_scan.scan`-ned) over
     kinds; raise :class:`_Unwalkable` for what no checkpoint pickle holds.
 
     ``allowed`` is the allowlist the unpickler will use: a global outside it is refused
     here, where the unpickler would refuse it, and its record classes are what may key a
     dict; None for bytes another reader judges the globals of (torch's weights-only
-    loader). ``persistent_ids``: whether the format has them (torch.save's storages).
+    loader). ``persistent_ids``: whether the format has them (torch.save's storages);
+    ``builds_dicts``: whether the unpickler lets BUILD give a dict state (a module's
+    ``state_dict()`` carries its ``_metadata`` so), or refuses it, as both readers of a
+    ``.metadata`` do.
     """
     globals_ = _globals_of(allowed)
+    # Where another reader judges the globals, it judges what BUILD and the like may change.
+    target = _target if globals_.judged else _anything
     stack: list[Any] = []
     marks: list[int] = []
     memo: dict[int, Any] = {}
@@ -235,7 +244,8 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
                 pos += 1
             elif op == 0x62:  # BUILD: target, state
                 pop()
-                _target(stack[-1], "BUILD", pos)
+                if not (builds_dicts and stack[-1] == DICT):
+                    target(stack[-1], "BUILD", pos)
                 pos += 1
             elif op == 0x7D:  # EMPTY_DICT
                 push(DICT)
@@ -248,7 +258,7 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
                 items = stack[start:]
                 del stack[start:]
                 if op == 0x75:
-                    _target(stack[-1], "SETITEMS", pos)
+                    target(stack[-1], "SETITEMS", pos)
                 if len(items) % 2:
                     raise _Unwalkable(pos, "a dict's items do not pair up")
                 _check_keys(items[::2], pos, "a dict key")
@@ -256,18 +266,18 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
                     push(DICT)
                 pos += 1
             elif op == 0x73:  # SETITEM: dict, key, value
-                _target(stack[-3], "SETITEM", pos)
+                target(stack[-3], "SETITEM", pos)
                 _check_keys(stack[-2:-1], pos, "a dict key")
                 del stack[-2:]
                 pos += 1
             elif op == 0x65:  # APPENDS
                 start = marks.pop()
                 del stack[start:]
-                _target(stack[-1], "APPENDS", pos)
+                target(stack[-1], "APPENDS", pos)
                 pos += 1
             elif op == 0x61:  # APPEND
                 pop()
-                _target(stack[-1], "APPEND", pos)
+                target(stack[-1], "APPEND", pos)
                 pos += 1
             elif op == 0x8A:  # LONG1
                 n = data[pos + 1]
@@ -388,10 +398,10 @@ def _walk_rare(data: bytes, pos: int, op: int, stack: list[Any], marks: list[int
             push(_deeper(items, pos))
         else:
             _check_keys(items, pos, "a set member")
-            if op == 0x90:
-                _target(stack[-1], "ADDITEMS", pos)
-            else:
+            if op == 0x91:
                 push(FROZEN[frozenset])
+            elif globals_.judged:
+                _target(stack[-1], "ADDITEMS", pos)
         return pos + 1
     if op == 0x30:  # POP
         if marks and marks[-1] == len(stack):

@@ -140,6 +140,9 @@ class RestrictedUnpickler(_BASE):
     """
 
     dispatch = dict(_BASE.dispatch)
+    #: Whether BUILD may be aimed at a dict this load built (a subclass that allows it
+    #: says so, for the shape walk).
+    builds_dicts = False
 
     def __init__(
         self,
@@ -385,8 +388,10 @@ def safe_loads(
         >>> safe_loads(pickle.dumps({"a": 1}), allowed=BUILTIN_GLOBALS, source="x")
         {'a': 1}
     """
-    walked(data, allowed, source=source, persistent_ids=persistent_load is not None)
-    unpickler = (unpickler_class or RestrictedUnpickler)(
+    cls = unpickler_class or RestrictedUnpickler
+    walked(data, allowed, source=source, persistent_ids=persistent_load is not None,
+           builds_dicts=cls.builds_dicts)
+    unpickler = cls(
         io.BytesIO(data), allowed=allowed, source=source, persistent_load=persistent_load
     )
     try:
@@ -405,7 +410,8 @@ def safe_loads(
 
 
 def walked(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *, source: str,
-           persistent_ids: bool = False, shape: bool = True) -> None:
+           persistent_ids: bool = False, shape: bool = True,
+           builds_dicts: bool = False) -> None:
     """The walks every pickle goes through before a reader builds it: the opcode scan,
     then (``shape``) the shape walk; their refusals said as the unpicklers say theirs
     (a global outside ``allowed`` and a state-setting opcode aimed at what it may not
@@ -414,7 +420,7 @@ def walked(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *, source
     try:
         scan(data)
         if shape:
-            walk(data, allowed, persistent_ids=persistent_ids)
+            walk(data, allowed, persistent_ids=persistent_ids, builds_dicts=builds_dicts)
     except _Unwalkable as exc:
         if exc.refused is not None:
             refuse_global(source, *exc.refused)

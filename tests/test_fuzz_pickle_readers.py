@@ -148,11 +148,21 @@ def _shown(data: bytes, *outcomes: Any) -> str:
         repr(o)[:200] for o in outcomes)
 
 
-#: Inputs long runs found where the readers disagreed (each fixed since).
-FOUND: list[bytes] = []
+#: Inputs long runs found where the readers disagreed (each fixed since), cut down to what
+#: made them disagree.
+FOUND: list[bytes] = [
+    # NEWOBJ's arguments a list: the C reader takes a tuple only, the pure one any iterable.
+    b"\x80\x04\x8c\x05torch\x8c\x04Size\x93]\x81.",
+    b"\x80\x04\x8c\x05torch\x8c\x04Size\x93]R.",
+    # An integer as text with a leading zero: 8 to the C reader, refused by the pure one.
+    b"I010\n.",
+    b"F1_0.5\n.",
+    # SETITEM aimed at a string: "not readable" to one, "unsafe" to the other.
+    b"\x80\x04\x8c\x01aNNs.",
+]
 
 
-@pytest.mark.parametrize("data", FOUND or [pickle.dumps(None)])
+@pytest.mark.parametrize("data", FOUND)
 def test_what_long_runs_found_reads_alike(data):
     _agree(data, METADATA_GLOBALS, c_too=True)
 

@@ -27,6 +27,7 @@ than :data:`WALK_LIMIT` bytes is walked (docs/reliability.md says what that leav
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -166,6 +167,12 @@ def _int_kind(value: int) -> int:
     return KEY if -_HASH_MODULUS < value < _HASH_MODULUS else SCALAR
 
 
+#: Integers and floats as text (protocols 0 and 1), in the forms pickle writes: where
+#: readers differ (leading zeros, underscores, spaces), it never writes.
+_DECIMAL = re.compile(rb"-?(?:0|[1-9][0-9]*)|0[01]")
+_FLOAT = re.compile(rb"-?(?:[0-9]+\.?[0-9]*(?:e[-+]?[0-9]+)?|inf|nan)")
+
+
 def _line(data: bytes, pos: int) -> tuple[bytes, int]:
     end = data.index(b"\n", pos)
     return data[pos:end], end + 1
@@ -239,6 +246,10 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
                 push(_TUPLE)
                 pos += 1
             elif op == 0x81 or op == 0x52:  # NEWOBJ, REDUCE: callee, arguments
+                if not (type(stack[-1]) is int and stack[-1] >= _TUPLE):
+                    # pickle's C reader takes a tuple only, its pure one any iterable
+                    raise _Unwalkable(pos, f"a call's arguments are a {_name(stack[-1])}, "
+                                           "not a tuple")
                 pop()
                 stack[-1] = globals_.result(stack[-1])
                 pos += 1
@@ -346,14 +357,19 @@ def _walk_rare(data: bytes, pos: int, op: int, stack: list[Any], marks: list[int
         start = pos + 5
         push(SCALAR)
         return start + frombytes(data[pos + 1:start], "little", signed=True)
-    if op in (0x49, 0x4C):  # INT, LONG as text
+    if op in (0x49, 0x4C):  # INT, LONG as text: decimal digits only, as pickle writes them
         text, end = _line(data, pos + 1)
-        digits = text.rstrip(b"L")
+        digits = text[:-1] if op == 0x4C and text.endswith(b"L") else text
+        if not _DECIMAL.fullmatch(digits):  # C reads "010" as 8, Python refuses it...
+            raise _Unwalkable(pos, "an integer written other than as pickle writes one")
         push(_int_kind(int(digits)) if len(digits) <= 20 else SCALAR)
         return end
     if op == 0x46:  # FLOAT as text
+        text, end = _line(data, pos + 1)
+        if not _FLOAT.fullmatch(text):  # ... and each its own way past repr's forms
+            raise _Unwalkable(pos, "a float written other than as pickle writes one")
         push(SCALAR)
-        return _line(data, pos + 1)[1]
+        return end
     if op == 0x56:  # UNICODE as text (raw-unicode-escape), kept as its UTF-8 like the rest
         text, end = _line(data, pos + 1)
         push(text.decode("raw-unicode-escape").encode("utf-8", "surrogatepass"))
@@ -382,6 +398,8 @@ def _walk_rare(data: bytes, pos: int, op: int, stack: list[Any], marks: list[int
         push(made)
         return pos + 1
     if op == 0x92:  # NEWOBJ_EX: class, args, kwargs
+        if not (type(stack[-2]) is int and stack[-2] >= _TUPLE and stack[-1] == DICT):
+            raise _Unwalkable(pos, "NEWOBJ_EX's arguments are not a tuple and a dict")
         del stack[-2:]
         stack[-1] = globals_.result(stack[-1])
         return pos + 1

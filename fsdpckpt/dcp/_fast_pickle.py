@@ -9,7 +9,7 @@ takes minutes over it. Here pickle's C unpickler does the work, under the same r
   ADDITEMS aimed at one of them is refused by the value itself, so no pickle changes how a
   later file is read;
 - before the C unpickler sees a byte, the walks of :mod:`fsdpckpt.dcp._pickle_walk` run:
-  :func:`~fsdpckpt.dcp._pickle_walk.scan` (a regular expression, in C) finds every opcode,
+  :func:`~fsdpckpt.dcp._pickle_scan.scan` (a regular expression, in C) finds every opcode,
   checks that frames tile them and refuses a memo index or a length past the pickle's
   size (the C unpickler would allocate for it first); the shape walk refuses keys that
   are costly to hash and nesting past a bound (the C unpickler hashes without a guard).

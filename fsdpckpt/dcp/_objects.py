@@ -94,6 +94,9 @@ def latin1_bytes(text: Any, encoding: Any = "latin1") -> bytes:
     return text.encode("latin1")
 
 
+latin1_bytes.makes_bytes = True  # type: ignore[attr-defined]  # for the shape walk: a key
+
+
 def _empty_bytes(*args: Any) -> bytes:
     """``bytes()`` as pickle protocol 2 writes ``b""``; never ``bytes(n)``, whose n is untrusted."""
     if args:

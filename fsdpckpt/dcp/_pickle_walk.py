@@ -31,7 +31,16 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from fsdpckpt.dcp._allowlist import Record, Size, _checked_dict, _checked_set
+from fsdpckpt.dcp._allowlist import (
+    _HASH_MODULUS,
+    Record,
+    Size,
+    _checked_dict,
+    _checked_frozenset,
+    _checked_set,
+    _path,
+    layout_name,
+)
 from fsdpckpt.dcp._pickle_scan import _Unwalkable
 
 __all__ = ["MAX_DEPTH", "WALK_LIMIT", "walk"]
@@ -42,14 +51,14 @@ MAX_DEPTH = 64
 #: The largest ``.metadata`` walked (about 1.3 s); larger ones get the opcode scan only.
 WALK_LIMIT = 16 << 20
 
-#: Integers whose hash is themselves: no two of them collide (2**61 - 1 is the modulus).
-_HASH_MODULUS = (1 << 61) - 1
-
 # Kinds. A string is its UTF-8 bytes (STACK_GLOBAL needs the names), a global its
 # ``(module, name)``, everything else an int.
 KEY = 0  # bytes, a small int, a bool, None: hashable in O(len), no crafted collisions
 SCALAR = 1  # a float, a large int: not a key
-DICT, LIST, SET, BYTES_ARRAY = 2, 3, 4, 9  # containers: unhashable; each takes its own items
+DICT, SET, BYTES_ARRAY = 2, 4, 9  # containers: unhashable; each takes its own items
+# A list is a cell, ``[whether every member so far could key a dict]``, shared by the stack
+# and the memo as the list itself is: a call that hashes what a list holds (``set(items)``)
+# is judged by it.
 RECORD = 5  # what a call of a record class made: a key, given state by BUILD
 VALUE = 6  # what a call returned, of no kind known here: the unpickler judges it
 #: What a call returned that takes no state, by the type it is: a Size, a path's string...
@@ -58,8 +67,9 @@ _TUPLE = 100  # _TUPLE + depth: a tuple nesting ``depth`` tuples
 
 #: What each state-setting opcode may change: a container of its own kind, or a value
 #: the unpickler judges (it knows the stand-in); what RECORD may take: BUILD.
-_TAKES = {"SETITEM": (DICT, VALUE), "SETITEMS": (DICT, VALUE), "APPEND": (LIST, VALUE),
-          "APPENDS": (LIST, VALUE), "ADDITEMS": (SET, VALUE), "BUILD": (RECORD, VALUE)}
+_TAKES = {"SETITEM": (DICT, VALUE), "SETITEMS": (DICT, VALUE), "APPEND": (VALUE,),
+          "APPENDS": (VALUE,), "ADDITEMS": (SET, VALUE), "BUILD": (RECORD, VALUE)}
+_LISTS = ("APPEND", "APPENDS")  # and a list
 
 
 #: Opcodes that push a small scalar, and their widths.
@@ -81,9 +91,11 @@ class _Globals:
         return (module, name)
 
     def result(self, callee: Any) -> int:
-        if type(callee) is tuple:
+        if type(callee) is not tuple:
+            return VALUE  # not a global: the call fails in the unpickler, as it should
+        if self.judged:
             return self.made.get(callee, VALUE)
-        return VALUE  # not a global: the call fails in the unpickler, as it should
+        return _TORCH_MADE.get(callee, VALUE)
 
 
 def _made_by(value: Any) -> int:
@@ -99,35 +111,90 @@ def _made_by(value: Any) -> int:
         return FROZEN[Size]
     if make in (slice, complex, int):
         return FROZEN[make]
-    made = {"_checked_frozenset": frozenset, "_path": str, "layout_name": str}.get(
-        getattr(make, "__name__", ""))
-    return VALUE if made is None else FROZEN[made]
+    if make is _checked_frozenset or make is _path or make is layout_name:
+        return FROZEN[frozenset if make is _checked_frozenset else str]
+    if getattr(make, "makes_bytes", False):  # _codecs.encode, as protocol 2 writes bytes
+        return KEY
+    return VALUE
 
 
-_judged: tuple[Any, _Globals] | None = None
+#: The allowlists walked lately, by identity, each held so its id is not reused: a reader
+#: of thousands of chunk archives asks what its globals make once, not once a chunk.
+_judged: dict[int, tuple[Any, _Globals]] = {}
 
 
 def _globals_of(allowed: Mapping[tuple[str, str], Any] | None) -> _Globals:
-    global _judged
-    if _judged is None or _judged[0] is not allowed:
-        _judged = (allowed, _Globals(allowed))
-    return _judged[1]
+    found = _judged.get(id(allowed))
+    if found is None or found[0] is not allowed:
+        if len(_judged) >= 16:
+            _judged.clear()
+        found = _judged[id(allowed)] = (allowed, _Globals(allowed))
+    return found[1]
+
+
+class _One(int):
+    """A tuple of one list, dict or string: what a call's arguments usually are, kept so the
+    call can be judged (``set([...])``, ``OrderedDict({...})``, ``_get_layout("...")``)."""
+
+    inner: Any
 
 
 def _deeper(kinds: list[Any], pos: int) -> int:
     """The kind of a tuple of ``kinds``: one deeper than its deepest tuple."""
+    if len(kinds) == 1 and (type(kinds[0]) in (list, bytes) or kinds[0] == DICT):
+        one = _One(_TUPLE + 1)
+        one.inner = kinds[0]
+        return one
     depth = 0
     for kind in kinds:
-        if type(kind) is int and kind >= _TUPLE and kind - _TUPLE > depth:
+        if isinstance(kind, int) and kind >= _TUPLE and kind - _TUPLE > depth:
             depth = kind - _TUPLE
     if depth >= MAX_DEPTH:
         raise _Unwalkable(pos, f"tuples nested more than {MAX_DEPTH} deep")
     return _TUPLE + depth + 1
 
 
+def _keyable(kinds: list[Any]) -> bool:
+    return all(type(kind) is bytes or kind in (KEY, RECORD) for kind in kinds)
+
+
+#: The globals torch's weights-only loader (and fsdpckpt's readers, by their stand-ins) may
+#: call that hash what they are given, and what each may be given: nothing, a dict (keys
+#: checked as it was built), a list of members that could key a dict, or (``_get_layout``,
+#: a dict lookup) a string.
+_SETS = {(m, n) for m in ("builtins", "__builtin__") for n in ("set", "frozenset")}
+_HASHING: dict[tuple[str, str], tuple[str, ...]] = {
+    **{key: ("list", "dict") for key in _SETS},
+    ("collections", "OrderedDict"): ("dict",),
+    ("collections", "Counter"): ("list", "dict"),
+    ("torch.serialization", "_get_layout"): ("string",),
+}
+
+
+#: What the calls of torch's own allowlist that matter here make (for bytes another reader,
+#: torch's weights-only loader, builds: the walk has no stand-ins to ask).
+_TORCH_MADE: dict[tuple[str, str], int] = {
+    **{key: SET for key in _SETS if key[1] == "set"},
+    ("collections", "OrderedDict"): DICT,
+    ("collections", "Counter"): DICT,
+    ("_codecs", "encode"): KEY,
+}
+
+
+def _hashed_arguments(callee: tuple[str, str], args: Any, pos: int) -> None:
+    if args == _TUPLE and type(args) is int:  # ()
+        return
+    inner = getattr(args, "inner", None)
+    given = "list" if type(inner) is list and inner[0] else \
+        "string" if type(inner) is bytes else "dict" if inner == DICT else None
+    if given not in _HASHING[callee]:
+        raise _Unwalkable(pos, f"{callee[0]}.{callee[1]}, which hashes what it is given, is "
+                               "given what could not key a dict")
+
+
 def _check_keys(kinds: list[Any], pos: int, what: str) -> None:
     for kind in kinds:
-        if not (type(kind) is bytes or kind in (KEY, RECORD)):
+        if not _keyable([kind]):
             raise _Unwalkable(pos, f"{what} is a {_name(kind)}; a checkpoint's keys are "
                                   "strings, small integers or records")
 
@@ -135,7 +202,7 @@ def _check_keys(kinds: list[Any], pos: int, what: str) -> None:
 def _target(kind: Any, opcode: str, pos: int) -> None:
     """Refuse ``opcode`` aimed at ``kind`` unless it may change it (both readers would
     refuse, each its own way: the walk says it once, for both)."""
-    if kind in _TAKES[opcode]:
+    if kind in _TAKES[opcode] or type(kind) is list and opcode in _LISTS:
         return
     if type(kind) is tuple:
         what = f"the allowlisted global '{kind[0]}.{kind[1]}'"
@@ -154,9 +221,11 @@ def _name(kind: Any) -> str:
         return "string"
     if type(kind) is tuple:
         return "global"
+    if type(kind) is list:
+        return "list"
     if kind >= _TUPLE:
         return "tuple"
-    return {KEY: "small scalar", SCALAR: "float or large integer", DICT: "dict", LIST: "list",
+    return {KEY: "small scalar", SCALAR: "float or large integer", DICT: "dict",
             SET: "set", BYTES_ARRAY: "bytearray", RECORD: "record",
             VALUE: "value built by a call",
             **{code: ("tuple" if made is Size else made.__name__)
@@ -246,15 +315,21 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
                 push(_TUPLE)
                 pos += 1
             elif op == 0x81 or op == 0x52:  # NEWOBJ, REDUCE: callee, arguments
-                if not (type(stack[-1]) is int and stack[-1] >= _TUPLE):
+                if not (isinstance(stack[-1], int) and stack[-1] >= _TUPLE):
                     # pickle's C reader takes a tuple only, its pure one any iterable
                     raise _Unwalkable(pos, f"a call's arguments are a {_name(stack[-1])}, "
                                            "not a tuple")
-                pop()
-                stack[-1] = globals_.result(stack[-1])
+                args = pop()
+                callee = stack[-1]
+                if type(callee) is tuple and callee in _HASHING:
+                    _hashed_arguments(callee, args, pos)
+                stack[-1] = globals_.result(callee)
                 pos += 1
             elif op == 0x62:  # BUILD: target, state
-                pop()
+                state = pop()
+                if stack[-1] == DICT and state != DICT:
+                    # an OrderedDict's BUILD updates its __dict__ by the state: hashed
+                    raise _Unwalkable(pos, f"BUILD gives a dict a {_name(state)} for state")
                 if not (builds_dicts and stack[-1] == DICT):
                     target(stack[-1], "BUILD", pos)
                 pos += 1
@@ -262,7 +337,7 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
                 push(DICT)
                 pos += 1
             elif op == 0x5D:  # EMPTY_LIST
-                push(LIST)
+                push([True])
                 pos += 1
             elif op == 0x75 or op == 0x64:  # SETITEMS (onto the dict below the mark), DICT
                 start = marks.pop()
@@ -281,14 +356,17 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
                 _check_keys(stack[-2:-1], pos, "a dict key")
                 del stack[-2:]
                 pos += 1
-            elif op == 0x65:  # APPENDS
-                start = marks.pop()
-                del stack[start:]
-                target(stack[-1], "APPENDS", pos)
-                pos += 1
-            elif op == 0x61:  # APPEND
-                pop()
-                target(stack[-1], "APPEND", pos)
+            elif op == 0x65 or op == 0x61:  # APPENDS (the items to the mark), APPEND
+                if op == 0x65:
+                    start = marks.pop()
+                    items = stack[start:]
+                    del stack[start:]
+                else:
+                    items = [pop()]
+                into = stack[-1]
+                target(into, "APPENDS" if op == 0x65 else "APPEND", pos)
+                if type(into) is list and into[0]:
+                    into[0] = _keyable(items)
                 pos += 1
             elif op == 0x8A:  # LONG1
                 n = data[pos + 1]
@@ -309,7 +387,7 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
                 pos = _walk_rare(data, pos, op, stack, marks, memo, globals_, persistent_ids)
     except _Unwalkable:
         raise
-    except (IndexError, KeyError, ValueError) as exc:
+    except (IndexError, KeyError, ValueError, TypeError) as exc:
         # An empty stack, a mark missing, a memo entry never made: pickle fails too.
         raise _Unwalkable(pos, f"opcode {data[pos]:#04x} at a stack or memo that cannot "
                               f"feed it ({type(exc).__name__})") from None
@@ -398,7 +476,7 @@ def _walk_rare(data: bytes, pos: int, op: int, stack: list[Any], marks: list[int
         push(made)
         return pos + 1
     if op == 0x92:  # NEWOBJ_EX: class, args, kwargs
-        if not (type(stack[-2]) is int and stack[-2] >= _TUPLE and stack[-1] == DICT):
+        if not (isinstance(stack[-2], int) and stack[-2] >= _TUPLE and stack[-1] == DICT):
             raise _Unwalkable(pos, "NEWOBJ_EX's arguments are not a tuple and a dict")
         del stack[-2:]
         stack[-1] = globals_.result(stack[-1])
@@ -411,7 +489,7 @@ def _walk_rare(data: bytes, pos: int, op: int, stack: list[Any], marks: list[int
         items = stack[start:]
         del stack[start:]
         if op == 0x6C:
-            push(LIST)
+            push([_keyable(items)])
         elif op == 0x74:
             push(_deeper(items, pos))
         else:

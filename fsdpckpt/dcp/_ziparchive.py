@@ -153,6 +153,13 @@ _DESCRIPTOR64 = struct.Struct("<4sLQQ")  # the same for an entry of zip64 sizes
 _ZIP64 = 0xFFFFFFFF  # a size or offset whose value is in the entry's zip64 extra field
 
 
+def _named(name: object) -> str:
+    """An entry's name for a message: escaped, at most 200 characters (a zip name may hold
+    64 KiB)."""
+    text = str(name)
+    return printable(text if len(text) <= 200 else text[:197] + "...")
+
+
 class _TwoWays(Exception):
     """Why an archive can be read two ways: open_archive words the refusal."""
 
@@ -206,19 +213,19 @@ def _check_entries(archive: Any, file: IO[bytes], start: int, length: int,
             why = f"lies outside the archive's {length} bytes"
         if why:
             raise CorruptCheckpointError(f"{source}: {where}: the entry "
-                                         f"'{printable(name)}' {why}; the file is "
+                                         f"'{_named(name)}' {why}; the file is "
                                          "damaged or crafted.")
         if prefix is None:
             # Not read two ways: torch's reader finds no record in it at all.
             raise NotACheckpointError(f"{source}: {where}: not a readable torch.save file: its "
-                                      f"entry '{printable(name)}' lies in no folder, where "
+                                      f"entry '{_named(name)}' lies in no folder, where "
                                       "torch.save puts every entry; it is not a torch.save "
                                       "file, or it is damaged")
         if not name.isascii() or "\0" in name or folder is None or folder != prefix:
-            raise _TwoWays(f"has an entry named '{printable(name)}' (not ASCII, holding a NUL, "
-                           f"or outside the folder '{printable(prefix)}' of its first entry)")
+            raise _TwoWays(f"has an entry named '{_named(name)}' (not ASCII, holding a NUL, "
+                           f"or outside the folder '{_named(prefix)}' of its first entry)")
         if name.lower() in names:
-            raise _TwoWays(f"lists the entry '{printable(name)}' twice")
+            raise _TwoWays(f"lists the entry '{_named(name)}' twice")
         names.add(name.lower())
         spans.append((info.header_offset, info.header_offset + 30 + len(name)
                       + info.file_size, name, info))
@@ -232,7 +239,7 @@ def _check_entries(archive: Any, file: IO[bytes], start: int, length: int,
     for begin, _, name, info in spans:
         if begin != reached:
             raise _TwoWays(f"holds bytes {reached}-{begin} that belong to no entry (before "
-                           f"'{printable(name)}')")
+                           f"'{_named(name)}')")
         reached = _local_entry_end(file, start, directory, info, name)
     if reached != directory:
         raise _TwoWays(f"holds bytes {reached}-{directory} that belong to no entry (before its "
@@ -245,7 +252,7 @@ def _local_entry_end(file: IO[bytes], start: int, directory: int, info: Any, nam
     at = info.header_offset
     raw = name.encode("ascii")
     if at + _LOCAL.size + len(raw) > directory:
-        raise _TwoWays(f"has a local header of '{printable(name)}' that runs into its directory")
+        raise _TwoWays(f"has a local header of '{_named(name)}' that runs into its directory")
     file.seek(start + at)
     header = file.read(_LOCAL.size + len(raw))
     if len(header) != _LOCAL.size + len(raw):
@@ -259,7 +266,7 @@ def _local_entry_end(file: IO[bytes], start: int, directory: int, info: Any, nam
             flags != info.flag_bits or method != info.compress_type or \
             (packed, size) not in ((info.compress_size, info.file_size),
                                    (0, 0) if later else (), (_ZIP64, _ZIP64)):
-        raise _TwoWays(f"has a local header of '{printable(name)}' that disagrees with its "
+        raise _TwoWays(f"has a local header of '{_named(name)}' that disagrees with its "
                        "directory record")
     end = at + _LOCAL.size + name_len + extra_len + info.compress_size
     if not later:
@@ -274,7 +281,7 @@ def _local_entry_end(file: IO[bytes], start: int, directory: int, info: Any, nam
                 (b"PK\x07\x08", info.compress_size) and \
                 form.unpack_from(tail)[3] == info.file_size:
             return end + form.size
-    raise _TwoWays(f"has a data descriptor after '{printable(name)}' that disagrees with its "
+    raise _TwoWays(f"has a data descriptor after '{_named(name)}' that disagrees with its "
                    "directory record")
 
 
@@ -362,7 +369,7 @@ def entry_info(archive: Any, suffix: str, source: str,
         info = archive.getinfo(name)
         if max_bytes is not None and info.file_size > max_bytes:
             raise CorruptCheckpointError(
-                f"{source}: the archive's '{printable(info.filename)}' has {info.file_size} "
+                f"{source}: the archive's '{_named(info.filename)}' has {info.file_size} "
                 "bytes "
                 f"where torch.save writes a few hundred (at most {max_bytes} accepted); "
                 "the file is damaged or crafted.")
@@ -380,7 +387,7 @@ def read_entry(archive: zipfile.ZipFile, info: zipfile.ZipInfo, *, source: str,
     """
     def where() -> str:
         begin = start + info.header_offset
-        return (f"its entry '{printable(info.filename)}' (bytes {begin}-"
+        return (f"its entry '{_named(info.filename)}' (bytes {begin}-"
                 f"{begin + 30 + len(info.filename) + info.file_size})")
 
     with zip_errors(source, where):

@@ -194,7 +194,7 @@ def _hashed_arguments(callee: tuple[str, str], args: Any, pos: int) -> None:
 
 def _check_keys(kinds: list[Any], pos: int, what: str) -> None:
     for kind in kinds:
-        if not _keyable([kind]):
+        if not (type(kind) is bytes or kind in (KEY, RECORD)):
             raise _Unwalkable(pos, f"{what} is a {_name(kind)}; a checkpoint's keys are "
                                   "strings, small integers or records")
 
@@ -272,6 +272,7 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
     globals_ = _globals_of(allowed)
     # Where another reader judges the globals, it judges what BUILD and the like may change.
     target = _target if globals_.judged else _anything
+    made = globals_.made if globals_.judged else _TORCH_MADE  # what a call of each makes
     stack: list[Any] = []
     marks: list[int] = []
     memo: dict[int, Any] = {}
@@ -281,19 +282,26 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
     try:
         while True:
             op = data[pos]
+            # Most frequent first (a .metadata's); what a MEMOIZE follows memoizes at once.
             if op == 0x94:  # MEMOIZE
                 memo[len(memo)] = stack[-1]
                 pos += 1
-            elif op == 0x8C:  # SHORT_BINUNICODE
-                end = pos + 2 + data[pos + 1]
-                push(data[pos + 2:end])
-                pos = end
-            elif op == 0x68:  # BINGET
-                push(memo[data[pos + 1]])
-                pos += 2
             elif op == 0x6A:  # LONG_BINGET
                 push(memo[frombytes(data[pos + 1:pos + 5], "little")])
                 pos += 5
+            elif op == 0x68:  # BINGET
+                push(memo[data[pos + 1]])
+                pos += 2
+            elif op == 0x85:  # TUPLE1
+                kind = stack[-1]
+                if type(kind) is int and kind < _TUPLE + MAX_DEPTH - 1:
+                    stack[-1] = kind + 1 if kind >= _TUPLE else _TUPLE + 1
+                else:
+                    stack[-1] = _deeper([kind], pos)
+                pos += 1
+                if data[pos] == 0x94:
+                    memo[len(memo)] = stack[-1]
+                    pos += 1
             elif op in _SMALL:  # BININT1/2, BININT, None, bools
                 push(KEY)
                 pos += _SMALL[op]
@@ -301,15 +309,6 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
                 marks.append(len(stack))
                 if len(marks) > MAX_DEPTH:
                     raise _Unwalkable(pos, f"containers nested more than {MAX_DEPTH} deep")
-                pos += 1
-            elif op == 0x85:  # TUPLE1
-                stack[-1] = _deeper(stack[-1:], pos)
-                pos += 1
-            elif op == 0x86:  # TUPLE2
-                stack[-2:] = [_deeper(stack[-2:], pos)]
-                pos += 1
-            elif op == 0x87:  # TUPLE3
-                stack[-3:] = [_deeper(stack[-3:], pos)]
                 pos += 1
             elif op == 0x29:  # EMPTY_TUPLE
                 push(_TUPLE)
@@ -321,35 +320,72 @@ def walk(data: bytes, allowed: Mapping[tuple[str, str], Any] | None, *,
                                            "not a tuple")
                 args = pop()
                 callee = stack[-1]
-                if type(callee) is tuple and callee in _HASHING:
-                    _hashed_arguments(callee, args, pos)
-                stack[-1] = globals_.result(callee)
+                if type(callee) is tuple:
+                    if callee in _HASHING:
+                        _hashed_arguments(callee, args, pos)
+                    stack[-1] = made.get(callee, VALUE)
+                else:
+                    stack[-1] = VALUE  # not a global: the call fails in the unpickler too
                 pos += 1
+                if data[pos] == 0x94:
+                    memo[len(memo)] = stack[-1]
+                    pos += 1
             elif op == 0x62:  # BUILD: target, state
                 state = pop()
-                if stack[-1] == DICT and state != DICT:
-                    # an OrderedDict's BUILD updates its __dict__ by the state: hashed
-                    raise _Unwalkable(pos, f"BUILD gives a dict a {_name(state)} for state")
-                if not (builds_dicts and stack[-1] == DICT):
-                    target(stack[-1], "BUILD", pos)
-                pos += 1
-            elif op == 0x7D:  # EMPTY_DICT
-                push(DICT)
-                pos += 1
-            elif op == 0x5D:  # EMPTY_LIST
-                push([True])
+                if stack[-1] != RECORD:
+                    if stack[-1] == DICT and state != DICT:
+                        # an OrderedDict's BUILD updates its __dict__ by the state: hashed
+                        raise _Unwalkable(pos, f"BUILD gives a dict a {_name(state)} for state")
+                    if not (builds_dicts and stack[-1] == DICT):
+                        target(stack[-1], "BUILD", pos)
                 pos += 1
             elif op == 0x75 or op == 0x64:  # SETITEMS (onto the dict below the mark), DICT
                 start = marks.pop()
                 items = stack[start:]
                 del stack[start:]
-                if op == 0x75:
+                if op == 0x75 and stack[-1] != DICT:
                     target(stack[-1], "SETITEMS", pos)
                 if len(items) % 2:
                     raise _Unwalkable(pos, "a dict's items do not pair up")
                 _check_keys(items[::2], pos, "a dict key")
                 if op == 0x64:
                     push(DICT)
+                pos += 1
+            elif op == 0x7D:  # EMPTY_DICT
+                push(DICT)
+                pos += 1
+                if data[pos] == 0x94:
+                    memo[len(memo)] = DICT
+                    pos += 1
+            elif op == 0x86:  # TUPLE2
+                second = pop()
+                first = stack[-1]
+                if type(first) is int and type(second) is int:
+                    deepest = first if first > second else second
+                    if deepest >= _TUPLE + MAX_DEPTH - 1:
+                        raise _Unwalkable(pos, f"tuples nested more than {MAX_DEPTH} deep")
+                    stack[-1] = deepest + 1 if deepest >= _TUPLE else _TUPLE + 1
+                else:
+                    stack[-1] = _deeper([first, second], pos)
+                pos += 1
+                if data[pos] == 0x94:
+                    memo[len(memo)] = stack[-1]
+                    pos += 1
+            elif op == 0x8C:  # SHORT_BINUNICODE
+                end = pos + 2 + data[pos + 1]
+                push(data[pos + 2:end])
+                pos = end
+                if data[pos] == 0x94:
+                    memo[len(memo)] = stack[-1]
+                    pos += 1
+            elif op == 0x87:  # TUPLE3
+                stack[-3:] = [_deeper(stack[-3:], pos)]
+                pos += 1
+            elif op == 0x7D:  # EMPTY_DICT
+                push(DICT)
+                pos += 1
+            elif op == 0x5D:  # EMPTY_LIST
+                push([True])
                 pos += 1
             elif op == 0x73:  # SETITEM: dict, key, value
                 target(stack[-3], "SETITEM", pos)

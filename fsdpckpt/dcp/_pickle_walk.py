@@ -31,6 +31,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from fsdpckpt import _torch
 from fsdpckpt.dcp._allowlist import (
     _HASH_MODULUS,
     Record,
@@ -167,7 +168,7 @@ _HASHING: dict[tuple[str, str], tuple[str, ...]] = {
     **{key: ("list", "dict") for key in _SETS},
     ("collections", "OrderedDict"): ("dict",),
     ("collections", "Counter"): ("list", "dict"),
-    ("torch.serialization", "_get_layout"): ("string",),
+    _torch.GET_LAYOUT: ("string",),
 }
 
 

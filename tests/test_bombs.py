@@ -48,9 +48,11 @@ def test_ctrl_c_in_the_first_300_ms_of_export_hf_is_never_a_traceback(tmp_path):
         seen.append((delay, proc.returncode, err))
     for delay, code, err in seen:
         if err.startswith("Fatal Python error: init_import_site") or (
-                err.startswith("Traceback") and PACKAGE not in err):
-            # Python's own start (site, .pth files, finding the package on sys.path): no
-            # code of ours has run yet, nor can it
+                err.startswith(("Traceback", "Exception ignored in: <function _get_module_lock"))
+                and PACKAGE not in err):
+            # Python's own start (site, .pth files, finding the package on sys.path, the
+            # import lock of the package itself, whose callback Python reports and ignores):
+            # no code of ours has run yet, nor can it
             continue
         assert "Traceback" not in err, (delay, err)
         assert code in (130, -signal.SIGINT, 1), (delay, code, err)

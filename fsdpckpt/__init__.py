@@ -9,17 +9,18 @@ Example:
     2
 """
 
-from __future__ import annotations
-
 import sys as _sys
 
 if _sys.argv and _sys.argv[0].rpartition("/")[2] == "fsdpckpt":
     # The installed command imports this package before fsdpckpt.__main__.run's guard: a
     # Ctrl-C from here until run() takes over is the command's one line, not a traceback.
     # Nothing is written yet, so the process just ends; raised instead, an exception can
-    # land in an import lock's callback, which Python prints and ignores.
+    # land in an import lock's callback, which Python prints and ignores. These are the
+    # module's first statements, each already loaded by Python's start (no
+    # ``from __future__`` import, which reads a file, in front of them): the window before
+    # the handler is a few bytecodes.
     import _signal  # type: ignore[import-not-found]  # built in: signal.py is one more import
-    import os as _os  # already loaded by Python's start
+    import os as _os
 
     def _interrupted_at_start(*_: object) -> None:
         _sys.stderr.write("fsdpckpt: error: interrupted\n")

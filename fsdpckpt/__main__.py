@@ -27,9 +27,9 @@ def run() -> None:
     # (one thread where torch itself uses OpenBLAS: a small share of a fused export). A
     # user's own setting wins; a library caller's process is left as it is.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    try:
-        import signal
+    import signal  # under the package's start-up guard: a Ctrl-C here is its one line
 
+    try:
         if signal.getsignal(signal.SIGINT) is _started_guard():
             # The package's start-up guard (fsdpckpt/__init__.py) hands over to Python's
             # own: from here a Ctrl-C is a KeyboardInterrupt, which the cleanups expect.
@@ -43,15 +43,20 @@ def run() -> None:
     except KeyboardInterrupt:  # before the command's own error boundary was reached
         sys.stderr.write("fsdpckpt: error: interrupted\n")
         code = 130  # 128 + SIGINT, as shells report it
+    status = code if isinstance(code, int) else (0 if code is None else 1)
+    if isinstance(code, str):
+        sys.stderr.write(code + "\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
     _distributed = sys.modules.get("fsdpckpt.merging._distributed")
     if _distributed is not None and getattr(_distributed, "made_a_process_group", False):
-        status = code if isinstance(code, int) else (0 if code is None else 1)
-        if isinstance(code, str):
-            sys.stderr.write(code + "\n")
-        sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(status)
-    sys.exit(code)
+    # The command is over and its output flushed: a Ctrl-C while Python shuts down (joining
+    # threads, tearing down modules) ends the process at once with the command's status,
+    # not with a KeyboardInterrupt traceback from threading._shutdown. Nothing of ours is
+    # left to clean up: no atexit handler is registered.
+    signal.signal(signal.SIGINT, lambda *_: os._exit(status))
+    sys.exit(status)
 
 
 def _started_guard() -> object:

@@ -45,12 +45,9 @@ def _storage_options_option(func: Any) -> Any:
 
     return click.option(
         "--storage-options", "storage_options", metavar="JSON", callback=parse,
-        help="For s3://, gs://, az:// paths: options of the fsspec filesystem as a JSON object, "
-             'e.g. \'{"endpoint_url": "http://localhost:9000", "anon": false}\'. Credentials '
-             "and endpoints are otherwise read where the cloud tools keep them (AWS_* "
-             "variables, AWS_ENDPOINT_URL, ~/.aws, gcloud, Azure). S3 timeouts default to "
-             'connect 10 s, read 30 s, two attempts; e.g. \'{"config_kwargs": '
-             '{"read_timeout": 120}}\' raises them.')(func)
+        help="For s3://, gs://, az:// paths: the fsspec filesystem's options as a JSON "
+             'object, e.g. \'{"endpoint_url": "http://localhost:9000"}\' (credentials and '
+             "timeouts: fsdpckpt --help).")(func)
 
 
 def _dtype_option(help: str) -> Any:

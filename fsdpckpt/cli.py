@@ -62,16 +62,31 @@ class _Group(click.Group):
 @click.version_option(__version__, prog_name="fsdpckpt")
 @_debug_option
 def main() -> None:
-    """Inspect, verify and merge sharded PyTorch FSDP checkpoints.
+    """Inspect, verify, diff, merge, convert and export sharded PyTorch FSDP checkpoints.
 
-    Works on torch.distributed.checkpoint (DCP) folders, as FSDP1, FSDP2 and
-    Accelerate's save_state write them, without loading them into memory and
-    without trusting their pickles.
+    Reads what FSDP1, FSDP2 and the trainers built on them save (DCP folders and
+    per-rank files of Accelerate, HF Trainer, torchtitan, Lightning, torchtune,
+    VeRL), locally or on object storage, without loading them into memory and
+    without trusting their pickles. Each command's --help has examples.
 
     \b
     Examples:
-      fsdpckpt inspect ckpt/                       # what is in a checkpoint
-      fsdpckpt inspect ckpt/pytorch_model_fsdp_0 --json
+      fsdpckpt inspect ckpt/                  # what a checkpoint holds
+      fsdpckpt verify ckpt/                   # whether every byte is what was written
+      fsdpckpt diff ckpt-100/ ckpt-200/       # which tensors changed, and by how much
+      fsdpckpt list run/                      # the run's checkpoints, newest last
+      fsdpckpt merge ckpt/ merged/            # one safetensors file, streaming
+      fsdpckpt export-hf ckpt/ exported/      # a folder from_pretrained loads as is
+      fsdpckpt convert model.safetensors dcp/ # a full state dict into a DCP folder
+
+    \b
+    Object storage (s3://, gs://, az:// paths): --storage-options takes the
+    fsspec filesystem's options as a JSON object, e.g.
+    '{"endpoint_url": "http://localhost:9000", "anon": false}'. Credentials and
+    endpoints are otherwise read where the cloud tools keep them (AWS_*
+    variables, AWS_ENDPOINT_URL, ~/.aws, gcloud, Azure). S3 timeouts default to
+    connect 10 s, read 30 s, two attempts; '{"config_kwargs": {"read_timeout": 120}}'
+    raises them.
     """
 
 

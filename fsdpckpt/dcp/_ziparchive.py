@@ -110,8 +110,8 @@ class zip_errors:  # a class named as the function it replaces: ``with zip_error
             # zipfile checks an entry's CRC-32 as it reads it: the bytes changed after writing.
             raise ChecksumError(
                 f"{source}: {where}: {_first_line(exc)}: the file changed after it was written "
-                "(a flipped bit, a bad disk or a faulty transfer). Nothing was written from it; "
-                "restore the file from a good copy.") from exc
+                "(a flipped bit, a bad disk or a faulty transfer); restore the file from a good "
+                "copy.") from exc
         raise _damaged(source, where, exc) from exc
 
 

@@ -62,3 +62,28 @@ def test_git_ignores_what_the_readmes_commands_write():
     assert written
     for output in written:
         assert f"{output.rstrip('/')}/" in ignored, output
+
+
+@pytest.mark.slow  # imports transformers and generates: ~15 s
+def test_the_readme_says_what_its_generate_example_prints(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    blocks = _fenced(ROOT / "README.md")
+    export = next(code for tag, code in blocks if "fsdpckpt export-hf" in code)
+    generate = next(code for tag, code in blocks if tag == "python" and "generate(" in code)
+    said = next(code for tag, code in blocks[blocks.index(("python", generate)):]
+                if tag == "text").strip()
+    # The README's export, into the scratch folder the generate block then reads from
+    subprocess.run([sys.executable, "-m", "fsdpckpt", *export.split()[1:-1],
+                    str(tmp_path / "tiny-hf")], cwd=ROOT, check=True, capture_output=True)
+    printed = subprocess.run([sys.executable, "-c", generate], cwd=tmp_path, check=True,
+                             capture_output=True, text=True).stdout.strip()
+    assert printed == said, (printed, said)
+    assert "prints" in readme[readme.index(generate):readme.index(said)]
+
+
+def test_the_training_page_says_to_kill_the_workers_to_simulate_a_crash():
+    # kill -9 of torchrun alone leaves its workers running to finish the save (tried by hand
+    # on torch 2.13: both workers of a 2-rank torchrun outlived it and wrote their files)
+    page = " ".join((ROOT / "docs" / "training.md").read_text().split())
+    assert "kill the workers, not torchrun alone" in page
+    assert "pkill -9 -f training_example.py" in page

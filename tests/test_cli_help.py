@@ -46,5 +46,15 @@ def test_a_flipped_byte_seen_by_a_verb_that_writes_nothing_is_not_said_to_stop_a
     result = run_cli(verb, bad) if verb == "verify" else run_cli("diff", good, bad)
     assert result.exit_code == 1
     said = result.output
-    assert "CRC-32" in said and "restore the file from a good copy" in said
+    assert "CRC-32" in said and "good copy" in said or "copy it again" in said
     assert "written from it" not in said
+
+
+def test_verify_names_a_damaged_rank_file_once_with_one_piece_of_advice(tmp_path):
+    bad = damaged_copy(FIXTURES / "accelerate_rank_bin", "pytorch_model_fsdp_0_rank1.bin",
+                       tmp_path / "ckpt")
+    line = next(line for line in run_cli("verify", bad).stdout.splitlines()
+                if "damaged rank file" in line)
+    assert line.count("pytorch_model_fsdp_0_rank1.bin:") == 1, line
+    assert "fsdpckpt verify" not in line  # verify is what is running
+    assert line.count("copy") == 1 and "restore" not in line, line

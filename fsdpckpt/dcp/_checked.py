@@ -62,7 +62,8 @@ def checksum_error(source: str, entry: str | None, expected: int, actual: int) -
     return ChecksumError(
         f"{source}: {what} does not match the CRC-32 its writer recorded (recorded "
         f"{expected:08x}, read {actual:08x}): the file changed after it was written (a "
-        "flipped bit, a bad disk or a faulty transfer); restore the file from a good copy (`fsdpckpt verify` of a checkpoint lists every damaged chunk)."
+        "flipped bit, a bad disk or a faulty transfer); restore the file from a good copy "
+        "(`fsdpckpt verify` of the checkpoint lists every damaged chunk)."
     )
 
 

@@ -337,6 +337,9 @@ def check_rank_files(path: Place, rank_set: PerRankSet) -> list[tuple[Place, str
             with open_rank_file(path, file_name) as (file, size):
                 check_archive(file, 0, size, source=str(path / file_name))
         except (CorruptCheckpointError, OSError) as exc:
-            found.append((path / file_name, f"damaged rank file ({exc}); copy it again from "
-                          "the machine that wrote the checkpoint"))
+            # The reason without the file's name, which the problem already shows, nor its
+            # advice (to restore the file, to run verify), which this line gives instead
+            reason = str(exc).removeprefix(f"{path / file_name}: ").split("; restore the ")[0]
+            found.append((path / file_name, f"damaged rank file: {reason.rstrip('.')}; copy it "
+                          "again from the machine that wrote the checkpoint"))
     return found

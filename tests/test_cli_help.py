@@ -46,7 +46,7 @@ def test_a_flipped_byte_seen_by_a_verb_that_writes_nothing_is_not_said_to_stop_a
     result = run_cli(verb, bad) if verb == "verify" else run_cli("diff", good, bad)
     assert result.exit_code == 1
     said = result.output
-    assert "CRC-32" in said and "good copy" in said or "copy it again" in said
+    assert "CRC-32" in said and ("good copy" in said or "copy it again" in said)
     assert "written from it" not in said
 
 

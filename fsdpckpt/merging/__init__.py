@@ -11,8 +11,8 @@
 Internal (``_``): the validate stage (``_validate``), the job types and the commit stage
 (``_jobs``), the output strategies (``_remote_out``, ``_distributed``, ``_distributed_remote``),
 which earlier outputs a merge replaces (``_outputs``), where a chunk's elements land
-(``_runs``), the chunk-placing copy engine (``_copy``), dtype casts (``_casts``), key
-renaming (``_keys``).
+(``_runs``), the chunk-placing copy engine (``_copy``), dtype casts (``_casts``) and which
+dtype each tensor gets (``_dtype_policy``), key renaming (``_keys``).
 The output formats themselves live in :mod:`fsdpckpt.formats`; source data files are read
 through :class:`fsdpckpt.dcp._datafiles.DataFiles`.
 """

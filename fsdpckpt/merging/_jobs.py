@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdpckpt.merging._dtype_policy import KeptDtypes
 from fsdpckpt.merging.plan import MergePlan
 from fsdpckpt.merging.writer import commit
 
@@ -33,6 +34,9 @@ class MergeResult:
         files: the output files (for shards, the index last).
         tensors: tensors written. bytes: tensor bytes written.
         objects: names of the non-tensor entries kept. seconds: wall time.
+        kept_dtype: the optimizer tensors that kept their stored dtype though a cast was
+            asked (``--dtype`` casts the model, ``--optimizer-dtype`` the optimizer's
+            moments; counters never), or None.
     """
 
     source: Path | RemotePath
@@ -41,6 +45,7 @@ class MergeResult:
     bytes: int
     objects: tuple[str, ...]
     seconds: float
+    kept_dtype: KeptDtypes | None = None
 
     @property
     def path(self) -> Path | RemotePath:
@@ -51,7 +56,8 @@ class MergeResult:
         """One of the ``outputs`` ``fsdpckpt merge --json`` prints."""
         return {"source": str(self.source), "files": [str(f) for f in self.files],
                 "tensors": self.tensors, "bytes": self.bytes, "objects": list(self.objects),
-                "seconds": round(self.seconds, 3)}
+                "seconds": round(self.seconds, 3),
+                "kept_dtype": self.kept_dtype.to_json() if self.kept_dtype else None}
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,7 @@ def merge_result(plan: MergePlan, files: Sequence[Path | RemotePath], seconds: f
                  ) -> MergeResult:
     """The result of ``plan`` once its ``files`` (the index last) are in place."""
     return MergeResult(plan.folder.path, tuple(files), plan.num_tensors, plan.tensor_bytes,
-                       tuple(o.name for o in plan.objects), seconds)
+                       tuple(o.name for o in plan.objects), seconds, plan.kept_dtype)
 
 
 def commit_job(job: MergeJob, staged: Sequence[StagedPlan]) -> list[MergeResult]:

@@ -23,11 +23,14 @@ from fsdpckpt.dcp.parts import open_part
 from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
+    FsdpCkptError,
     MergePlanError,
     NotACheckpointError,
+    OptionError,
     UnfinishedSaveError,
 )
 from fsdpckpt.formats import OutputFormat, get_format
+from fsdpckpt.merging._dtype_policy import holds_optimizer
 from fsdpckpt.merging.plan import parse_dtype, parse_size
 
 __all__ = ["MergeOptions", "MergeSource", "MergeRequest", "validate_merge", "resolve_folders",
@@ -42,6 +45,7 @@ class MergeOptions:
 
     format: OutputFormat
     dtype: DType | None
+    optimizer_dtype: DType | None
     max_shard_size: int | None
     clean_keys: bool
     include: tuple[str, ...]
@@ -119,9 +123,7 @@ def resolve_folders(checkpoint: str | os.PathLike[str], *, optimizer: bool = Fal
 
 def _kind(part: DcpPart, folder: DcpFolder) -> str:
     keys = [t.key_path for t in folder.metadata.tensors]
-    if part.kind == "optimizer" or (keys and all(k and k[0] == "optimizer" for k in keys)):
-        return "optimizer"
-    return "model"
+    return "optimizer" if part.kind == "optimizer" or holds_optimizer(keys) else "model"
 
 
 def _read_checked(part: DcpPart) -> MergeSource:
@@ -136,7 +138,7 @@ def validate_merge(checkpoint: str | os.PathLike[str] | RemotePath | CheckpointL
                    dtype: Any = None, max_shard_size: str | int | None = None,
                    keep_keys: bool = False, include: Sequence[str] | str = (),
                    exclude: Sequence[str] | str = (), overwrite: bool = False,
-                   file_name: str | None = None) -> MergeRequest:
+                   file_name: str | None = None, optimizer_dtype: Any = None) -> MergeRequest:
     """The validate stage: parse the options, find and check the sources, check the output.
 
     Args:
@@ -153,6 +155,7 @@ def validate_merge(checkpoint: str | os.PathLike[str] | RemotePath | CheckpointL
         CorruptCheckpointError: a folder fails the structural checks.
         UnsafePickleError: a ``.metadata`` names what it may not.
         NotACheckpointError: ``output_dir`` is a file.
+        OptionError: ``optimizer`` or ``optimizer_dtype`` given, and no optimizer to merge.
     """
     errors: list[Exception] = []
 
@@ -163,11 +166,16 @@ def validate_merge(checkpoint: str | os.PathLike[str] | RemotePath | CheckpointL
             errors.append(exc)
             return None
 
+    found: list[CheckpointLayout] = []
+
     def layout() -> CheckpointLayout:
-        return checkpoint if isinstance(checkpoint, CheckpointLayout) else find_layout(checkpoint)
+        found.append(checkpoint if isinstance(checkpoint, CheckpointLayout)
+                     else find_layout(checkpoint))
+        return found[-1]
 
     fmt = attempt(lambda: _format(format))
     export = attempt(lambda: parse_dtype(dtype))
+    export_optimizer = attempt(lambda: parse_dtype(optimizer_dtype))
     limit = attempt(lambda: parse_size(max_shard_size)) if max_shard_size is not None else None
     parts = attempt(lambda: choose_parts(layout(), optimizer=optimizer, model_index=model_index))
     if len(errors) == 1:
@@ -175,12 +183,38 @@ def validate_merge(checkpoint: str | os.PathLike[str] | RemotePath | CheckpointL
     if errors or fmt is None or parts is None:  # None only where an error was recorded
         raise MergePlanError("; ".join(map(str, errors)))
     sources = tuple(_read_checked(part) for part in parts)
+    if (optimizer or export_optimizer) and not any(s.kind == "optimizer" for s in sources):
+        # Asked for an optimizer there is not: refused, not a model merged in silence.
+        raise _no_optimizer(sources[0].folder.path, optimizer, whole=found[0].style != "dcp")
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise NotACheckpointError(f"{out}: is a file; pass a folder for the output.")
-    options = MergeOptions(fmt, export, limit, not keep_keys, _globs(include), _globs(exclude),
-                           file_name, overwrite)
+    options = MergeOptions(fmt, export, export_optimizer, limit, not keep_keys, _globs(include),
+                           _globs(exclude), file_name, overwrite)
     return MergeRequest(sources, out, options)
+
+
+def _no_optimizer(model: Any, optimizer: bool, *, whole: bool) -> OptionError:
+    """Why ``--optimizer``, or ``--optimizer-dtype`` without it, cannot apply to a merge of
+    the model folder ``model`` alone (``whole``: of a checkpoint folder holding it), and what
+    to pass: the checkpoint folder, when ``model``'s parent is one with an optimizer."""
+    if whole:  # only --optimizer-dtype: a checkpoint without --optimizer merges its model
+        return OptionError(f"--optimizer-dtype casts an optimizer's moments, but only the "
+                           f"model ({model}) is merged; add --optimizer to merge the "
+                           "optimizer too")
+    try:
+        optimizers = [p.path.name for p in find_layout(model.parent).parts
+                      if p.kind == "optimizer"]
+    except (FsdpCkptError, OSError):  # no checkpoint around it: nothing to point to
+        optimizers = []
+    asked = "--optimizer" if optimizer else "--optimizer-dtype"
+    if optimizers:
+        what = f"its {optimizers[0]}/" if len(optimizers) == 1 else "its optimizer"
+        where = f"pass {model.parent} (the checkpoint folder) to merge {what} too"
+    else:
+        where = f"leave out {asked} to merge the model"
+    return OptionError(f"{model}: is a model folder, with no optimizer in it, so {asked} "
+                       f"cannot apply; {where}")
 
 
 def _format(format: str | OutputFormat) -> OutputFormat:

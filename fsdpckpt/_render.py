@@ -24,7 +24,7 @@ from fsdpckpt.inspection.report import (
 if TYPE_CHECKING:  # the diff module pulls in the merge side; inspect need not load it
     from fsdpckpt.inspection.diff import DiffReport
 
-__all__ = ["human_bytes", "table", "render_inspect", "render_verify", "render_diff"]
+__all__ = ["human_bytes", "table", "tensor_cells", "render_inspect", "render_verify", "render_diff"]
 
 
 
@@ -98,11 +98,17 @@ def _p(value: object) -> str:
     return printable(str(value))
 
 
-def _tensor_rows(tensor: TensorReport, chunks: bool) -> list[list[Any]]:
+def tensor_cells(tensor: TensorReport) -> list[Any]:
+    """``tensor``'s row of the text output's table (name, dtype, shape, chunks, sharding,
+    bytes), which ``inspect --html``'s table of tensors shows too."""
     # A model file's tensor is whole in its file: no chunks to count.
     count = "-" if tensor.sharding == "whole" else len(tensor.chunks)
-    rows: list[list[Any]] = [[_p(tensor.name), _p(tensor.dtype.name), _shape(tensor.shape),
-                              count, tensor.sharding, human_bytes(tensor.bytes)]]
+    return [_p(tensor.name), _p(tensor.dtype.name), _shape(tensor.shape), count,
+            tensor.sharding, human_bytes(tensor.bytes)]
+
+
+def _tensor_rows(tensor: TensorReport, chunks: bool) -> list[list[Any]]:
+    rows: list[list[Any]] = [tensor_cells(tensor)]
     if chunks:
         rows += [[f"  @ {_shape(c.offsets)} size {_shape(c.sizes)}", "", "", "",
                   f"{_p(c.file)} +{c.offset}", human_bytes(c.length)] for c in tensor.chunks]

@@ -28,7 +28,7 @@ def chromium() -> str | None:
     return None
 
 
-def _run(page: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+def _run(page: Path, *flags: str, fragment: str = "") -> subprocess.CompletedProcess[str]:
     command = chromium()
     if command is None:
         raise RuntimeError("no chromium: apt-get install chromium (.ci/run does)")
@@ -37,7 +37,7 @@ def _run(page: Path, *flags: str) -> subprocess.CompletedProcess[str]:
             [command, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
              "--disable-extensions", "--disable-background-networking", "--disable-sync",
              "--proxy-server=127.0.0.1:9", f"--user-data-dir={profile}", *flags,
-             page.resolve().as_uri()],
+             page.resolve().as_uri() + (f"#{fragment}" if fragment else "")],
             capture_output=True, text=True, timeout=_TIMEOUT, check=True)
 
 
@@ -86,10 +86,11 @@ class _Parser(HTMLParser):
             element.text += data
 
 
-def render(page: Path) -> Rendered:
-    """Open ``page`` in chromium; its document once loaded (``--dump-dom``), parsed."""
+def render(page: Path, *, fragment: str = "") -> Rendered:
+    """Open ``page`` in chromium; its document once loaded (``--dump-dom``), parsed.
+    ``fragment``: the part of the address after ``#`` (``q=bias``: what the page reads)."""
     parser = _Parser()
-    parser.feed(_run(page, "--dump-dom").stdout)
+    parser.feed(_run(page, "--dump-dom", fragment=fragment).stdout)
     return parser.result
 
 

@@ -97,7 +97,8 @@ def test_inspect_reads_the_rank_files(which):
         "model.0.weight": (33, 16), "model.0.bias": (33,), "model.2.weight": (5, 33),
         "model.2.bias": (5,)}
     # 33 rows over 2 ranks: torch.chunk's split, 17 + 16.
-    assert [c.offsets for c in model.tensors[0].chunks] == [(0, 0), (17, 0)]
+    weight = {t.name: t for t in model.tensors}["model.0.weight"]  # listed by name: 2nd
+    assert [c.offsets for c in weight.chunks] == [(0, 0), (17, 0)]
 
 
 @pytest.mark.parametrize("which", sorted(SETS))

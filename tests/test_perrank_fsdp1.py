@@ -96,7 +96,8 @@ def test_fsdp1_sharded_tensor_files_are_inspected():
     assert {t.name: t.shape for t in model.tensors} == {
         "model.0.weight": (33, 16), "model.0.bias": (33,), "model.2.weight": (5, 33),
         "model.2.bias": (5,)}
-    assert [c.offsets for c in model.tensors[0].chunks] == [(0, 0), (17, 0)]
+    weight = {t.name: t for t in model.tensors}["model.0.weight"]  # listed by name: 2nd
+    assert [c.offsets for c in weight.chunks] == [(0, 0), (17, 0)]
 
 
 def test_fsdp1_sharded_tensor_files_verify():

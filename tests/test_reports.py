@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import fsdpckpt
+from fsdpckpt._render import human_bytes
 
 from conftest import FIXTURES, run_cli
 
@@ -259,3 +260,116 @@ def test_a_hostile_name_never_runs_in_the_browser(tmp_path):
         seen = browser.render(tmp_path / page)
         assert seen.root.get("data-ready") == "1" and "data-pwned" not in seen.root, page
         assert any(HOSTILE in e.text for e in seen.elements), page  # shown, as text
+
+
+# -- what the inspect page flags, and its table of tensors --------------------------------
+
+
+def _flagged(elements) -> list[str]:
+    """The texts the page calls for attention with: problems and notes."""
+    return [e.text for e in elements
+            if set(e.attrs.get("class", "").split()) & {"problem", "note"}]
+
+
+def _parsed(page: Path) -> browser.Rendered:
+    parser = browser._Parser()
+    parser.feed(page.read_text())
+    return parser.result
+
+
+def test_the_inspect_page_of_a_healthy_checkpoint_flags_nothing(tmp_path):
+    # Its optimizer's rank files differ by 2x (one holds the param groups): what DCP stores.
+    _inspect(ACCELERATE, tmp_path / "r.html")
+    assert _flagged(_parsed(tmp_path / "r.html").elements) == []
+
+
+def test_a_truncated_rank_file_is_the_one_thing_the_inspect_page_flags(tmp_path):
+    damaged = Path(shutil.copytree(ACCELERATE, tmp_path / "ckpt"))
+    rank_file = damaged / "pytorch_model_fsdp_0" / "__1_0.distcp"
+    rank_file.write_bytes(rank_file.read_bytes()[:4000])
+    doc = _inspect(damaged, tmp_path / "r.html")
+    assert doc["problems"] and all("truncated" in p["message"] for p in doc["problems"])
+    flagged = _flagged(_parsed(tmp_path / "r.html").elements)
+    assert flagged == [f"{p['path']}: {p['message']}" for p in doc["problems"]]
+
+
+def _tensor_rows(elements, part: str, *, hidden: bool = True) -> list[list[str]]:
+    """The rows of ``part``'s table of tensors, each cell's text; ``hidden=False``: only the
+    rows the page's script did not hide."""
+    rows: list[list[str]] = []
+    inside, shown = False, True
+    for e in elements:
+        if e.tag == "table":
+            inside = e.attrs.get("data-kind") == f"tensors:{part}"
+        elif inside and e.tag == "tr":
+            shown = hidden or "hidden" not in e.attrs
+            rows.append([])
+        elif inside and e.tag == "td" and shown:
+            rows[-1].append(e.text)
+    return [r for r in rows if r]  # the header row has no <td>
+
+
+def test_the_inspect_page_lists_every_tensor_as_the_text_output_does(tmp_path):
+    doc = _inspect(ACCELERATE, tmp_path / "r.html")
+    elements = _parsed(tmp_path / "r.html").elements
+    for part in doc["parts"]:
+        assert _tensor_rows(elements, part["name"]) == [
+            [t["name"], t["dtype"], str(t["shape"]), str(len(t["chunks"])), t["sharding"],
+             human_bytes(t["bytes"])] for t in part["tensors"]], part["name"]
+
+
+def test_inspect_lists_an_optimizers_state_grouped_per_parameter(tmp_path):
+    doc = _inspect(ACCELERATE, tmp_path / "r.html")
+    names = [t["name"] for t in doc["parts"][1]["tensors"]]
+    assert [n.split("state.", 1)[1] for n in names] == [
+        f"{p}.{k}" for p in ("0.bias", "0.weight", "2.bias", "2.weight")
+        for k in ("exp_avg", "exp_avg_sq", "step")]
+    # The text output and the page list them in the same order.
+    lines = [line.split() for line in run_cli("inspect", ACCELERATE).stdout.splitlines()]
+    assert [w[0] for w in lines if w and w[0] in names] == names
+    rows = _tensor_rows(_parsed(tmp_path / "r.html").elements, "optimizer_0")
+    assert [r[0] for r in rows] == names
+
+
+def test_inspect_orders_numbered_layers_by_number(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    stored = [f"layers.{i}.w" for i in (10, 2, 1, 0)]
+    dcp.save({n: torch.zeros(2) for n in stored}, checkpoint_id=str(tmp_path / "c"))
+    doc = _inspect(tmp_path / "c", tmp_path / "r.html")
+    names = [t["name"] for t in doc["parts"][0]["tensors"]]
+    assert [n[n.index("layers."):] for n in names] == [f"layers.{i}.w" for i in (0, 1, 2, 10)]
+
+
+def test_an_inspect_page_of_100000_tensors_stays_small_and_says_what_it_left_out(tmp_path):
+    from safetensors.torch import save_file
+
+    from fsdpckpt.inspection.html_inspect import MAX_TENSOR_ROWS
+
+    save_file({f"model.layers.{i}.w": torch.zeros(1) for i in range(100_000)},
+              str(tmp_path / "big.safetensors"))
+    result = run_cli("inspect", tmp_path / "big.safetensors", "--summary", "--html",
+                     tmp_path / "r.html")
+    assert result.exit_code == 0, result.output
+    page = tmp_path / "r.html"
+    assert page.stat().st_size < 5_000_000
+    elements = _parsed(page).elements
+    rows = _tensor_rows(elements, "big.safetensors")
+    assert [r[0] for r in rows] == [f"model.layers.{i}.w" for i in range(MAX_TENSOR_ROWS)]
+    said = " ".join(e.text for e in elements if e.tag == "p")
+    assert f"{100_000 - MAX_TENSOR_ROWS:,} more tensors" in said and "--json" in said
+
+
+@needs_browser
+def test_the_search_box_of_the_inspect_page_filters_its_tensors_by_name(tmp_path):
+    doc = _inspect(ACCELERATE, tmp_path / "r.html")
+    seen = browser.render(tmp_path / "r.html", fragment="q=bias.exp_avg")
+    assert seen.root.get("data-ready") == "1" and "data-error" not in seen.root
+    for part in doc["parts"]:
+        names = [t["name"] for t in part["tensors"]]
+        shown = [r[0] for r in _tensor_rows(seen.elements, part["name"], hidden=False)]
+        assert shown == [n for n in names if "bias.exp_avg" in n], part["name"]
+    unfiltered = browser.render(tmp_path / "r.html")
+    assert [r[0] for r in _tensor_rows(unfiltered.elements, "optimizer_0", hidden=False)] == [
+        t["name"] for t in doc["parts"][1]["tensors"]]
+

@@ -8,7 +8,9 @@ characters shown as escapes as the text output shows them, so a name such as
 shows carries its exact value in a ``data-value`` attribute, which the browser test
 compares with the ``--json`` document.
 
-The script sorts a table by a click on its header, and marks the page: ``data-ready="1"``
+The script sorts a table by a click on its header, hides the rows of a :func:`find_box`'s
+table whose first cell does not hold what is typed in its box (any case; ``page.html#q=bias``
+opens the page with ``bias`` typed in every box), and marks the page: ``data-ready="1"``
 on ``<html>`` once it ran, ``data-error`` with the message if anything on the page threw.
 """
 
@@ -20,8 +22,8 @@ from collections.abc import Callable, Sequence
 
 from fsdpckpt._printable import printable
 
-__all__ = ["text", "page", "bars", "columns", "heat_map", "lines", "sortable_table", "section",
-           "write_page", "COLORS"]
+__all__ = ["text", "page", "bars", "columns", "heat_map", "lines", "sortable_table",
+           "find_box", "section", "write_page", "COLORS"]
 
 #: Colours of series (module kinds, dtypes): distinct, readable on white.
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b",
@@ -37,7 +39,8 @@ h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:28px 0 8px;border-bot
 table{border-collapse:collapse;margin:6px 0} th,td{padding:3px 8px;text-align:left;
 border-bottom:1px solid #eee;font-variant-numeric:tabular-nums} td.n,th.n{text-align:right}
 th.sort{cursor:pointer;user-select:none} th.sort:after{content:" \\2195";color:#aaa}
-code{font-size:13px;word-break:break-all} svg{display:block;margin:6px 0} .legend span{
+code{font-size:13px;word-break:break-all} input[type=search]{font:inherit;width:360px}
+svg{display:block;margin:6px 0} .legend span{
 margin-right:14px} .legend i{display:inline-block;width:10px;height:10px;margin-right:4px}
 """
 
@@ -54,6 +57,15 @@ document.querySelectorAll("table.sortable").forEach(function(t){
     rows.sort(function(a,b){var x=key(a.cells[col]),y=key(b.cells[col]);
       return (x<y?-1:x>y?1:0)*(down?-1:1);});
     rows.forEach(function(r){body.appendChild(r);});});});});
+var asked=/(?:^#|&)q=([^&]*)/.exec(location.hash),typed="";
+try{typed=asked?decodeURIComponent(asked[1].replace(/\\+/g," ")):"";}catch(e){}
+document.querySelectorAll("div.find").forEach(function(d){
+  var box=d.querySelector("input"),rows=d.querySelector("tbody").rows,found=d.querySelector("span");
+  function filter(){var s=box.value.toLowerCase(),n=0;
+    for(var i=0;i<rows.length;i++){var hit=rows[i].cells[0].textContent.toLowerCase().indexOf(s)>=0;
+      rows[i].hidden=!hit;n+=hit?1:0;}
+    found.textContent=s?n+" of "+rows.length+" shown":"";}
+  box.value=typed;box.addEventListener("input",filter);filter();});
 root.setAttribute("data-ready","1");
 })();
 """
@@ -248,6 +260,14 @@ def sortable_table(header: Sequence[tuple[str, bool]], rows: Sequence[Sequence[t
         body.append(f"<tr>{''.join(cells)}</tr>")
     return (f'<table class="sortable" data-kind="{text(kind)}"><thead><tr>{head}</tr></thead>'
             f"<tbody>{''.join(body)}</tbody></table>")
+
+
+def find_box(kind: str, table: str) -> str:
+    """``table`` (a :func:`sortable_table`) under a search box that hides the rows whose first
+    cell does not hold what is typed."""
+    return (f'<div class="find"><p><input type="search" placeholder="find by name" '
+            f'aria-label="find by name" data-kind="find:{text(kind)}"> <span></span></p>'
+            f"{table}</div>")
 
 
 def _short(label: str, most: int) -> str:

@@ -3,9 +3,16 @@
 Built from the :class:`~fsdpckpt.inspection.report.InspectReport` alone (what ``inspect``
 and ``--json`` show), so the page says nothing the text output does not: bytes by part,
 by rank file and by dtype; a shard map; the sharding kinds in the text output's words; every
-problem in its words; the training-state files. For thousands of ranks and tensors it
-aggregates: tensors grouped by layer pattern (``layers.{0-79}.mlp.up_proj.weight``), ranks in
-bands of at most :data:`MAX_BANDS` columns, so the page stays small.
+problem in its words; the training-state files; each part's tensors by name, as the text
+output's table has them, with a box to find one. For thousands of ranks and tensors it
+aggregates: the shard map groups tensors by layer pattern
+(``layers.{0-79}.mlp.up_proj.weight``) and ranks in bands of at most :data:`MAX_BANDS`
+columns, and the table of tensors stops at :data:`MAX_TENSOR_ROWS`, so the page stays small.
+
+Only the problems are flagged: rank files of one part differ in size by what DCP put in each
+(an optimizer's param groups and step counters are stored once, on one rank), which needs
+no action; a file shorter than what ``.metadata`` places in it is a problem ``inspect``
+reports already (``the file is truncated``).
 """
 
 from __future__ import annotations
@@ -15,16 +22,20 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 
 from fsdpckpt._printable import human_bytes
+from fsdpckpt._render import tensor_cells
 from fsdpckpt.dcp.metadata import rank_of_file
 from fsdpckpt.inspection import _html as h
 from fsdpckpt.inspection.report import InspectReport, PartReport
 
-__all__ = ["inspect_html", "layer_pattern", "MAX_BANDS", "MAX_GROUPS"]
+__all__ = ["inspect_html", "layer_pattern", "MAX_BANDS", "MAX_GROUPS", "MAX_TENSOR_ROWS"]
 
 #: The most rank columns of a shard map: more ranks are shown in bands.
 MAX_BANDS = 64
 #: The most tensor groups a shard map shows (the rest summed in one row).
 MAX_GROUPS = 120
+#: The most tensors a part's table lists by name (150-300 bytes of page each: at most about
+#: a megabyte a part); the rest are counted, and ``--json`` or ``--name`` shows them.
+MAX_TENSOR_ROWS = 5000
 #: Side files listed one by one up to this many; beyond, by kind.
 MAX_SIDE_FILES = 64
 
@@ -111,8 +122,6 @@ def _part(part: PartReport) -> str:
                          "<p class=problem>no .metadata: its save never finished</p>")
     files = [(f.name, float(f.size)) for f in part.files]
     sizes = sorted(v for _, v in files)
-    median = sizes[len(sizes) // 2] if sizes else 0
-    odd = [(n, v) for n, v in files if median and abs(v - median) > 0.05 * median]
     kinds = Counter(t.sharding for t in part.tensors)
     kind_bytes: Counter[str] = Counter()
     for t in part.tensors:
@@ -121,12 +130,6 @@ def _part(part: PartReport) -> str:
         [("sharding", False), ("tensors", True), ("bytes", True)],
         [[(k, k), (str(n), n), (human_bytes(kind_bytes[k]), kind_bytes[k])]
          for k, n in kinds.most_common()], kind=f"sharding:{part.name}")
-    note = ""
-    if odd:
-        note = ("<p class=note>rank files more than 5% away from the median "
-                f"({h.text(human_bytes(median))}): " + ", ".join(
-                    f"<code>{h.text(n)}</code> {h.text(human_bytes(v))}" for n, v in odd[:20])
-                + (" ..." if len(odd) > 20 else "") + "</p>")
     spread = (f"<p>{len(files)} rank files, {h.text(human_bytes(sizes[0]))} to "
               f"{h.text(human_bytes(sizes[-1]))} each, one column per file.</p>"
               if sizes else "")
@@ -136,9 +139,41 @@ def _part(part: PartReport) -> str:
         f"<p>{h.text(human_bytes(part.bytes))} in {len(part.files)} files; tensors "
         f"{h.text(human_bytes(part.tensor_bytes))} unsharded.</p>",
         "<h3>Bytes by rank file</h3>", h.columns(files, human_bytes, kind=f"file:{part.name}"),
-        spread, note, "<h3>Sharding</h3>", sharding,
+        spread, "<h3>Sharding</h3>", sharding,
         "<h3>Shard map (stored bytes, tensors by ranks)</h3>" if part.tensors else "",
-        _shard_map(part) if part.tensors else "")
+        _shard_map(part) if part.tensors else "", _tensor_table(part))
+
+
+def _tensor_table(part: PartReport) -> str:
+    """The part's tensors by name, as the text output lists them, with a box that hides the
+    rows whose name does not hold what is typed (``_html``'s script; ``#q=...`` fills it)."""
+    if not part.tensors:
+        return "" if not part.num_tensors else \
+            "<h3>Tensors</h3><p>none of its tensors matches the name given (--name)</p>"
+    listed = part.tensors[:MAX_TENSOR_ROWS]
+    rows = []
+    for t in listed:
+        name, dtype, shape, count, sharding, size = tensor_cells(t)
+        numel = 1
+        for n in t.shape:
+            numel *= n
+        rows.append([(name, None), (dtype, None), (shape, numel),
+                     (str(count), count if isinstance(count, int) else None),
+                     (sharding, None), (size, t.bytes)])
+    table = h.sortable_table(
+        [("name", False), ("dtype", False), ("shape", False), ("chunks", True),
+         ("sharding", False), ("bytes", True)], rows, kind=f"tensors:{part.name}")
+    said = [f"{len(part.tensors):,} of {part.num_tensors:,} tensors match the name given "
+            "(--name)." if len(part.tensors) < part.num_tensors else ""]
+    if len(part.tensors) > len(listed):
+        said.append(f"The first {len(listed):,} by name are listed; "
+                    f"{len(part.tensors) - len(listed):,} more tensors are not: "
+                    "<code>fsdpckpt inspect --json</code> lists them all, "
+                    "<code>fsdpckpt inspect --name PATTERN --html FILE</code> makes a page of "
+                    "those matching.")
+    note = " ".join(x for x in said if x)
+    return ("<h3>Tensors</h3>" + (f"<p>{note}</p>" if note else "")
+            + h.find_box(f"tensors:{part.name}", table))
 
 
 def _side_files(report: InspectReport) -> str:

@@ -15,6 +15,8 @@ it as it is.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,26 @@ class TensorReport(_JsonDocument):
                 "chunks": [_chunk_json(c) for c in self.chunks]}
 
 
+_DIGITS = re.compile(r"(\d+)")
+
+
+def _in_name_order(tensors: Iterable[TensorReport]) -> tuple[TensorReport, ...]:
+    """``tensors`` in the order ``inspect`` lists them (text, ``--json`` and ``--html``): by
+    name, numbers by value (``layers.2`` before ``layers.10``).
+
+    Not storage order: DCP's ``.metadata`` lists tensors as the ranks' save plans held them,
+    and a tensor replicated across ranks (an optimizer's ``step``) is planned on whichever
+    rank balances the files, which scatters a parameter's state over the table. By name,
+    each parameter's state is together (``state.0.bias.exp_avg``, ``.exp_avg_sq``,
+    ``.step``), and layers come in their order.
+    """
+    def key(tensor: TensorReport) -> tuple[list[tuple[int, int | str]], str]:
+        pieces = [(0, int(p)) if p.isdigit() else (1, p)
+                  for p in _DIGITS.split(tensor.name) if p]
+        return pieces, tensor.name  # "x.01" and "x.1" compare equal: the name decides
+    return tuple(sorted(tensors, key=key))
+
+
 @dataclass(frozen=True)
 class PartReport(_JsonDocument):
     """One DCP folder of a checkpoint (``pytorch_model_fsdp_0/``, ``optimizer_0/``, or the
@@ -100,7 +122,8 @@ class PartReport(_JsonDocument):
             them, whatever ``names`` kept).
         dtypes: how many tensors of each dtype, most frequent first.
         files: its data files.
-        tensors, objects: the tensors and non-tensor entries whose name matched ``names``.
+        tensors, objects: the tensors and non-tensor entries whose name matched ``names``;
+            the tensors by name (numbers by value), the objects as stored.
         rank_local: for a per-rank optimizer part whose every rank stores its own state
             whole (FSDP1's ``optimizer.state_dict()``, as VeRL saves it), why nothing can
             merge it; its tensors are then not listed. Empty otherwise.
@@ -123,6 +146,11 @@ class PartReport(_JsonDocument):
     tensors: tuple[TensorReport, ...] = ()
     objects: tuple[ObjectEntry, ...] = ()
     rank_local: str = ""
+
+    def __post_init__(self) -> None:
+        # Every part lists its tensors in one order, whoever built it (a DCP folder, a model
+        # file), so that text, --json and --html show the same table.
+        object.__setattr__(self, "tensors", _in_name_order(self.tensors))
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"name": self.name, "kind": self.kind, "index": self.index,

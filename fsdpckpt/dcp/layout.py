@@ -17,7 +17,6 @@ reads its name (:func:`refuse_links_out`).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -25,6 +24,22 @@ from fsdpckpt._io import storage, storage_paths
 from fsdpckpt._io.remote import location
 from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import find_hf_storage
+from fsdpckpt.dcp._layout_errors import (
+    STAGING,
+    rank_file_refusal,
+    refuse_model_folder,
+    several_checkpoints,
+)
+from fsdpckpt.dcp._layout_names import (
+    _CHECKPOINT_DIR,
+    _MANIFEST,
+    _MODEL_DIR,
+    _OPTIMIZER_DIR,
+    _SIDE_FILES,
+    DATALOADER_STATE,
+    INCOMPLETE,
+    VERL_HF_DIR,
+)
 from fsdpckpt.dcp._perrank import find_rank_sets
 from fsdpckpt.dcp._trainers import ROLES, TRAINER_META, trainer_of
 from fsdpckpt.dcp.reader import METADATA_FILE
@@ -36,45 +51,9 @@ from fsdpckpt.errors import (
 )
 
 __all__ = ["DATALOADER_STATE", "INCOMPLETE", "CheckpointLayout", "DcpPart", "SideFile",
-           "find_layout", "refuse_links_out", "refuse_unfinished_save", "unfinished_save",
-           "STAGING"]
+           "find_layout", "one_checkpoint", "refuse_links_out", "refuse_rank_file",
+           "refuse_unfinished_save", "unfinished_save", "STAGING", "VERL_HF_DIR"]
 
-#: A dataloader's state: Accelerate's ``dl_state_dict.bin`` (``dl_state_dict_{i}.bin`` for
-#: loader i), which fsdpckpt's rank 0 writes too, and the other ranks' own states
-#: ``dl_state_dict[_{i}]_rank{r}.bin`` (training/_dataloader.py says why these names).
-DATALOADER_STATE = re.compile(r"^dl_state_dict(?:_(?P<index>\d{1,9}))?(?:_rank(?P<rank>\d{1,9}))?"
-                              r"\.bin$")
-
-# (pattern, kind) for the files saved beside the DCP folders; the first match wins.
-_SIDE_FILES = [
-    # Ranks of at most 9 digits: a larger number is no rank a run had (and would make
-    # every per-rank report as long as the number).
-    (re.compile(r"^random_states_(\d{1,9})\.pkl$"), "rng"),
-    (re.compile(r"^rng_state(_(\d{1,9}))?\.pth$"), "rng"),
-    (re.compile(r"^scheduler(_\d+)?\.(bin|pt)$"), "scheduler"),
-    (re.compile(r"^sampler(_\d+)?\.bin$"), "sampler"),
-    (DATALOADER_STATE, "dataloader"),
-    (re.compile(r"^scaler\.pt$"), "scaler"),
-    (re.compile(r"^custom_checkpoint_(\d+)\.pkl$"), "custom"),
-    (re.compile(r"^trainer_state\.json$"), "trainer_state"),
-    (re.compile(r"^training_args\.bin$"), "training_args"),
-    (re.compile(r"^fsdpckpt\.json$"), "manifest"),
-    # VeRL's, beside its per-rank model and optimizer files.
-    (re.compile(r"^extra_state_world_size_\d{1,9}_rank_\d{1,9}\.pt$"), "extra_state"),
-    (re.compile(r"^fsdp_config\.json$"), "fsdp_config"),
-]
-#: The folder in which VeRL's checkpoint manager saves the model's config and tokenizer.
-VERL_HF_DIR = "huggingface/"
-_MODEL_DIR = re.compile(r"^pytorch_model(_fsdp)?_(\d+)$")
-_OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
-_CHECKPOINT_DIR = re.compile(r"^(checkpoint|ckpt|step|global_step)[-_]?\d+$")
-#: A save's staging folder, renamed into place once complete: CheckpointManager's
-#: ``.tmp-checkpoint_7``, HF Trainer's ``tmp-checkpoint-500``.
-STAGING = re.compile(r"^\.?tmp-")
-#: The intent marker of a save to object storage (training/_remote.py): written first,
-#: removed once the manifest, the commit, is in. dcp/ does not import training/.
-INCOMPLETE = ".fsdpckpt-incomplete"
-_MANIFEST = "fsdpckpt.json"  # training.manifest.MANIFEST
 #: What a refused link is told (storage_paths.link_refusal says where it leads).
 _CONTAINED = ("fsdpckpt reads a checkpoint's part folders and side files only from inside "
               "its folder")
@@ -239,12 +218,6 @@ def refuse_unfinished_save(root: Place) -> None:
                 "storage the next CheckpointManager on its parent deletes it")
 
 
-def _natural_key(name: str) -> list[tuple[int, int | str]]:
-    """Sort key that orders numbers by value: ``checkpoint-500`` before ``checkpoint-1000``."""
-    return [(0, int(part)) if part.isdigit() else (1, part)
-            for part in re.split(r"(\d+)", name) if part]
-
-
 def _is_finished(path: Place) -> bool:
     """Whether a checkpoint folder's save finished: every DCP folder in it has ``.metadata``."""
     if unfinished_save(path):
@@ -262,37 +235,56 @@ def _is_finished(path: Place) -> bool:
 
 
 def _several_checkpoints(root: Place, names: list[str]) -> NotACheckpointError:
-    """The error for a folder of checkpoints: list them, newest last, and suggest the newest
-    one whose save finished (names sort by their numbers, so ``checkpoint-1000`` is newer
-    than ``checkpoint-500``)."""
-    names = sorted(names, key=_natural_key)
-    # A save's staging folder (CheckpointManager's .tmp-checkpoint_7, HF Trainer's
-    # tmp-checkpoint-500) is an unfinished save, never a checkpoint to pick.
-    staged = [n for n in names if STAGING.match(n)]
-    names = [n for n in names if not STAGING.match(n)]
-    saves = (f"{len(staged)} unfinished save{'s' * (len(staged) != 1)} "
-             f"({', '.join(staged[:3])}{', ...' if len(staged) > 3 else ''}")
-    unfinished = f" and {saves}: left by saves that did not finish, not checkpoints)" \
-        if staged else ""
-    if not names:
-        error: NotACheckpointError = UnfinishedSaveError(
-            f"{root}: holds no finished checkpoint, only {saves}), left by saves that did not "
-            "finish; pass a folder that holds a finished one")
-    elif len(names) == 1:
-        error = NotACheckpointError(f"{root}: holds one checkpoint ({names[0]}){unfinished}; "
-                                    f"pass it: {root / names[0]}")
+    finished = [n for n in names if not STAGING.match(n) and _is_finished(root / n)]
+    return several_checkpoints(root, names, finished)
+
+
+def refuse_rank_file(path: Place, *, whole: bool = True, fix: str = "") -> None:
+    """Refuse ``path`` when it is one file of a sharded checkpoint, given where a whole
+    checkpoint or a full file is wanted: every verb asks this before it reads a file.
+
+    A ``*.distcp`` file, a per-rank ``torch.save`` file (Accelerate's ``use_dcp=False``,
+    VeRL: :func:`~fsdpckpt.dcp._perrank.find_rank_sets`), any file in a folder holding
+    ``.metadata``: by names and one stat, before torch takes it for a damaged archive.
+
+    Args:
+        whole: name the whole checkpoint folder to pass (an Accelerate checkpoint above
+            ``pytorch_model_fsdp_0/``), not the DCP folder itself (``merge-weights`` wants
+            the DCP folder). fix: the advice instead of "pass the folder: ..." (``{folder}``
+            is replaced by that folder).
+
+    Raises:
+        NotACheckpointError: one line naming the file and the folder to pass.
+    """
+    folder, name = path.parent, path.name
+    if name.endswith(".distcp") or find_rank_sets([name]):
+        what = "a rank file"
+    elif name == METADATA_FILE:
+        what = "the metadata file"
+    elif not name.endswith((".safetensors", ".index.json")) and \
+            (folder / METADATA_FILE).is_file():  # full weights are never kept in a DCP folder
+        what = "a file"
     else:
-        shown = names if len(names) <= 5 else names[:2] + ["..."] + names[-2:]
-        finished = [n for n in names if _is_finished(root / n)]
-        pick = finished[-1] if finished else names[-1]
-        why = "the newest" if pick == names[-1] else \
-            f"the newest finished save ({names[-1]} is not)"
-        error = NotACheckpointError(
-            f"{root}: holds {len(names)} checkpoints ({', '.join(shown)}){unfinished}; pass "
-            f"one of them, e.g. {why}: {root / pick}")
-    # Marked, so that a reader falling back to a merged output passes this message on.
-    error.checkpoints = tuple(names)
-    return error
+        return
+    target = folder.parent if whole and (_MODEL_DIR.match(folder.name) or
+                                         _OPTIMIZER_DIR.match(folder.name)) else folder
+    raise rank_file_refusal(path, what, folder, target, fix.replace("{folder}", str(target)))
+
+
+def one_checkpoint(path: str | os.PathLike[str] | Place) -> Place | None:
+    """The checkpoint a run folder stands for when it holds exactly one, whose save
+    finished, and no unfinished save (``run/`` holding ``step-2/`` alone: ``run/step-2``);
+    else None, and every verb says what ``path`` is as before. What ``list`` and
+    CheckpointManager read is the run folder itself, never this."""
+    try:
+        find_layout(path)
+    except NotACheckpointError as exc:
+        root = location(path)
+        # Beside an unfinished save the refusal stands: it says what the save left.
+        if len(exc.checkpoints) == 1 and _is_finished(root / exc.checkpoints[0]) and \
+                not any(STAGING.match(name) for name in storage.names(root)):
+            return root / exc.checkpoints[0]
+    return None
 
 
 def _side_file(entry: _Entry) -> SideFile | None:
@@ -325,6 +317,7 @@ def find_layout(path: str | os.PathLike[str] | Place) -> CheckpointLayout:
     if not root.exists():
         raise CheckpointNotFoundError(f"{root}: no such file or folder; check the path.")
     if not root.is_dir():
+        refuse_rank_file(root)
         raise NotACheckpointError(
             f"{root}: is a file, not a checkpoint folder; pass the folder that holds "
             ".metadata or pytorch_model_fsdp_0/.")
@@ -393,6 +386,7 @@ def find_layout(path: str | os.PathLike[str] | Place) -> CheckpointLayout:
             raise UnfinishedSaveError(
                 f"{root}: has .distcp data files but no .metadata, so the save never finished "
                 "(DCP writes .metadata last); use an earlier checkpoint.")
+        refuse_model_folder(root, other)
         raise NotACheckpointError(
             f"{root}: no checkpoint here (no .metadata, no pytorch_model_fsdp_0/ or "
             "optimizer_0/); pass a DCP folder or an Accelerate checkpoint folder.")

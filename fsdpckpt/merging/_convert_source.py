@@ -27,6 +27,9 @@ MODEL_FILES = ("model.safetensors.index.json", "model.safetensors",
 #: What a model file may be, said after the verb that read it (``convert reads ...``).
 _ACCEPTS = "reads a .safetensors file, a .bin/.pt file written by torch.save, or a shard " \
            "index (*.index.json)"
+#: What a verb given a rank file is told to do instead of passing its folder.
+_RANK_FILE_FIX = {"convert": "it is DCP already (convert makes DCP of a full file); to get a "
+                             "full file from it: fsdpckpt merge {folder} OUT_DIR"}
 # torch.save's legacy (non-zip) format starts by pickling this number.
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -52,9 +55,13 @@ def sniff(file: Place, verb: str = "fsdpckpt") -> str:
     ``verb`` names who reads it in the refusal (``"convert"``: "convert reads a ...").
 
     Raises:
-        NotACheckpointError: neither format; CorruptCheckpointError: a safetensors header
-            that cannot be whole.
+        NotACheckpointError: neither format, or a rank file of a sharded checkpoint (which
+            would read as a damaged torch.save archive); CorruptCheckpointError: a
+            safetensors header that cannot be whole.
     """
+    from fsdpckpt.dcp.layout import refuse_rank_file
+
+    refuse_rank_file(file, fix=_RANK_FILE_FIX.get(verb, ""))
     head, size, is_zip = _head(file)
     if head.startswith(_ZIP_MAGIC):
         if not is_zip:  # torch.save's zip directory is written last

@@ -26,7 +26,7 @@ from fsdpckpt.dcp._objects import loads, read_object, to_torch, torch_load_allow
 from fsdpckpt.dcp._trainers import trainer_meta, with_trainer_meta
 from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
-from fsdpckpt.dcp.layout import find_layout, refuse_links_out
+from fsdpckpt.dcp.layout import find_layout, refuse_links_out, refuse_rank_file
 from fsdpckpt.dcp.parts import open_part
 from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
@@ -265,6 +265,7 @@ def load_full_state_dict(path: str | os.PathLike[str], *,
     if not p.exists():
         raise CheckpointNotFoundError(f"{p}: no such file or folder; check the path.")
     if p.is_file():
+        refuse_rank_file(p)  # torch would call a healthy rank file a damaged archive
         return _from_merged(p)
     if (model := _from_checkpoint(p)) is not None:
         return model

@@ -16,6 +16,7 @@ from typing import Any
 
 from fsdpckpt._io import storage
 from fsdpckpt._io.storage import Place
+from fsdpckpt.dcp.layout import refuse_rank_file
 from fsdpckpt.errors import CheckpointNotFoundError, NotACheckpointError
 
 __all__ = ["commits_by_marker", "model_folder", "optimizer_folder", "scheduler_file",
@@ -77,6 +78,10 @@ def remove_stale_parts(root: Path) -> None:
 def check_parts(root: Place, models: list, optimizers: list,
                 schedulers: list) -> None:
     """Refuse a load before it starts when a part asked for is not in ``root``."""
+    if root.is_file():
+        refuse_rank_file(root)
+        raise NotACheckpointError(f"{root}: is a file; pass the checkpoint folder save_state "
+                                  "wrote.")
     if not root.is_dir():
         raise CheckpointNotFoundError(f"{root}: no such checkpoint folder; check the path.")
     problems = []

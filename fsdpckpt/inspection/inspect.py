@@ -9,7 +9,6 @@ and never imports torch. :func:`inspect_checkpoint` returns an
 
 from __future__ import annotations
 
-import fnmatch
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from fsdpckpt.dcp.parts import find_part, open_part
 from fsdpckpt.dcp.reader import DcpFolder
 from fsdpckpt.errors import FsdpCkptError, NotACheckpointError, RankLocalStateError
 from fsdpckpt.inspection.report import AdapterReport, InspectReport, PartReport, TensorReport
+from fsdpckpt.merging._keys import output_name, select, shares_top_key
 
 __all__ = ["inspect_checkpoint", "sharding_of", "name_matcher", "model_files"]
 
@@ -61,14 +61,12 @@ def sharding_of(tensor: TensorEntry) -> str:
     return ", ".join(words) or f"{len(chunks)} chunks"
 
 
-def name_matcher(pattern: str | None) -> Callable[[str], bool]:
-    """A predicate for names: glob when ``pattern`` has ``*?[``, else substring; None matches
-    all."""
-    if not pattern:
-        return lambda name: True
-    if any(ch in pattern for ch in "*?["):
-        return lambda name: fnmatch.fnmatchcase(name, pattern)
-    return lambda name: pattern in name
+def name_matcher(pattern: str | None) -> Callable[..., bool]:
+    """A predicate for a tensor's names (``keep(name, *other_names)``: as stored, as merge
+    writes it): glob when ``pattern`` has ``*?[``, else substring; None matches all. The
+    rule is merge's (:func:`~fsdpckpt.merging._keys.select`): any name matching keeps it."""
+    patterns = [pattern] if pattern else []
+    return lambda name, *also: select(name, *also, include=patterns, substring=True)
 
 
 def _tensor_report(tensor: TensorEntry) -> TensorReport:
@@ -77,10 +75,15 @@ def _tensor_report(tensor: TensorEntry) -> TensorReport:
 
 
 def _part_report(part: DcpPart, folder: DcpFolder | None,
-                 keep: Callable[[str], bool]) -> PartReport:
+                 keep: Callable[..., bool]) -> PartReport:
     if folder is None:
         return PartReport(part.name, part.kind, part.index, part.path, part.complete)
     meta = folder.metadata
+    # The pattern may name a tensor as stored (listed here) or as merge writes it.
+    entries = list(meta.tensors) + list(meta.objects)
+    strip = shares_top_key([e.key_path for e in entries])
+    kept = {e.name for e in entries
+            if keep(e.name, output_name(e.key_path, strip_top=strip))}
     # A per-rank set has one file per rank, every rank included.
     world, exact = (len(folder.files), True) if isinstance(folder, PerRankFolder) \
         else (folder.world_size, folder.world_size_exact) \
@@ -96,8 +99,8 @@ def _part_report(part: DcpPart, folder: DcpFolder | None,
         num_objects=len(meta.objects),
         dtypes=dict(Counter(t.dtype.name for t in meta.tensors).most_common()),
         files=folder.files,
-        tensors=tuple(_tensor_report(t) for t in meta.tensors if keep(t.name)),
-        objects=tuple(o for o in meta.objects if keep(o.name)),
+        tensors=tuple(_tensor_report(t) for t in meta.tensors if t.name in kept),
+        objects=tuple(o for o in meta.objects if o.name in kept),
     )
 
 
@@ -209,7 +212,9 @@ def inspect_checkpoint(path: str | os.PathLike[str] | RemotePath, *,
             or what ``diff`` reads besides: a ``.safetensors`` or ``.bin`` file, a shard
             index, a folder holding a merged or Hugging Face model (each tensor is whole in
             its file: no chunks, style ``"model-file"`` or ``"model-folder"``).
-        names: keep only tensors and objects whose name matches (glob, or substring).
+        names: keep only tensors and objects whose name matches (glob, or substring): the
+            name as stored (``model.0.weight``, as listed) or as merge writes it
+            (``0.weight``).
         storage_options: for URLs (``s3://``...): the fsspec filesystem's options
             (``{"endpoint_url": ..., "profile": ...}``); None: the backend's defaults
             (``AWS_*`` variables, ``~/.aws``...). See docs/remote.md.

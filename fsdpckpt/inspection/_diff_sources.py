@@ -20,6 +20,7 @@ merged file name their entries alike: the top-level key every entry shares (Acce
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -33,13 +34,13 @@ from fsdpckpt.dcp.checks import require_whole
 from fsdpckpt.dcp.dtypes import DType
 from fsdpckpt.dcp.metadata import Chunk, KeyPath, ObjectEntry, TensorEntry
 from fsdpckpt.dcp.parts import open_part
-from fsdpckpt.errors import FsdpCkptError, NotACheckpointError
+from fsdpckpt.errors import NotACheckpointError
 from fsdpckpt.inspection._diff_tiles import Piece
 from fsdpckpt.merging._copy import MemorySink, checked_source, locate_stored_chunk, place_chunk
 from fsdpckpt.merging._keys import output_name, shares_top_key
 from fsdpckpt.merging._runs import chunk_runs
 
-__all__ = ["MERGED_FILES", "Accumulator", "DcpSource", "Source", "TensorInfo", "bits",
+__all__ = ["MERGED_FILES", "DcpSource", "Source", "TensorInfo", "bits",
            "same_bits", "same_bytes",
            "same_value"]
 
@@ -257,9 +258,10 @@ def same_bits(a: Any, b: Any) -> bool:
 def same_value(x: Any, y: Any) -> bool:
     """Whether two non-tensor entries hold the same value: containers of the same types,
     floats equal or both NaN, tensors of the same dtype and shape with the same bytes."""
-    import torch
-
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+    # A tensor in a value means torch was imported to build it: entries without tensors
+    # (an optimizer's param_groups, a step) are compared without importing it.
+    torch = sys.modules.get("torch")
+    if torch is not None and (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)):
         return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and \
             x.dtype == y.dtype and x.shape == y.shape and \
             same_bits(x.reshape(-1).contiguous(), y.reshape(-1).contiguous())
@@ -272,85 +274,3 @@ def same_value(x: Any, y: Any) -> bool:
     if isinstance(x, (float, complex)):
         return x == y or (x != x and y != y)  # NaN is the only x != x
     return bool(x == y)
-
-
-def _sum_of_squares(x: Any) -> float:
-    """``sum |x|**2`` of a 1-D float64 (or complex128) tensor, in float64: one BLAS dot for
-    real values, no copy."""
-    import torch
-
-    if x.is_complex():
-        return float(x.abs().square().sum())
-    return float(torch.dot(x, x))
-
-
-class Accumulator:
-    """The running comparison of one tensor, box after box (``diff``'s rule of what is
-    equal: :mod:`fsdpckpt.inspection.diff`)."""
-
-    def __init__(self, norms: bool = False) -> None:
-        self.identical = True
-        self.comparable = True
-        self.max_abs = 0.0
-        self.max_rel = 0.0
-        self.mismatched = 0
-        #: With ``norms``, the sums of ``|a|**2`` and ``|a - b|**2`` (float64), box by box;
-        #: ``normless`` once a box's values could not be had (a dtype torch cannot build).
-        self.norms, self.sq_a, self.sq_diff, self.normless = norms, 0.0, 0.0, False
-
-    @property
-    def rel_change(self) -> float | None:
-        """``||a - b|| / ||a||`` over the whole tensor (0 when equal; ``inf`` when only
-        ``a`` is all zeros); None without ``norms`` or when not comparable by value."""
-        if not self.norms or not self.comparable or self.normless:
-            return None
-        if math.isnan(self.sq_a) or math.isnan(self.sq_diff):  # a NaN in A, or one side's
-            return math.nan
-        if self.sq_diff == 0:
-            return 0.0
-        return math.sqrt(self.sq_diff / self.sq_a) if self.sq_a > 0 else math.inf
-
-    def same(self, a: Any) -> None:
-        """A box whose bytes are the same on both sides: only ``||a||`` grows. ``a`` is the
-        1-D tensor, or a function that makes it (not called without ``norms``)."""
-        if not self.norms or self.normless:
-            return
-        import torch
-
-        try:
-            a = a() if callable(a) else a
-            wide = torch.complex128 if a.is_complex() else torch.float64
-            self.sq_a += _sum_of_squares(a.to(wide))
-        except (RuntimeError, TypeError, FsdpCkptError):  # float4, or a dtype this torch
-            self.normless = True                          # lacks: equal as bytes, no norm
-
-    def add(self, a: Any, b: Any, same_dtype: bool, atol: float, rtol: float) -> None:
-        """Compare one box: ``a`` and ``b`` are 1-D tensors of equal length."""
-        import torch
-
-        if same_dtype and same_bits(a, b):
-            self.same(a)
-            return
-        self.identical = False
-        wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
-        try:
-            x, y = a.to(wide), b.to(wide)
-        except (RuntimeError, TypeError):  # float4 and others torch cannot convert
-            self.comparable = False
-            self.mismatched += int((bits(a) != bits(b)).sum()) if same_dtype else a.numel()
-            return
-        same = (x == y) | (torch.isnan(x) & torch.isnan(y))
-        one_nan = torch.isnan(x) ^ torch.isnan(y)
-        infinite = torch.isinf(x) | torch.isinf(y)
-        size = (x - y).abs()
-        size = torch.where(same, 0.0, torch.where(one_nan, math.inf, size))
-        scale = y.abs()
-        close = same | ((size <= atol + rtol * scale) & ~infinite)
-        rel = torch.where(size == 0, 0.0, size / scale).nan_to_num(nan=math.inf)
-        self.mismatched += int((~close).sum())
-        if self.norms:
-            self.sq_a += _sum_of_squares(x)
-            self.sq_diff += _sum_of_squares(size)
-        if size.numel():
-            self.max_abs = max(self.max_abs, float(size.max()))
-            self.max_rel = max(self.max_rel, float(rel.max()))

@@ -17,15 +17,16 @@ import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from fsdpckpt import _torch
 from fsdpckpt._io.rawio import ReadAt, pread_into, scratch
 from fsdpckpt.dcp._checked import CheckedRead
 from fsdpckpt.dcp._zstd import ZstdEntry
+from fsdpckpt.dcp.dtypes import DType
+from fsdpckpt.merging import _casts
+from fsdpckpt.merging._blocks import reorder
 
-__all__ = ["Piece", "compressed", "finish_checks", "flat_tile", "overlaps", "tile_sizes",
-           "tiles_of", "read_tile", "tile_view"]
+__all__ = ["Piece", "compressed", "finish_checks", "overlaps", "row_major", "tile_sizes",
+           "tiles_of", "read_tile"]
 
 
 @dataclass(frozen=True)
@@ -152,13 +153,7 @@ def read_tile(piece: Piece, offsets: Sequence[int], sizes: Sequence[int],
         inner += 1
     outer = perm[:ndim - inner]
     if outer:
-        import torch  # here only: a tile of one run is read without it
-
-        grid = torch.tensor(base, dtype=torch.int64)
-        for d in outer:
-            grid = grid.unsqueeze(-1) + torch.arange(sizes[d], dtype=torch.int64) * \
-                piece.stride[d]
-        starts: list[int] = grid.reshape(-1).tolist()
+        starts = _run_starts(base, [sizes[d] for d in outer], [piece.stride[d] for d in outer])
     else:
         starts = [base]
     size = piece.itemsize
@@ -174,6 +169,24 @@ def read_tile(piece: Piece, offsets: Sequence[int], sizes: Sequence[int],
         else:
             piece.src.read_at(part, at)
     return tuple(strides)
+
+
+def _run_starts(base: int, sizes: Sequence[int], strides: Sequence[int]) -> list[int]:
+    """The storage offsets (elements) of the runs of a tile, outer dims first: numpy's
+    outer sums where it is installed, torch's otherwise."""
+    np = _casts._numpy()
+    if np is not None:
+        grid = np.array(base, dtype=np.int64)
+        for size, stride in zip(sizes, strides):
+            grid = grid[..., None] + np.arange(size, dtype=np.int64) * stride
+        found_np: list[int] = grid.reshape(-1).tolist()
+        return found_np
+    torch = _casts.import_torch()
+    found = torch.tensor(base, dtype=torch.int64)
+    for size, stride in zip(sizes, strides):
+        found = found.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    starts: list[int] = found.reshape(-1).tolist()
+    return starts
 
 
 def finish_checks(pieces: Iterable[Piece]) -> None:
@@ -196,27 +209,19 @@ def compressed(piece: Piece) -> bool:
     return isinstance(src, ZstdEntry)
 
 
-def tile_view(buffer: memoryview, dtype: Any, sizes: Sequence[int],
-              strides: Sequence[int]) -> Any:
-    """The tile read by :func:`read_tile`, as a torch view of ``buffer``."""
-    import torch
-
+def row_major(buffer: memoryview, dtype: DType, sizes: Sequence[int], strides: Sequence[int],
+              slot: str) -> memoryview:
+    """The bytes of the tile read by :func:`read_tile`, in the tile's row-major order: a
+    slice of ``buffer`` where it lies so, else a copy in the scratch ``slot``, bit for bit
+    (without torch where numpy is installed: :func:`~fsdpckpt.merging._blocks.reorder`)."""
     count = math.prod(sizes)
-    return torch.frombuffer(buffer, dtype=dtype, count=count).as_strided(tuple(sizes),
-                                                                         tuple(strides))
-
-
-def flat_tile(buffer: memoryview, dtype: str, sizes: Sequence[int], strides: Sequence[int],
-              slot: str) -> Any:
-    """The tile read by :func:`read_tile` as a 1-D tensor of ``dtype`` (a torch name), in the
-    tile's row-major order: a view of ``buffer``, or a copy in the scratch ``slot`` where
-    the tile lies in another order."""
-    import torch
-
-    torch_dtype, count = _torch.dtype(dtype), math.prod(sizes)
-    view = tile_view(buffer, torch_dtype, sizes, strides)
-    if not view.is_contiguous():  # to the tile's row-major order, bit for bit
-        rows = scratch(count * torch_dtype.itemsize, slot)
-        view = torch.frombuffer(rows, dtype=torch_dtype, count=count).view(tuple(sizes)) \
-            .copy_(view)
-    return view.reshape(-1)
+    nbytes = count * dtype.itemsize
+    step, expected = 1, [0] * len(sizes)
+    for d in reversed(range(len(sizes))):
+        expected[d] = step
+        step *= sizes[d]
+    if all(n == 1 or s == e for n, s, e in zip(sizes, strides, expected)):
+        return buffer[:nbytes]
+    rows = scratch(nbytes, slot)
+    reorder(buffer, count, sizes, strides, 0, dtype, rows)
+    return rows[:nbytes]

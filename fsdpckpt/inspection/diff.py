@@ -29,7 +29,6 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from fsdpckpt import _torch
 from fsdpckpt._io.rawio import reusing_scratch, scratch
 from fsdpckpt._progress import ProgressCallback, ProgressFactory, start_progress
 from fsdpckpt.dcp._checked import CheckedRead
@@ -37,7 +36,6 @@ from fsdpckpt.errors import DiffOptionError
 from fsdpckpt.inspection._diff_files import open_source
 from fsdpckpt.inspection._diff_names import NameMap, mapped_sides
 from fsdpckpt.inspection._diff_sources import (
-    Accumulator,
     Source,
     TensorInfo,
     same_bytes,
@@ -48,13 +46,14 @@ from fsdpckpt.inspection._diff_tiles import (
     Piece,
     compressed,
     finish_checks,
-    flat_tile,
     overlaps,
     read_tile,
+    row_major,
     tile_sizes,
     tiles_of,
 )
 from fsdpckpt.inspection._diff_trainer import whole_trainer_sides
+from fsdpckpt.inspection._diff_values import Accumulator
 from fsdpckpt.inspection.inspect import name_matcher
 from fsdpckpt.merging._runs import boxes
 
@@ -238,7 +237,8 @@ def _compare_tiles(pieces_a: list[Piece], pieces_b: list[Piece], ta: TensorInfo,
     Tiles laid out alike on both sides with the same bytes are equal whatever the dtype's
     rule, and are compared as bytes without torch: a diff of two identical
     checkpoints laid out alike never imports it (``import torch`` alone takes longer than
-    reading 1.6 GB here). Any other tile is compared by :class:`Accumulator`.
+    reading 1.6 GB here). Any other tile is compared by :class:`Accumulator` (by numpy,
+    without torch, for the dtypes numpy holds).
     """
     same_dtype = ta.dtype == tb.dtype
     per_tile = min(BOX_ELEMENTS, max(ta.numel, 1))
@@ -262,13 +262,14 @@ def _compare_tiles(pieces_a: list[Piece], pieces_b: list[Piece], ta: TensorInfo,
             # Laid out alike in the two buffers: the same bytes are the same elements.
             if same_dtype and strides_a == strides_b and \
                     same_bytes(buffer_a[:nbytes], buffer_b[:nbytes]):
-                # Built (torch imported) only with norms: equal bytes need no values.
-                acc.same(partial(flat_tile, buffer_a, ta.dtype.name, part, strides_a,
-                                 "diff-a-rows"))
+                # Put in row-major order only with norms: equal bytes need no values.
+                acc.same(partial(row_major, buffer_a, ta.dtype, part, strides_a,
+                                 "diff-a-rows"), ta.dtype.name, count)
             else:
-                acc.add(flat_tile(buffer_a, ta.dtype.name, part, strides_a, "diff-a-rows"),
-                        flat_tile(buffer_b, tb.dtype.name, part, strides_b, "diff-b-rows"),
-                        same_dtype, atol, rtol)
+                acc.add(row_major(buffer_a, ta.dtype, part, strides_a, "diff-a-rows"),
+                        ta.dtype.name,
+                        row_major(buffer_b, tb.dtype, part, strides_b, "diff-b-rows"),
+                        tb.dtype.name, count, atol, rtol)
             if advance:
                 advance(count * (ta.dtype.itemsize + tb.dtype.itemsize))
         for piece in (pa, pb):  # the next overlap may read other pieces into these buffers
@@ -280,21 +281,16 @@ def _compare_tiles(pieces_a: list[Piece], pieces_b: list[Piece], ta: TensorInfo,
 def _compare_boxes(a: Source, b: Source, ta: TensorInfo, tb: TensorInfo, acc: Accumulator,
                    atol: float, rtol: float, advance: ProgressCallback | None) -> None:
     """Compare box by box in row-major order, through :meth:`Source.read`."""
-    import torch
-
-    same_dtype = ta.dtype == tb.dtype
     per_box = min(BOX_ELEMENTS, max(ta.numel, 1))
     buf_a = scratch(per_box * ta.dtype.itemsize, "diff-a")
     buf_b = scratch(per_box * tb.dtype.itemsize, "diff-b")
-    dtype_a, dtype_b = _torch.dtype(ta.dtype.name), _torch.dtype(tb.dtype.name)
     for offsets, sizes in boxes(ta.shape, BOX_ELEMENTS):
         count = math.prod(sizes)
         view_a = buf_a[:count * ta.dtype.itemsize]
         view_b = buf_b[:count * tb.dtype.itemsize]
         a.read(ta.name, offsets, sizes, view_a)
         b.read(tb.name, offsets, sizes, view_b)
-        acc.add(torch.frombuffer(view_a, dtype=dtype_a, count=count),
-                torch.frombuffer(view_b, dtype=dtype_b, count=count), same_dtype, atol, rtol)
+        acc.add(view_a, ta.dtype.name, view_b, tb.dtype.name, count, atol, rtol)
         if advance:
             advance(len(view_a) + len(view_b))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from fsdpckpt._io.storage import Place
+from fsdpckpt.dcp._layout_names import MODEL_FILES
 from fsdpckpt.errors import NotACheckpointError, UnfinishedSaveError
 
 __all__ = ["STAGING", "natural_key", "rank_file_refusal", "refuse_model_folder",
@@ -39,8 +40,6 @@ def refuse_model_folder(root: Place, names: list[str]) -> None:
     Raises:
         NotACheckpointError: it holds a model file; the message says how to load it.
     """
-    from fsdpckpt.merging._convert_source import MODEL_FILES  # a leaf module: no torch
-
     found = next((name for name in MODEL_FILES if name in names), None)
     if found is None:
         return

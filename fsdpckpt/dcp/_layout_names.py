@@ -1,11 +1,17 @@
 """The names by which :mod:`fsdpckpt.dcp.layout` knows the parts of a checkpoint folder:
-its DCP folders, the files saved beside them, nested checkpoints, a save's markers."""
+its DCP folders, the files saved beside them, nested checkpoints, a save's markers; and the
+model files of a folder of full weights, which is none."""
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["DATALOADER_STATE", "INCOMPLETE", "VERL_HF_DIR"]
+__all__ = ["DATALOADER_STATE", "INCOMPLETE", "MODEL_FILES", "VERL_HF_DIR"]
+
+#: The model file of a folder of full weights (merged or Hugging Face), first found first: what
+#: convert and ``load_full_state_dict`` read from a folder, and no part of a checkpoint.
+MODEL_FILES = ("model.safetensors.index.json", "model.safetensors",
+               "pytorch_model.bin.index.json", "pytorch_model.bin")
 
 #: A dataloader's state: Accelerate's ``dl_state_dict.bin`` (``dl_state_dict_{i}.bin`` for
 #: loader i), which fsdpckpt's rank 0 writes too, and the other ranks' own states

@@ -11,6 +11,7 @@ import zipfile
 
 from fsdpckpt._io import storage
 from fsdpckpt._io.storage import Place
+from fsdpckpt.dcp._layout_names import MODEL_FILES  # what convert reads from a folder
 from fsdpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -20,9 +21,6 @@ from fsdpckpt.formats._shards import read_shard_index
 
 __all__ = ["MODEL_FILES", "first_line", "resolve_source", "shards", "sniff"]
 
-#: What convert reads from a folder, first found first: a merged (or Hugging Face) model.
-MODEL_FILES = ("model.safetensors.index.json", "model.safetensors",
-               "pytorch_model.bin.index.json", "pytorch_model.bin")
 
 #: What a model file may be, said after the verb that read it (``convert reads ...``).
 _ACCEPTS = "reads a .safetensors file, a .bin/.pt file written by torch.save, or a shard " \

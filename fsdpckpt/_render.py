@@ -274,13 +274,14 @@ def _float(value: float | None) -> str:
 def render_diff(report: DiffReport) -> str:
     """The human form of what :func:`fsdpckpt.inspection.diff.diff` found: missing and
     unexpected names, a table of the tensors that differ, the objects that differ, and a
-    summary line that starts with ``EQUAL`` or ``DIFFERENT``. Names are escaped as in
+    summary line that starts with ``EQUAL`` or ``DIFFERENT`` (followed only by why names
+    were not mapped to a Hugging Face folder's, where they were not). Names are escaped as in
     :func:`render_inspect`."""
     out = [f"A: {_p(report.a)}", f"B: {_p(report.b)}"]
     out += _names_line("missing (in A, not in B)", report.missing)
     out += _names_line("unexpected (in B, not in A)", report.unexpected)
-    if report.names is not None:  # a checkpoint read under its export's names, or why not
-        out.append(_p(report.names.said()))
+    if report.names is not None and report.names.converted is not None:
+        out.append(_p(report.names.said()))  # a checkpoint read under its export's names
     for tie in report.tied:  # an export's tied target: compared with what it is tied to
         side, other = tie.left_out_by.upper(), "B" if tie.left_out_by == "a" else "A"
         verdict = "equal" if all(t.equal for t in report.tensors if t.name == tie.name) \
@@ -317,4 +318,6 @@ def render_diff(report: DiffReport) -> str:
                     f"{_plural(len(report.tensors), 'tensor')} differ, {wrong} of "
                     f"{_plural(len(report.objects), 'object')}, {len(report.missing)} missing, "
                     f"{len(report.unexpected)} unexpected ({tolerance})"]
+    if report.names is not None and report.names.converted is None:
+        out.append(_p(report.names.said()))  # why names were not mapped: after the verdict
     return "\n".join(out).lstrip("\n")

@@ -1,7 +1,9 @@
 """diff does no work it does not need (issue 43, point 6).
 
 Checkpoints that differ are compared without importing torch where numpy holds their dtypes
-(``import torch`` took 6-26 s on a busy machine for two 4-tensor models).
+(``import torch`` took 6-26 s on a busy machine for two 4-tensor models); a checkpoint
+against a Hugging Face folder of another model is not mapped to its names by building the
+config's model class (27 s), and why is said after the verdict.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import fsdpckpt
 
 from chunked import split, whole, write_dcp
 from conftest import FIXTURES, ROOT
+
+# A model checkpoint against another model's Hugging Face folder (config.json beside it).
+UNRELATED = (FIXTURES / "fsdp2_accelerate", FIXTURES / "tiny_llama" / "untied" /
+             "trained.safetensors")
 
 
 def _in_a_child(*args: str, modules: tuple[str, ...] = ("torch",)) -> tuple[list[str], dict]:
@@ -85,3 +91,16 @@ def test_special_values_in_every_layout_get_torchs_answers_without_torch(pair, t
     by_torch = fsdpckpt.diff(pair[0], pair[1], atol=atol, rtol=rtol).to_json()
     got = json.loads("\n".join(lines))
     assert got == by_torch and got["summary"]["differing"] > 0
+
+
+def test_a_checkpoint_against_another_models_folder_does_not_import_transformers():
+    lines, imported = _in_a_child("diff", *map(str, UNRELATED),
+                                  modules=("transformers", "torch"))
+    assert imported == {"transformers": False, "torch": False}, lines
+
+
+def test_why_names_were_not_mapped_follows_the_verdict_in_one_short_line():
+    lines, _ = _in_a_child("diff", *map(str, UNRELATED))
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("DIFFERENT: "))
+    assert lines[verdict:][1:] == [lines[-1]] and lines[-1].startswith("names: ")
+    assert len(lines[-1]) < 120 and "LlamaForCausalLM" not in lines[-1]

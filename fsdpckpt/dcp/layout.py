@@ -278,6 +278,8 @@ def one_checkpoint(path: str | os.PathLike[str] | Place) -> Place | None:
     CheckpointManager read is the run folder itself, never this."""
     try:
         find_layout(path)
+    except CheckpointNotFoundError:
+        return None  # said by the verb, with whatever else it finds wrong
     except NotACheckpointError as exc:
         root = location(path)
         # Beside an unfinished save the refusal stands: it says what the save left.

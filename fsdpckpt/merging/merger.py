@@ -62,6 +62,7 @@ def plan_job(request: MergeRequest) -> MergeJob:
     """
     opts = request.options
     plans = tuple(plan_merge(source.folder, format=opts.format, dtype=opts.dtype,
+                             optimizer_dtype=opts.optimizer_dtype, kind=source.kind,
                              clean_keys=opts.clean_keys, include=opts.include,
                              exclude=opts.exclude, max_shard_size=opts.max_shard_size,
                              stem=source.kind, file_name=opts.file_name)
@@ -89,8 +90,9 @@ def write_job(job: MergeJob, stage: Path, progress: ProgressFactory | None = Non
 
 def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str], *,
           optimizer: bool = False, model_index: int | None = None, format: str = "safetensors",
-          dtype: str | None = None, max_shard_size: str | int | None = None,
-          keep_keys: bool = False, include: Sequence[str] = (), exclude: Sequence[str] = (),
+          dtype: str | None = None, optimizer_dtype: str | None = None,
+          max_shard_size: str | int | None = None, keep_keys: bool = False,
+          include: Sequence[str] = (), exclude: Sequence[str] = (),
           overwrite: bool = False, file_name: str | None = None,
           progress: ProgressFactory | None = None, process_group: Any = None,
           storage_options: dict[str, Any] | None = None,
@@ -103,7 +105,13 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
         optimizer: also merge the checkpoint's optimizer folder (to ``optimizer.*``).
         model_index: which model of a checkpoint with several (``pytorch_model_fsdp_{i}``).
         format: ``"safetensors"`` (default) or ``"bin"``.
-        dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``: convert floating-point tensors.
+        dtype: ``"bf16"``, ``"fp16"`` or ``"fp32"``: convert the model's floating-point
+            tensors. An optimizer's keep their stored dtype (a merged optimizer is one to
+            resume from).
+        optimizer_dtype: the same, for the optimizer's moments (``exp_avg``, ``exp_avg_sq``,
+            momentum buffers). Step counters and 0-dimensional scalars are never cast: bf16
+            holds integers exactly only up to 256. Each :class:`MergeResult`'s
+            ``kept_dtype`` names what kept its dtype.
         max_shard_size: e.g. ``"5GB"``: HF-style shards plus an index file (one file
             without an index when everything fits in one shard).
         keep_keys: keep wrapper segments such as ``_fsdp_wrapped_module.`` in names.
@@ -132,6 +140,8 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
     Raises:
         NotACheckpointError, CheckpointNotFoundError, UnsafePickleError: bad input.
         MergePlanError: the options cannot apply (the message lists every reason).
+        OptionError: ``optimizer`` or ``optimizer_dtype`` given, and no optimizer to merge
+            (a model folder given alone: the message names the checkpoint folder to pass).
         OutputExistsError: an output file exists and ``overwrite`` is False.
         DiskFullError: not enough free space.
         FsdpCkptError: spread over ranks, another rank failed (the message names it).
@@ -143,6 +153,7 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
         source = location(checkpoint, storage_options=storage_options)
         return plan_job(validate_merge(source, into, optimizer=optimizer,
                                        model_index=model_index, format=format, dtype=dtype,
+                                       optimizer_dtype=optimizer_dtype,
                                        max_shard_size=max_shard_size, keep_keys=keep_keys,
                                        include=include, exclude=exclude, overwrite=overwrite,
                                        file_name=file_name))

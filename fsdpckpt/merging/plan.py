@@ -26,6 +26,7 @@ from fsdpckpt.errors import MergePlanError
 from fsdpckpt.formats import FORMATS, OutputFormat, TensorSpec, get_format
 from fsdpckpt.formats._shards import index_document
 from fsdpckpt.formats.safetensors import RESERVED_NAME
+from fsdpckpt.merging._dtype_policy import DtypePolicy, KeptDtypes, holds_optimizer
 from fsdpckpt.merging._keys import clean_key, output_name, select, shares_top_key
 from fsdpckpt.merging._parse import parse_dtype, parse_size
 from fsdpckpt.merging._runs import Runs, RunStarts, chunk_runs
@@ -89,6 +90,8 @@ class MergePlan:
         fuser: None when every tensor is copied from its stored chunks; otherwise the
             tensors without stored chunks come from it, computed one at a time
             (:func:`computed_plan`).
+        kept_dtype: the optimizer tensors that kept their stored dtype though a cast was
+            asked (:mod:`~fsdpckpt.merging._dtype_policy`), or None.
     """
 
     folder: DcpFolder
@@ -99,6 +102,7 @@ class MergePlan:
     index_name: str | None
     stem: str = "model"
     fuser: TensorStream | None = field(default=None, compare=False, repr=False)
+    kept_dtype: KeptDtypes | None = None
 
     @property
     def suffix(self) -> str:
@@ -205,7 +209,8 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *,
                dtype: DType | str | None = None, clean_keys: bool = True,
                include: Sequence[str] | str = (), exclude: Sequence[str] | str = (),
                max_shard_size: int | str | None = None, stem: str = "model",
-               file_name: str | None = None) -> MergePlan:
+               file_name: str | None = None, optimizer_dtype: DType | str | None = None,
+               kind: str | None = None) -> MergePlan:
     """Plan the merge of ``folder`` into one file, or HF-style shards.
 
     Everything a user could get wrong is checked here, from metadata alone, so a
@@ -215,9 +220,12 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *,
         folder: the DCP folder to merge: a :class:`DcpFolder`, or its path (str or
             PathLike), which is read with :func:`fsdpckpt.dcp.reader.read_dcp_folder`.
         format: ``"safetensors"`` or ``"bin"``, or an :class:`OutputFormat`.
-        dtype: convert floating-point tensors to this dtype; others keep theirs. A
-            :class:`DType`, a ``torch.dtype`` or a word: ``"bf16"``, ``"fp16"``,
+        dtype: convert the model's floating-point tensors to this dtype; others keep
+            theirs. A :class:`DType`, a ``torch.dtype`` or a word: ``"bf16"``, ``"fp16"``,
             ``"fp32"``, ``"bfloat16"``, ``"torch.float16"``...
+        optimizer_dtype: the same for an optimizer's moments (``exp_avg``...), which
+            ``dtype`` leaves as stored; step counters and 0-dimensional scalars are never
+            cast (:mod:`fsdpckpt.merging._dtype_policy`).
         clean_keys: drop wrapper segments (``_fsdp_wrapped_module.``...) from names
             and from the nesting kept in the output.
         include, exclude: glob filters on output names (one string or several).
@@ -229,6 +237,8 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *,
             ``model.safetensors``, ``model-00001-of-00002.safetensors``); the format
             may rename it (:meth:`OutputFormat.file_stem`: ``pytorch_model.bin``).
         file_name: the single file's name, overriding the stem's.
+        kind: what ``folder`` holds, ``"model"`` or ``"optimizer"``; None: an optimizer
+            when every entry is under the key ``optimizer``, else a model.
 
     Returns:
         The :class:`MergePlan`.
@@ -246,18 +256,21 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *,
         raise MergePlanError(str(exc)) from None
     if not isinstance(folder, DcpFolder):
         folder = read_dcp_folder(folder)
-    dtype = parse_dtype(dtype)
+    policy = DtypePolicy(parse_dtype(dtype), parse_dtype(optimizer_dtype))
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     include = [include] if isinstance(include, str) else list(include)
     exclude = [exclude] if isinstance(exclude, str) else list(exclude)
     meta = folder.metadata
     entries = list(meta.tensors) + list(meta.objects)
+    if kind is None:
+        kind = "optimizer" if holds_optimizer([e.key_path for e in entries]) else "model"
     strip = shares_top_key([e.key_path for e in entries])
     names = [output_name(e.key_path, strip_top=strip, clean=clean_keys) for e in entries]
     problems = [f"two entries would both be named '{n}'; pass --keep-keys to keep the stored "
                 "names" for n in dict.fromkeys(_iter_duplicates(names))]
     tensors, objects = [], []
     uncoded: dict[DType, list[str]] = {}  # dtype -> tensors the format cannot hold
+    kept = []  # (name, shape, dtype) of the optimizer tensors a cast asked for left alone
     for entry, name in zip(entries, names):
         if not select(name, include=include, exclude=exclude):
             continue
@@ -265,7 +278,9 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *,
         if isinstance(entry, ObjectEntry):
             objects.append(PlannedObject(name, entry, key_path))
             continue
-        out = dtype if dtype is not None and entry.dtype.is_floating else entry.dtype
+        out = policy.planned(kind, name, entry.shape, entry.dtype)
+        if policy.kept(kind, entry.dtype, out):
+            kept.append((name, entry.shape, entry.dtype))
         if not fmt.can_hold(out):
             uncoded.setdefault(out, []).append(entry.name)
         refused = fmt.name_problem(entry.name, name)
@@ -287,7 +302,8 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *,
         any(len(o.key_path) > 1 for o in objects)
     stem = fmt.file_stem(stem)
     files, index_name = _files(fmt, stem, _shard(tensors, limit), file_name)
-    return MergePlan(folder, fmt, files, tuple(objects), nested, index_name, stem)
+    return MergePlan(folder, fmt, files, tuple(objects), nested, index_name, stem,
+                     kept_dtype=KeptDtypes.of(kept))
 
 
 def _selection_hint(entries: Sequence[Any], names: list[str], shown: int = 4) -> str:

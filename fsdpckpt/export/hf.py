@@ -69,6 +69,7 @@ from fsdpckpt.export._model import (
     tied_without_transformers,
 )
 from fsdpckpt.export._moe import hub_names, hub_plan
+from fsdpckpt.export._refusals import refuse_optimizer, refuse_weight_file
 from fsdpckpt.export._tied import compare_tied, refuse_differing
 from fsdpckpt.export._trainer_names import looks_like, trainer_job
 from fsdpckpt.export.lora import AdapterExport, export_adapter
@@ -287,10 +288,12 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
     # Located once, with the storage options: the LoRA readers take them as they are.
     lora_at = location(lora_config, storage_options=storage_options) \
         if lora_config is not None else None
+    refuse_weight_file(where)  # merged weights: export from their checkpoint
     if lora == "adapter":
         return export_adapter(where, output, lora_config=lora_at, base=base_at, dtype=dtype,
                               overwrite=overwrite)
     layout = find_layout(where)
+    held = refuse_optimizer(layout)  # before the config is looked for: no model, no config
     side = find_side_files(_search_root(layout), base_at)
     config = read_config(side.config)
     # transformers' import is the export's largest cost: it runs while this thread plans,
@@ -302,6 +305,7 @@ def _export(checkpoint: str | os.PathLike[str], output: Path, *,
     importing = None if from_base or kept else start_import(config)
     request = validate_merge(layout, output, dtype=dtype, max_shard_size=max_shard_size,
                              overwrite=overwrite)
+    del held  # validate_merge read the parts' .metadata parsed once, while held
     job = plan_job(request)  # also: is the output free, and which earlier outputs go
     trainer = None  # a torchtune or torchtitan run's names: renamed to the hub's
     if lora is None:

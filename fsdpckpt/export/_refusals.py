@@ -71,7 +71,8 @@ def refuse_optimizer(layout: CheckpointLayout) -> list[DcpFolder]:
         folder = open_part(part.path, part.name)
         opened.append(folder)
         # Objects too: an SGD without momentum keeps no tensor, only its param_groups.
-        keys = [e.key_path for e in (*folder.metadata.tensors, *folder.metadata.objects)]
+        keys = [t.key_path for t in folder.metadata.tensors] + \
+            [o.key_path for o in folder.metadata.objects]
         if part.kind == "optimizer" or holds_optimizer(keys):
             raise NotACheckpointError(_optimizer_said(part.path, keys[0] if keys else (),
                                                       layout))

@@ -14,8 +14,8 @@ from fsdpckpt._progress import ProgressCallback, ProgressFactory
 from fsdpckpt.errors import REPORTED_BY_RANK
 
 __all__ = ["_debug_option", "_dtype_option", "_fail", "_progress", "_shard_size_option",
-           "_storage_options_option", "as_flags", "output_file_name", "refuse_file_output",
-           "FLAGS"]
+           "_storage_options_option", "as_flags", "merge_output", "one_checkpoint",
+           "output_file_name", "refuse_file_output", "say_note", "with_note", "FLAGS"]
 
 
 def _debug_option(func: Any) -> Any:
@@ -50,11 +50,12 @@ def _storage_options_option(func: Any) -> Any:
              "timeouts: fsdpckpt --help).")(func)
 
 
-def _dtype_option(help: str) -> Any:
-    """``--dtype``, in any spelling the library reads (``bf16``, ``bfloat16``,
-    ``torch.bfloat16``, ``fp16``, ``half``, ``float32``...: ``merging.plan.parse_dtype``).
-    The library checks it with the other options, so every problem is reported at once."""
-    return click.option("--dtype", metavar="DTYPE", help=help)
+def _dtype_option(help: str, name: str = "--dtype") -> Any:
+    """``--dtype`` (or ``name``: merge's ``--optimizer-dtype``), in any spelling the library
+    reads (``bf16``, ``bfloat16``, ``torch.bfloat16``, ``fp16``, ``half``, ``float32``...:
+    ``merging.plan.parse_dtype``). The library checks it with the other options, so every
+    problem is reported at once."""
+    return click.option(name, metavar="DTYPE", help=help)
 
 
 def _shard_size_option(help: str, default: str | None = None) -> Any:
@@ -100,6 +101,78 @@ def refuse_file_output(output: str, what: str, hint: str = "") -> None:
         folder, name = found
         raise OptionError(f"{output}: names a file ({name}), but {what} is the folder the "
                           f"files are written into; pass {folder} instead{hint}")
+
+
+#: The names of the one file each --format writes as named: torch.save's .pt and .pth too, as
+#: torch's dcp_to_torch_save users name it.
+_FORMAT_NAMES = {"safetensors": (".safetensors",), "bin": (".bin", ".pt", ".pth")}
+
+
+def merge_output(checkpoint: str, output: str, fmt: str, optimizer: bool,
+                  max_shard_size: str | None) -> tuple[str, str | None]:
+    """``(OUTPUT_DIR, file name)``: ``out/merged.safetensors`` (``out/model.pt`` with
+    --format bin) is the single file of the library's ``file_name=`` mode, written as such,
+    where one file of that format is what the merge writes; a name of the other format
+    says which --format it needs; otherwise a weight file's name is refused, naming the
+    folder."""
+    from fsdpckpt.errors import OptionError
+
+    found = output_file_name(output)
+    if found is None:
+        return output, None
+    folder, name = found
+    one_file = not optimizer and max_shard_size is None
+    if one_file and name.lower().endswith(_FORMAT_NAMES[fmt]):
+        return folder, name
+    other = "bin" if fmt == "safetensors" else "safetensors"
+    suffix = next((s for s in _FORMAT_NAMES[other] if name.lower().endswith(s)), None)
+    if one_file and suffix:
+        command = f"fsdpckpt merge {checkpoint} {output}" + \
+            (" --format bin" if other == "bin" else "")
+        needs = "--format bin (the default is safetensors)" if other == "bin" else \
+            "--format safetensors (the default), not --format bin"
+        default = "model.safetensors" if fmt == "safetensors" else "pytorch_model.bin"
+        raise OptionError(f"{name}: a {suffix} name needs {needs}: {command}; or pass "
+                          f"{folder} instead (for {default})")
+    refuse_file_output(output, "OUTPUT_DIR", " (a file name is kept only for one file: "
+                       "*.safetensors, or *.bin, *.pt, *.pth with --format bin; without "
+                       "--optimizer and --max-shard-size)")
+    return output, None  # not reached: refuse_file_output raised
+
+
+def one_checkpoint(path: str, storage_options: dict | None) -> tuple[str, str | None]:
+    """``(path to read, note)``: a run folder holding exactly one finished checkpoint stands
+    for it (``run/`` holding ``step-2/`` alone is read as ``run/step-2``), and the note
+    says so, once: on stderr, or as the ``note`` field of a ``--json`` document
+    (:func:`with_note`). Any other path is read as given (note None)."""
+    from fsdpckpt._io.remote import location
+    from fsdpckpt.dcp.layout import one_checkpoint as find_one
+
+    root = location(path, storage_options=storage_options)
+    found = find_one(root)
+    if found is None:
+        return path, None
+    return str(found), f"{root}: holds one checkpoint, {found.name}; using {found}"
+
+
+def say_note(note: str | None, as_json: bool) -> None:
+    """Tell the user ``note`` on stderr; with ``--json`` it is the document's ``note``."""
+    if note and not as_json:
+        click.echo(f"fsdpckpt: note: {printable(note)}", err=True)
+
+
+class _Noted:
+    def __init__(self, report: Any, note: str) -> None:
+        self.report, self.note = report, note
+
+    def to_json(self) -> Any:
+        return {**self.report.to_json(), "note": self.note}
+
+
+def with_note(report: Any, note: str | None) -> Any:
+    """``report`` (anything with ``to_json()`` giving a dict), its document carrying
+    ``"note"`` when there is one."""
+    return report if note is None else _Noted(report, note)
 
 
 #: The library's messages name its parameters; the command line's name the flags. In order:

@@ -14,7 +14,10 @@ from fsdpckpt._cli_common import (
     _progress,
     _shard_size_option,
     _storage_options_option,
+    one_checkpoint,
     refuse_file_output,
+    say_note,
+    with_note,
 )
 from fsdpckpt._printable import printable
 
@@ -89,20 +92,22 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
     from fsdpckpt.export.lora import AdapterExport
 
     refuse_file_output(output, "OUTPUT")
+    checkpoint, note = one_checkpoint(checkpoint, storage_options)
+    say_note(note, as_json)
     result = export(checkpoint, output, base=base, dtype=dtype, max_shard_size=max_shard_size,
                     overwrite=overwrite, lora=lora, lora_config=lora_config, untie=untie,
                     progress=_progress(quiet, "exporting"), storage_options=storage_options,
                     trust_remote_code=trust_remote_code)
     if isinstance(result, AdapterExport):
         if as_json:
-            click.echo(json.dumps(result.to_json(), indent=2))
+            click.echo(json.dumps(with_note(result, note).to_json(), indent=2))
         else:
             click.echo(f"exported adapter '{printable(result.adapter)}' ({result.modules} "
                        f"modules, {result.tensors} tensors) -> {printable(result.output)}: "
                        + ", ".join(printable(name) for name in result.files))
         return
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        click.echo(json.dumps(with_note(result, note).to_json(), indent=2))
         return
     click.echo(f"exported {printable(result.source)} -> {printable(result.output)}: "
                f"{result.tensors} tensors, {human_bytes(result.bytes)} {result.dtype} in "
@@ -131,7 +136,8 @@ def export_hf(checkpoint: str, output: str, base: str | None, dtype: str | None,
                    "equal; with a tolerance, a dtype change (a bf16 export) is allowed.")
 @click.option("--name", "-n", "names", multiple=True, metavar="PATTERN",
               help="Only compare entries whose name matches: a glob ('*.weight') or a "
-                   "substring ('layers.0.'); repeatable.")
+                   "substring ('layers.0.'), against the name as compared ('0.weight') or "
+                   "as a side stores it ('model.0.weight'); repeatable.")
 @click.option("--optimizer", is_flag=True,
               help="Compare the optimizer state (optimizer_0/, optimizer.safetensors) of "
                    "checkpoints and merged folders instead of the model.")
@@ -181,6 +187,11 @@ def diff(a: str, b: str, atol: float, rtol: float, names: tuple[str, ...], optim
     from fsdpckpt._render import render_diff
     from fsdpckpt.inspection.diff import diff as diff_sources
 
+    (a, note_a), (b, note_b) = one_checkpoint(a, storage_options), \
+        one_checkpoint(b, storage_options)
+    notes = [n for n in (note_a, note_b) if n]
+    for note in notes:
+        say_note(note, as_json)
     report = diff_sources(a, b, atol=atol, rtol=rtol, names=names, optimizer=optimizer,
                           model_index=model_index, keep_keys=keep_keys,
                           progress=_progress(quiet, "comparing"), norms=bool(html),
@@ -191,7 +202,7 @@ def diff(a: str, b: str, atol: float, rtol: float, names: tuple[str, ...], optim
 
         click.echo(f"wrote {printable(write_page(html, diff_html(report)))}", err=True)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        click.echo(json.dumps(with_note(report, "; ".join(notes) or None).to_json(), indent=2))
     else:
         click.echo(render_diff(report))
     if not report.equal:

@@ -24,7 +24,7 @@ from fsdpckpt.inspection.report import (
 if TYPE_CHECKING:  # the diff module pulls in the merge side; inspect need not load it
     from fsdpckpt.inspection.diff import DiffReport
 
-__all__ = ["human_bytes", "table", "tensor_cells", "render_inspect", "render_verify", "render_diff"]
+__all__ = ["human_bytes", "table", "render_inspect", "render_verify", "render_diff"]
 
 
 
@@ -98,17 +98,8 @@ def _p(value: object) -> str:
     return printable(str(value))
 
 
-def tensor_cells(tensor: TensorReport) -> list[Any]:
-    """``tensor``'s row of the text output's table (name, dtype, shape, chunks, sharding,
-    bytes), which ``inspect --html``'s table of tensors shows too."""
-    # A model file's tensor is whole in its file: no chunks to count.
-    count = "-" if tensor.sharding == "whole" else len(tensor.chunks)
-    return [_p(tensor.name), _p(tensor.dtype.name), _shape(tensor.shape), count,
-            tensor.sharding, human_bytes(tensor.bytes)]
-
-
 def _tensor_rows(tensor: TensorReport, chunks: bool) -> list[list[Any]]:
-    rows: list[list[Any]] = [tensor_cells(tensor)]
+    rows: list[list[Any]] = [list(tensor.cells())]
     if chunks:
         rows += [[f"  @ {_shape(c.offsets)} size {_shape(c.sizes)}", "", "", "",
                   f"{_p(c.file)} +{c.offset}", human_bytes(c.length)] for c in tensor.chunks]
@@ -129,7 +120,7 @@ def _part_lines(part: PartReport, *, chunks: bool, tensors: bool,
         out.append(_files_summary(part.files, "file" if whole else "rank file"))
     if tensors and part.tensors:
         out.append("")
-        rows = [row for t in part.tensors for row in _tensor_rows(t, chunks)]
+        rows = [row for t in part.listed() for row in _tensor_rows(t, chunks)]
         out += table(rows, header=["name", "dtype", "shape", "chunks", "sharding", "bytes"],
                      right=(3, 5))
     if tensors and part.objects:
@@ -212,7 +203,9 @@ def render_inspect(report: InspectReport, *, chunks: bool = False, tensors: bool
             out += _part_lines(part, chunks=chunks, tensors=tensors, whole=whole)
     listed = [p for p in report.parts if p.tensors or p.objects]
     if names and tensors and not listed:
-        out += ["", f"No tensor or object name matches {printable(repr(names))}."]
+        out += ["", f"No tensor or object name matches {printable(repr(names))}. A pattern "
+                "matches a name as stored (as listed here) or as merge writes it (without "
+                "the part's top-level key, such as 'model.', and wrapper segments)."]
     if report.problems:
         out += ["", f"Problems ({len(report.problems)}):"]
         out += _problem_lines(report.problems)

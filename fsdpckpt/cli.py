@@ -24,8 +24,11 @@ from fsdpckpt._cli_common import (
     _storage_options_option,
     interrupted_status,
     json_pieces,
-    output_file_name,
+    merge_output,
+    one_checkpoint,
     refuse_file_output,
+    say_note,
+    with_note,
 )
 from fsdpckpt._cli_export import diff, export_hf
 from fsdpckpt._cli_list import list_command
@@ -96,7 +99,8 @@ def main() -> None:
               help="Print one JSON document on stdout (schema in docs/cli.md).")
 @click.option("--name", "-n", "names", metavar="PATTERN",
               help="Only list tensors and objects whose name matches: a glob "
-                   "('*.weight') or a substring ('layers.0.').")
+                   "('*.weight') or a substring ('layers.0.'), against the name as stored "
+                   "('model.0.weight') or as merge writes it ('0.weight').")
 @click.option("--chunks", is_flag=True,
               help="Also list every chunk: offsets, sizes, file, byte range.")
 @click.option("--summary", is_flag=True,
@@ -134,6 +138,8 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
     from fsdpckpt._render import render_inspect
     from fsdpckpt.inspection.inspect import inspect_checkpoint
 
+    given, (path, note) = path, one_checkpoint(path, storage_options)
+    say_note(note, as_json)
     report = inspect_checkpoint(path, names=names, storage_options=storage_options)
     if html:
         from fsdpckpt.inspection._html import write_page
@@ -142,7 +148,7 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
         written = write_page(html, inspect_html(report))
         click.echo(f"wrote {printable(written)}", err=True)
     if as_json:
-        for piece in json_pieces(report):  # written as made: never the whole document
+        for piece in json_pieces(with_note(report, note)):  # written as made, never whole
             click.echo(piece, nl=False)
         click.echo()
     else:
@@ -150,16 +156,18 @@ def inspect(path: str, as_json: bool, names: str | None, chunks: bool, summary: 
     if not report.ok:
         count = len(report.problems)
         click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in "
-                   f"{printable(path)}; the checkpoint is not whole", err=True)
+                   f"{printable(given)}; the checkpoint is not whole", err=True)
         sys.exit(1)
 
 
-def _merge_report(results: list[Any], as_json: bool) -> None:
+def _merge_report(results: list[Any], as_json: bool, note: str | None = None) -> None:
     from fsdpckpt._render import human_bytes
 
     if as_json:
-        click.echo(json.dumps({"outputs": [r.to_json() for r in results]}, indent=2))
+        document: dict[str, Any] = {"outputs": [r.to_json() for r in results]}
+        click.echo(json.dumps({**document, "note": note} if note else document, indent=2))
         return
+    say_note(note, as_json)
     for r in results:
         rate = human_bytes(r.bytes / r.seconds) if r.seconds > 0 else "-"
         click.echo(f"merged {printable(r.source)} -> {printable(r.path)}: {r.tensors} tensors, "
@@ -170,6 +178,8 @@ def _merge_report(results: list[Any], as_json: bool) -> None:
             shown = ", ".join(map(printable, r.objects[:5])) + \
                 (" ..." if len(r.objects) > 5 else "")
             click.echo(f"  kept {len(r.objects)} non-tensor entries ({shown}) in {where}")
+        if r.kept_dtype:
+            click.echo(f"  {r.kept_dtype.describe()}")
 
 
 @main.command()
@@ -182,9 +192,13 @@ def _merge_report(results: list[Any], as_json: bool) -> None:
               help="Which model to merge when a checkpoint holds several (pytorch_model_fsdp_N/).")
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "bin"]), default="safetensors",
               show_default=True, help="Output format; bin is a torch.save archive.")
-@_dtype_option("Convert floating-point tensors to this dtype: bf16 (bfloat16), fp16 (float16) "
-               "or fp32 (float32); integer and bool tensors keep theirs. Default: keep every "
-               "dtype.")
+@_dtype_option("Convert the model's floating-point tensors to this dtype: bf16 (bfloat16), "
+               "fp16 (float16) or fp32 (float32); integer and bool tensors keep theirs, and "
+               "so does the optimizer (see --optimizer-dtype). Default: keep every dtype.")
+@_dtype_option("Convert the optimizer's floating-point moments (exp_avg, exp_avg_sq, momentum "
+               "buffers; merged with --optimizer) to this dtype. Step counters and 0-dimensional "
+               "scalars are never cast (bf16 holds integers exactly only up to 256). "
+               "Default: keep the stored dtypes.", name="--optimizer-dtype")
 @_shard_size_option("Split into HF-style shards of at most SIZE (5GB, 5G, 5GiB, 500M, or bytes) "
                     "plus an index file; a model that fits in one shard is one file, without "
                     "an index.")
@@ -192,9 +206,10 @@ def _merge_report(results: list[Any], as_json: bool) -> None:
               help="Keep wrapper segments (_fsdp_wrapped_module., _checkpoint_wrapped_module., "
                    "_orig_mod.) in names; by default they are removed.")
 @click.option("--include", multiple=True, metavar="GLOB",
-              help="Only merge entries whose output name matches (repeatable).")
+              help="Only merge entries whose name matches, as written ('0.weight') or as "
+                   "stored and inspect lists it ('model.0.weight') (repeatable).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
-              help="Skip entries whose output name matches (repeatable).")
+              help="Skip entries whose name, as written or as stored, matches (repeatable).")
 @click.option("--overwrite", is_flag=True,
               help="Replace the output of an earlier merge (the files its index names, or the "
                    "single file); other files in OUTPUT_DIR are never touched.")
@@ -203,9 +218,9 @@ def _merge_report(results: list[Any], as_json: bool) -> None:
 @_storage_options_option
 @_debug_option
 def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | None, fmt: str,
-          dtype: str | None, max_shard_size: str | None, keep_keys: bool,
-          include: tuple[str, ...], exclude: tuple[str, ...], overwrite: bool, quiet: bool,
-          as_json: bool, storage_options: dict | None) -> None:
+          dtype: str | None, optimizer_dtype: str | None, max_shard_size: str | None,
+          keep_keys: bool, include: tuple[str, ...], exclude: tuple[str, ...], overwrite: bool,
+          quiet: bool, as_json: bool, storage_options: dict | None) -> None:
     """Merge a sharded checkpoint into one safetensors or .bin file, streaming.
 
     CHECKPOINT is a DCP folder (pytorch_model_fsdp_0/, optimizer_0/) or a whole
@@ -238,35 +253,21 @@ def merge(checkpoint: str, output_dir: str, optimizer: bool, model_index: int | 
     from fsdpckpt.merging._distributed import torchrun_group
     from fsdpckpt.merging.merger import merge as merge_checkpoint
 
-    output_dir, file_name = _merge_output(output_dir, fmt, optimizer, max_shard_size)
+    output_dir, file_name = merge_output(checkpoint, output_dir, fmt, optimizer, max_shard_size)
+    checkpoint, note = one_checkpoint(checkpoint, storage_options)
     with torchrun_group() as group:
         rank = 0 if group is None else group.rank()
         desc = "merging" if group is None else f"merging (rank 0's share of {group.size()})"
         results = merge_checkpoint(checkpoint, output_dir, optimizer=optimizer,
                                    model_index=model_index, format=fmt, dtype=dtype,
+                                   optimizer_dtype=optimizer_dtype,
                                    max_shard_size=max_shard_size, keep_keys=keep_keys,
                                    include=include, exclude=exclude, overwrite=overwrite,
                                    file_name=file_name,
                                    progress=_progress(quiet or rank != 0, desc),
                                    process_group=group, storage_options=storage_options)
     if rank == 0:
-        _merge_report(results, as_json)
-
-
-def _merge_output(output: str, fmt: str, optimizer: bool,
-                  max_shard_size: str | None) -> tuple[str, str | None]:
-    """``(OUTPUT_DIR, file name)``: ``out/merged.safetensors`` is the single file of the
-    library's ``file_name=`` mode, written as such, where one file of that format is what
-    the merge writes; otherwise a weight file's name is refused, naming the folder."""
-    found = output_file_name(output)
-    if found is None:
-        return output, None
-    folder, name = found
-    if name.endswith(f".{fmt}") and not optimizer and max_shard_size is None:
-        return folder, name
-    refuse_file_output(output, "OUTPUT_DIR", " (a file name is kept only for one file in "
-                       "the --format it names: without --optimizer and --max-shard-size)")
-    return output, None  # not reached: refuse_file_output raised
+        _merge_report(results, as_json, note)
 
 
 @main.command("merge-weights")
@@ -300,9 +301,14 @@ def merge_weights(checkpoint_directory: str, output_path: str, unsafe: bool, rem
     """
     import time
 
+    from fsdpckpt._io.remote import location
+    from fsdpckpt.dcp.layout import refuse_rank_file
     from fsdpckpt.merging.merger import merge_fsdp_weights
 
     refuse_file_output(output_path, "OUTPUT_PATH")
+    source = location(checkpoint_directory, storage_options=storage_options)
+    if source.is_file():  # named as Accelerate's merge-weights takes it: the DCP folder
+        refuse_rank_file(source, whole=False)
     start = time.perf_counter()
     del overwrite  # always on, as in Accelerate
     path = merge_fsdp_weights(checkpoint_directory, output_path, not unsafe, remove,
@@ -393,16 +399,18 @@ def verify(path: str, as_json: bool, quiet: bool, expect_digest: str | None,
     from fsdpckpt._render import render_verify
     from fsdpckpt.inspection.verify import verify_checkpoint
 
+    given, (path, note) = path, one_checkpoint(path, storage_options)
+    say_note(note, as_json)
     report = verify_checkpoint(path, progress=_progress(quiet, "verifying"),
                                expect_digest=expect_digest, storage_options=storage_options)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        click.echo(json.dumps(with_note(report, note).to_json(), indent=2))
     else:
         click.echo(render_verify(report, path))
     if not report.ok:
         count = len(report.problems)
         click.echo(f"fsdpckpt: error: {count} problem{'s' * (count != 1)} found in "
-                   f"{printable(path)}", err=True)
+                   f"{printable(given)}", err=True)
         sys.exit(1)
 
 

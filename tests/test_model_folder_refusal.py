@@ -15,8 +15,10 @@ def test_a_hugging_face_model_folder_is_named_as_full_weights(verb, tmp_path):
     out = tmp_path / "out"
     result = run_cli(verb, HF_FOLDER, out)
     assert_one_line_error(result, f"{HF_FOLDER}: is a Hugging Face model folder (config.json, "
-                                  "model.safetensors): already full weights, nothing to merge; "
-                                  "load it with from_pretrained, or pass the sharded checkpoint")
+                                  "model.safetensors): already full weights, not a sharded "
+                                  "checkpoint; load it with from_pretrained as it is, or pass "
+                                  "the sharded checkpoint it came from")
+    assert "merge" not in result.stderr.replace(str(HF_FOLDER), "")  # any verb's words
     assert not out.exists()
 
 

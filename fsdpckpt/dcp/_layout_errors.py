@@ -46,11 +46,12 @@ def refuse_model_folder(root: Place, names: list[str]) -> None:
     if "config.json" in names:
         raise NotACheckpointError(
             f"{root}: is a Hugging Face model folder (config.json, {found}): already full "
-            "weights, nothing to merge; load it with from_pretrained, or pass the sharded "
-            "checkpoint")
+            "weights, not a sharded checkpoint; load it with from_pretrained as it is, or "
+            "pass the sharded checkpoint it came from")
     raise NotACheckpointError(
-        f"{root}: is a merged model folder ({found}): already full weights, nothing to merge; "
-        "load it with fsdpckpt.load_full_state_dict, or pass the sharded checkpoint")
+        f"{root}: is a merged model folder ({found}): already full weights, not a sharded "
+        "checkpoint; load it with fsdpckpt.load_full_state_dict, or pass the sharded "
+        "checkpoint it came from")
 
 
 def natural_key(name: str) -> list[tuple[int, int | str]]:

@@ -26,6 +26,7 @@ from fsdpckpt._io.storage import Place
 from fsdpckpt.dcp._hfstorage import find_hf_storage
 from fsdpckpt.dcp._layout_errors import (
     STAGING,
+    natural_key,
     rank_file_refusal,
     refuse_model_folder,
     several_checkpoints,
@@ -51,7 +52,7 @@ from fsdpckpt.errors import (
 )
 
 __all__ = ["DATALOADER_STATE", "INCOMPLETE", "CheckpointLayout", "DcpPart", "SideFile",
-           "find_layout", "one_checkpoint", "refuse_links_out", "refuse_rank_file",
+           "find_layout", "natural_key", "one_checkpoint", "refuse_links_out", "refuse_rank_file",
            "refuse_unfinished_save", "unfinished_save", "STAGING", "VERL_HF_DIR"]
 
 #: What a refused link is told (storage_paths.link_refusal says where it leads).

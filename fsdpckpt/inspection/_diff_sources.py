@@ -90,6 +90,11 @@ class Source:
         """The names of the non-tensor entries, without reading their values."""
         raise NotImplementedError
 
+    def stored_name(self, name: str) -> str:
+        """The name the entry compared as ``name`` has where it is stored (inspect's: a DCP
+        folder's ``model.0.weight`` for ``0.weight``), which ``diff --name`` matches too."""
+        return name
+
     def read(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
              out: memoryview) -> None:
         """Fill ``out`` with the row-major elements of the box ``offsets``/``sizes``
@@ -150,6 +155,10 @@ class DcpSource(Source):
 
     def object_names(self) -> list[str]:
         return [n for n, e in self._entries.items() if not isinstance(e, TensorEntry)]
+
+    def stored_name(self, name: str) -> str:
+        entry = self._entries.get(name)
+        return name if entry is None else entry.name
 
     def objects(self) -> dict[str, Any]:
         found = {}

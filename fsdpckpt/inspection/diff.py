@@ -54,7 +54,7 @@ from fsdpckpt.inspection._diff_tiles import (
 )
 from fsdpckpt.inspection._diff_trainer import whole_trainer_sides
 from fsdpckpt.inspection._diff_values import Accumulator
-from fsdpckpt.inspection.inspect import name_matcher
+from fsdpckpt.merging._keys import no_match_hint, select
 from fsdpckpt.merging._runs import boxes
 
 __all__ = ["diff", "DiffReport", "TensorDiff", "ObjectDiff", "Tie", "NameMap",
@@ -314,7 +314,8 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 
         atol, rtol: the tolerance, as ``torch.allclose``: ``|a - b| <= atol + rtol * |b|``.
             Both 0 (the default) asks for equal values and equal dtypes.
         names: only compare entries whose name matches one of these (a glob such as
-            ``'*.weight'``, or a substring such as ``'layers.0.'``).
+            ``'*.weight'``, or a substring such as ``'layers.0.'``): the name compared (as
+            merge writes it, ``0.weight``) or as a side stores it (``model.0.weight``).
         optimizer: compare the optimizer state (``optimizer_0/``, ``optimizer.safetensors``)
             instead of the model.
         model_index: which model of a checkpoint holding several.
@@ -330,7 +331,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 
         The :class:`DiffReport`; ``report.equal`` is the verdict.
 
     Raises:
-        DiffOptionError: a tolerance is negative or not a finite number.
+        DiffOptionError: a tolerance is negative or not finite; ``names`` match nothing.
         CheckpointNotFoundError, NotACheckpointError, CorruptCheckpointError,
             UnsafePickleError: a side cannot be read.
 
@@ -340,11 +341,7 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 
         True
     """
     atol, rtol = _tolerance("atol", atol), _tolerance("rtol", rtol)
-    matchers = [name_matcher(p) for p in ([names] if isinstance(names, str) else names)]
-
-    def keep(name: str) -> bool:
-        return not matchers or any(match(name) for match in matchers)
-
+    patterns = [names] if isinstance(names, str) else list(names)
     with open_source(a, optimizer=optimizer, model_index=model_index, keep_keys=keep_keys,
                      storage_options=storage_options) as left, \
             open_source(b, optimizer=optimizer, model_index=model_index, keep_keys=keep_keys,
@@ -353,6 +350,17 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *, atol: float = 
         # A trainer's folder against its framework's whole consolidation: both whole; a
         # checkpoint against its export: read under the export's names (._diff_names).
         left, right, mapped = mapped_sides(left, right)
+
+        def keep(name: str) -> bool:  # as compared, or as either side stores it (inspect's)
+            return select(name, left.stored_name(name), right.stored_name(name),
+                          include=patterns, substring=True)
+
+        if patterns and not any(keep(n) for side in (left, right)
+                                for n in [*side.tensors, *side.object_names()]):
+            hint = no_match_hint([(n, left.stored_name(n)) for n in left.tensors])
+            raise DiffOptionError(f"{left.path}: no name here or in {right.path} matches "
+                                  f"{', '.join(map(repr, patterns))}; {hint}: pass a "
+                                  "pattern that matches some of them")
         return replace(_diff(left, right, atol, rtol, keep, progress, norms), names=mapped)
 
 

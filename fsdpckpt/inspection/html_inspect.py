@@ -22,7 +22,6 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 
 from fsdpckpt._printable import human_bytes
-from fsdpckpt._render import tensor_cells
 from fsdpckpt.dcp.metadata import rank_of_file
 from fsdpckpt.inspection import _html as h
 from fsdpckpt.inspection.report import InspectReport, PartReport
@@ -145,21 +144,22 @@ def _part(part: PartReport) -> str:
 
 
 def _tensor_table(part: PartReport) -> str:
-    """The part's tensors by name, as the text output lists them, with a box that hides the
-    rows whose name does not hold what is typed (``_html``'s script; ``#q=...`` fills it)."""
+    """The part's tensors, as the text output lists them (``PartReport.listed``), with a
+    box that hides the rows whose name does not hold what is typed (``_html``'s script;
+    ``#q=...`` fills it)."""
     if not part.tensors:
         return "" if not part.num_tensors else \
             "<h3>Tensors</h3><p>none of its tensors matches the name given (--name)</p>"
-    listed = part.tensors[:MAX_TENSOR_ROWS]
+    listed = part.listed()[:MAX_TENSOR_ROWS]
     rows = []
     for t in listed:
-        name, dtype, shape, count, sharding, size = tensor_cells(t)
+        name, dtype, shape, count, sharding, size = t.cells()
         numel = 1
         for n in t.shape:
             numel *= n
-        rows.append([(name, None), (dtype, None), (shape, numel),
+        rows.append([(str(name), None), (str(dtype), None), (str(shape), numel),
                      (str(count), count if isinstance(count, int) else None),
-                     (sharding, None), (size, t.bytes)])
+                     (str(sharding), None), (str(size), t.bytes)])
     table = h.sortable_table(
         [("name", False), ("dtype", False), ("shape", False), ("chunks", True),
          ("sharding", False), ("bytes", True)], rows, kind=f"tensors:{part.name}")

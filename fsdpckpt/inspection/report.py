@@ -15,16 +15,16 @@ it as it is.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fsdpckpt._io.remote import RemotePath
+from fsdpckpt._printable import human_bytes, printable
 from fsdpckpt.dcp.checks import Problem
 from fsdpckpt.dcp.dtypes import DType
-from fsdpckpt.dcp.layout import SideFile
+from fsdpckpt.dcp.layout import SideFile, natural_key
 from fsdpckpt.dcp.metadata import Chunk, DataFile, ObjectEntry
 
 __all__ = ["AdapterReport", "InspectReport", "PartReport", "TensorReport", "VerifyReport"]
@@ -75,29 +75,24 @@ class TensorReport(_JsonDocument):
     sharding: str
     chunks: tuple[Chunk, ...]
 
+    def cells(self) -> list[str | int]:
+        """Its row of inspect's tables (name, dtype, shape, chunks, sharding, bytes): the
+        text output's and the ``--html`` page's, checkpoint strings made printable."""
+        count: str | int = "-" if self.sharding == "whole" else len(self.chunks)  # a file's
+        return [printable(self.name), printable(self.dtype.name),
+                "[" + ", ".join(map(str, self.shape)) + "]", count, self.sharding,
+                human_bytes(self.bytes)]
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype.name, "shape": list(self.shape),
                 "bytes": self.bytes, "sharding": self.sharding,
                 "chunks": [_chunk_json(c) for c in self.chunks]}
 
 
-_DIGITS = re.compile(r"(\d+)")
-
-
 def _in_name_order(tensors: Iterable[TensorReport]) -> tuple[TensorReport, ...]:
-    """``tensors`` in the order ``inspect`` lists them (text, ``--json`` and ``--html``): by
-    name, numbers by value (``layers.2`` before ``layers.10``).
-
-    Not storage order: DCP's ``.metadata`` lists tensors as the ranks' save plans held them,
-    and a tensor replicated across ranks (an optimizer's ``step``) is planned on whichever
-    rank balances the files, which scatters a parameter's state over the table. By name,
-    each parameter's state is together (``state.0.bias.exp_avg``, ``.exp_avg_sq``,
-    ``.step``), and layers come in their order.
-    """
+    """``tensors`` by name, numbers by value (``state.2`` before ``state.10``)."""
     def key(tensor: TensorReport) -> tuple[list[tuple[int, int | str]], str]:
-        pieces = [(0, int(p)) if p.isdigit() else (1, p)
-                  for p in _DIGITS.split(tensor.name) if p]
-        return pieces, tensor.name  # "x.01" and "x.1" compare equal: the name decides
+        return natural_key(tensor.name), tensor.name  # "x.01" and "x.1" tie: the name decides
     return tuple(sorted(tensors, key=key))
 
 
@@ -147,10 +142,19 @@ class PartReport(_JsonDocument):
     objects: tuple[ObjectEntry, ...] = ()
     rank_local: str = ""
 
-    def __post_init__(self) -> None:
-        # Every part lists its tensors in one order, whoever built it (a DCP folder, a model
-        # file), so that text, --json and --html show the same table.
-        object.__setattr__(self, "tensors", _in_name_order(self.tensors))
+    def listed(self) -> tuple[TensorReport, ...]:
+        """The tensors in the order inspect's tables show them (text and ``--html``): by
+        name, numbers by value (``layers.2`` before ``layers.10``).
+
+        Not storage order, which ``tensors`` and ``--json`` keep: DCP's ``.metadata`` lists
+        tensors as the ranks' save plans held them, and a tensor replicated across ranks (an
+        optimizer's ``step``) is planned on whichever rank balances the files, which
+        scatters a parameter's state over the table; a safetensors file orders its header
+        by dtype and text (``layers.10`` before ``layers.2``). By name, each parameter's
+        state is together (``state.0.bias.exp_avg``, ``.exp_avg_sq``, ``.step``), and
+        layers come in their order.
+        """
+        return _in_name_order(self.tensors)
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"name": self.name, "kind": self.kind, "index": self.index,

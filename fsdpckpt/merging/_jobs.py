@@ -54,10 +54,12 @@ class MergeResult:
 
     def to_json(self) -> dict[str, Any]:
         """One of the ``outputs`` ``fsdpckpt merge --json`` prints."""
-        return {"source": str(self.source), "files": [str(f) for f in self.files],
-                "tensors": self.tensors, "bytes": self.bytes, "objects": list(self.objects),
-                "seconds": round(self.seconds, 3),
-                "kept_dtype": self.kept_dtype.to_json() if self.kept_dtype else None}
+        doc = {"source": str(self.source), "files": [str(f) for f in self.files],
+               "tensors": self.tensors, "bytes": self.bytes, "objects": list(self.objects),
+               "seconds": round(self.seconds, 3)}
+        if self.kept_dtype:  # only where a cast left something as stored
+            doc["kept_dtype"] = self.kept_dtype.to_json()
+        return doc
 
 
 @dataclass(frozen=True)

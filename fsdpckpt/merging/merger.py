@@ -115,7 +115,8 @@ def merge(checkpoint: str | os.PathLike[str], output_dir: str | os.PathLike[str]
         max_shard_size: e.g. ``"5GB"``: HF-style shards plus an index file (one file
             without an index when everything fits in one shard).
         keep_keys: keep wrapper segments such as ``_fsdp_wrapped_module.`` in names.
-        include, exclude: glob filters on output names.
+        include, exclude: glob filters, each matched against the output name (``0.weight``)
+            and the stored name (``model.0.weight``): either matching selects an entry.
         overwrite: replace the output of an earlier merge into ``output_dir``: the
             files this merge writes, and the single file, index and shards an earlier
             one wrote under the same stem. Other files are never touched.

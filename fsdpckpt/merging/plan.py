@@ -27,7 +27,7 @@ from fsdpckpt.formats import FORMATS, OutputFormat, TensorSpec, get_format
 from fsdpckpt.formats._shards import index_document
 from fsdpckpt.formats.safetensors import RESERVED_NAME
 from fsdpckpt.merging._dtype_policy import DtypePolicy, KeptDtypes, holds_optimizer
-from fsdpckpt.merging._keys import clean_key, output_name, select, shares_top_key
+from fsdpckpt.merging._keys import clean_key, no_match_hint, output_name, select, shares_top_key
 from fsdpckpt.merging._parse import parse_dtype, parse_size
 from fsdpckpt.merging._runs import Runs, RunStarts, chunk_runs
 
@@ -228,7 +228,8 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *,
             cast (:mod:`fsdpckpt.merging._dtype_policy`).
         clean_keys: drop wrapper segments (``_fsdp_wrapped_module.``...) from names
             and from the nesting kept in the output.
-        include, exclude: glob filters on output names (one string or several).
+        include, exclude: glob filters (one string or several), each matched against an
+            entry's output name and its stored name (:func:`~fsdpckpt.merging._keys.select`).
         max_shard_size: split into files of at most this many bytes of tensor data:
             an int, or a string such as ``"5GB"`` (decimal) or ``"2GiB"`` (binary).
             When everything fits in one file, that file is ``{stem}.{suffix}`` with no
@@ -272,7 +273,7 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *,
     uncoded: dict[DType, list[str]] = {}  # dtype -> tensors the format cannot hold
     kept = []  # (name, shape, dtype) of the optimizer tensors a cast asked for left alone
     for entry, name in zip(entries, names):
-        if not select(name, include=include, exclude=exclude):
+        if not select(name, entry.name, include=include, exclude=exclude):  # either name
             continue
         key_path = _output_key_path(entry.key_path, strip=strip, clean=clean_keys)
         if isinstance(entry, ObjectEntry):
@@ -306,15 +307,15 @@ def plan_merge(folder: DcpFolder | str | os.PathLike[str], *,
                      kept_dtype=KeptDtypes.of(kept))
 
 
-def _selection_hint(entries: Sequence[Any], names: list[str], shown: int = 4) -> str:
-    """What to try when --include/--exclude left no tensor: a few of the names there are."""
-    found = [n for e, n in zip(entries, names) if not isinstance(e, ObjectEntry)]
+def _selection_hint(entries: Sequence[Any], names: list[str]) -> str:
+    """What to try when --include/--exclude left no tensor: a few of the names there are,
+    as merge writes them and as stored (either is matched)."""
+    found = [(n, e.name) for e, n in zip(entries, names) if not isinstance(e, ObjectEntry)]
+    hint = no_match_hint(found)
     if not found:
-        return " after --include/--exclude (it holds no tensor)"
-    listed = ", ".join(f"'{n}'" for n in found[:shown]) + (", ..." if len(found) > shown else "")
-    return (f" after --include/--exclude; its {len(found)} tensor{'s' * (len(found) != 1)} "
-            f"are named {listed}: pass globs that match some of them "
-            f"(--include '{found[0].rsplit('.', 1)[0]}.*')")
+        return f" after --include/--exclude ({hint})"
+    return (f" after --include/--exclude; {hint}: pass globs that match some of them "
+            f"(--include '{found[0][0].rsplit('.', 1)[0]}.*')")
 
 
 def _files(fmt: OutputFormat, stem: str, shards: list[list[PlannedTensor]],

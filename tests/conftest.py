@@ -224,10 +224,12 @@ def s3(s3_server):
     One bucket for the session: SeaweedFS gives each bucket its own volumes, and a bucket per
     test runs its volume server out of slots.
     """
+    import s3server
+
     fs = s3_server.filesystem()
-    if not fs.exists("fsdpckpt-tests"):
-        fs.mkdir("fsdpckpt-tests")
-    return s3_server, f"fsdpckpt-tests/test-{next(_PREFIXES):06d}"
+    if not fs.exists(s3server.BUCKET):
+        fs.mkdir(s3server.BUCKET)
+    return s3_server, f"{s3server.BUCKET}/test-{next(_PREFIXES):06d}"
 
 
 def damaged_copy(folder: Path, relative: str, into: Path) -> Path:

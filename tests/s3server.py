@@ -163,6 +163,12 @@ def start(timeout: float = 60.0) -> S3Server:
                # 1% (2.5 GB of 252 GB): big tests beside it did that on a CI machine, and
                # every later S3 test failed with "internal error". A fixed floor instead.
                "-volume.minFreeSpace=256MiB",
+               # SeaweedFS grows 7 volumes at once for a bucket that needs room, and a volume
+               # server holds 8 by default: with a second bucket (the readiness probe had its
+               # own) the tests' bucket was left one, and under load writes failed with
+               # "failed to find writable volume". Volumes grow as they fill (not
+               # preallocated), so room for 32 costs nothing on disk.
+               "-volume.max=32",
                # Its one master elects itself after the election timeout (10 s by default) at
                # every start: 1 s brings a start from 8.5 s to 3.8 s, a restart after a
                # kill from 13-17 s to 3-8 s (a heartbeat is 0.3 s: 1 s is still 3 of them).
@@ -208,12 +214,18 @@ def _wait(server: S3Server, timeout: float) -> None:
     raise RuntimeError(f"SeaweedFS did not start within {timeout:.0f} s; its log ends:\n{text}")
 
 
+#: The one bucket of a session's tests (conftest's ``s3``); the readiness probe writes in it
+#: too: SeaweedFS gives each bucket volumes of its own, and a bucket for the probe alone
+#: took 7 of the server's volume slots.
+BUCKET = "fsdpckpt-tests"
+
+
 def _can_write(server: S3Server) -> bool:
     try:
         fs = server.filesystem()
-        if not fs.exists("fsdpckpt-probe"):
-            fs.mkdir("fsdpckpt-probe")
-        fs.pipe("fsdpckpt-probe/ready", b"ok")
-        return fs.cat("fsdpckpt-probe/ready") == b"ok"
+        if not fs.exists(BUCKET):
+            fs.mkdir(BUCKET)
+        fs.pipe(f"{BUCKET}/.ready", b"ok")
+        return fs.cat(f"{BUCKET}/.ready") == b"ok"
     except Exception:  # noqa: BLE001 - any failure means "not yet"
         return False

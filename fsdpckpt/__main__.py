@@ -43,6 +43,14 @@ def run() -> None:
     except KeyboardInterrupt:  # before the command's own error boundary was reached
         sys.stderr.write("fsdpckpt: error: interrupted\n")
         code = 130  # 128 + SIGINT, as shells report it
+    except Exception as exc:
+        from fsdpckpt.errors import interruption  # loaded with the package already
+
+        if interruption(exc) is None:
+            raise
+        # A Ctrl-C Python wrapped while an import built a class (3.11's __set_name__)
+        sys.stderr.write("fsdpckpt: error: interrupted\n")
+        code = 130
     status = code if isinstance(code, int) else (0 if code is None else 1)
     if isinstance(code, str):
         sys.stderr.write(code + "\n")

@@ -34,7 +34,7 @@ from fsdpckpt._cli_export import diff, export_hf
 from fsdpckpt._cli_list import list_command
 from fsdpckpt._printable import printable
 from fsdpckpt._version import __version__
-from fsdpckpt.errors import FsdpCkptError
+from fsdpckpt.errors import FsdpCkptError, interruption
 
 __all__ = ["main"]
 
@@ -56,6 +56,8 @@ class _Group(click.Group):
         except KeyboardInterrupt as exc:  # Ctrl-C (exit 130), or SIGTERM during a merge (143)
             _fail(ctx, str(exc) or "interrupted", exc, interrupted_status(exc))
         except Exception as exc:  # noqa: BLE001 - the boundary of last resort
+            if (interrupt := interruption(exc)) is not None:  # a Ctrl-C Python wrapped
+                _fail(ctx, str(interrupt) or "interrupted", exc, interrupted_status(interrupt))
             _fail(ctx, f"unexpected {type(exc).__name__}: {exc} (rerun with --debug and "
                        "report it, with the traceback)", exc)
 

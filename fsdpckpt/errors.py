@@ -155,6 +155,23 @@ class Terminated(KeyboardInterrupt):
         return "interrupted by SIGTERM"
 
 
+def interruption(exc: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C (or SIGTERM) that ``exc`` stands for: ``exc`` itself, or one Python
+    wrapped in another exception. Python 3.11 turns an exception raised in a class's
+    ``__set_name__`` into a ``RuntimeError`` caused by it, so a Ctrl-C that lands while an
+    import builds a class (``platform.uname_result``'s ``cached_property``) arrives as a
+    RuntimeError. The chain is followed a few links only: an interruption is near the top.
+    """
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, KeyboardInterrupt):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 #: Set on an error that a lower rank of the same process group also raised, with the same
 #: message: the command line prints each error once, by the lowest rank that has it.
 REPORTED_BY_RANK = "fsdpckpt_reported_by_rank"

@@ -48,13 +48,13 @@ def test_ctrl_c_in_the_first_300_ms_of_export_hf_is_never_a_traceback(tmp_path):
         _, err = proc.communicate(timeout=120)
         seen.append((delay, proc.returncode, err))
     for delay, code, err in seen:
-        if err.startswith("Fatal Python error: init_import_site") or (
+        if err.startswith("Fatal Python error: init_") or (  # init_import_site, _sys_streams
                 err.startswith(("Traceback", "Exception ignored in: <function _get_module_lock"))
                 and (PACKAGE not in err or _before_the_handler(err))):
-            # Python's own start (site, .pth files, finding the package on sys.path, the
-            # import lock of the package itself, whose callback Python reports and ignores,
-            # the few bytecodes of __init__.py in front of the handler): no code of ours
-            # that could take the signal has run yet, nor can it
+            # Python's own start (its standard streams, site, .pth files, finding the
+            # package on sys.path, the import lock of the package itself, whose callback
+            # Python reports and ignores, the few bytecodes of __init__.py in front of the
+            # handler): no code of ours that could take the signal has run yet, nor can it
             continue
         assert "Traceback" not in err, (delay, err)
         assert code in (130, -signal.SIGINT, 1), (delay, code, err)

@@ -16,7 +16,7 @@ import pytest
 import fsdpckpt
 from fsdpckpt.merging.writer import STAGING_PREFIX
 
-from conftest import FIXTURES
+from conftest import FIXTURES, assert_one_line_error, run_cli
 
 CKPT = FIXTURES / "fsdp2_accelerate"
 
@@ -114,3 +114,43 @@ def test_a_merge_output_folder_gets_the_mode_the_umask_gives(tmp_path):
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "merged").stat().st_mode) == 0o750
     assert not any(p.name.startswith(STAGING_PREFIX) for p in (tmp_path / "merged").iterdir())
+
+
+class _SetsName:
+    """A class attribute whose ``__set_name__`` is where the Ctrl-C lands: Python 3.11
+    raises it as ``RuntimeError: Error calling __set_name__``, caused by the interrupt (a
+    Ctrl-C in ``platform``'s ``cached_property`` while an import builds a class; CI)."""
+
+    def __set_name__(self, owner, name):
+        raise KeyboardInterrupt
+
+
+def _interrupted_while_a_class_is_built(*_args, **_kwargs):
+    type("Built", (), {"attribute": _SetsName()})
+
+
+def test_a_ctrl_c_python_wraps_while_a_class_is_built_is_an_interruption(monkeypatch):
+    import fsdpckpt.inspection.inspect
+
+    monkeypatch.setattr(fsdpckpt.inspection.inspect, "inspect_checkpoint",
+                        _interrupted_while_a_class_is_built)
+    result = run_cli("inspect", CKPT)
+    assert_one_line_error(result, "interrupted", code=130)
+
+
+def test_a_ctrl_c_python_wraps_while_the_command_line_is_imported_is_one_line():
+    # Before the command's own error boundary: the import of fsdpckpt.cli in run()
+    code = (
+        "import sys, types\n"
+        "class SetsName:\n"
+        "    def __set_name__(self, owner, name):\n"
+        "        raise KeyboardInterrupt\n"
+        "class Cli(types.ModuleType):\n"
+        "    def __getattr__(self, name):\n"
+        "        type('Built', (), {'attribute': SetsName()})\n"
+        "sys.modules['fsdpckpt.cli'] = Cli('fsdpckpt.cli')\n"
+        "from fsdpckpt.__main__ import run\n"
+        "run()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stderr) == (130, "fsdpckpt: error: interrupted\n")
